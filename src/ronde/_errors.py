@@ -1,0 +1,60 @@
+"""The ronde error family.
+
+Every error says what failed, for which tensor and ranks, what was expected, and
+the fix. They all derive from :class:`RondeError`, so ``except ronde.RondeError``
+catches anything the library raises on purpose.
+"""
+
+from __future__ import annotations
+
+
+class RondeError(RuntimeError):
+    """Base class of every error ronde raises deliberately."""
+
+
+class ConfigError(RondeError, ValueError):
+    """A configuration value (environment variable or flag) is invalid."""
+
+
+class NotInitializedError(RondeError, ValueError):
+    """A call needs ``ronde.init()`` first."""
+
+
+class TensorMismatchError(RondeError, ValueError):
+    """Ranks submitted the same named collective with different metadata."""
+
+
+class DuplicateNameError(RondeError, ValueError):
+    """A tensor name was submitted again while the first request is in flight."""
+
+
+class PeerLostError(RondeError, ConnectionError):
+    """A peer process died or its connection broke."""
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class StallError(RondeError, TimeoutError):
+    """Some ranks submitted a collective that others never did."""
+
+
+class RendezvousError(RondeError, TimeoutError):
+    """Start-up failed: ranks missing, host unreachable, or a wrong address."""
+
+
+class AuthenticationError(RondeError, PermissionError):
+    """A peer does not hold this job's secret."""
+
+
+class ProtocolError(RondeError, ValueError):
+    """Bytes received from a peer are malformed."""
+
+
+class ShutdownError(RondeError):
+    """The engine was shut down (locally or by a peer) while work was pending."""
+
+
+class JoinedError(RondeError, ValueError):
+    """An operation other than allreduce ran while some ranks had joined."""

@@ -1,0 +1,163 @@
+"""The worker environment contract, and how a worker finds its place in the job.
+
+``ronderun`` gives every worker these variables (this docstring is the contract;
+docs/launcher.md repeats it for users):
+
+=========================  ===========================================================
+``RONDE_RANK``             global rank, 0..size-1
+``RONDE_SIZE``             number of workers
+``RONDE_LOCAL_RANK``       rank among the workers on the same host
+``RONDE_LOCAL_SIZE``       number of workers on this host
+``RONDE_CROSS_RANK``       index of this host among hosts (Horovod's cross rank)
+``RONDE_CROSS_SIZE``       number of hosts
+``RONDE_HOSTNAME``         the host's name as written in ``-H``/``--hostfile``
+``RONDE_RENDEZVOUS_ADDR``  address of the launcher's rendezvous service
+``RONDE_RENDEZVOUS_PORT``  its port
+``RONDE_SECRET``           per-job secret (hex) every ronde connection authenticates with
+``RONDE_JOB_ID``           identifier of this job (names shared-memory segments and logs)
+=========================  ===========================================================
+
+The ``HOROVOD_RANK``/``HOROVOD_SIZE``/... equivalents are set too, for scripts that
+read them. Workers started without ``ronderun`` are recognised from the variables of
+``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``...), Open MPI
+(``OMPI_COMM_WORLD_*``), MPICH/Hydra (``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``)
+and Slurm (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``); see
+:func:`detect`. Without any of them the process is a job of one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import socket
+from typing import Mapping
+
+from .._errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerEnv:
+    """Where this process sits in the job, as its launcher told it."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    host: str
+    source: str  # "ronderun", "torchrun", "openmpi", "mpich", "slurm", "single"
+    rendezvous: tuple[str, int] | None = None
+    secret: bytes | None = None
+    job_id: str = ""
+    #: how to rendezvous without a launcher service: "server", "rank0", "file" or "none"
+    rendezvous_mode: str = "server"
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            raise ConfigError(f"{name} is required in the worker environment but is not set")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+
+
+def _weak_secret(*parts: str) -> bytes:
+    """A secret derived from job identifiers, used only when no launcher gave one."""
+    return hashlib.sha256("\0".join(("ronde", str(os.getuid()), *parts)).encode()).digest()
+
+
+def detect(env: Mapping[str, str] | None = None) -> WorkerEnv:
+    """Work out rank, size and rendezvous from the environment (see module docstring)."""
+    env = os.environ if env is None else env
+    hostname = env.get("RONDE_HOSTNAME") or socket.gethostname()
+    explicit_rdv = None
+    if env.get("RONDE_RENDEZVOUS_ADDR"):
+        explicit_rdv = (env["RONDE_RENDEZVOUS_ADDR"], _int(env, "RONDE_RENDEZVOUS_PORT"))
+    secret = bytes.fromhex(env["RONDE_SECRET"]) if env.get("RONDE_SECRET") else None
+
+    if "RONDE_RANK" in env:
+        size = _int(env, "RONDE_SIZE")
+        return WorkerEnv(
+            rank=_int(env, "RONDE_RANK"), size=size,
+            local_rank=_int(env, "RONDE_LOCAL_RANK", 0), local_size=_int(env, "RONDE_LOCAL_SIZE", 1),
+            host=hostname, source="ronderun", rendezvous=explicit_rdv, secret=secret,
+            job_id=env.get("RONDE_JOB_ID", ""),
+            rendezvous_mode="server" if explicit_rdv else ("none" if size == 1 else "file"),
+        )
+    if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env):
+        rank, size = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        addr, port = env.get("MASTER_ADDR", "127.0.0.1"), _int(env, "MASTER_PORT", 29500)
+        run_id = env.get("TORCHELASTIC_RUN_ID", "none")
+        rdv_port = _int(env, "RONDE_RENDEZVOUS_PORT", port + 1)
+        return WorkerEnv(
+            rank=rank, size=size, local_rank=_int(env, "LOCAL_RANK", 0),
+            local_size=_int(env, "LOCAL_WORLD_SIZE", 1), host=hostname, source="torchrun",
+            rendezvous=explicit_rdv or (addr, rdv_port),
+            secret=secret or _weak_secret("torchrun", run_id, addr, str(port)),
+            job_id=f"torchrun-{run_id}-{port}",
+            rendezvous_mode="server" if explicit_rdv else ("none" if size == 1 else "rank0"),
+        )
+    if "OMPI_COMM_WORLD_RANK" in env:
+        source = "openmpi"
+        rank, size = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
+        local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0)
+        local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", 1)
+        job = env.get("PMIX_NAMESPACE") or env.get("OMPI_MCA_ess_base_jobid") or f"ppid{os.getppid()}"
+    elif "PMI_RANK" in env:
+        source = "mpich"
+        rank, size = _int(env, "PMI_RANK"), _int(env, "PMI_SIZE")
+        local_rank = _int(env, "MPI_LOCALRANKID", 0)
+        local_size = _int(env, "MPI_LOCALNRANKS", 1)
+        job = env.get("PMI_KVSNAME") or env.get("PMIX_NAMESPACE") or f"ppid{os.getppid()}"
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        source = "slurm"
+        rank, size = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+        local_rank = _int(env, "SLURM_LOCALID", 0)
+        local_size = len(env.get("SLURM_GTIDS", "0").split(",")) if env.get("SLURM_GTIDS") else 1
+        job = f"{env.get('SLURM_JOB_ID', '0')}.{env.get('SLURM_STEP_ID', '0')}"
+    else:
+        return WorkerEnv(rank=0, size=1, local_rank=0, local_size=1, host=hostname,
+                         source="single", rendezvous=explicit_rdv, secret=secret,
+                         rendezvous_mode="none")
+    if size == 1:
+        mode = "none"
+    elif explicit_rdv:
+        mode = "server"
+    elif local_size == size:
+        mode = "file"
+    else:
+        raise ConfigError(
+            f"this {source} job spans several hosts and ronde cannot find a rendezvous "
+            "address: launch it with ronderun, or export RONDE_RENDEZVOUS_ADDR/"
+            "RONDE_RENDEZVOUS_PORT (rank 0 serves there) and RONDE_SECRET to every rank")
+    return WorkerEnv(
+        rank=rank, size=size, local_rank=local_rank, local_size=local_size, host=hostname,
+        source=source, rendezvous=explicit_rdv, secret=secret or _weak_secret(source, job),
+        job_id=f"{source}-{job}", rendezvous_mode=mode if mode != "server" or rank != 0 else "server",
+    )
+
+
+def worker_env_vars(
+    *, rank: int, size: int, local_rank: int, local_size: int, cross_rank: int, cross_size: int,
+    host: str, rendezvous: tuple[str, int], secret: bytes, job_id: str,
+) -> dict[str, str]:
+    """The variables ``ronderun`` sets for one worker (the contract above)."""
+    values = {
+        "RANK": rank, "SIZE": size, "LOCAL_RANK": local_rank, "LOCAL_SIZE": local_size,
+        "CROSS_RANK": cross_rank, "CROSS_SIZE": cross_size,
+    }
+    out = {f"RONDE_{k}": str(v) for k, v in values.items()}
+    out.update({f"HOROVOD_{k}": str(v) for k, v in values.items()})
+    out.update({
+        "RONDE_HOSTNAME": host,
+        "HOROVOD_HOSTNAME": host,
+        "RONDE_RENDEZVOUS_ADDR": rendezvous[0],
+        "RONDE_RENDEZVOUS_PORT": str(rendezvous[1]),
+        "RONDE_SECRET": secret.hex(),
+        "RONDE_JOB_ID": job_id,
+    })
+    return out

@@ -1,0 +1,237 @@
+"""Rendezvous: how the workers of one job find each other.
+
+A :class:`RendezvousServer` runs in the launcher (or, without a launcher, in rank
+0). Each worker connects, authenticates with the job secret, and registers
+``{rank, size, generation, host, addrs}``. When every rank of a generation has
+registered, the server answers all of them with the full table; if the start
+timeout passes first, every waiting worker is told exactly which ranks are missing.
+A new ``ronde.init()`` after ``shutdown()`` registers under the next generation, so
+one server serves a whole job, re-initialisations included.
+
+Workers also report their failures here (``{"kind": "failure"}``), so the launcher
+can tell the first failure from the secondary ones it causes.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import Any
+
+from .._errors import AuthenticationError, ProtocolError, RendezvousError
+from ..transport import wire
+
+log = logging.getLogger(__name__)
+
+KIND_JSON = 1
+_MAX_REGISTER_BYTES = 1 << 16
+
+
+class RendezvousServer:
+    """Collects worker registrations and hands back the peer table."""
+
+    def __init__(self, size: int, secret: bytes, host: str = "127.0.0.1", port: int = 0,
+                 start_timeout_s: float = 30.0) -> None:
+        self.size = size
+        self.secret = secret
+        self.start_timeout_s = start_timeout_s
+        self._lock = threading.Lock()
+        # generation -> rank -> (socket, registration)
+        self._waiting: dict[int, dict[int, tuple[socket.socket, dict[str, Any]]]] = {}
+        self._first_seen: dict[int, float] = {}
+        self.failures: list[dict[str, Any]] = []
+        self._failure_event = threading.Event()
+        self._rejected_logged = False
+        self._closed = False
+        self._sock = socket.create_server((host, port), reuse_port=False)
+        self._sock.settimeout(0.2)
+        self.host, self.port = self._sock.getsockname()[:2]
+        self._threads: list[threading.Thread] = []
+        self._acceptor = threading.Thread(target=self._accept_loop, name="ronde-rendezvous",
+                                          daemon=True)
+
+    def start(self) -> "RendezvousServer":
+        self._acceptor.start()
+        threading.Thread(target=self._timeout_loop, name="ronde-rendezvous-timeout",
+                         daemon=True).start()
+        return self
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    def wait_failure(self, timeout_s: float) -> bool:
+        return self._failure_event.wait(timeout_s)
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+        with self._lock:
+            for members in self._waiting.values():
+                for s, _ in members.values():
+                    s.close()
+            self._waiting.clear()
+
+    # -- internals ---------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, peer = self._sock.accept()
+            except (socket.timeout, TimeoutError):
+                continue
+            except OSError:
+                return
+            t = threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
+                                 name="ronde-rendezvous-conn")
+            t.start()
+
+    def _serve(self, conn: socket.socket, peer: Any) -> None:
+        deadline = time.monotonic() + 10.0
+        try:
+            wire.authenticate_server(conn, self.secret, deadline)
+            kind, payload = wire.recv_frame(conn, deadline, _MAX_REGISTER_BYTES)
+            msg = wire.loads(payload)
+            if kind != KIND_JSON or not isinstance(msg, dict):
+                raise ProtocolError("expected a JSON object")
+        except (AuthenticationError, ProtocolError, OSError, TimeoutError) as exc:
+            if not self._rejected_logged:
+                self._rejected_logged = True
+                log.warning("rendezvous: dropped a connection from %s: %s", peer, exc)
+            conn.close()
+            return
+        if msg.get("kind") == "failure":
+            with self._lock:
+                msg["time"] = time.monotonic()
+                self.failures.append(msg)
+            self._failure_event.set()
+            conn.close()
+            return
+        try:
+            rank, generation = int(msg["rank"]), int(msg["generation"])
+            size = int(msg["size"])
+        except (KeyError, TypeError, ValueError):
+            conn.close()
+            return
+        if size != self.size or not 0 <= rank < self.size:
+            self._reply(conn, {"kind": "error", "message":
+                               f"rank {rank} registered with size {size}, but this job has "
+                               f"{self.size} ranks; every worker must see the same RONDE_SIZE"})
+            conn.close()
+            return
+        conn.settimeout(None)
+        with self._lock:
+            members = self._waiting.setdefault(generation, {})
+            self._first_seen.setdefault(generation, time.monotonic())
+            old = members.pop(rank, None)
+            if old is not None:
+                old[0].close()
+            members[rank] = (conn, msg)
+            complete = len(members) == self.size
+            if complete:
+                del self._waiting[generation]
+                self._first_seen.pop(generation, None)
+        if complete:
+            table = [members[r][1] for r in range(self.size)]
+            for s, _ in members.values():
+                self._reply(s, {"kind": "table", "peers": table})
+                s.close()
+
+    def _reply(self, conn: socket.socket, obj: dict[str, Any]) -> None:
+        try:
+            wire.send_frame(conn, KIND_JSON, wire.dumps(obj))
+        except OSError:
+            pass
+
+    def _timeout_loop(self) -> None:
+        while not self._closed:
+            time.sleep(0.2)
+            now = time.monotonic()
+            expired: list[tuple[int, dict[int, tuple[socket.socket, dict[str, Any]]]]] = []
+            with self._lock:
+                for gen, first in list(self._first_seen.items()):
+                    if now - first > self.start_timeout_s:
+                        expired.append((gen, self._waiting.pop(gen, {})))
+                        del self._first_seen[gen]
+            for gen, members in expired:
+                missing = [r for r in range(self.size) if r not in members]
+                msg = missing_ranks_message(missing, self.size, self.start_timeout_s)
+                for s, _ in members.values():
+                    self._reply(s, {"kind": "error", "message": msg, "missing": missing})
+                    s.close()
+
+
+def missing_ranks_message(missing: list[int], size: int, timeout_s: float) -> str:
+    arrived = size - len(missing)
+    shown = ", ".join(map(str, missing[:16])) + (" ..." if len(missing) > 16 else "")
+    return (f"start-up timed out after {timeout_s:g}s: {arrived}/{size} ranks arrived; missing "
+            f"rank(s) {shown}. Check that those workers started (see their output), that "
+            f"their hosts can reach the rendezvous address, or raise --start-timeout")
+
+
+def register(address: tuple[str, int], secret: bytes, info: dict[str, Any],
+             timeout_s: float) -> list[dict[str, Any]]:
+    """Register with the rendezvous server and return the peer table (rank order)."""
+    deadline = time.monotonic() + timeout_s
+    last_exc: Exception | None = None
+    sock = None
+    while time.monotonic() < deadline:
+        try:
+            sock = wire.connect(address[0], address[1], secret,
+                                max(0.1, min(5.0, deadline - time.monotonic())))
+            break
+        except AuthenticationError:
+            raise
+        except socket.gaierror as exc:
+            raise RendezvousError(
+                f"cannot resolve rendezvous host {address[0]!r}: {exc}; check "
+                "RONDE_RENDEZVOUS_ADDR / the host names given to ronderun") from None
+        except OSError as exc:  # refused / unreachable: the server may not be up yet
+            last_exc = exc
+            time.sleep(0.05)
+    if sock is None:
+        raise RendezvousError(
+            f"cannot reach the rendezvous service at {address[0]}:{address[1]} within "
+            f"{timeout_s:g}s ({last_exc}); is the launcher (or rank 0) running, and is that "
+            "address reachable from this host?")
+    try:
+        wire.send_frame(sock, KIND_JSON, wire.dumps(dict(info, kind="register")))
+        # the server itself enforces the start timeout; allow slack on top of it
+        try:
+            _, payload = wire.recv_frame(sock, deadline + 5.0)
+        except TimeoutError:
+            raise RendezvousError(
+                f"start-up timed out after {timeout_s:g}s waiting for the other ranks "
+                "(the rendezvous service did not answer)") from None
+        except ConnectionError:
+            raise RendezvousError(
+                "the rendezvous service closed the connection during start-up; the "
+                "launcher probably stopped the job (see the first failure above)") from None
+        reply = wire.loads(payload)
+    finally:
+        sock.close()
+    if not isinstance(reply, dict):
+        raise RendezvousError("malformed rendezvous reply")
+    if reply.get("kind") == "error":
+        raise RendezvousError(str(reply.get("message")))
+    peers = reply.get("peers")
+    if not isinstance(peers, list) or len(peers) != info["size"]:
+        raise RendezvousError("malformed rendezvous table")
+    return peers
+
+
+def report_failure(address: tuple[str, int], secret: bytes, rank: int, message: str) -> None:
+    """Best-effort: tell the launcher this rank failed, and how (never raises)."""
+    try:
+        sock = wire.connect(address[0], address[1], secret, 2.0)
+        try:
+            wire.send_frame(sock, KIND_JSON, wire.dumps(
+                {"kind": "failure", "rank": rank, "message": message[-8000:]}))
+        finally:
+            sock.close()
+    except Exception:  # noqa: BLE001 - best effort while already failing
+        pass

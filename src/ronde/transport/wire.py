@@ -1,0 +1,148 @@
+"""Framing and peer authentication shared by every ronde socket.
+
+Every connection ronde opens (rendezvous, control, data) starts with a mutual
+HMAC-SHA256 challenge over the per-job secret, so a peer that does not hold the
+secret never gets a byte accepted. After that, control traffic is carried in
+length-prefixed frames whose lengths are checked against a hard bound before any
+allocation, and whose payloads are JSON (never pickle).
+
+Frame layout: ``MAGIC (2 bytes) | kind (1 byte) | length (4 bytes, big endian) | payload``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import socket
+import struct
+import time
+from typing import Any
+
+from .._errors import AuthenticationError, ProtocolError
+
+MAGIC = b"rd"
+_HEADER = struct.Struct("!2sBI")
+HEADER_BYTES = _HEADER.size
+#: Upper bound for one control frame; anything larger is a protocol error.
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+NONCE_BYTES = 16
+_DIGEST = hashlib.sha256
+
+
+def recv_exact(sock: socket.socket, nbytes: int, deadline: float | None = None) -> bytes:
+    """Read exactly ``nbytes`` or raise ``ConnectionError`` on EOF.
+
+    ``deadline`` is a ``time.monotonic()`` value; the socket timeout is set so the
+    whole read finishes before it.
+    """
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    got = 0
+    while got < nbytes:
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("timed out reading from peer")
+            sock.settimeout(remaining)
+        n = sock.recv_into(view[got:], nbytes - got)
+        if n == 0:
+            raise ConnectionError("connection closed by peer")
+        got += n
+    return bytes(buf)
+
+
+def encode_frame(kind: int, payload: bytes) -> bytes:
+    if len(payload) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(payload)} bytes exceeds {MAX_FRAME_BYTES}")
+    return _HEADER.pack(MAGIC, kind, len(payload)) + payload
+
+
+def decode_header(header: bytes, max_bytes: int = MAX_FRAME_BYTES) -> tuple[int, int]:
+    """Validate a frame header and return ``(kind, length)``."""
+    if len(header) != HEADER_BYTES:
+        raise ProtocolError("short frame header")
+    magic, kind, length = _HEADER.unpack(header)
+    if magic != MAGIC:
+        raise ProtocolError("bad frame magic")
+    if length > max_bytes:
+        raise ProtocolError(f"frame length {length} exceeds limit {max_bytes}")
+    return kind, length
+
+
+def send_frame(sock: socket.socket, kind: int, payload: bytes) -> None:
+    sock.sendall(encode_frame(kind, payload))
+
+
+def recv_frame(
+    sock: socket.socket, deadline: float | None = None, max_bytes: int = MAX_FRAME_BYTES
+) -> tuple[int, bytes]:
+    kind, length = decode_header(recv_exact(sock, HEADER_BYTES, deadline), max_bytes)
+    return kind, recv_exact(sock, length, deadline) if length else b""
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def loads(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"undecodable control payload: {exc}") from None
+
+
+def _mac(secret: bytes, role: bytes, a: bytes, b: bytes) -> bytes:
+    return hmac.new(secret, role + a + b, _DIGEST).digest()
+
+
+def authenticate_client(sock: socket.socket, secret: bytes, deadline: float) -> None:
+    """Client side of the mutual challenge; raises ``AuthenticationError``."""
+    nonce_c = os.urandom(NONCE_BYTES)
+    sock.sendall(MAGIC + nonce_c)
+    reply = recv_exact(sock, NONCE_BYTES + _DIGEST().digest_size, deadline)
+    nonce_s, mac_s = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
+    if not hmac.compare_digest(mac_s, _mac(secret, b"server", nonce_c, nonce_s)):
+        raise AuthenticationError(
+            "peer failed authentication: it does not hold this job's secret "
+            "(RONDE_SECRET differs, or a foreign service listens on this port)"
+        )
+    sock.sendall(_mac(secret, b"client", nonce_c, nonce_s))
+    ok = recv_exact(sock, 2, deadline)
+    if ok != b"ok":
+        raise AuthenticationError("peer rejected our credentials")
+
+
+def authenticate_server(sock: socket.socket, secret: bytes, deadline: float) -> None:
+    """Server side of the mutual challenge; raises on a peer without the secret."""
+    hello = recv_exact(sock, len(MAGIC) + NONCE_BYTES, deadline)
+    if hello[: len(MAGIC)] != MAGIC:
+        raise AuthenticationError("connection does not speak the ronde protocol")
+    nonce_c = hello[len(MAGIC):]
+    nonce_s = os.urandom(NONCE_BYTES)
+    sock.sendall(nonce_s + _mac(secret, b"server", nonce_c, nonce_s))
+    mac_c = recv_exact(sock, _DIGEST().digest_size, deadline)
+    if not hmac.compare_digest(mac_c, _mac(secret, b"client", nonce_c, nonce_s)):
+        raise AuthenticationError("client failed authentication")
+    sock.sendall(b"ok")
+
+
+def connect(
+    host: str, port: int, secret: bytes, timeout_s: float, *, family: int | None = None
+) -> socket.socket:
+    """Open an authenticated TCP (or, for a path starting with NUL, abstract unix) connection."""
+    deadline = time.monotonic() + timeout_s
+    if family == socket.AF_UNIX:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        sock.connect(host)
+    else:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        authenticate_client(sock, secret, deadline)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
