@@ -1,2 +1,56 @@
-"""ronde: distributed data-parallel training (placeholder facade, being written)."""
+"""ronde: distributed data-parallel training in pure Python, with Horovod's API.
+
+Typical use (numpy; framework bindings live in ``ronde.torch`` and friends)::
+
+    import ronde as hvd
+    hvd.init()
+    avg = hvd.allreduce(local_gradient)          # averaged over all ranks
+    hvd.broadcast(params, root_rank=0)
+
+Launch with ``ronderun -np 4 python train.py``. Importing ronde imports no deep
+learning framework and no MPI.
+"""
+
+from ._errors import (AuthenticationError, ConfigError, DuplicateNameError, JoinedError,
+                      NotInitializedError, PeerLostError, ProtocolError, RendezvousError,
+                      RondeError, ShutdownError, StallError, TensorMismatchError)
+from ._ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from .process_sets import ProcessSet, global_process_set
+
 __version__ = "0.1.0"
+
+# The API module (numpy, the engine) is imported on first use, so that
+# ``import ronde`` costs about a millisecond and imports no framework.
+_LAZY = {name: "._api" for name in ['GroupHandle', 'add_process_set', 'allgather', 'allgather_async', 'allgather_object', 'allreduce', 'allreduce_async', 'alltoall', 'alltoall_async', 'barrier', 'broadcast', 'broadcast_async', 'broadcast_object', 'ccl_built', 'cross_rank', 'cross_size', 'cuda_built', 'ddl_built', 'gloo_built', 'gloo_enabled', 'grouped_allreduce', 'grouped_allreduce_async', 'init', 'is_homogeneous', 'is_initialized', 'join', 'local_rank', 'local_size', 'mpi_built', 'mpi_enabled', 'mpi_threads_supported', 'nccl_built', 'poll', 'rank', 'reducescatter', 'reducescatter_async', 'remove_process_set', 'rocm_built', 'shutdown', 'size', 'synchronize', 'active_transport']}
+_LAZY["Handle"] = ".core.requests"
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ronde' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "is_homogeneous", "active_transport",
+    "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
+    "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall",
+    "alltoall_async", "reducescatter", "reducescatter_async", "barrier", "join",
+    "broadcast_object", "allgather_object", "poll", "synchronize", "Handle", "GroupHandle",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+    "Average", "Sum", "Min", "Max", "Product", "Adasum", "ReduceOp",
+    "RondeError", "ConfigError", "NotInitializedError", "TensorMismatchError",
+    "DuplicateNameError", "PeerLostError", "StallError", "RendezvousError",
+    "AuthenticationError", "ProtocolError", "ShutdownError", "JoinedError",
+    "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built",
+    "rocm_built", "ddl_built", "ccl_built", "mpi_threads_supported",
+]

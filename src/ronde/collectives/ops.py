@@ -9,28 +9,13 @@ ops below.
 
 from __future__ import annotations
 
-import enum
-
 import numpy as np
 
 
-class ReduceOp(enum.IntEnum):
-    """How ``allreduce``/``reducescatter`` combine values across ranks."""
+from .._ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 
-    AVERAGE = 0
-    SUM = 1
-    ADASUM = 2
-    MIN = 3
-    MAX = 4
-    PRODUCT = 5
-
-
-Average = ReduceOp.AVERAGE
-Sum = ReduceOp.SUM
-Adasum = ReduceOp.ADASUM
-Min = ReduceOp.MIN
-Max = ReduceOp.MAX
-Product = ReduceOp.PRODUCT
+__all__ = ['ReduceOp', 'Average', 'Sum', 'Adasum', 'Min', 'Max', 'Product', 'reduce_into',
+           'reduce_pair']
 
 _UFUNCS = {
     ReduceOp.SUM: np.add,

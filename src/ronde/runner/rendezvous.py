@@ -224,13 +224,19 @@ def register(address: tuple[str, int], secret: bytes, info: dict[str, Any],
     return peers
 
 
-def report_failure(address: tuple[str, int], secret: bytes, rank: int, message: str) -> None:
-    """Best-effort: tell the launcher this rank failed, and how (never raises)."""
+def report_failure(address: tuple[str, int], secret: bytes, rank: int, message: str,
+                   secondary: bool = False) -> None:
+    """Best-effort: tell the launcher this rank failed, and how (never raises).
+
+    ``secondary`` marks a failure caused by another rank (a lost peer, a shutdown),
+    so the launcher can lead with the first, primary one.
+    """
     try:
         sock = wire.connect(address[0], address[1], secret, 2.0)
         try:
             wire.send_frame(sock, KIND_JSON, wire.dumps(
-                {"kind": "failure", "rank": rank, "message": message[-8000:]}))
+                {"kind": "failure", "rank": rank, "message": message[-8000:],
+                 "secondary": secondary}))
         finally:
             sock.close()
     except Exception:  # noqa: BLE001 - best effort while already failing

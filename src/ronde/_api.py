@@ -1,0 +1,462 @@
+"""The numpy-facing API: lifecycle, topology, and every collective, blocking and async.
+
+Signatures follow Horovod's so a Horovod user's calls work unchanged. Every
+collective builds one :class:`~ronde.core.requests.Request` and hands it to the
+engine; the ``*_async`` forms return the :class:`~ronde.core.requests.Handle`, the
+blocking forms wait on it. Framework bindings reuse these functions through
+:func:`submit` with their own allocators (see docs/api.md).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import numpy as np
+
+from ._errors import NotInitializedError, RondeError
+from .collectives.ops import Average, ReduceOp, Sum
+from .core.requests import Allocator, Handle, Kind, Request
+from .process_sets import ProcessSet, global_process_set
+
+if TYPE_CHECKING:
+    from . import _runtime
+
+_rt: "_runtime.Runtime | None" = None
+_lock = threading.RLock()
+_counters: dict[tuple[str, int], int] = {}
+
+
+# -- lifecycle -----------------------------------------------------------------------------
+def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> None:
+    """Start ronde in this process: find the other ranks, connect, start the engine.
+
+    Args:
+        comm: accepted for Horovod compatibility; only ``None`` (all ranks) is
+            supported by the built-in transports.
+        process_sets: :class:`ProcessSet` objects to register now (every rank must
+            pass the same list, in the same order).
+    """
+    global _rt
+    with _lock:
+        if _rt is not None:
+            return
+        if comm is not None and not (isinstance(comm, (list, tuple)) and
+                                     sorted(comm) == list(range(len(comm)))):
+            raise RondeError("init(comm=...) with an MPI communicator or a rank subset is not "
+                             "supported yet; use process sets instead")
+        from . import _runtime
+
+        _counters.clear()
+        _rt = _runtime.init()
+        global_process_set._bind(0, list(range(_rt.topo.size)), _rt.topo.rank)
+    for ps in process_sets or ():
+        add_process_set(ps)
+
+
+def shutdown() -> None:
+    """Stop the engine and close every connection; ``init()`` may be called again."""
+    global _rt
+    with _lock:
+        rt, _rt = _rt, None
+        if rt is None:
+            return
+        from .process_sets import _registered
+
+        for ps in list(_registered.values()):
+            if ps is not global_process_set:
+                ps._unbind()
+        _registered.clear()
+        from . import _runtime
+
+        _runtime.shutdown(rt)
+
+
+def is_initialized() -> bool:
+    """True between ``init()`` and ``shutdown()``."""
+    return _rt is not None
+
+
+def _runtime_or_raise() -> "_runtime.Runtime":
+    rt = _rt
+    if rt is None:
+        raise NotInitializedError("ronde has not been initialised; call ronde.init() first")
+    return rt
+
+
+def rank() -> int:
+    """This process's rank, 0..size()-1."""
+    return _runtime_or_raise().topo.rank
+
+
+def size() -> int:
+    """Number of processes in the job."""
+    return _runtime_or_raise().topo.size
+
+
+def local_rank() -> int:
+    """Rank among the processes on this host (use it to pin a device)."""
+    return _runtime_or_raise().topo.local_rank
+
+
+def local_size() -> int:
+    """Number of processes on this host."""
+    return _runtime_or_raise().topo.local_size
+
+
+def cross_rank() -> int:
+    """Index of this host among the hosts that run a process with this local rank."""
+    return _runtime_or_raise().topo.cross_rank
+
+
+def cross_size() -> int:
+    """Number of hosts that run a process with this local rank."""
+    return _runtime_or_raise().topo.cross_size
+
+
+def is_homogeneous() -> bool:
+    """True when every host runs the same number of processes."""
+    return _runtime_or_raise().topo.homogeneous
+
+
+def active_transport() -> str:
+    """The transport of the global process set: ``shm``, ``tcp`` or ``self``."""
+    return _runtime_or_raise().transport
+
+
+# -- plumbing shared with the framework bindings -------------------------------------------
+def _auto_name(kind: str, ps_id: int) -> str:
+    key = (kind, ps_id)
+    with _lock:
+        n = _counters.get(key, 0)
+        _counters[key] = n + 1
+    return f"{kind}.noname.{n}" if ps_id == 0 else f"{kind}.ps{ps_id}.noname.{n}"
+
+
+def _ps_id(process_set: ProcessSet | None) -> int:
+    ps = process_set if process_set is not None else global_process_set
+    if ps.process_set_id is None:
+        raise RondeError(f"{ps!r} is not registered; call ronde.add_process_set() on every rank "
+                         "first (or pass it to init())")
+    return ps.process_set_id
+
+
+def as_array(tensor: Any, what: str) -> np.ndarray:
+    """A C-contiguous numpy view of ``tensor`` (a copy only if it was not contiguous)."""
+    arr = np.asarray(tensor)
+    if arr.dtype == object:
+        raise TypeError(f"{what}: cannot send an object array; use broadcast_object/"
+                        "allgather_object for Python objects")
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    return arr
+
+
+def submit(kind: Kind, array: np.ndarray | None, name: str | None, process_set: ProcessSet | None,
+           **kwargs: Any) -> Handle:
+    """Hand one request to the engine and return its handle (bindings use this)."""
+    rt = _runtime_or_raise()
+    ps_id = _ps_id(process_set)
+    if name is None:
+        name = _auto_name(kind.name.lower(), ps_id)
+    req = Request(kind, name, array, ps_id=ps_id, **kwargs)
+    return rt.engine.submit(req).handle
+
+
+def _resolve_op(op: Any, average: bool | None) -> ReduceOp:
+    if average is not None and op is not None:
+        raise ValueError("pass either op= or the deprecated average=, not both")
+    if average is not None:
+        return Average if average else Sum
+    if op is None:
+        return Average
+    try:
+        return ReduceOp(int(op))
+    except ValueError:
+        raise ValueError(f"unknown reduction op {op!r}; use ronde.Average, Sum, Min, Max or "
+                         "Product") from None
+
+
+def poll(handle: Handle) -> bool:
+    """True if the async operation behind ``handle`` finished."""
+    return handle.poll()
+
+
+def synchronize(handle: Handle) -> Any:
+    """Wait for an async operation and return its result (or raise its error)."""
+    return handle.wait()
+
+
+# -- collectives ---------------------------------------------------------------------------
+def allreduce_async(tensor: Any, average: bool | None = None, name: str | None = None,
+                    op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet | None = None, *, out: np.ndarray | None = None,
+                    alloc: Allocator | None = None) -> Handle:
+    """Start an allreduce; ``synchronize()`` the handle for the reduced array."""
+    arr = as_array(tensor, "allreduce")
+    resolved = _resolve_op(op, average)
+    if resolved == ReduceOp.ADASUM:
+        raise ValueError("op=Adasum is not supported yet; use Average or Sum")
+    return submit(Kind.ALLREDUCE, arr, name, process_set, op=resolved, prescale=prescale_factor,
+                  postscale=postscale_factor, out=out, alloc=alloc)
+
+
+def allreduce(tensor: Any, average: bool | None = None, name: str | None = None, op: Any = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet | None = None) -> np.ndarray:
+    """Reduce ``tensor`` over all ranks of the process set (default: Average)."""
+    return allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
+                           process_set).wait()
+
+
+def grouped_allreduce_async(tensors: Sequence[Any], average: bool | None = None,
+                            name: str | None = None, op: Any = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet | None = None) -> "GroupHandle":
+    """Start an allreduce of every tensor in the list (negotiated and fused together)."""
+    ps_id = _ps_id(process_set)
+    base = name if name is not None else _auto_name("grouped_allreduce", ps_id)
+    return GroupHandle([allreduce_async(t, average, f"{base}.{i}", op, prescale_factor,
+                                        postscale_factor, process_set)
+                        for i, t in enumerate(tensors)])
+
+
+def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
+                      name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0,
+                      process_set: ProcessSet | None = None) -> list[np.ndarray]:
+    """Allreduce a list of tensors; returns the list of results."""
+    return grouped_allreduce_async(tensors, average, name, op, prescale_factor,
+                                   postscale_factor, process_set).wait()
+
+
+class GroupHandle:
+    """Handle over several handles; ``wait()`` returns the list of results."""
+
+    def __init__(self, handles: list[Handle]) -> None:
+        self.handles = handles
+
+    def poll(self) -> bool:
+        return all(h.poll() for h in self.handles)
+
+    def wait(self, timeout: float | None = None) -> list[Any]:
+        return [h.wait(timeout) for h in self.handles]
+
+
+def allgather_async(tensor: Any, name: str | None = None,
+                    process_set: ProcessSet | None = None, *,
+                    alloc: Allocator | None = None) -> Handle:
+    """Start an allgather (first dimension may differ per rank)."""
+    arr = as_array(tensor, "allgather")
+    if arr.ndim == 0:
+        raise ValueError("allgather needs a tensor with at least one dimension; "
+                         "reshape scalars to shape (1,)")
+    return submit(Kind.ALLGATHER, arr, name, process_set, alloc=alloc)
+
+
+def allgather(tensor: Any, name: str | None = None,
+              process_set: ProcessSet | None = None) -> np.ndarray:
+    """Concatenate every rank's tensor along the first dimension, in rank order."""
+    return allgather_async(tensor, name, process_set).wait()
+
+
+def broadcast_async(tensor: Any, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet | None = None, *, out: np.ndarray | None = None,
+                    alloc: Allocator | None = None) -> Handle:
+    """Start a broadcast from ``root_rank`` (a global rank)."""
+    arr = as_array(tensor, "broadcast")
+    return submit(Kind.BROADCAST, arr, name, process_set, root=int(root_rank), out=out,
+                  alloc=alloc)
+
+
+def broadcast(tensor: Any, root_rank: int, name: str | None = None,
+              process_set: ProcessSet | None = None) -> np.ndarray:
+    """Return the root rank's tensor on every rank."""
+    return broadcast_async(tensor, root_rank, name, process_set).wait()
+
+
+def alltoall_async(tensor: Any, splits: Sequence[int] | None = None, name: str | None = None,
+                   process_set: ProcessSet | None = None, *,
+                   alloc: Allocator | None = None) -> Handle:
+    """Start an alltoall; see :func:`alltoall`."""
+    arr = as_array(tensor, "alltoall")
+    if arr.ndim == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension")
+    rt = _runtime_or_raise()
+    ps = process_set if process_set is not None else global_process_set
+    n = len(ps.ranks) if ps.ranks is not None else rt.topo.size
+    if splits is not None:
+        splits = [int(s) for s in np.asarray(splits).reshape(-1)]
+        if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != arr.shape[0]:
+            raise ValueError(f"alltoall splits {splits} must be {n} non-negative counts summing "
+                             f"to the first dimension ({arr.shape[0]})")
+    elif arr.shape[0] % n:
+        raise ValueError(f"alltoall without splits needs the first dimension ({arr.shape[0]}) "
+                         f"divisible by the number of ranks ({n}); pass splits=")
+    given = splits is not None
+
+    def finish(req: Request, value: Any) -> Any:
+        return value if given else value[0]
+
+    return submit(Kind.ALLTOALL, arr, name, process_set, splits=splits, alloc=alloc,
+                  finish=finish)
+
+
+def alltoall(tensor: Any, splits: Sequence[int] | None = None, name: str | None = None,
+             process_set: ProcessSet | None = None) -> Any:
+    """Send block i of ``tensor`` (rows ``splits[i]``, or equal blocks) to rank i.
+
+    Returns the concatenation of the blocks received, in rank order; when
+    ``splits`` is given, returns ``(output, received_splits)`` as Horovod does.
+    """
+    return alltoall_async(tensor, splits, name, process_set).wait()
+
+
+def reducescatter_async(tensor: Any, op: Any = None, name: str | None = None,
+                        process_set: ProcessSet | None = None, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0, *,
+                        alloc: Allocator | None = None) -> Handle:
+    """Start a reducescatter; see :func:`reducescatter`."""
+    arr = as_array(tensor, "reducescatter")
+    if arr.ndim == 0:
+        raise ValueError("reducescatter needs a tensor with at least one dimension")
+    resolved = _resolve_op(op, None)
+    if resolved not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        raise ValueError("reducescatter supports op=Sum or op=Average only")
+    return submit(Kind.REDUCESCATTER, arr, name, process_set, op=resolved,
+                  prescale=prescale_factor, postscale=postscale_factor, alloc=alloc)
+
+
+def reducescatter(tensor: Any, op: Any = None, name: str | None = None,
+                  process_set: ProcessSet | None = None, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> np.ndarray:
+    """Reduce over ranks and give rank r its slice of the first dimension.
+
+    The first dimension is split as evenly as possible, earlier ranks taking one
+    extra row when it does not divide (as Horovod does). Default op: Average.
+    """
+    return reducescatter_async(tensor, op, name, process_set, prescale_factor,
+                               postscale_factor).wait()
+
+
+def barrier(process_set: ProcessSet | None = None) -> None:
+    """Return once every rank of the process set reached the barrier."""
+    submit(Kind.BARRIER, None, None, process_set).wait()
+
+
+def join(device: int = -1, process_set: ProcessSet | None = None) -> int:
+    """Signal that this rank has no more data; return the rank that joined last.
+
+    Until every rank has joined, this rank keeps taking part in the other ranks'
+    allreduces with zeros, and ``Average`` divides by the number of ranks that
+    actually contributed. Other collectives fail with ``JoinedError`` meanwhile.
+    """
+    rt = _runtime_or_raise()
+    ps_id = _ps_id(process_set)
+    req = Request(Kind.JOIN, f"join.{ps_id}", None, ps_id=ps_id)
+    return int(rt.engine.submit(req).handle.wait())
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet | None = None) -> Any:
+    """Broadcast a picklable object from ``root_rank``; returns it on every rank."""
+    base = name or _auto_name("broadcast_object", _ps_id(process_set))
+    payload = _dumps(obj) if rank() == root_rank else np.zeros(0, np.uint8)
+    length = broadcast(np.array([payload.size], dtype=np.int64), root_rank, f"{base}.len",
+                       process_set)
+    buf = payload if rank() == root_rank else np.empty(int(length[0]), np.uint8)
+    data = broadcast(buf, root_rank, f"{base}.data", process_set)
+    return obj if rank() == root_rank else pickle.loads(data.tobytes())
+
+
+def allgather_object(obj: Any, name: str | None = None,
+                     process_set: ProcessSet | None = None) -> list[Any]:
+    """Gather a picklable object from every rank; returns the list in rank order."""
+    base = name or _auto_name("allgather_object", _ps_id(process_set))
+    payload = _dumps(obj)
+    sizes = allgather(np.array([payload.size], dtype=np.int64), f"{base}.len", process_set)
+    data = allgather(payload, f"{base}.data", process_set)
+    out, off = [], 0
+    for n in sizes.tolist():
+        out.append(pickle.loads(data[off: off + n].tobytes()))
+        off += n
+    return out
+
+
+def _dumps(obj: Any) -> np.ndarray:
+    buf = io.BytesIO()
+    pickle.dump(obj, buf, protocol=pickle.HIGHEST_PROTOCOL)
+    return np.frombuffer(buf.getbuffer(), dtype=np.uint8).copy()
+
+
+# -- process sets --------------------------------------------------------------------------
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a process set; every rank must call this with the same ranks."""
+    rt = _runtime_or_raise()
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    ranks = sorted(int(r) for r in ps.ranks or ())
+    if not ranks or ranks[0] < 0 or ranks[-1] >= rt.topo.size or len(set(ranks)) != len(ranks):
+        raise ValueError(f"process set ranks {ranks} must be distinct ranks in 0..{rt.topo.size - 1}")
+    req = Request(Kind.BARRIER, f"process_set.add.{ranks}", None)
+    ps_id = rt.engine.request_process_set("add", ranks, req).handle.wait()
+    ps._bind(int(ps_id), ranks, rt.topo.rank)
+    return ps
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister a process set (collective over all ranks)."""
+    rt = _runtime_or_raise()
+    if process_set.process_set_id in (None, 0):
+        return False
+    ps_id = process_set.process_set_id
+    req = Request(Kind.BARRIER, f"process_set.remove.{ps_id}", None)
+    rt.engine.request_process_set("remove", ps_id, req).handle.wait()
+    process_set._unbind()
+    return True
+
+
+# -- build facts (Horovod compatibility) ---------------------------------------------------
+def mpi_built() -> bool:
+    """False: this build does not use MPI underneath (see RONDE_TRANSPORT)."""
+    return False
+
+
+def mpi_enabled() -> bool:
+    return False
+
+
+def gloo_built() -> bool:
+    return False
+
+
+def gloo_enabled() -> bool:
+    return False
+
+
+def nccl_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    return False
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    return False
+
+
+Callback = Callable[[Handle], None]

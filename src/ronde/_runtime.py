@@ -1,0 +1,289 @@
+"""The per-process runtime: ``init()`` wires rendezvous, mesh, communicators and engine.
+
+``init()`` works out who this process is (:mod:`ronde.runner.env`), meets the
+others (:mod:`ronde.runner.rendezvous`), connects the mesh, builds one
+communicator per process set (shared memory when all members share a host, tcp
+otherwise, as ``RONDE_TRANSPORT`` allows) and starts the engine. ``shutdown()``
+undoes all of it, so ``init()`` may be called again (a new *generation*).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import logging
+import os
+import platform
+import secrets
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from typing import Any
+
+from . import _config
+from ._errors import ConfigError, PeerLostError, RendezvousError, ShutdownError, StallError
+from .core.engine import Engine
+from .runner import env as worker_env
+from .runner import rendezvous
+from .transport import mesh as mesh_mod
+from .transport.base import Communicator, P2PCommunicator, SelfCommunicator
+
+log = logging.getLogger("ronde")
+
+_generation = 0
+_rank0_server: rendezvous.RendezvousServer | None = None
+_rank0_file: str | None = None
+_atexit_registered = False
+_dying = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """Where every rank lives, from the rendezvous table."""
+
+    rank: int
+    size: int
+    hosts: tuple[str, ...]  # host key of every rank
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    homogeneous: bool
+
+    @staticmethod
+    def build(rank: int, hosts: list[str]) -> "Topology":
+        size = len(hosts)
+        order: list[str] = []
+        for h in hosts:
+            if h not in order:
+                order.append(h)
+        local = [r for r in range(size) if hosts[r] == hosts[rank]]
+        local_rank = local.index(rank)
+        # Horovod's cross rank: index among the ranks that share this local rank
+        same_local = [r for r in range(size)
+                      if [q for q in range(size) if hosts[q] == hosts[r]].index(r) == local_rank]
+        counts = {h: hosts.count(h) for h in order}
+        return Topology(rank, size, tuple(hosts), local_rank, len(local),
+                        same_local.index(rank), len(same_local), len(set(counts.values())) == 1)
+
+
+class Runtime:
+    """Everything ``init()`` built; ``ronde._api`` holds the current one."""
+
+    def __init__(self, cfg: _config.Config, topo: Topology, engine: Engine, wenv: Any,
+                 mesh: mesh_mod.Mesh | None, generation: int, transport: str) -> None:
+        self.cfg, self.topo, self.engine, self.wenv = cfg, topo, engine, wenv
+        self.mesh, self.generation, self.transport = mesh, generation, transport
+
+    def describe_rank(self, r: int) -> str:
+        return f"{r} (host {self.topo.hosts[r]})"
+
+
+def _is_loopback(addr: str) -> bool:
+    return addr.startswith("127.") or addr in ("localhost", "::1")
+
+
+def _route_address(target: str) -> str:
+    """The local address this host uses to reach ``target`` (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((target, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def _file_rendezvous_path(job_id: str) -> str:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job_id)
+    return os.path.join(tempfile.gettempdir(), f"ronde-rdv-{os.getuid()}-{safe}.json")
+
+
+def _rendezvous(wenv: worker_env.WorkerEnv, cfg: _config.Config, info: dict[str, Any]
+                ) -> tuple[list[dict[str, Any]], bytes]:
+    """Meet the other ranks; return the peer table and the job secret."""
+    global _rank0_server, _rank0_file
+    mode = wenv.rendezvous_mode
+    if mode == "server":
+        assert wenv.rendezvous is not None and wenv.secret is not None
+        return rendezvous.register(wenv.rendezvous, wenv.secret, info, cfg.start_timeout_s), \
+            wenv.secret
+    if mode == "rank0":
+        assert wenv.rendezvous is not None and wenv.secret is not None
+        if wenv.rank == 0 and _rank0_server is None:
+            _rank0_server = rendezvous.RendezvousServer(
+                wenv.size, wenv.secret, host=cfg.bind_addr or "0.0.0.0",
+                port=wenv.rendezvous[1], start_timeout_s=cfg.start_timeout_s).start()
+        return rendezvous.register(wenv.rendezvous, wenv.secret, info, cfg.start_timeout_s), \
+            wenv.secret
+    # "file": ranks of one host meet through a 0600 file naming rank 0's service
+    path = _file_rendezvous_path(wenv.job_id)
+    if wenv.rank == 0:
+        if _rank0_server is None:
+            secret = secrets.token_bytes(32)
+            _rank0_server = rendezvous.RendezvousServer(
+                wenv.size, secret, host="127.0.0.1", start_timeout_s=cfg.start_timeout_s).start()
+            tmp = f"{path}.{os.getpid()}.tmp"
+            fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                json.dump({"port": _rank0_server.port, "secret": secret.hex()}, fh)
+            os.replace(tmp, path)
+            _rank0_file = path
+        secret = _rank0_server.secret
+        return rendezvous.register(_rank0_server.address, secret, info, cfg.start_timeout_s), secret
+    deadline = time.monotonic() + cfg.start_timeout_s
+    while True:
+        try:
+            with open(path) as fh:
+                data = json.load(fh)
+            secret = bytes.fromhex(data["secret"])
+            return rendezvous.register(("127.0.0.1", int(data["port"])), secret, info,
+                                       min(2.0, max(0.1, deadline - time.monotonic()))), secret
+        except (FileNotFoundError, ValueError, KeyError, RendezvousError):
+            if time.monotonic() > deadline:
+                raise RendezvousError(
+                    f"rank {wenv.rank}: rank 0 of this {wenv.source} job did not publish its "
+                    f"rendezvous ({path}) within {cfg.start_timeout_s:g}s; did rank 0 start "
+                    "and call ronde.init()?") from None
+            time.sleep(0.05)
+
+
+def _choose_transport(cfg: _config.Config, topo: Topology, members: list[int]) -> str:
+    same_host = len({topo.hosts[r] for r in members}) == 1
+    if cfg.transport == "shm":
+        if not same_host:
+            raise ConfigError(
+                "RONDE_TRANSPORT=shm needs every rank of the process set on one host; use "
+                "RONDE_TRANSPORT=tcp (or auto) for multi-host jobs")
+        return "shm"
+    if cfg.transport == "tcp":
+        return "tcp"
+    if same_host and platform.machine().lower() in ("x86_64", "amd64"):
+        return "shm"
+    return "tcp"
+
+
+def init(process_sets: list[Any] | None = None) -> Runtime:
+    """Build the runtime (see module docstring)."""
+    global _generation, _atexit_registered
+    cfg = _config.load()
+    if cfg.log_level:
+        logging.getLogger("ronde").setLevel(cfg.log_level.upper())
+    wenv = worker_env.detect()
+    _generation += 1
+    gen = _generation
+    rank, size = wenv.rank, wenv.size
+    mesh = None
+    secret = wenv.secret or b""
+    if size == 1:
+        hosts = [wenv.host]
+        ctl: dict[int, socket.socket] = {}
+    else:
+        rdv_host = wenv.rendezvous[0] if wenv.rendezvous else "127.0.0.1"
+        local_job = wenv.rendezvous_mode == "file" or _is_loopback(rdv_host)
+        bind = cfg.bind_addr or ("127.0.0.1" if local_job else "0.0.0.0")
+        listener = mesh_mod.listen(bind)
+        advertised = bind if bind not in ("0.0.0.0", "") else _route_address(rdv_host)
+        info = {"rank": rank, "size": size, "generation": gen, "host": wenv.host,
+                "addr": advertised, "port": listener.getsockname()[1]}
+        try:
+            peers, secret = _rendezvous(wenv, cfg, info)
+        except BaseException:
+            listener.close()
+            raise
+        hosts = [str(p.get("host")) for p in peers]
+        mesh = mesh_mod.Mesh(rank, size, gen, secret, listener, peers, cfg.start_timeout_s)
+        mesh.connect()
+        ctl = mesh.ctl
+    topo = Topology.build(rank, hosts)
+    holder: dict[str, Engine] = {}
+
+    def aborted() -> BaseException | None:
+        eng = holder.get("engine")
+        return eng.aborted() if eng is not None else None
+
+    key = "".join(c if c.isalnum() else "_" for c in (wenv.job_id or f"pid{os.getppid()}"))
+    transports: dict[int, str] = {}
+
+    def make_comm(ps_id: int, members: list[int]) -> Communicator:
+        if len(members) == 1:
+            transports[ps_id] = "self"
+            return SelfCommunicator()
+        kind = _choose_transport(cfg, topo, members)
+        transports[ps_id] = kind
+        if kind == "shm":
+            from .transport.shm import ShmCommunicator
+
+            return ShmCommunicator(rank, members, f"{key}-g{gen}-ps{ps_id}",
+                                   cfg.shm_segment_bytes, aborted, cfg.start_timeout_s)
+        from .transport.tcp import SocketP2P
+
+        assert mesh is not None
+        p2p = SocketP2P(rank, members, mesh.data, lambda r: f"{r} (host {topo.hosts[r]})",
+                        aborted)
+        return P2PCommunicator(p2p, cfg.small_allreduce_bytes)
+
+    comms = {0: make_comm(0, list(range(size)))}
+    engine = Engine(rank, size, cfg, ctl, comms, {0: list(range(size))}, make_comm,
+                    lambda r: f"{r} (host {topo.hosts[r]})")
+    holder["engine"] = engine
+    engine.start()
+    rt = Runtime(cfg, topo, engine, wenv, mesh, gen, transports[0])
+    if rank == 0:
+        log.info("ronde initialised: size=%d hosts=%d transport=%s source=%s; %s", size,
+                 len(set(hosts)), transports[0], wenv.source, cfg.describe())
+    if not _atexit_registered:
+        atexit.register(_atexit_shutdown)
+        _install_excepthook()
+        _atexit_registered = True
+    return rt
+
+
+def shutdown(rt: Runtime) -> None:
+    if _dying:
+        rt.engine.cfg = dataclasses.replace(rt.engine.cfg, shutdown_timeout_s=0.5)
+    rt.engine.shutdown()
+    if rt.mesh is not None:
+        rt.mesh.close()
+
+
+def _atexit_shutdown() -> None:
+    from . import _api
+
+    try:
+        _api.shutdown()
+    except Exception:  # noqa: BLE001 - never fail the interpreter's exit
+        pass
+    global _rank0_server
+    if _rank0_file:
+        try:
+            os.unlink(_rank0_file)
+        except OSError:
+            pass
+    if _rank0_server is not None:
+        _rank0_server.close()
+        _rank0_server = None
+
+
+def _install_excepthook() -> None:
+    previous = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        global _dying
+        _dying = True
+        try:
+            wenv = worker_env.detect()
+            if wenv.rendezvous_mode == "server" and wenv.rendezvous and wenv.secret:
+                text = "".join(traceback.format_exception(exc_type, exc, tb))
+                secondary = isinstance(exc, (PeerLostError, ShutdownError, StallError))
+                rendezvous.report_failure(wenv.rendezvous, wenv.secret, wenv.rank, text,
+                                          secondary=secondary)
+        except Exception:  # noqa: BLE001 - reporting is best effort
+            pass
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
+    threading.excepthook  # noqa: B018 - worker threads report through their handles

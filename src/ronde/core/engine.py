@@ -1,0 +1,441 @@
+"""The engine: one per process, a control thread and an executor thread.
+
+The cycle, end to end:
+
+1. ``submit()`` (any thread) records a :class:`Request` as pending and wakes the
+   control thread.
+2. The control thread runs a *round* when it has something to announce (at once
+   if the executor is idle, else after at most ``RONDE_CYCLE_TIME`` ms, which lets
+   gradients that arrive while data is moving batch into one fused op), or as soon
+   as a peer starts one. In a round every rank sends one frame to every peer (its
+   new announcements: names with metadata, or response-cache ids) and reads one
+   frame from each.
+3. Every rank feeds the same frames to its :class:`Negotiator`, which returns the
+   same ordered, fused responses everywhere; they go to the executor queue.
+4. The executor runs them in order (see ``executor.py``) and completes handles.
+
+Nobody polls while idle: with nothing to announce there are no rounds. A peer that
+dies closes its sockets, which every rank sees at once as ``PeerLostError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+from .._config import Config
+from .._errors import (DuplicateNameError, PeerLostError, ProtocolError, RondeError,
+                       ShutdownError)
+from ..transport import wire
+from ..transport.base import Communicator
+from .executor import Executor
+from .negotiation import Negotiator, Response
+from .requests import Kind, Request
+
+log = logging.getLogger(__name__)
+
+KIND_ROUND = 3
+_READ_BYTES = 1 << 16
+
+
+class _FrameReader:
+    """Incremental, bounded frame parser for one non-blocking control socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+        self.eof = False
+
+    def fill(self) -> None:
+        try:
+            data = self.sock.recv(_READ_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.eof = True
+        self.buf += data
+
+    def pop(self) -> bytes | None:
+        if len(self.buf) < wire.HEADER_BYTES:
+            return None
+        kind, length = wire.decode_header(bytes(self.buf[: wire.HEADER_BYTES]))
+        if kind != KIND_ROUND:
+            raise ProtocolError(f"unexpected control frame kind {kind}")
+        end = wire.HEADER_BYTES + length
+        if len(self.buf) < end:
+            return None
+        payload = bytes(self.buf[wire.HEADER_BYTES: end])
+        del self.buf[:end]
+        return payload
+
+
+class Engine:
+    """Background negotiation and execution of collectives for one process."""
+
+    def __init__(self, rank: int, size: int, cfg: Config, ctl_socks: dict[int, socket.socket],
+                 comms: dict[int, Communicator], process_sets: dict[int, list[int]],
+                 make_communicator: Callable[[int, list[int]], Communicator],
+                 describe_rank: Callable[[int], str]) -> None:
+        self.rank, self.size, self.cfg = rank, size, cfg
+        self.describe_rank = describe_rank
+        self._make_comm = make_communicator
+        self._lock = threading.Lock()
+        self._pending: dict[str, Request] = {}
+        self._outbox: list[Request] = []
+        self._joins: list[int] = []
+        self._ps_requests: list[list[Any]] = []
+        self._abort_msg: dict[str, Any] | None = None
+        self._shutdown_requested = False
+        self._shutdown_announced = False
+        self._shutdown_at = 0.0
+        self._error: BaseException | None = None
+        self._ps_members: dict[int, list[int]] = {k: list(v) for k, v in process_sets.items()}
+        self._comms = comms
+        self.negotiator = Negotiator(size, {k: list(v) for k, v in process_sets.items()},
+                                     cfg.fusion_threshold_bytes, cfg.cache_capacity)
+        self._readers = {r: _FrameReader(s) for r, s in ctl_socks.items()}
+        for s in ctl_socks.values():
+            s.setblocking(False)
+        self._gone: set[int] = set()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.executor = Executor(self)
+        self.executor.on_idle = self.wake
+        self._stall_warned: set[str] = set()
+        self._thread = threading.Thread(target=self._control_main, name="ronde-control",
+                                        daemon=True)
+        self._stopped = threading.Event()
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        self.executor.start()
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        """Announce shutdown, let pending work finish (bounded), then stop the threads."""
+        with self._lock:
+            self._shutdown_requested = True
+        self.wake()
+        self._thread.join(self.cfg.shutdown_timeout_s + 5.0)
+        self.executor.stop(5.0)
+        self._fail_all(ShutdownError("ronde was shut down while this collective was pending"))
+        for comm in self._comms.values():
+            comm.close()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    # -- API used by the facade ------------------------------------------------------------
+    def submit(self, req: Request) -> Request:
+        with self._lock:
+            if self._error is not None:
+                raise _reraise(self._error)
+            if self._shutdown_requested:
+                raise ShutdownError(f"cannot submit {req.name!r}: ronde is shutting down")
+            if req.name in self._pending:
+                raise DuplicateNameError(
+                    f"a collective named {req.name!r} is already in flight on rank "
+                    f"{self.rank}; wait for it first or give this one another name")
+            self._pending[req.name] = req
+            if req.kind == Kind.JOIN:
+                self._joins.append(req.ps_id)
+            else:
+                self._outbox.append(req)
+        self.wake()
+        return req
+
+    def request_process_set(self, action: str, arg: Any, req: Request) -> Request:
+        with self._lock:
+            if self._error is not None:
+                raise _reraise(self._error)
+            if req.name in self._pending:
+                raise DuplicateNameError(f"{req.name!r} is already pending")
+            self._pending[req.name] = req
+            self._ps_requests.append([action, arg])
+        self.wake()
+        return req
+
+    def take(self, name: str) -> Request | None:
+        with self._lock:
+            return self._pending.pop(name, None)
+
+    def process_set_members(self, ps_id: int) -> list[int]:
+        return self._ps_members.get(ps_id, [])
+
+    def communicator(self, ps_id: int) -> Communicator:
+        return self._comms[ps_id]
+
+    def apply_process_set_change(self, change: tuple[str, int, list[int]]) -> None:
+        """Executor thread, in response order: create or drop a communicator."""
+        action, ps_id, ranks = change
+        if action == "add":
+            self._ps_members[ps_id] = list(ranks)
+            if self.rank in ranks:
+                self._comms[ps_id] = self._make_comm(ps_id, list(ranks))
+        else:
+            self._ps_members.pop(ps_id, None)
+            comm = self._comms.pop(ps_id, None)
+            if comm is not None:
+                comm.close()
+
+    def aborted(self) -> BaseException | None:
+        return self._error
+
+    @property
+    def failed(self) -> BaseException | None:
+        return self._error
+
+    # -- failure -------------------------------------------------------------------------
+    def fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = exc
+        self._fail_all(exc)
+        self.wake()
+
+    def fail_from_executor(self, exc: BaseException, resp: Response) -> None:
+        if isinstance(exc, (PeerLostError, ShutdownError)) or self._error is not None:
+            self.fail(self._error or exc)
+        else:
+            log.error("collective %r failed on rank %d: %r", resp, self.rank, exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            reqs = list(self._pending.values())
+            self._pending.clear()
+            self._outbox.clear()
+        for req in reqs:
+            req.fail(_reraise(exc))
+
+    # -- the control thread ----------------------------------------------------------------
+    def _control_main(self) -> None:
+        try:
+            self._control_loop()
+        except BaseException as exc:  # noqa: BLE001 - every failure ends in fail()
+            if not isinstance(exc, RondeError):
+                exc = RondeError(f"rank {self.rank}: engine control thread failed: {exc!r}")
+            self.fail(exc)
+        finally:
+            for r in self._readers.values():
+                try:
+                    r.sock.close()
+                except OSError:
+                    pass
+            self._stopped.set()
+
+    def _control_loop(self) -> None:
+        cycle_s = self.cfg.cycle_time_ms / 1000.0
+        last_round = 0.0
+        last_stall_check = time.monotonic()
+        while True:
+            if self._error is not None:
+                return
+            live = {r: rd for r, rd in self._readers.items() if r not in self._gone}
+            buffered = any(rd.buf for rd in live.values())
+            with self._lock:
+                have_local = bool(self._outbox or self._joins or self._ps_requests
+                                  or self._abort_msg
+                                  or (self._shutdown_requested and not self._shutdown_announced))
+            now = time.monotonic()
+            if have_local and (self.executor.idle() or now - last_round >= cycle_s):
+                timeout: float | None = 0.0
+            elif have_local:
+                timeout = max(0.0, cycle_s - (now - last_round))
+            else:
+                timeout = 1.0
+            if buffered:
+                timeout = 0.0
+            fds = [self._wake_r] + [rd.sock for rd in live.values()]
+            readable, _, _ = select.select(fds, [], [], timeout)
+            peer_started = buffered
+            for obj in readable:
+                if obj == self._wake_r:
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                else:
+                    peer_started = True
+            now = time.monotonic()
+            start_local = have_local and (self.executor.idle() or now - last_round >= cycle_s)
+            if peer_started or start_local:
+                self._round()
+                last_round = time.monotonic()
+            if self._shutdown_announced:
+                everyone = len(self.negotiator.shutdown) == self.size
+                if everyone or now - self._shutdown_at > self.cfg.shutdown_timeout_s:
+                    self._drain_for_shutdown()
+                    return
+            if now - last_stall_check > 1.0:
+                last_stall_check = now
+                self._check_stalls()
+
+    def _drain_for_shutdown(self) -> None:
+        # let the executor finish what was agreed before leaving
+        deadline = time.monotonic() + self.cfg.shutdown_timeout_s
+        while not self.executor.idle() and time.monotonic() < deadline and self._error is None:
+            time.sleep(0.001)
+
+    def _build_message(self) -> dict[str, Any]:
+        with self._lock:
+            reqs, self._outbox = self._outbox, []
+            joins, self._joins = self._joins, []
+            ps_reqs, self._ps_requests = self._ps_requests, []
+            abort, self._abort_msg = self._abort_msg, None
+            shut = self._shutdown_requested and not self._shutdown_announced
+            if shut:
+                self._shutdown_announced = True
+                self._shutdown_at = time.monotonic()
+        msg: dict[str, Any] = {}
+        if reqs:
+            enc = self.negotiator.encode_announcement
+            msg["a"] = [enc(self.rank, r.name, r.meta()) for r in reqs]
+        if joins:
+            msg["j"] = joins
+        if ps_reqs:
+            msg["ps"] = ps_reqs
+        if abort:
+            msg["x"] = abort
+        if shut:
+            msg["s"] = 1
+        return msg
+
+    def _round(self) -> None:
+        msg = self._build_message()
+        messages: list[dict[str, Any]] = [{} for _ in range(self.size)]
+        messages[self.rank] = msg
+        if self._readers:
+            frame = wire.encode_frame(KIND_ROUND, wire.dumps(msg))
+            self._exchange(frame, messages)
+        responses = self.negotiator.apply_round(messages)
+        for m in messages:
+            if m.get("x"):
+                x = m["x"]
+                responses = self.negotiator.abort(x.get("names", []), str(x.get("message")),
+                                                  "stall") + responses
+        for resp in responses:
+            self.executor.queue.put(resp)
+
+    def _exchange(self, frame: bytes, messages: list[dict[str, Any]]) -> None:
+        """Send ``frame`` to every live peer and read one frame from each, full duplex."""
+        to_send = {r: memoryview(frame) for r in self._readers if r not in self._gone}
+        to_recv = set(to_send)
+        start = time.monotonic()
+        warned = False
+        while to_send or to_recv:
+            for r in list(to_recv):
+                payload = self._readers[r].pop()
+                if payload is not None:
+                    messages[r] = _as_dict(wire.loads(payload), r)
+                    to_recv.discard(r)
+            if not (to_send or to_recv):
+                break
+            rlist = [self._readers[r].sock for r in to_recv]
+            wlist = [self._readers[r].sock for r in to_send]
+            readable, writable, _ = select.select(rlist, wlist, [], 0.5)
+            by_sock = {id(self._readers[r].sock): r for r in self._readers}
+            for s in writable:
+                r = by_sock[id(s)]
+                view = to_send[r]
+                try:
+                    n = s.send(view)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    n = len(view)  # peer gone: reading will tell why
+                    to_send.pop(r)
+                    continue
+                if n >= len(view):
+                    to_send.pop(r)
+                else:
+                    to_send[r] = view[n:]
+            for s in readable:
+                r = by_sock[id(s)]
+                reader = self._readers[r]
+                reader.fill()
+                if reader.eof and reader.pop() is None:
+                    self._peer_closed(r)
+                    to_recv.discard(r)
+                    to_send.pop(r, None)
+            if self._error is not None:
+                raise _reraise(self._error)
+            waited = time.monotonic() - start
+            if not warned and waited > self.cfg.peer_timeout_s and to_recv:
+                warned = True
+                log.warning("rank %d: rank(s) %s have not answered a negotiation round for "
+                            "%.0fs; is their Python process blocked?", self.rank,
+                            sorted(to_recv), waited)
+            if to_recv and waited > self.cfg.stall_shutdown_time_s:
+                r = min(to_recv)
+                raise PeerLostError(f"rank {self.describe_rank(r)} stopped responding for "
+                                    f"{waited:.0f}s", rank=r)
+
+    def _peer_closed(self, r: int) -> None:
+        if r in self.negotiator.shutdown:
+            self._gone.add(r)
+            return
+        raise PeerLostError(
+            f"rank {self.describe_rank(r)} exited or lost its connection without calling "
+            f"shutdown(); see that rank's output for the first failure", rank=r)
+
+    def _check_stalls(self) -> None:
+        cfg = self.cfg
+        if not cfg.stall_check_enabled or self.rank != 0:
+            return
+        stalled = self.negotiator.stalled(cfg.stall_check_time_s)
+        abort_names = []
+        lines = []
+        for name, ready, missing, age in stalled:
+            if not missing:
+                continue
+            if name not in self._stall_warned:
+                self._stall_warned.add(name)
+                log.warning("stall: %r has been waiting %.0fs; ready on rank(s) %s, missing on "
+                            "rank(s) %s (are they in a different code path, or slower?)",
+                            name, age, ready, [self.describe_rank(m) for m in missing])
+            if cfg.stall_shutdown_time_s > 0 and age > cfg.stall_shutdown_time_s:
+                abort_names.append(name)
+                lines.append(f"{name!r} (ready on {ready}, missing on {missing})")
+        if abort_names:
+            msg = (f"stalled for more than {cfg.stall_shutdown_time_s:g}s "
+                   f"(RONDE_STALL_SHUTDOWN_TIME): {'; '.join(lines)}; the missing ranks never "
+                   "submitted these collectives")
+            with self._lock:
+                self._abort_msg = {"names": abort_names, "message": msg}
+            for n in abort_names:
+                self._stall_warned.discard(n)
+            self.wake()
+
+
+def _as_dict(obj: Any, rank: int) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"rank {rank} sent a malformed negotiation message")
+    return obj
+
+
+def _reraise(exc: BaseException) -> BaseException:
+    """A fresh exception of the same type and message (each caller gets its own traceback)."""
+    try:
+        new = type(exc)(*exc.args)
+        if isinstance(exc, PeerLostError):
+            new.rank = exc.rank  # type: ignore[attr-defined]
+        return new
+    except Exception:  # noqa: BLE001
+        return exc

@@ -1,0 +1,256 @@
+"""The executor: runs agreed responses, in order, on this rank's communicators.
+
+Where it sits in the engine cycle: the control thread appends the responses of
+each negotiation round to a queue; the executor thread takes them one by one, in
+the same order on every rank, skips those of process sets this rank is not in,
+and moves the data (fusion, the collective, unpacking). Running data on its own
+thread means negotiation of the next tensors overlaps the transfer of the current
+ones, and a slow collective in one process set never blocks negotiation.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from .._errors import (DuplicateNameError, JoinedError, RondeError, ShutdownError, StallError,
+                       TensorMismatchError)
+from ..collectives.ops import ReduceOp
+from . import fusion
+from .negotiation import Response
+from .requests import Kind, Meta, Request, resolve_dtype
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+log = logging.getLogger(__name__)
+
+_ERRORS: dict[str, type[RondeError]] = {
+    "mismatch": TensorMismatchError,
+    "duplicate": DuplicateNameError,
+    "shutdown": ShutdownError,
+    "joined": JoinedError,
+    "stall": StallError,
+}
+
+_STOP = object()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return int(math.prod(shape))
+
+
+class Executor:
+    """Consumes :class:`Response` objects on a dedicated thread."""
+
+    def __init__(self, engine: "Engine") -> None:
+        self.engine = engine
+        self.queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self.busy = False
+        self._fusion = fusion.FusionBuffer()
+        self._thread = threading.Thread(target=self._loop, name="ronde-executor", daemon=True)
+        self.on_idle: Callable[[], None] | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float) -> None:
+        self.queue.put(_STOP)
+        self._thread.join(timeout_s)
+
+    def idle(self) -> bool:
+        return not self.busy and self.queue.empty()
+
+    def _loop(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is _STOP:
+                return
+            self.busy = True
+            try:
+                self.execute(item)
+            except BaseException as exc:  # noqa: BLE001 - fail the requests, keep serving
+                self.engine.fail_from_executor(exc, item)
+            finally:
+                self.busy = False
+                if self.queue.empty() and self.on_idle is not None:
+                    self.on_idle()
+
+    # -- dispatch ------------------------------------------------------------------------
+    def execute(self, resp: Response) -> None:
+        eng = self.engine
+        if resp.error is not None:
+            cls = _ERRORS.get(resp.error_type, RondeError)
+            for name in resp.names:
+                req = eng.take(name)
+                if req is not None:
+                    req.fail(cls(resp.error))
+            return
+        if resp.kind == Kind.JOIN:
+            req = eng.take(resp.names[0])
+            if req is not None:
+                req.complete(resp.value)
+            return
+        if resp.value is not None and resp.kind == Kind.BARRIER and resp.ps_id == 0 \
+                and resp.names[0].startswith("process_set."):
+            eng.apply_process_set_change(resp.value)
+            req = eng.take(resp.names[0])
+            if req is not None:
+                req.complete(resp.value[1])
+            return
+        members = eng.process_set_members(resp.ps_id)
+        if eng.rank not in members:
+            return
+        comm = eng.communicator(resp.ps_id)
+        reqs = [eng.take(name) for name in resp.names]
+        try:
+            handler = _HANDLERS[resp.kind]
+            handler(self, resp, reqs, comm, members)
+        except BaseException as exc:
+            for req in reqs:
+                if req is not None:
+                    req.fail(exc if isinstance(exc, RondeError) else RondeError(
+                        f"{resp.kind.name.lower()} {req.name!r} failed: {exc!r}"))
+            raise
+
+    # -- per kind ------------------------------------------------------------------------
+    def _allreduce(self, resp: Response, reqs: list[Request | None], comm: Any,
+                   members: list[int]) -> None:
+        meta0 = _any_meta(resp.metas[0])
+        dtype = resolve_dtype(meta0.dtype)
+        op = ReduceOp(meta0.op)
+        contributors = len(members) - len(resp.joined)
+        post = meta0.postscale
+        if op == ReduceOp.AVERAGE:
+            op, post = ReduceOp.SUM, post / contributors
+        elif op == ReduceOp.ADASUM:
+            op = ReduceOp.SUM  # Adasum degenerates to a sum here; documented limitation
+        shapes = [_any_meta(m).shape for m in resp.metas]
+        sizes = [_numel(s) for s in shapes]
+        total = sum(sizes)
+        outs = [None if r is None else (r.out if r.out is not None else r.allocate(s, dtype))
+                for r, s in zip(reqs, shapes)]
+        inputs = [None if r is None else r.array for r in reqs]
+        nbytes = total * dtype.itemsize
+        staging = comm.staging(nbytes) if comm.size > 1 else None
+        if staging is not None:
+            flat = staging.view(dtype)
+            fusion.pack(flat, inputs, sizes, meta0.prescale)
+            comm.allreduce_staged(nbytes, dtype, op)
+            fusion.unpack(flat, outs, sizes, post)
+        elif len(reqs) == 1 and reqs[0] is not None:
+            out = outs[0]
+            flat_out = out.reshape(-1)
+            if out is not reqs[0].array or meta0.prescale != 1.0:
+                fusion.scaled_copy(flat_out, reqs[0].array.reshape(-1), meta0.prescale)
+            comm.allreduce(flat_out, op)
+            fusion.scale_inplace(flat_out, post)
+        else:
+            flat = self._fusion.get(nbytes).view(dtype)
+            fusion.pack(flat, inputs, sizes, meta0.prescale)
+            comm.allreduce(flat, op)
+            fusion.unpack(flat, outs, sizes, post)
+        for req, out in zip(reqs, outs):
+            if req is not None:
+                req.complete(out)
+
+    def _allgather(self, resp: Response, reqs: list[Request | None], comm: Any,
+                   members: list[int]) -> None:
+        metas, req = resp.metas[0], reqs[0]
+        meta = metas[self.engine.rank]
+        dtype = resolve_dtype(meta.dtype)
+        row = _numel(meta.shape[1:])
+        firsts = [metas[r].shape[0] if metas[r].shape else 1 for r in members]
+        out_shape = (sum(firsts),) + meta.shape[1:] if meta.shape else (sum(firsts),)
+        out = req.allocate(out_shape, dtype)  # type: ignore[union-attr]
+        comm.allgatherv(req.array.reshape(-1), out.reshape(-1),  # type: ignore[union-attr]
+                        [f * row for f in firsts])
+        req.complete(out)  # type: ignore[union-attr]
+
+    def _broadcast(self, resp: Response, reqs: list[Request | None], comm: Any,
+                   members: list[int]) -> None:
+        req = reqs[0]
+        meta = resp.metas[0][self.engine.rank]
+        root = members.index(meta.root)
+        out = req.out if req.out is not None else req.allocate(  # type: ignore[union-attr]
+            meta.shape, resolve_dtype(meta.dtype))
+        if comm.rank == root and out is not req.array:  # type: ignore[union-attr]
+            np.copyto(out, req.array)  # type: ignore[union-attr]
+        comm.broadcast(out.reshape(-1), root)
+        req.complete(out)  # type: ignore[union-attr]
+
+    def _alltoall(self, resp: Response, reqs: list[Request | None], comm: Any,
+                  members: list[int]) -> None:
+        req, metas = reqs[0], resp.metas[0]
+        me = self.engine.rank
+        meta = metas[me]
+        dtype = resolve_dtype(meta.dtype)
+        row = _numel(meta.shape[1:])
+        n = len(members)
+
+        def splits_of(m: Meta) -> list[int]:
+            if m.splits is not None:
+                return list(m.splits)
+            return [m.shape[0] // n] * n
+
+        matrix = [splits_of(metas[r]) for r in members]
+        idx = members.index(me)
+        send_rows = matrix[idx]
+        recv_rows = [matrix[j][idx] for j in range(n)]
+        out = req.allocate((sum(recv_rows),) + meta.shape[1:], dtype)  # type: ignore[union-attr]
+        max_count = max((max(s) for s in matrix), default=0) * row
+        kwargs = {"max_count": max_count} if comm.name == "shm" else {}
+        comm.alltoallv(req.array.reshape(-1), [s * row for s in send_rows],  # type: ignore[union-attr]
+                       out.reshape(-1), [s * row for s in recv_rows], **kwargs)
+        req.complete((out, np.asarray(recv_rows, dtype=np.int32)))  # type: ignore[union-attr]
+
+    def _reducescatter(self, resp: Response, reqs: list[Request | None], comm: Any,
+                       members: list[int]) -> None:
+        req = reqs[0]
+        meta = resp.metas[0][self.engine.rank]
+        dtype = resolve_dtype(meta.dtype)
+        n = len(members)
+        first = meta.shape[0] if meta.shape else 1
+        row = _numel(meta.shape[1:])
+        base, extra = divmod(first, n)
+        rows = [base + (1 if i < extra else 0) for i in range(n)]
+        op, post = ReduceOp(meta.op), meta.postscale
+        if op == ReduceOp.AVERAGE:
+            op, post = ReduceOp.SUM, post / n
+        src = req.array.reshape(-1)  # type: ignore[union-attr]
+        if meta.prescale != 1.0:
+            scaled = np.empty_like(src)
+            fusion.scaled_copy(scaled, src, meta.prescale)
+            src = scaled
+        elif comm.name != "shm":
+            src = src.copy()  # p2p reducescatter works in place
+        block = comm.reducescatter(src, [r * row for r in rows], op)
+        out = req.allocate((rows[comm.rank],) + meta.shape[1:], dtype)  # type: ignore[union-attr]
+        fusion.scaled_copy(out.reshape(-1), block, post)
+        req.complete(out)  # type: ignore[union-attr]
+
+    def _barrier(self, resp: Response, reqs: list[Request | None], comm: Any,
+                 members: list[int]) -> None:
+        comm.barrier()
+        for req in reqs:
+            if req is not None:
+                req.complete(None)
+
+
+def _any_meta(metas: dict[int, Meta]) -> Meta:
+    return metas[min(metas)]
+
+
+_HANDLERS: dict[Kind, Callable[..., None]] = {
+    Kind.ALLREDUCE: Executor._allreduce,
+    Kind.ALLGATHER: Executor._allgather,
+    Kind.BROADCAST: Executor._broadcast,
+    Kind.ALLTOALL: Executor._alltoall,
+    Kind.REDUCESCATTER: Executor._reducescatter,
+    Kind.BARRIER: Executor._barrier,
+}

@@ -1,0 +1,377 @@
+"""Negotiation: agree, on every rank, which collectives run next and in what order.
+
+Where it sits in the engine cycle: the control thread exchanges one *round*
+message with every peer (see ``engine.py``); every rank then feeds the same
+messages, in rank order, to its own :class:`Negotiator`. Because the negotiator is
+a deterministic function of those messages, every rank computes the same list of
+:class:`Response` objects in the same order: no coordinator round trip, and a
+mismatch (shape, dtype, op, root) is detected identically everywhere.
+
+Steady state is cheap thanks to the response cache: once a name has completed, its
+per-rank metadata is remembered under a small integer id, and later announcements
+of the same name with the same metadata send only that id.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Any, Iterable
+
+from .._errors import ProtocolError, RondeError
+from .requests import KIND_NAMES, Kind, Meta, describe
+
+log = logging.getLogger(__name__)
+
+
+class Response:
+    """One unit of work for the executor: a (possibly fused) collective, or an error."""
+
+    __slots__ = ("kind", "ps_id", "names", "metas", "joined", "error", "error_type", "value")
+
+    def __init__(self, kind: Kind, ps_id: int, names: list[str], metas: list[dict[int, Meta]],
+                 joined: frozenset[int] = frozenset(), error: str | None = None,
+                 error_type: str = "mismatch", value: Any = None) -> None:
+        self.kind = kind
+        self.ps_id = ps_id
+        self.names = names
+        self.metas = metas
+        self.joined = joined
+        self.error = error
+        self.error_type = error_type
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"<Response {KIND_NAMES[self.kind]} ps={self.ps_id} {self.names[:3]}{'...' if len(self.names) > 3 else ''}{' ERROR' if self.error else ''}>"
+
+
+class _Entry:
+    __slots__ = ("name", "metas", "order", "first_seen")
+
+    def __init__(self, name: str, order: tuple[int, int, int]) -> None:
+        self.name = name
+        self.metas: dict[int, Meta] = {}
+        self.order = order
+        self.first_seen = time.monotonic()
+
+
+class ResponseCache:
+    """name -> id with the per-rank metadata of its last success; LRU, deterministic."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._by_id: collections.OrderedDict[int, tuple[str, dict[int, list[Any]]]] = (
+            collections.OrderedDict())
+        self._by_name: dict[str, int] = {}
+        self._next_id = 0
+
+    def lookup(self, name: str, rank: int, raw_meta: list[Any]) -> int | None:
+        cid = self._by_name.get(name)
+        if cid is None:
+            return None
+        if self._by_id[cid][1].get(rank) != raw_meta:
+            return None
+        return cid
+
+    def expand(self, cid: int, rank: int) -> tuple[str, list[Any]]:
+        try:
+            name, metas = self._by_id[cid]
+            return name, metas[rank]
+        except KeyError:
+            raise ProtocolError(f"rank {rank} referred to unknown cache entry {cid}") from None
+
+    def put(self, name: str, metas: dict[int, list[Any]]) -> None:
+        if self.capacity <= 0:
+            return
+        cid = self._by_name.get(name)
+        if cid is not None:
+            self._by_id[cid] = (name, metas)
+            self._by_id.move_to_end(cid)
+            return
+        cid = self._next_id
+        self._next_id += 1
+        self._by_name[name] = cid
+        self._by_id[cid] = (name, metas)
+        while len(self._by_id) > self.capacity:
+            old_id, (old_name, _) = self._by_id.popitem(last=False)
+            del self._by_name[old_name]
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
+class Negotiator:
+    """The replicated message table and the decision function (see module docstring)."""
+
+    def __init__(self, size: int, process_sets: dict[int, list[int]], fusion_threshold_bytes: int,
+                 cache_capacity: int) -> None:
+        self.size = size
+        self.process_sets = process_sets
+        self.fusion_threshold_bytes = fusion_threshold_bytes
+        self.cache = ResponseCache(cache_capacity)
+        self.entries: dict[str, _Entry] = {}
+        self.joined: dict[int, dict[int, int]] = {}  # ps -> rank -> round joined
+        self.shutdown: set[int] = set()
+        self._ps_requests: dict[tuple[str, tuple[int, ...]], set[int]] = {}
+        self._next_ps_id = max(process_sets) + 1 if process_sets else 1
+        self.round = 0
+
+    # -- building my message -------------------------------------------------------
+    def encode_announcement(self, rank: int, name: str, raw_meta: list[Any]) -> Any:
+        cid = self.cache.lookup(name, rank, raw_meta)
+        return cid if cid is not None else [name, raw_meta]
+
+    # -- applying a round ------------------------------------------------------------
+    def apply_round(self, messages: list[dict[str, Any]]) -> list[Response]:
+        """Apply every rank's message of this round (index = rank); return responses."""
+        self.round += 1
+        out: list[Response] = []
+        # Expand cache ids against the state at the start of the round, before any update.
+        expanded: list[list[tuple[str, list[Any]]]] = []
+        for rank, msg in enumerate(messages):
+            items: list[tuple[str, list[Any]]] = []
+            for ann in msg.get("a", ()):
+                if isinstance(ann, int):
+                    items.append(self.cache.expand(ann, rank))
+                elif isinstance(ann, list) and len(ann) == 2 and isinstance(ann[0], str):
+                    items.append((ann[0], ann[1]))
+                else:
+                    raise ProtocolError(f"malformed announcement from rank {rank}")
+            expanded.append(items)
+        for rank, items in enumerate(expanded):
+            for idx, (name, raw) in enumerate(items):
+                meta = Meta(raw)
+                entry = self.entries.get(name)
+                if entry is None:
+                    entry = self.entries[name] = _Entry(name, (self.round, rank, idx))
+                if rank in entry.metas:
+                    out.append(self._error_response(
+                        entry, f"rank {rank} submitted {name!r} twice before it completed; "
+                        "give each in-flight collective a unique name", "duplicate"))
+                    continue
+                entry.metas[rank] = meta
+        for rank, msg in enumerate(messages):
+            for ps_id in msg.get("j", ()):
+                self.joined.setdefault(int(ps_id), {})[rank] = self.round
+            if msg.get("s"):
+                self.shutdown.add(rank)
+            for req in msg.get("ps", ()):
+                out.extend(self._process_set_request(rank, req))
+        out.extend(self._decide())
+        out.extend(self._joins_complete())
+        return out
+
+    def abort(self, names: Iterable[str], message: str, error_type: str) -> list[Response]:
+        """Fail the named pending entries on every rank (used by the stall inspector)."""
+        out = []
+        for name in names:
+            entry = self.entries.get(name)
+            if entry is not None:
+                out.append(self._error_response(entry, message, error_type))
+        return out
+
+    # -- internals ---------------------------------------------------------------------
+    def _members(self, ps_id: int) -> list[int]:
+        members = self.process_sets.get(ps_id)
+        if members is None:
+            raise RondeError(f"unknown process set id {ps_id}")
+        return members
+
+    def _error_response(self, entry: _Entry, message: str, error_type: str) -> Response:
+        self.entries.pop(entry.name, None)
+        any_meta = next(iter(entry.metas.values()), None)
+        kind = any_meta.kind if any_meta else Kind.ALLREDUCE
+        ps_id = any_meta.ps_id if any_meta else 0
+        return Response(kind, ps_id, [entry.name], [dict(entry.metas)], error=message,
+                        error_type=error_type)
+
+    def _decide(self) -> list[Response]:
+        ready: list[tuple[tuple[int, int, int], Response]] = []
+        for entry in list(self.entries.values()):
+            first = next(iter(entry.metas.values()))
+            if first.ps_id not in self.process_sets:
+                ready.append((entry.order, self._error_response(
+                    entry, f"{entry.name!r} uses process set {first.ps_id}, which is not "
+                    "registered (or was removed); register it on every rank with "
+                    "add_process_set()", "mismatch")))
+                continue
+            members = self.process_sets[first.ps_id]
+            joined = self.joined.get(first.ps_id, {})
+            missing = [r for r in members if r not in entry.metas and r not in joined]
+            if missing:
+                gone = [r for r in missing if r in self.shutdown]
+                if gone:
+                    ready.append((entry.order, self._error_response(
+                        entry, f"{KIND_NAMES[first.kind]} {entry.name!r}: rank(s) "
+                        f"{_ranks(gone)} shut down without submitting it", "shutdown")))
+                continue
+            joined_here = frozenset(r for r in members if r not in entry.metas)
+            error = self._validate(entry, members, joined_here)
+            if error is not None:
+                ready.append((entry.order, self._error_response(entry, error[0], error[1])))
+                continue
+            del self.entries[entry.name]
+            self.cache.put(entry.name, {r: _raw(m) for r, m in entry.metas.items()})
+            ready.append((entry.order, Response(first.kind, first.ps_id, [entry.name],
+                                                [dict(entry.metas)], joined=joined_here)))
+        ready.sort(key=lambda item: item[0])
+        return self._fuse([resp for _, resp in ready])
+
+    def _validate(self, entry: _Entry, members: list[int],
+                  joined: frozenset[int]) -> tuple[str, str] | None:
+        metas = entry.metas
+        ranks = sorted(metas)
+        first = metas[ranks[0]]
+        what = f"{KIND_NAMES[first.kind]} {entry.name!r}"
+
+        def differs(label: str, value_of: Any, fix: str) -> tuple[str, str] | None:
+            groups: dict[Any, list[int]] = {}
+            for r in ranks:
+                groups.setdefault(value_of(metas[r]), []).append(r)
+            if len(groups) <= 1:
+                return None
+            parts = [f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)} sent {shown}"
+                     for shown, rs in sorted(groups.items(), key=lambda kv: kv[1][0])]
+            return f"{what}: {label} differs across ranks: {'; '.join(parts)}; {fix}", "mismatch"
+
+        kinds = differs("the operation", lambda m: KIND_NAMES[m.kind],
+                        "every rank must call the same collective for the same name")
+        if kinds:
+            return kinds
+        if joined and first.kind != Kind.ALLREDUCE:
+            return (f"{what}: rank(s) {_ranks(sorted(joined))} already called join(); after a "
+                    "join only allreduce is supported until every rank has joined", "joined")
+        checks: list[tuple[str, Any, str]] = [
+            ("dtype", lambda m: m.dtype, "cast the tensor to one dtype on all ranks"),
+            ("process set", lambda m: m.ps_id, "pass the same process_set on all ranks"),
+        ]
+        if first.kind in (Kind.ALLREDUCE, Kind.BROADCAST, Kind.REDUCESCATTER):
+            checks.append(("the shape", lambda m: m.describe(),
+                           "every rank must pass a tensor of the same shape"))
+        if first.kind in (Kind.ALLGATHER, Kind.ALLTOALL):
+            checks.append(("the trailing shape", lambda m: describe(m.dtype, ("*",) + m.shape[1:]),
+                           "only the first dimension may differ across ranks"))
+        if first.kind in (Kind.ALLREDUCE, Kind.REDUCESCATTER):
+            checks.append(("the reduction op", lambda m: _op_name(m.op),
+                           "pass the same op on all ranks"))
+            checks.append(("the scale factors", lambda m: f"prescale={m.prescale:g}, "
+                           f"postscale={m.postscale:g}", "pass the same factors on all ranks"))
+        if first.kind == Kind.BROADCAST:
+            checks.append(("root_rank", lambda m: m.root, "pass the same root_rank on all ranks"))
+        if first.kind == Kind.ALLTOALL:
+            checks.append(("whether splits are given", lambda m: m.splits is None,
+                           "pass splits on every rank or on none"))
+        for label, fn, fix in checks:
+            found = differs(label, fn, fix)
+            if found:
+                return found
+        if first.kind == Kind.BROADCAST and first.root not in members:
+            return (f"{what}: root_rank {first.root} is not a member of the process set "
+                    f"{members}", "mismatch")
+        if first.kind == Kind.ALLTOALL:
+            for r in ranks:
+                splits = metas[r].splits
+                if splits is not None and len(splits) != len(members):
+                    return (f"{what}: rank {r} passed {len(splits)} splits for a process set "
+                            f"of {len(members)} ranks", "mismatch")
+        return None
+
+    def _fuse(self, responses: list[Response]) -> list[Response]:
+        """Pack consecutive-compatible allreduces into one response, up to the threshold."""
+        out: list[Response] = []
+        open_groups: dict[tuple[Any, ...], Response] = {}
+        sizes: dict[tuple[Any, ...], int] = {}
+        for resp in responses:
+            if resp.kind != Kind.ALLREDUCE or resp.error or self.fusion_threshold_bytes <= 0:
+                out.append(resp)
+                continue
+            meta = next(iter(resp.metas[0].values()))
+            key = (resp.ps_id, meta.dtype, meta.op, meta.prescale, meta.postscale, resp.joined)
+            nbytes = meta.nbytes
+            group = open_groups.get(key)
+            if group is not None and sizes[key] + nbytes <= self.fusion_threshold_bytes:
+                group.names.extend(resp.names)
+                group.metas.extend(resp.metas)
+                sizes[key] += nbytes
+                continue
+            open_groups[key] = resp
+            sizes[key] = nbytes
+            out.append(resp)
+        return out
+
+    def _joins_complete(self) -> list[Response]:
+        out = []
+        for ps_id, joined in list(self.joined.items()):
+            members = self.process_sets.get(ps_id, [])
+            if members and all(r in joined for r in members):
+                last_round = max(joined.values())
+                last = max(r for r, rnd in joined.items() if rnd == last_round)
+                del self.joined[ps_id]
+                out.append(Response(Kind.JOIN, ps_id, [f"join.{ps_id}"], [{}], value=last))
+        return out
+
+    def _process_set_request(self, rank: int, req: Any) -> list[Response]:
+        if not (isinstance(req, list) and len(req) == 2 and req[0] in ("add", "remove")):
+            raise ProtocolError(f"malformed process-set request from rank {rank}")
+        action, arg = req
+        key = (action, tuple(sorted(int(r) for r in arg)) if action == "add" else (int(arg),))
+        voters = self._ps_requests.setdefault(key, set())
+        voters.add(rank)
+        if len(voters) < self.size:
+            return []
+        del self._ps_requests[key]
+        if action == "add":
+            ranks = list(key[1])
+            for ps_id, members in self.process_sets.items():
+                if members == ranks:
+                    return [Response(Kind.BARRIER, 0, [f"process_set.add.{ranks}"], [{}],
+                                     error=f"a process set with ranks {ranks} already exists "
+                                     f"(id {ps_id})", error_type="process_set")]
+            ps_id = self._next_ps_id
+            self._next_ps_id += 1
+            self.process_sets[ps_id] = ranks
+            return [Response(Kind.BARRIER, 0, [f"process_set.add.{ranks}"], [{}],
+                             value=("add", ps_id, ranks))]
+        ps_id = key[1][0]
+        name = f"process_set.remove.{ps_id}"
+        if ps_id == 0 or ps_id not in self.process_sets:
+            return [Response(Kind.BARRIER, 0, [name], [{}], error=f"cannot remove process set "
+                             f"{ps_id}: it is the global set or not registered",
+                             error_type="process_set")]
+        del self.process_sets[ps_id]
+        return [Response(Kind.BARRIER, 0, [name], [{}], value=("remove", ps_id, []))]
+
+    def stalled(self, older_than_s: float) -> list[tuple[str, list[int], list[int], float]]:
+        """Pending entries older than the limit: (name, ready ranks, missing ranks, age)."""
+        now = time.monotonic()
+        out = []
+        for entry in self.entries.values():
+            age = now - entry.first_seen
+            if age < older_than_s:
+                continue
+            first = next(iter(entry.metas.values()))
+            members = self.process_sets.get(first.ps_id, [])
+            joined = self.joined.get(first.ps_id, {})
+            ready = sorted(entry.metas)
+            missing = [r for r in members if r not in entry.metas and r not in joined]
+            out.append((entry.name, ready, missing, age))
+        return out
+
+
+def _raw(meta: Meta) -> list[Any]:
+    return [int(meta.kind), meta.ps_id, meta.dtype, list(meta.shape), meta.op, meta.root,
+            meta.prescale, meta.postscale, None if meta.splits is None else list(meta.splits)]
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def _op_name(op: int) -> str:
+    from ..collectives.ops import ReduceOp
+
+    try:
+        return ReduceOp(op).name.capitalize()
+    except ValueError:
+        return str(op)

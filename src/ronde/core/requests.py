@@ -1,0 +1,220 @@
+"""Requests and handles: what a collective call puts into the engine.
+
+A framework binding (or the numpy facade) turns each call into a
+:class:`Request`: the tensor's bytes as a contiguous numpy array plus its
+metadata. The metadata travels to every rank during negotiation (as a short JSON
+list, see :meth:`Request.meta`), so that ranks can check they agree before any
+data moves. The caller gets a :class:`Handle` back at once.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .._errors import RondeError
+
+
+class Kind(enum.IntEnum):
+    ALLREDUCE = 0
+    ALLGATHER = 1
+    BROADCAST = 2
+    ALLTOALL = 3
+    REDUCESCATTER = 4
+    BARRIER = 5
+    JOIN = 6
+
+
+KIND_NAMES = {k: k.name.lower() for k in Kind}
+
+#: Allocates the output of a request once its shape is known: ``(shape, dtype) -> array``.
+Allocator = Callable[[tuple[int, ...], np.dtype], np.ndarray]
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    return str(np.dtype(dtype))
+
+
+def resolve_dtype(name: str) -> np.dtype:
+    """Turn a dtype name from the wire back into a numpy dtype (bfloat16 via ml_dtypes)."""
+    if name == "bfloat16":
+        import ml_dtypes  # optional; only reached when a peer sent bfloat16
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def describe(dtype: str, shape: Sequence[int]) -> str:
+    return f"{dtype}[{', '.join(map(str, shape))}]"
+
+
+class Handle:
+    """The pending result of an asynchronous collective.
+
+    ``poll()`` says whether it finished; ``wait()`` blocks until it did and returns
+    the result (or raises the error every rank saw).
+    """
+
+    __slots__ = ("_event", "_result", "_error", "name", "_callbacks")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._event = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[["Handle"], None]] | None = None
+
+    def poll(self) -> bool:
+        """True once the operation finished (successfully or not)."""
+        return self._event.is_set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until finished; return the result or raise its error."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"collective {self.name!r} did not finish within {timeout}s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def exception(self) -> BaseException | None:
+        self._event.wait()
+        return self._error
+
+    def _set_result(self, value: Any) -> None:
+        self._result = value
+        self._event.set()
+        self._run_callbacks()
+
+    def _set_error(self, error: BaseException) -> None:
+        if self._event.is_set():
+            return
+        self._error = error
+        self._event.set()
+        self._run_callbacks()
+
+    def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
+        """Call ``fn(handle)`` when finished (from the engine thread; keep it short)."""
+        if self._event.is_set():
+            fn(self)
+            return
+        if self._callbacks is None:
+            self._callbacks = []
+        self._callbacks.append(fn)
+        if self._event.is_set() and self._callbacks:  # finished meanwhile
+            self._run_callbacks()
+
+    def _run_callbacks(self) -> None:
+        callbacks, self._callbacks = self._callbacks, None
+        for fn in callbacks or ():
+            try:
+                fn(self)
+            except Exception:  # noqa: BLE001 - a callback must not kill the engine
+                import logging
+
+                logging.getLogger(__name__).exception("done-callback of %r failed", self.name)
+
+    def __repr__(self) -> str:
+        return f"<Handle {self.name!r} {'done' if self.poll() else 'pending'}>"
+
+
+class Request:
+    """One collective call on one rank, as the engine sees it."""
+
+    __slots__ = ("kind", "name", "array", "out", "alloc", "op", "root", "prescale",
+                 "postscale", "splits", "ps_id", "handle", "finish", "dtype", "shape")
+
+    def __init__(
+        self,
+        kind: Kind,
+        name: str,
+        array: np.ndarray | None,
+        *,
+        ps_id: int = 0,
+        op: int = 0,
+        root: int = -1,
+        prescale: float = 1.0,
+        postscale: float = 1.0,
+        splits: Sequence[int] | None = None,
+        out: np.ndarray | None = None,
+        alloc: Allocator | None = None,
+        finish: Callable[["Request", Any], Any] | None = None,
+    ) -> None:
+        self.kind = kind
+        self.name = name
+        self.array = array
+        self.out = out
+        self.alloc = alloc
+        self.op = int(op)
+        self.root = root
+        self.prescale = float(prescale)
+        self.postscale = float(postscale)
+        self.splits = None if splits is None else [int(s) for s in splits]
+        self.ps_id = ps_id
+        self.handle = Handle(name)
+        #: turns the engine's raw result into what the caller gets back
+        self.finish = finish
+        if array is not None:
+            self.dtype = dtype_name(array.dtype)
+            self.shape = tuple(int(d) for d in array.shape)
+        else:
+            self.dtype, self.shape = "uint8", (0,)
+
+    def meta(self) -> list[Any]:
+        """The metadata every rank must agree on (plus per-rank sizes), for the wire."""
+        return [int(self.kind), self.ps_id, self.dtype, list(self.shape), self.op, self.root,
+                self.prescale, self.postscale, self.splits]
+
+    def allocate(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        if self.alloc is not None:
+            return self.alloc(shape, dtype)
+        return np.empty(shape, dtype=dtype)
+
+    def complete(self, value: Any) -> None:
+        if self.finish is not None:
+            try:
+                value = self.finish(self, value)
+            except BaseException as exc:  # noqa: BLE001 - report to the caller
+                self.handle._set_error(exc)
+                return
+        self.handle._set_result(value)
+
+    def fail(self, error: BaseException) -> None:
+        self.handle._set_error(error)
+
+
+class Meta:
+    """Decoded metadata of one rank's request (see :meth:`Request.meta`)."""
+
+    __slots__ = ("kind", "ps_id", "dtype", "shape", "op", "root", "prescale", "postscale",
+                 "splits")
+
+    def __init__(self, raw: Sequence[Any]) -> None:
+        if not isinstance(raw, (list, tuple)) or len(raw) != 9:
+            raise RondeError("malformed request metadata from a peer")
+        kind, ps_id, dtype, shape, op, root, pre, post, splits = raw
+        self.kind = Kind(int(kind))
+        self.ps_id = int(ps_id)
+        self.dtype = str(dtype)
+        self.shape = tuple(int(d) for d in shape)
+        self.op = int(op)
+        self.root = int(root)
+        self.prescale = float(pre)
+        self.postscale = float(post)
+        self.splits = None if splits is None else tuple(int(s) for s in splits)
+
+    def key(self) -> tuple[Any, ...]:
+        return (self.kind, self.ps_id, self.dtype, self.shape, self.op, self.root,
+                self.prescale, self.postscale, self.splits)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * resolve_dtype(self.dtype).itemsize
+
+    def describe(self) -> str:
+        return describe(self.dtype, self.shape)

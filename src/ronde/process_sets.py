@@ -1,0 +1,57 @@
+"""Process sets: collectives among a subset of ranks.
+
+A :class:`ProcessSet` names some ranks; once registered (``init(process_sets=...)``
+or :func:`ronde.add_process_set`, a collective over all ranks) every collective
+accepts it as ``process_set=``. Collectives on disjoint sets run independently:
+negotiation is global, so all ranks agree on one order, but each rank only moves
+data for the sets it belongs to.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+_registered: dict[int, "ProcessSet"] = {}
+
+
+class ProcessSet:
+    """A group of ranks that can run collectives among themselves."""
+
+    def __init__(self, ranks: Sequence[int] | None = None) -> None:
+        self.ranks: list[int] | None = None if ranks is None else sorted(int(r) for r in ranks)
+        self.process_set_id: int | None = None
+        self._my_rank = -1
+
+    def _bind(self, ps_id: int, ranks: list[int], my_rank: int) -> None:
+        self.process_set_id = ps_id
+        self.ranks = list(ranks)
+        self._my_rank = my_rank
+        _registered[ps_id] = self
+
+    def _unbind(self) -> None:
+        if self.process_set_id is not None:
+            _registered.pop(self.process_set_id, None)
+        self.process_set_id = None
+
+    def size(self) -> int:
+        """Number of ranks in the set."""
+        if self.ranks is None:
+            raise ValueError("the global process set is sized by ronde.init()")
+        return len(self.ranks)
+
+    def rank(self) -> int:
+        """This process's index in the set, or -1 when it is not a member."""
+        if self.ranks is None or self._my_rank not in self.ranks:
+            return -1
+        return self.ranks.index(self._my_rank)
+
+    def included(self) -> bool:
+        """True when this process is a member."""
+        return self.ranks is not None and self._my_rank in self.ranks
+
+    def __repr__(self) -> str:
+        return f"ProcessSet(ranks={self.ranks}, id={self.process_set_id})"
+
+
+#: Every rank; the default ``process_set`` of every collective.
+global_process_set = ProcessSet()

@@ -1,0 +1,478 @@
+"""Start the workers of one job, relay their output, and stop them all on the first failure.
+
+:func:`run` is the Python API behind ``ronderun``. It resolves the rank layout
+(:mod:`ronde.runner.hosts`), starts a :class:`~ronde.runner.rendezvous.RendezvousServer`
+with a fresh per-job secret, starts one process per rank (local ranks directly, in
+their own process group; remote ranks through the remote shell, ``ssh`` by default),
+and prefixes every output line with the rank. As soon as one worker exits non-zero,
+the others are stopped (SIGTERM to each process group, SIGKILL after a grace period)
+and the job's exit code is the *first* failure's: the earliest rank that reported a
+primary failure to the rendezvous service, else the earliest non-zero exit.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import queue
+import secrets
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Any, Mapping, Sequence
+
+from .._errors import ConfigError
+from .env import worker_env_vars
+from .hosts import RankSlot, is_local, layout
+from .rendezvous import RendezvousServer
+
+log = logging.getLogger(__name__)
+
+#: Seconds between SIGTERM and SIGKILL when stopping workers.
+GRACE_S = 3.0
+#: stderr lines kept per rank for the failure summary.
+TAIL_LINES = 50
+DEFAULT_REMOTE_SHELL = "ssh -o BatchMode=yes -o StrictHostKeyChecking=no {host}"
+_PARTIAL_LINE_LIMIT = 1 << 16
+
+
+@dataclasses.dataclass
+class LaunchResult:
+    """How a job ended.
+
+    Attributes:
+        returncode: the launcher's exit code: 0, the first failed rank's code (a signal
+            death ``-N`` maps to ``128+N``), 124 on ``timeout_s``, 130/143 when the
+            launcher got SIGINT/SIGTERM.
+        first_failed_rank: the rank that failed first, or None.
+        exit_codes: each rank's raw exit status (negative: killed by that signal;
+            None: never started).
+        cause: one line saying why the job ended.
+        summary: the summary text printed to stderr at the end ("" on success).
+    """
+
+    returncode: int
+    first_failed_rank: int | None
+    exit_codes: list[int | None]
+    cause: str
+    summary: str = ""
+
+
+def _describe_status(code: int | None) -> str:
+    if code is None:
+        return "did not start"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by signal {name}"
+    return f"exit code {code}"
+
+
+def _shell_code(code: int) -> int:
+    return 128 - code if code < 0 else code
+
+
+class _Worker:
+    """One rank's process, its output pumps and its exit status."""
+
+    def __init__(self, slot: RankSlot, argv: list[str], env: dict[str, str],
+                 shown: list[str]) -> None:
+        self.slot = slot
+        self.argv = argv
+        self.env = env
+        self.shown = shown  # the command as --verbose prints it
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.returncode: int | None = None
+        self.exit_time: float | None = None
+        self.signalled = False  # the launcher asked it to stop
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.threads: list[threading.Thread] = []
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.returncode is None
+
+    def killpg(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class _Job:
+    def __init__(self, workers: list[_Worker], stdout: IO[str], stderr: IO[str],
+                 output_dir: str | None, timeout_s: float | None,
+                 server: RendezvousServer) -> None:
+        self.workers = workers
+        self.stdout, self.stderr = stdout, stderr
+        self.output_dir = output_dir
+        self.timeout_s = timeout_s
+        self.server = server
+        self.events: queue.Queue[tuple[int, int, float]] = queue.Queue()
+        self.out_lock = threading.Lock()
+        self.signals: list[int] = []
+
+    # -- output ------------------------------------------------------------------
+    def _emit(self, stream: IO[str], prefix: str, data: bytes, w: _Worker | None) -> None:
+        text = data.decode("utf-8", errors="replace")
+        if text.endswith("\r"):
+            text = text[:-1]
+        if w is not None:
+            w.tail.append(text)
+        line = f"{prefix}{text}\n"
+        with self.out_lock:
+            try:
+                stream.write(line)
+                stream.flush()
+            except UnicodeEncodeError:
+                enc = getattr(stream, "encoding", None) or "ascii"
+                stream.write(line.encode(enc, "replace").decode(enc))
+                stream.flush()
+            except (OSError, ValueError):  # closed or broken stream: keep draining the pipe
+                pass
+
+    def _pump(self, w: _Worker, pipe: IO[bytes], kind: str) -> None:
+        stream = self.stdout if kind == "stdout" else self.stderr
+        prefix = f"[{w.slot.rank}]<{kind}>:"
+        tail_owner = w if kind == "stderr" else None
+        copy = None
+        if self.output_dir is not None:
+            path = os.path.join(self.output_dir, f"rank.{w.slot.rank}", kind)
+            try:
+                copy = open(path, "wb")
+            except OSError as exc:  # keep relaying (and draining the pipe) regardless
+                log.warning("cannot write %s: %s", path, exc)
+        buf = b""
+        try:
+            while True:
+                chunk = os.read(pipe.fileno(), 65536)
+                if not chunk:
+                    break
+                if copy is not None:
+                    copy.write(chunk)
+                    copy.flush()
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                if len(buf) > _PARTIAL_LINE_LIMIT:  # a huge line without newline
+                    lines.append(buf)
+                    buf = b""
+                for line in lines:
+                    self._emit(stream, prefix, line, tail_owner)
+            if buf:
+                self._emit(stream, prefix, buf, tail_owner)
+        except OSError:
+            pass
+        finally:
+            pipe.close()
+            if copy is not None:
+                copy.close()
+
+    # -- processes ---------------------------------------------------------------
+    def _wait(self, w: _Worker) -> None:
+        assert w.proc is not None
+        code = w.proc.wait()
+        self.events.put((w.slot.rank, code, time.monotonic()))
+
+    def _spawn(self, w: _Worker) -> None:
+        try:
+            w.proc = subprocess.Popen(
+                w.argv, env=w.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, start_new_session=True)
+        except OSError as exc:
+            msg = f"ronderun: cannot start rank {w.slot.rank} ({shlex.join(w.argv[:1])}): {exc}"
+            self._emit(self.stderr, f"[{w.slot.rank}]<stderr>:", msg.encode(), w)
+            w.returncode, w.exit_time = 127, time.monotonic()
+            self.events.put((w.slot.rank, 127, w.exit_time))
+            return
+        assert w.proc.stdout is not None and w.proc.stderr is not None
+        for target, args, name in ((self._pump, (w, w.proc.stdout, "stdout"), "out"),
+                                   (self._pump, (w, w.proc.stderr, "stderr"), "err"),
+                                   (self._wait, (w,), "wait")):
+            t = threading.Thread(target=target, args=args, daemon=True,
+                                 name=f"ronderun-{name}-{w.slot.rank}")
+            t.start()
+            w.threads.append(t)
+
+    def _record(self, block_s: float) -> None:
+        try:
+            rank, code, when = self.events.get(timeout=block_s)
+        except queue.Empty:
+            return
+        w = self.workers[rank]
+        w.returncode, w.exit_time = code, when
+        if w.signalled or code != 0:
+            w.killpg(signal.SIGKILL)  # leftovers of a stopped or failed worker's group
+
+    def _stop_all(self) -> None:
+        """SIGTERM every live worker's group, SIGKILL after the grace period."""
+        for w in self.workers:
+            if w.alive:
+                w.signalled = True
+                w.killpg(signal.SIGTERM)
+        n_signals = len(self.signals)
+        deadline = time.monotonic() + GRACE_S
+        while any(w.alive for w in self.workers) and time.monotonic() < deadline:
+            if len(self.signals) > n_signals:  # a second Ctrl-C: do not wait any longer
+                break
+            self._record(0.05)
+        self._kill_all()
+
+    def _kill_all(self) -> None:
+        for w in self.workers:
+            if w.alive:
+                w.signalled = True
+                w.killpg(signal.SIGKILL)
+        deadline = time.monotonic() + 10.0
+        while any(w.alive for w in self.workers) and time.monotonic() < deadline:
+            self._record(0.05)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.signals.append(signum)
+
+    # -- the job -----------------------------------------------------------------
+    def run(self) -> LaunchResult:
+        restore: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                restore[signum] = signal.signal(signum, self._on_signal)
+        reason = ""
+        start = time.monotonic()
+        try:
+            for w in self.workers:
+                self._spawn(w)
+                if self.signals:
+                    break
+            while True:
+                self._record(0.1)
+                if self.signals:
+                    reason = "signal"
+                elif any(w.returncode not in (None, 0) for w in self.workers):
+                    reason = "failure"
+                elif all(w.returncode is not None for w in self.workers):
+                    reason = "done"
+                elif self.timeout_s is not None and time.monotonic() - start > self.timeout_s:
+                    reason = "timeout"
+                if reason:
+                    break
+            running = [w.slot.rank for w in self.workers if w.alive]
+            if reason != "done":
+                self._stop_all()
+        finally:
+            self._kill_all()  # never leave a worker behind, whatever happened above
+            for num, old in restore.items():
+                signal.signal(num, old)
+        for w in self.workers:
+            for t in w.threads:
+                t.join(timeout=2.0)
+        return self._result(reason, running)
+
+    def _first_failure(self) -> tuple[_Worker | None, str]:
+        primary = [f for f in list(self.server.failures)
+                   if not f.get("secondary") and isinstance(f.get("rank"), int)
+                   and 0 <= f["rank"] < len(self.workers)]
+        if primary:
+            first = min(primary, key=lambda f: f.get("time", 0.0))
+            return self.workers[first["rank"]], str(first.get("message", ""))
+        failed = [w for w in self.workers if w.returncode not in (None, 0) and not w.signalled]
+        if not failed:
+            failed = [w for w in self.workers if w.returncode not in (None, 0)]
+        if not failed:
+            return None, ""
+        return min(failed, key=lambda w: (w.exit_time or 0.0, w.slot.rank)), ""
+
+    def _result(self, reason: str, running: list[int]) -> LaunchResult:
+        codes = [w.returncode for w in self.workers]
+        if reason == "done":
+            return LaunchResult(0, None, codes, "all ranks exited with code 0")
+        if reason == "signal":
+            sig = self.signals[0]
+            code = 130 if sig == signal.SIGINT else 128 + sig
+            cause = (f"interrupted by {signal.Signals(sig).name}; stopped rank(s) "
+                     f"{_ranks(running) or 'none'}")
+            return self._finish(LaunchResult(code, None, codes, cause), [f"ronderun: {cause}"])
+        if reason == "timeout":
+            cause = (f"job timed out after {self.timeout_s:g}s (--timeout); killed the ranks "
+                     f"still running: {_ranks(running) or 'none'}")
+            return self._finish(LaunchResult(124, None, codes, cause), [f"ronderun: {cause}"])
+        first, message = self._first_failure()
+        assert first is not None
+        raw = first.returncode if first.returncode is not None else 1
+        code = _shell_code(raw) or 1
+        status = _describe_status(raw)
+        verb = "failed first with" if raw >= 0 else "failed first: it"
+        cause = f"rank {first.slot.rank} (host {first.slot.host}) {verb} {status}"
+        lines = [f"ronderun: {cause}"]
+        detail = list(first.tail) or (message.splitlines() if message else [])
+        if detail:
+            lines.append(f"ronderun: last stderr lines of rank {first.slot.rank}:")
+            lines.extend(f"    {line}" for line in detail)
+        others = []
+        for w in self.workers:
+            if w is first or w.returncode in (0, None):
+                continue
+            how = ("stopped by ronderun" if w.signalled
+                   else f"failed afterwards ({_describe_status(w.returncode)})")
+            others.append(f"{w.slot.rank} {how}")
+        lines.append("ronderun: other ranks: " + ("; ".join(others) if others else
+                                                  "none failed or needed stopping"))
+        return self._finish(LaunchResult(code, first.slot.rank, codes, cause), lines)
+
+    def _finish(self, result: LaunchResult, lines: list[str]) -> LaunchResult:
+        result.summary = "\n".join(lines)
+        tty = bool(getattr(self.stderr, "isatty", lambda: False)())
+        if tty:
+            lines = [f"\x1b[1;31m{lines[0]}\x1b[0m", *lines[1:]]
+        with self.out_lock:
+            try:
+                self.stderr.write("\n".join(lines) + "\n")
+                self.stderr.flush()
+            except (OSError, ValueError):
+                pass
+        return result
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def _route_address(host: str) -> str:
+    """The address of this machine that routes to ``host`` (UDP connect sends nothing)."""
+    try:
+        infos = socket.getaddrinfo(host, 9, socket.AF_INET, socket.SOCK_DGRAM)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(infos[0][4])
+            return str(s.getsockname()[0])
+    except OSError:
+        pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        log.warning("cannot find an address of this machine that %s can reach; "
+                    "telling workers 127.0.0.1 (set RONDE_BIND_ADDR)", host)
+        return "127.0.0.1"
+
+
+def _remote_argv(host: str, command: Sequence[str], variables: Mapping[str, str],
+                 ssh_port: int | None, ssh_identity: str | None) -> list[str]:
+    template = os.environ.get("RONDE_REMOTE_SHELL")
+    if not template:
+        template = DEFAULT_REMOTE_SHELL
+        if ssh_port is not None:
+            template = template.replace(" {host}", f" -p {int(ssh_port)} {{host}}")
+        if ssh_identity:
+            template = template.replace(" {host}", f" -i {shlex.quote(ssh_identity)} {{host}}")
+    assigns = " ".join(shlex.quote(f"{k}={v}") for k, v in variables.items())
+    remote = f"cd {shlex.quote(os.getcwd())} && env {assigns} {shlex.join(command)}"
+    return [*shlex.split(template.replace("{host}", host)), remote]
+
+
+def _masked(argv: list[str], secret_hex: str) -> str:
+    return shlex.join(argv).replace(secret_hex, "<secret>")
+
+
+def run(command: Sequence[str], np: int | None, hosts: str | None = None,
+        hostfile: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None,
+        start_timeout_s: float = 30.0, output_dir: str | os.PathLike[str] | None = None,
+        verbose: bool = False, timeout_s: float | None = None, ssh_port: int | None = None,
+        ssh_identity: str | None = None, stdout: IO[str] | None = None,
+        stderr: IO[str] | None = None,
+        extra_worker_env: Mapping[str, str] | None = None) -> LaunchResult:
+    """Run ``command`` as ``np`` ranks and wait for all of them.
+
+    Args:
+        command: the worker command line, e.g. ``["python", "train.py"]``.
+        np: number of ranks; None uses every slot of ``hosts``/``hostfile``.
+        hosts: ``-H`` value (``"host1:2,host2:2"``); without hosts all ranks run here.
+        hostfile: path of a hostfile (``host slots=N`` lines); exclusive with ``hosts``.
+        env: variables set for every worker, local and remote (``ronderun -x``).
+        start_timeout_s: how long ranks may take to reach the rendezvous.
+        output_dir: if set, each rank's raw output also goes to
+            ``output_dir/rank.<N>/stdout`` and ``.../stderr``.
+        verbose: print the rank layout and the worker commands to ``stderr`` at start.
+        timeout_s: wall-clock limit for the whole job; on expiry all ranks are killed
+            and the return code is 124.
+        ssh_port: port for the default ssh remote shell.
+        ssh_identity: identity file for the default ssh remote shell.
+        stdout: where prefixed worker stdout goes (default: ``sys.stdout`` at call time).
+        stderr: where prefixed worker stderr and the summary go (default ``sys.stderr``).
+        extra_worker_env: more variables for every worker, applied after ``env``.
+
+    Returns:
+        A :class:`LaunchResult`; its ``returncode`` is what ``ronderun`` exits with.
+
+    Raises:
+        ConfigError: on an empty command or a bad host specification.
+    """
+    stdout = sys.stdout if stdout is None else stdout
+    stderr = sys.stderr if stderr is None else stderr
+    command = list(command)
+    if not command:
+        raise ConfigError("no command given; write e.g. ronderun -np 2 python train.py")
+    slots = layout(np, hosts, hostfile)
+    local = {s.host: is_local(s.host) for s in slots}
+    all_local = all(local.values())
+    bind_env = os.environ.get("RONDE_BIND_ADDR", "")
+    bind = "127.0.0.1" if all_local else (bind_env or "0.0.0.0")
+    secret = secrets.token_bytes(32)
+    job_id = f"ronde-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        server = RendezvousServer(len(slots), secret, host=bind, start_timeout_s=start_timeout_s)
+    except OSError as exc:
+        raise ConfigError(f"the rendezvous service cannot listen on {bind}: {exc.strerror}; "
+                          "check --bind-addr / RONDE_BIND_ADDR") from None
+    try:
+        server.start()
+        if all_local:
+            advertise = "127.0.0.1"
+        elif bind_env and bind_env not in ("0.0.0.0", "::"):
+            advertise = bind_env
+        else:
+            advertise = _route_address(next(h for h, loc in local.items() if not loc))
+        workers = []
+        for s in slots:
+            variables = worker_env_vars(
+                rank=s.rank, size=len(slots), local_rank=s.local_rank, local_size=s.local_size,
+                cross_rank=s.cross_rank, cross_size=s.cross_size, host=s.host,
+                rendezvous=(advertise, server.port), secret=secret, job_id=job_id)
+            variables["PYTHONUNBUFFERED"] = "1"
+            variables.update(env or {})
+            variables.update(extra_worker_env or {})
+            variables["RONDE_START_TIMEOUT"] = f"{start_timeout_s:g}"
+            if local[s.host]:
+                shown = ["env", *(f"{k}={v}" for k, v in variables.items()), *command]
+                workers.append(_Worker(s, command, {**os.environ, **variables}, shown))
+            else:
+                argv = _remote_argv(s.host, command, variables, ssh_port, ssh_identity)
+                workers.append(_Worker(s, argv, dict(os.environ), argv))
+        if verbose:
+            lines = [f"ronderun: job {job_id}, {len(slots)} rank(s), rendezvous "
+                     f"{advertise}:{server.port} (bound to {bind})"]
+            for w in workers:
+                s = w.slot
+                how = "local" if local[s.host] else "remote"
+                lines.append(f"ronderun: rank {s.rank} on {s.host} ({how}): local "
+                             f"{s.local_rank}/{s.local_size}, cross {s.cross_rank}/{s.cross_size}")
+                lines.append(f"ronderun:   {_masked(w.shown, secret.hex())}")
+            stderr.write("\n".join(lines) + "\n")
+            stderr.flush()
+        out_dir = os.fspath(output_dir) if output_dir else None
+        try:
+            for s in slots if out_dir is not None else []:
+                os.makedirs(os.path.join(out_dir or "", f"rank.{s.rank}"), exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--output-filename {out_dir}: cannot create the rank "
+                              f"folders there ({exc.strerror})") from None
+        job = _Job(workers, stdout, stderr, out_dir, timeout_s, server)
+        return job.run()
+    finally:
+        server.close()

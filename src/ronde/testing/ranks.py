@@ -1,0 +1,116 @@
+"""Run a function in N real worker processes: the test tier "real processes".
+
+:func:`run_ranks` starts the function through :func:`ronde.runner.launch.run`,
+exactly as ``ronderun`` would start a script, so the workers get the full worker
+environment and rendezvous. It is public so users can test their own ronde code::
+
+    def check_rank():
+        import ronde
+        ronde.init()
+        return ronde.rank()
+
+    def test_ranks():
+        assert run_ranks(3, check_rank) == [0, 1, 2]
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import tempfile
+from typing import Any, Callable, Mapping
+
+from ..runner import launch
+from . import _child
+
+
+class RanksFailedError(AssertionError):
+    """A rank started by :func:`run_ranks` failed (or the job timed out).
+
+    Attributes:
+        result: the launcher's :class:`~ronde.runner.launch.LaunchResult`.
+        rank: the rank that failed first, or None (timeout, interrupt).
+        rank_traceback: that rank's traceback text, or "".
+    """
+
+    def __init__(self, message: str, result: launch.LaunchResult, rank: int | None,
+                 rank_traceback: str) -> None:
+        super().__init__(message)
+        self.result = result
+        self.rank = rank
+        self.rank_traceback = rank_traceback
+
+
+def _fn_spec(fn: Callable[..., Any]) -> tuple[str, str | None]:
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", None)
+    if not module or not qualname or "<locals>" in qualname or "<lambda>" in qualname:
+        raise TypeError(f"run_ranks needs a module-level function, got {fn!r}; define it at "
+                        "the top level of an importable module")
+    if module == "__main__":
+        raise TypeError(f"run_ranks cannot import {qualname!r} from __main__ in the workers; "
+                        "move it into an importable module")
+    mod = sys.modules.get(module)
+    path = getattr(mod, "__file__", None)
+    return f"{module}:{qualname}", os.path.dirname(os.path.abspath(path)) if path else None
+
+
+def run_ranks(n: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 60.0,
+              env: Mapping[str, str] | None = None, **kwargs: Any) -> list[Any]:
+    """Call ``fn(*args, **kwargs)`` in ``n`` worker processes and return their results.
+
+    Args:
+        n: number of ranks.
+        fn: a module-level function (the workers import it by name).
+        *args: positional arguments for ``fn`` (pickled).
+        timeout_s: wall-clock limit for the whole job.
+        env: extra environment variables for every worker.
+        **kwargs: keyword arguments for ``fn`` (pickled).
+
+    Returns:
+        The return values of ``fn`` in rank order.
+
+    Raises:
+        RanksFailedError: if any rank raised or exited non-zero, or the job timed out;
+            the message holds the launcher's summary and the failing rank's traceback.
+        TypeError: if ``fn`` is not importable by name.
+    """
+    spec, fn_dir = _fn_spec(fn)
+    with tempfile.TemporaryDirectory(prefix="ronde-ranks-") as workdir:
+        with open(os.path.join(workdir, "call.pkl"), "wb") as f:
+            pickle.dump((args, kwargs), f)
+        paths = ([fn_dir] if fn_dir else []) + [p if p else os.getcwd() for p in sys.path]
+        if os.environ.get("PYTHONPATH"):
+            paths.append(os.environ["PYTHONPATH"])
+        extra = {
+            _child.FN_VAR: spec,
+            _child.DIR_VAR: workdir,
+            "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
+        }
+        result = launch.run([sys.executable, "-m", "ronde.testing._child"], n,
+                            env=env, extra_worker_env=extra, timeout_s=timeout_s,
+                            start_timeout_s=min(30.0, timeout_s))
+        if result.returncode != 0:
+            rank = result.first_failed_rank
+            tb = ""
+            if rank is not None:
+                try:
+                    with open(os.path.join(workdir, f"rank.{rank}.err"), encoding="utf-8") as f:
+                        tb = f.read()
+                except OSError:
+                    pass
+            message = f"{n} ranks running {spec}: {result.summary or result.cause}"
+            if tb:
+                message += f"\n\ntraceback of rank {rank}:\n{tb.rstrip()}"
+            raise RanksFailedError(message, result, rank, tb)
+        out = []
+        for rank in range(n):
+            try:
+                with open(os.path.join(workdir, f"rank.{rank}.pkl"), "rb") as f:
+                    out.append(pickle.load(f))
+            except OSError:
+                raise RanksFailedError(
+                    f"rank {rank} exited with code 0 but returned no result from {spec} "
+                    "(did it call os._exit or sys.exit?)", result, rank, "") from None
+        return out

@@ -1,0 +1,321 @@
+"""The shm data plane: collectives among ranks of one host through shared memory.
+
+Each member owns one segment (a file in ``/dev/shm``, mapped by every member): a
+small header of monotonically increasing counters that only the owner writes, and
+a data region. A collective proceeds in *pieces* that fit the data region; for
+each piece the owner copies its input in, bumps ``written``, and peers read what
+they need straight from its segment. Counters are plain int64 stores: on x86-64
+(total store order) a reader that sees a counter also sees the data written before
+it, so no lock is needed. Waits spin briefly, then yield, then sleep, and check the
+engine's abort flag, so a dead peer never leaves a rank spinning.
+
+Allreduce of N bytes among n ranks (per rank): copy in (N), reduce its own block
+of N/n reading every member's block (N read, N/n written), copy the other blocks
+out of their owners' segments (N(n-1)/n): about three passes over the data, two
+when the engine fused straight into the segment (:meth:`staging`). Segment files
+are unlinked as soon as every member has mapped them, so a crash leaves nothing in
+``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+import time
+from typing import Callable
+
+import numpy as np
+
+from .._errors import RendezvousError
+from ..collectives.ops import ReduceOp, reduce_into
+from .base import Communicator
+
+_HEADER_BYTES = 4096
+WRITTEN, REDUCED, DONE = 0, 1, 2
+
+
+def shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _blocks(m: int, n: int) -> list[tuple[int, int]]:
+    base, extra = divmod(m, n)
+    out, lo = [], 0
+    for i in range(n):
+        hi = lo + base + (1 if i < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+class ShmCommunicator(Communicator):
+    """Collectives among the members of one process set that share a host."""
+
+    name = "shm"
+
+    def __init__(self, rank: int, members: list[int], key: str, segment_bytes: int,
+                 aborted: Callable[[], BaseException | None], timeout_s: float = 30.0) -> None:
+        self.members = members
+        self.rank = members.index(rank)
+        self.size = len(members)
+        self.segment_bytes = segment_bytes
+        self._aborted = aborted
+        self._t = 0
+        self._unlinked = False
+        total = _HEADER_BYTES + segment_bytes
+        self._path = os.path.join(shm_dir(), f"ronde-{key}-{rank}")
+        fd = os.open(self._path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, total)
+            self._mine = mmap.mmap(fd, total)
+        finally:
+            os.close(fd)
+        self._maps: list[mmap.mmap] = []
+        self._hdr: list[np.ndarray] = []
+        self._data: list[np.ndarray] = []
+        deadline = time.monotonic() + timeout_s
+        for g in members:
+            mm = self._mine if g == rank else self._open_peer(
+                os.path.join(shm_dir(), f"ronde-{key}-{g}"), total, deadline)
+            self._maps.append(mm)
+            self._hdr.append(np.frombuffer(mm, dtype=np.int64, count=8, offset=0))
+            self._data.append(np.frombuffer(mm, dtype=np.uint8, count=segment_bytes,
+                                            offset=_HEADER_BYTES))
+        self._my_hdr = self._hdr[self.rank]
+
+    @staticmethod
+    def _open_peer(path: str, total: int, deadline: float) -> mmap.mmap:
+        while True:
+            try:
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    if os.fstat(fd).st_size >= total:
+                        return mmap.mmap(fd, total)
+                finally:
+                    os.close(fd)
+            except FileNotFoundError:
+                pass
+            if time.monotonic() > deadline:
+                raise RendezvousError(f"shared-memory segment {path} did not appear; a peer "
+                                      "on this host failed during start-up")
+            time.sleep(0.002)
+
+    # -- synchronisation -----------------------------------------------------------------
+    def _wait_all(self, idx: int, t: int, exclude_self: bool = True) -> None:
+        for j in range(self.size):
+            if j == self.rank and exclude_self:
+                continue
+            hdr = self._hdr[j]
+            if hdr[idx] >= t:
+                continue
+            spins = 0
+            sleep_s = 0.00002
+            while hdr[idx] < t:
+                spins += 1
+                if spins < 64:
+                    continue
+                if spins < 1024:
+                    time.sleep(0)
+                    if spins % 128 == 0:
+                        self._check()
+                    continue
+                time.sleep(sleep_s)
+                sleep_s = min(sleep_s * 2, 0.001)
+                self._check()
+        if idx == WRITTEN and not self._unlinked:
+            self._unlink()
+
+    def _check(self) -> None:
+        err = self._aborted()
+        if err is not None:
+            raise err
+
+    def _publish(self, idx: int, t: int) -> None:
+        self._my_hdr[idx] = t
+
+    def _begin(self) -> int:
+        """Start a piece: wait until peers finished reading my segment, return its counter."""
+        self._wait_all(DONE, self._t)
+        self._t += 1
+        return self._t
+
+    def _view(self, j: int, dtype: np.dtype, count: int) -> np.ndarray:
+        return self._data[j][: count * dtype.itemsize].view(dtype)
+
+    def _piece_elems(self, dtype: np.dtype) -> int:
+        return max(1, self.segment_bytes // dtype.itemsize)
+
+    # -- collectives ---------------------------------------------------------------------
+    def staging(self, nbytes: int) -> np.ndarray | None:
+        if nbytes > self.segment_bytes or self.size == 1:
+            return None
+        self._wait_all(DONE, self._t)
+        return self._data[self.rank][:nbytes]
+
+    def allreduce_staged(self, nbytes: int, dtype: np.dtype, op: ReduceOp) -> None:
+        dtype = np.dtype(dtype)
+        self._allreduce_piece(None, nbytes // dtype.itemsize, dtype, op)
+
+    def allreduce(self, buf: np.ndarray, op: ReduceOp) -> None:
+        step = self._piece_elems(buf.dtype)
+        for s in range(0, buf.size, step):
+            self._allreduce_piece(buf[s: s + step], min(step, buf.size - s), buf.dtype, op)
+
+    def _allreduce_piece(self, buf: np.ndarray | None, m: int, dtype: np.dtype,
+                         op: ReduceOp) -> None:
+        t = self._begin()
+        views = [self._view(j, dtype, m) for j in range(self.size)]
+        mine = views[self.rank]
+        if buf is not None:
+            np.copyto(mine, buf)
+        self._publish(WRITTEN, t)
+        blocks = _blocks(m, self.size)
+        lo, hi = blocks[self.rank]
+        self._wait_all(WRITTEN, t)
+        acc = mine[lo:hi]
+        for j in range(self.size):
+            if j != self.rank:
+                reduce_into(acc, views[j][lo:hi], op)
+        self._publish(REDUCED, t)
+        dst = mine if buf is None else buf
+        for j in range(self.size):
+            if j == self.rank:
+                continue
+            self._wait_all_one(j, REDUCED, t)
+            jlo, jhi = blocks[j]
+            np.copyto(dst[jlo:jhi], views[j][jlo:jhi])
+        if buf is not None:
+            np.copyto(buf[lo:hi], acc)
+        self._publish(DONE, t)
+
+    def _wait_all_one(self, j: int, idx: int, t: int) -> None:
+        hdr = self._hdr[j]
+        if hdr[idx] >= t:
+            return
+        saved = self.size
+        # reuse the generic loop for a single peer
+        spins = 0
+        sleep_s = 0.00002
+        while hdr[idx] < t:
+            spins += 1
+            if spins < 64:
+                continue
+            if spins < 1024:
+                time.sleep(0)
+                if spins % 128 == 0:
+                    self._check()
+                continue
+            time.sleep(sleep_s)
+            sleep_s = min(sleep_s * 2, 0.001)
+            self._check()
+        del saved
+
+    def reducescatter(self, buf: np.ndarray, counts: list[int], op: ReduceOp) -> np.ndarray:
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+        my_lo, my_hi = int(starts[self.rank]), int(starts[self.rank + 1])
+        out = np.empty(my_hi - my_lo, dtype=buf.dtype)
+        step = self._piece_elems(buf.dtype)
+        for s in range(0, max(buf.size, 1), step):
+            m = min(step, buf.size - s)
+            t = self._begin()
+            views = [self._view(j, buf.dtype, m) for j in range(self.size)]
+            np.copyto(views[self.rank], buf[s: s + m])
+            self._publish(WRITTEN, t)
+            self._wait_all(WRITTEN, t)
+            lo, hi = max(my_lo, s), min(my_hi, s + m)
+            if lo < hi:
+                acc = out[lo - my_lo: hi - my_lo]
+                np.copyto(acc, views[0][lo - s: hi - s])
+                for j in range(1, self.size):
+                    reduce_into(acc, views[j][lo - s: hi - s], op)
+            self._publish(DONE, t)
+        return out
+
+    def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None:
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+        step = self._piece_elems(send.dtype)
+        for off in range(0, max(max(counts), 1), step):
+            t = self._begin()
+            mine_n = max(0, min(step, counts[self.rank] - off))
+            np.copyto(self._view(self.rank, send.dtype, mine_n), send[off: off + mine_n])
+            self._publish(WRITTEN, t)
+            recv[starts[self.rank] + off: starts[self.rank] + off + mine_n] = send[off: off + mine_n]
+            for j in range(self.size):
+                if j == self.rank:
+                    continue
+                n = max(0, min(step, counts[j] - off))
+                if n:
+                    self._wait_all_one(j, WRITTEN, t)
+                    np.copyto(recv[starts[j] + off: starts[j] + off + n],
+                              self._view(j, send.dtype, n))
+            self._wait_all(WRITTEN, t)
+            self._publish(DONE, t)
+
+    def broadcast(self, buf: np.ndarray, root: int) -> None:
+        step = self._piece_elems(buf.dtype)
+        for s in range(0, max(buf.size, 1), step):
+            m = min(step, buf.size - s)
+            t = self._begin()
+            if self.rank == root:
+                np.copyto(self._view(root, buf.dtype, m), buf[s: s + m])
+                self._publish(WRITTEN, t)
+            else:
+                self._wait_all_one(root, WRITTEN, t)
+                np.copyto(buf[s: s + m], self._view(root, buf.dtype, m))
+                self._publish(WRITTEN, t)
+            self._publish(DONE, t)
+
+    def alltoallv(self, send: np.ndarray, send_counts: list[int], recv: np.ndarray,
+                  recv_counts: list[int], max_count: int | None = None) -> None:
+        if max_count is None:
+            raise ValueError("shm alltoallv needs the largest block size of any rank")
+        sstarts = np.concatenate([[0], np.cumsum(send_counts)]).astype(int)
+        rstarts = np.concatenate([[0], np.cumsum(recv_counts)]).astype(int)
+        per_dest = max(1, self._piece_elems(send.dtype) // self.size)
+        for off in range(0, max(max_count, 1), per_dest):
+            t = self._begin()
+            mine = self._view(self.rank, send.dtype, per_dest * self.size)
+            for i in range(self.size):
+                n = max(0, min(per_dest, send_counts[i] - off))
+                if n:
+                    mine[i * per_dest: i * per_dest + n] = send[sstarts[i] + off: sstarts[i] + off + n]
+            self._publish(WRITTEN, t)
+            for j in range(self.size):
+                n = max(0, min(per_dest, recv_counts[j] - off))
+                if not n:
+                    continue
+                if j != self.rank:
+                    self._wait_all_one(j, WRITTEN, t)
+                src = self._view(j, send.dtype, per_dest * self.size)
+                base = self.rank * per_dest
+                recv[rstarts[j] + off: rstarts[j] + off + n] = src[base: base + n]
+            self._wait_all(WRITTEN, t)
+            self._publish(DONE, t)
+
+    def barrier(self) -> None:
+        t = self._begin()
+        self._publish(WRITTEN, t)
+        self._wait_all(WRITTEN, t)
+        self._publish(DONE, t)
+
+    # -- lifetime ------------------------------------------------------------------------
+    def _unlink(self) -> None:
+        self._unlinked = True
+        try:
+            os.unlink(self._path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        if not self._unlinked:
+            self._unlink()
+        self._hdr.clear()
+        self._data.clear()
+        self._my_hdr = None  # type: ignore[assignment]
+        for mm in self._maps:
+            try:
+                mm.close()
+            except (BufferError, ValueError):
+                pass  # a view is still alive somewhere; the mapping goes with the process
+        self._maps.clear()
