@@ -119,30 +119,39 @@ def test_rank_killed_by_signal_stops_the_others() -> None:
     assert "0 stopped by ronderun" in r.stderr
 
 
-# rank 0 reports the root cause to the rendezvous service, then fails slowly; rank 1
-# fails fast "because of it": the reported rank is the first failure
+# rank 0 reports the root cause to the rendezvous service, then takes a while to exit;
+# rank 1 fails sooner "because of it": the reported rank is the first failure, and it is
+# given the grace period to exit by itself
 REPORTED = """
-import os, signal, sys, time
+import os, sys, time
 from ronde.runner.rendezvous import report_failure
 r = int(os.environ['RONDE_RANK'])
 if r == 0:
-    signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))
     addr = (os.environ['RONDE_RENDEZVOUS_ADDR'], int(os.environ['RONDE_RENDEZVOUS_PORT']))
     report_failure(addr, bytes.fromhex(os.environ['RONDE_SECRET']), 0, 'root cause here')
-    time.sleep(60)
+    time.sleep(float(sys.argv[1]))
+    sys.exit(7)
 else:
-    time.sleep(0.5)
+    time.sleep(0.3)
     sys.exit(5)
 """
 
 
 @pytest.mark.timeout(30)
 def test_reported_failure_wins_over_earlier_exit() -> None:
-    r = ronderun("-np", "2", PY, "-c", REPORTED)
+    r = ronderun("-np", "2", PY, "-c", REPORTED, "1.0")
     assert r.returncode == 7, r.stderr
     assert "rank 0 (host localhost) failed first with exit code 7" in r.stderr
     assert "    root cause here" in r.stderr.splitlines()
-    assert "1 failed afterwards (exit code 5)" in r.stderr
+    assert r.stderr.endswith("ronderun: other ranks: 1 failed afterwards (exit code 5)\n")
+
+
+@pytest.mark.timeout(30)
+def test_reported_failure_that_hangs_is_killed_after_grace() -> None:
+    r = ronderun("-np", "2", PY, "-c", REPORTED, "60")
+    assert r.returncode == 1, r.stderr
+    assert ("rank 0 (host localhost) failed first: it reported an error, then ronderun had "
+            "to stop it (killed by signal SIGKILL)") in r.stderr
 
 
 @pytest.mark.timeout(30)
@@ -256,7 +265,7 @@ def test_run_ranks_rejects_local_functions() -> None:
 
 
 @pytest.mark.timeout(10)
-def test_default_remote_shell_command(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_default_remote_shell_command(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     from ronde.runner.launch import _remote_argv
 
     monkeypatch.delenv("RONDE_REMOTE_SHELL", raising=False)

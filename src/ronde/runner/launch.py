@@ -213,10 +213,20 @@ class _Job:
         if w.signalled or code != 0:
             w.killpg(signal.SIGKILL)  # leftovers of a stopped or failed worker's group
 
-    def _stop_all(self) -> None:
-        """SIGTERM every live worker's group, SIGKILL after the grace period."""
+    def _reporters(self) -> set[int]:
+        """Ranks that reported a primary failure of their own to the rendezvous service."""
+        return {f["rank"] for f in list(self.server.failures)
+                if not f.get("secondary") and isinstance(f.get("rank"), int)}
+
+    def _stop_all(self, spare_reporters: bool = False) -> None:
+        """SIGTERM every live worker's group, SIGKILL after the grace period.
+
+        With ``spare_reporters``, ranks that reported their own failure get the grace
+        period to exit by themselves (and keep their exit code) before the SIGKILL.
+        """
+        spared = self._reporters() if spare_reporters else set()
         for w in self.workers:
-            if w.alive:
+            if w.alive and w.slot.rank not in spared:
                 w.signalled = True
                 w.killpg(signal.SIGTERM)
         n_signals = len(self.signals)
@@ -266,7 +276,7 @@ class _Job:
                     break
             running = [w.slot.rank for w in self.workers if w.alive]
             if reason != "done":
-                self._stop_all()
+                self._stop_all(spare_reporters=reason == "failure")
         finally:
             self._kill_all()  # never leave a worker behind, whatever happened above
             for num, old in restore.items():
@@ -277,8 +287,7 @@ class _Job:
         return self._result(reason, running)
 
     def _first_failure(self) -> tuple[_Worker | None, str]:
-        primary = [f for f in list(self.server.failures)
-                   if not f.get("secondary") and isinstance(f.get("rank"), int)
+        primary = [f for f in list(self.server.failures) if f.get("rank") in self._reporters()
                    and 0 <= f["rank"] < len(self.workers)]
         if primary:
             first = min(primary, key=lambda f: f.get("time", 0.0))
@@ -308,9 +317,15 @@ class _Job:
         assert first is not None
         raw = first.returncode if first.returncode is not None else 1
         code = _shell_code(raw) or 1
-        status = _describe_status(raw)
-        verb = "failed first with" if raw >= 0 else "failed first: it"
-        cause = f"rank {first.slot.rank} (host {first.slot.host}) {verb} {status}"
+        where = f"rank {first.slot.rank} (host {first.slot.host})"
+        if first.signalled and raw < 0:  # it reported an error but did not exit in time
+            code = 1
+            cause = (f"{where} failed first: it reported an error, then ronderun had to stop "
+                     f"it ({_describe_status(raw)[4:]})")
+        elif raw < 0:
+            cause = f"{where} failed first: it {_describe_status(raw)}"
+        else:
+            cause = f"{where} failed first with {_describe_status(raw)}"
         lines = [f"ronderun: {cause}"]
         detail = list(first.tail) or (message.splitlines() if message else [])
         if detail:

@@ -14,8 +14,7 @@ import sys
 import traceback
 from typing import Any, Callable
 
-FN_VAR = "RONDE_TESTING_FN"
-DIR_VAR = "RONDE_TESTING_DIR"
+from .ranks import DIR_VAR, FN_VAR
 
 
 def resolve(spec: str) -> Callable[..., Any]:

@@ -22,7 +22,12 @@ import tempfile
 from typing import Any, Callable, Mapping
 
 from ..runner import launch
-from . import _child
+
+
+#: the function to run, as ``module:qualname`` (read by ``ronde.testing._child``)
+FN_VAR = "RONDE_TESTING_FN"
+#: the directory with ``call.pkl`` and the per-rank results
+DIR_VAR = "RONDE_TESTING_DIR"
 
 
 class RanksFailedError(AssertionError):
@@ -84,8 +89,8 @@ def run_ranks(n: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 60.
         if os.environ.get("PYTHONPATH"):
             paths.append(os.environ["PYTHONPATH"])
         extra = {
-            _child.FN_VAR: spec,
-            _child.DIR_VAR: workdir,
+            FN_VAR: spec,
+            DIR_VAR: workdir,
             "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
         }
         result = launch.run([sys.executable, "-m", "ronde.testing._child"], n,

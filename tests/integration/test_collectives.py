@@ -1,0 +1,62 @@
+"""Real processes through ronde's launcher, over the real transports."""
+
+from __future__ import annotations
+
+import pytest
+
+from ronde.testing import run_ranks
+
+from . import workers
+
+TRANSPORTS = ["shm", "tcp"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_every_collective_matches_numpy(np_, transport):
+    assert run_ranks(np_, workers.collectives, timeout_s=150,
+                     env={"RONDE_TRANSPORT": transport}) == ["ok"] * np_
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_every_collective_at_np4(transport):
+    assert run_ranks(4, workers.collectives, timeout_s=170,
+                     env={"RONDE_TRANSPORT": transport}) == ["ok"] * 4
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_shape_mismatch_fails_every_rank_within_seconds(np_):
+    elapsed = run_ranks(np_, workers.mismatch, timeout_s=50)
+    assert max(elapsed) < 3.0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_join_with_uneven_batches(transport):
+    last = run_ranks(3, workers.join_uneven, timeout_s=50, env={"RONDE_TRANSPORT": transport})
+    assert last == [2, 2, 2]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_process_sets(transport):
+    ids = run_ranks(4, workers.process_sets, timeout_s=50, env={"RONDE_TRANSPORT": transport})
+    assert all(i == ids[0] for i in ids) and ids[0][0] != ids[0][1]
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_then_init_again_is_quick():
+    worst = run_ranks(2, workers.reinit, timeout_s=50)
+    assert max(worst) < 5.0
+
+
+@pytest.mark.timeout(60)
+def test_topology_single_host():
+    out = run_ranks(3, workers.topology, timeout_s=50)
+    assert [o[0] for o in out] == [0, 1, 2]
+    assert all(o[1] == 3 and o[3] == 3 and o[5] == 1 and o[6] for o in out)
+    assert [o[2] for o in out] == [0, 1, 2]
+    assert all(o[7] == "shm" for o in out)

@@ -1,0 +1,183 @@
+"""Functions run inside real worker processes by the integration tests.
+
+Each takes its expectations from rank()/size(), so one function runs at any np.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+DTYPES = ["int32", "int64", "uint8", "float16", "float32", "float64"]
+
+
+def _bf16():
+    try:
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    except ImportError:
+        return None
+
+
+def collectives() -> str:
+    import ronde as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    dtypes = [np.dtype(d) for d in DTYPES] + ([_bf16()] if _bf16() is not None else [])
+    for length in (0, 1, 7, 1001, 300_007):
+        for dt in dtypes:
+            if length > 1001 and dt.kind != "f":
+                continue
+            base = (np.arange(length) % 5 + 1)
+            x = (base + r).astype(dt)
+            ref = sum((base + i).astype(np.float64) for i in range(n))
+            got = hvd.allreduce(x, op=hvd.Sum, name=f"sum.{length}.{dt}")
+            assert got.dtype == dt and got.shape == x.shape
+            tol = 5e-2 if dt.itemsize == 2 and dt.kind == "f" or str(dt) == "bfloat16" else 1e-6
+            np.testing.assert_allclose(got.astype(np.float64), ref, rtol=tol)
+            mx = hvd.allreduce(x, op=hvd.Max, name=f"max.{length}.{dt}")
+            np.testing.assert_array_equal(mx.astype(np.float64), (base + n - 1).astype(dt).astype(np.float64))
+            mn = hvd.allreduce(x, op=hvd.Min, name=f"min.{length}.{dt}")
+            np.testing.assert_array_equal(mn.astype(np.float64), base.astype(dt).astype(np.float64))
+    p = hvd.allreduce(np.full(5, 2.0), op=hvd.Product)
+    np.testing.assert_allclose(p, np.full(5, 2.0 ** n))
+    avg = hvd.allreduce(np.full((3, 2), float(r)))  # default op: Average
+    np.testing.assert_allclose(avg, np.full((3, 2), (n - 1) / 2))
+    sc = hvd.allreduce(np.ones(4), op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)
+    np.testing.assert_allclose(sc, np.full(4, float(n)))
+    old = hvd.allreduce(np.ones(3) * r, average=False)
+    np.testing.assert_allclose(old, np.full(3, n * (n - 1) / 2))
+    scalar = hvd.allreduce(np.float64(r + 1), op=hvd.Sum)
+    assert scalar.shape == () and float(scalar) == n * (n + 1) / 2
+    nc = np.arange(20.0).reshape(4, 5)[:, ::2]  # non-contiguous input
+    np.testing.assert_allclose(hvd.allreduce(nc, op=hvd.Sum), nc * n)
+    outs = hvd.grouped_allreduce([np.ones(3) * r, np.ones((2, 2)) * r], op=hvd.Sum)
+    np.testing.assert_allclose(outs[1], np.full((2, 2), n * (n - 1) / 2))
+    big = np.full(3_000_001, r + 1.0, dtype=np.float32)
+    np.testing.assert_allclose(hvd.allreduce(big, op=hvd.Sum), n * (n + 1) / 2)
+    # allgather: first dimension differs per rank
+    g = hvd.allgather(np.full((r + 1, 3), r, dtype=np.int64))
+    assert g.shape == (n * (n + 1) // 2, 3)
+    np.testing.assert_array_equal(g[:, 0], np.concatenate([np.full(i + 1, i) for i in range(n)]))
+    assert hvd.allgather(np.zeros((0, 2)) if r == 0 else np.ones((1, 2))).shape == (n - 1, 2)
+    # broadcast from every root
+    for root in range(n):
+        b = hvd.broadcast(np.arange(10) * (r + 1), root_rank=root)
+        np.testing.assert_array_equal(b, np.arange(10) * (root + 1))
+    bb = hvd.broadcast(np.full(2_000_003, float(r)), root_rank=n - 1)
+    assert (bb == n - 1).all()
+    # alltoall, equal and explicit splits
+    a = hvd.alltoall(np.arange(2 * n) + 100 * r)
+    np.testing.assert_array_equal(a, np.concatenate([np.arange(2 * r, 2 * r + 2) + 100 * j
+                                                     for j in range(n)]))
+    splits = [(r + j) % 3 for j in range(n)]
+    data = np.concatenate([np.full(s, 10 * r + j) for j, s in enumerate(splits)]).astype(np.int32)
+    out, rs = hvd.alltoall(data, splits=splits)
+    expect_rs = [(j + r) % 3 for j in range(n)]
+    assert list(rs) == expect_rs
+    np.testing.assert_array_equal(out, np.concatenate([np.full(s, 10 * j + r)
+                                                       for j, s in enumerate(expect_rs)]))
+    # reducescatter: first dim split as evenly as possible, earlier ranks get the extra rows
+    rows = 2 * n + 1
+    rsum = hvd.reducescatter(np.arange(rows * 2, dtype=np.float64).reshape(rows, 2) * (r + 1),
+                             op=hvd.Sum)
+    base, extra = divmod(rows, n)
+    start = r * base + min(r, extra)
+    mine = base + (1 if r < extra else 0)
+    ref = np.arange(rows * 2, dtype=np.float64).reshape(rows, 2)[start:start + mine]
+    np.testing.assert_allclose(rsum, ref * n * (n + 1) / 2)
+    ravg = hvd.reducescatter(np.ones((n, 3)) * r)
+    np.testing.assert_allclose(ravg, np.full((1, 3), (n - 1) / 2))
+    # objects, async forms, barrier
+    assert hvd.broadcast_object({"from": r}, root_rank=0) == {"from": 0}
+    assert hvd.allgather_object(("r", r)) == [("r", i) for i in range(n)]
+    h = hvd.allreduce_async(np.ones(3), op=hvd.Sum, name="async")
+    hvd.barrier()
+    np.testing.assert_allclose(hvd.synchronize(h), np.full(3, float(n)))
+    assert hvd.poll(h)
+    hvd.shutdown()
+    return "ok"
+
+
+def mismatch() -> float:
+    import ronde as hvd
+
+    hvd.init()
+    shape = (5,) if hvd.rank() == 1 else (4,)
+    t = time.monotonic()
+    try:
+        hvd.allreduce(np.ones(shape, np.float32), name="grad.fc1.weight")
+    except hvd.TensorMismatchError as exc:
+        msg = str(exc)
+        assert "allreduce 'grad.fc1.weight'" in msg and "rank 1 sent float32[5]" in msg, msg
+        assert "float32[4]" in msg and "same shape" in msg, msg
+    else:
+        raise AssertionError("no mismatch error")
+    elapsed = time.monotonic() - t
+    # still usable
+    assert float(hvd.allreduce(np.ones(1), op=hvd.Sum)[0]) == hvd.size()
+    hvd.shutdown()
+    return elapsed
+
+
+def join_uneven() -> int:
+    import ronde as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    for step in range(r + 1):  # rank r has r+1 batches
+        contributors = sum(1 for q in range(n) if q >= step)
+        got = hvd.allreduce(np.ones(3) * (r + 1), op=hvd.Average, name=f"g{step}")
+        expect = sum(q + 1 for q in range(n) if q >= step) / contributors
+        np.testing.assert_allclose(got, np.full(3, expect))
+    last = hvd.join()
+    hvd.shutdown()
+    return last
+
+
+def process_sets() -> list:
+    import ronde as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    evens = hvd.add_process_set(hvd.ProcessSet(range(0, n, 2)))
+    odds = hvd.add_process_set([q for q in range(1, n, 2)])
+    mine = evens if r % 2 == 0 else odds
+    got = hvd.allreduce(np.ones(2) * r, op=hvd.Sum, process_set=mine)
+    np.testing.assert_allclose(got, np.full(2, float(sum(mine.ranks))))
+    g = hvd.allgather(np.array([r]), process_set=mine)
+    np.testing.assert_array_equal(g, mine.ranks)
+    b = hvd.broadcast(np.array([r]), root_rank=mine.ranks[-1], process_set=mine)
+    assert b[0] == mine.ranks[-1]
+    assert mine.included() and mine.rank() == mine.ranks.index(r)
+    result = [evens.process_set_id, odds.process_set_id]
+    assert hvd.remove_process_set(odds)
+    hvd.shutdown()
+    return result
+
+
+def reinit() -> float:
+    import ronde as hvd
+
+    worst = 0.0
+    for i in range(3):
+        t = time.monotonic()
+        hvd.init()
+        worst = max(worst, time.monotonic() - t)
+        assert float(hvd.allreduce(np.ones(1) * i, op=hvd.Sum)[0]) == i * hvd.size()
+        hvd.shutdown()
+        assert not hvd.is_initialized()
+    return worst
+
+
+def topology() -> tuple:
+    import ronde as hvd
+
+    hvd.init()
+    out = (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(),
+           hvd.cross_size(), hvd.is_homogeneous(), hvd.active_transport())
+    hvd.shutdown()
+    return out
