@@ -58,3 +58,8 @@ class ShutdownError(RondeError):
 
 class JoinedError(RondeError, ValueError):
     """An operation other than allreduce ran while some ranks had joined."""
+
+
+for _cls in list(globals().values()):
+    if isinstance(_cls, type) and issubclass(_cls, RondeError):
+        _cls.__module__ = "ronde"  # tracebacks say ronde.PeerLostError, the public name

@@ -1,0 +1,99 @@
+"""The contenders and how one job of each is launched.
+
+A contender is one library configuration measured by the same worker loop: ronde over
+one transport, started through ``ronderun -np N --transport T``, or a peer library
+(only ``gloo`` today), started by :mod:`ronde.bench._gloo`. :meth:`Contender.run` runs
+one job and returns rank 0's summary, or raises :class:`JobFailedError`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from ._gloo import launch_gloo, torch_available
+from ._timing import Settings
+from ._worker import worker_argv
+
+TRANSPORTS = ("shm", "tcp")
+PEERS = ("gloo",)
+
+
+class JobFailedError(RuntimeError):
+    """A contender's job exited non-zero or wrote no result."""
+
+
+def ronderun_command() -> list[str]:
+    """``ronderun`` next to this interpreter, else ``python -m ronde.run`` (the same CLI)."""
+    script = Path(sys.executable).parent / "ronderun"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "ronde.run"]
+
+
+@dataclass(frozen=True)
+class Contender:
+    """One column of the results: ``kind`` is ``"ronde"`` or a peer name."""
+
+    kind: str
+    transport: str  # ronde transport, or the peer's name
+
+    @property
+    def impl(self) -> str:
+        """The label in JSON lines: ``ronde-shm``, ``ronde-tcp``, ``gloo``."""
+        return f"ronde-{self.transport}" if self.kind == "ronde" else self.kind
+
+    @property
+    def short(self) -> str:
+        """The label in table headers and ratios: ``shm``, ``tcp``, ``gloo``."""
+        return self.transport
+
+    def command(self, np_: int, flags: Sequence[str], timeout_s: float) -> list[str]:
+        """The ronde job's command line (peers are started by their own launcher)."""
+        return [*ronderun_command(), "-np", str(np_), "--transport", self.transport,
+                "--timeout", str(int(timeout_s)), sys.executable, "-m", "ronde.bench._worker",
+                *flags]
+
+    def run(self, np_: int, cases: Sequence[str], sizes: Sequence[int], settings: Settings,
+            timeout_s: float) -> dict[str, Any]:
+        """Run one job of ``np_`` ranks; rank 0's summary (see ``_worker.write_result``)."""
+        with tempfile.TemporaryDirectory(prefix="ronde-bench-") as tmp:
+            out = Path(tmp) / "result.json"
+            flags = worker_argv(cases, sizes, settings, out)
+            if self.kind == "ronde":
+                cmd = self.command(np_, flags, timeout_s)
+                proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, timeout=timeout_s + 30)
+                rc, log = proc.returncode, proc.stdout[-3000:]
+            else:
+                rc, log = launch_gloo(np_, flags, timeout_s)
+            if rc != 0 or not out.exists():
+                raise JobFailedError(f"{self.impl} job failed (exit code {rc}):\n{log}")
+            doc: dict[str, Any] = json.loads(out.read_text())
+        if self.kind == "ronde" and doc.get("impl") != self.impl:
+            raise JobFailedError(f"asked for {self.impl} but the job ran {doc.get('impl')}; "
+                                 "check RONDE_TRANSPORT and the transport's requirements")
+        return doc
+
+
+def select_contenders(transports: Sequence[str], peers: Sequence[str]) -> list[Contender]:
+    """The contenders to run, in column order; peers that cannot run are skipped with a note."""
+    bad = [t for t in transports if t not in TRANSPORTS]
+    if bad:
+        raise ValueError(f"unknown transport(s) {', '.join(bad)}; choose from "
+                         f"{', '.join(TRANSPORTS)}")
+    bad = [p for p in peers if p not in PEERS]
+    if bad:
+        raise ValueError(f"unknown peer(s) {', '.join(bad)}; choose from {', '.join(PEERS)} "
+                         "or 'none'")
+    chosen = [Contender("ronde", t) for t in transports]
+    for peer in peers:
+        if peer == "gloo" and not torch_available():
+            print("note: torch is not installed, skipping the gloo peer "
+                  "(pip install 'torch==2.13.0' to compare against it)", file=sys.stderr)
+            continue
+        chosen.append(Contender(peer, peer))
+    return chosen
