@@ -205,7 +205,9 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
         eng = holder.get("engine")
         return eng.aborted() if eng is not None else None
 
-    key = "".join(c if c.isalnum() else "_" for c in (wenv.job_id or f"pid{os.getppid()}"))
+    from .transport.shm import job_key
+
+    key = job_key(wenv.job_id or f"pid{os.getppid()}")
     transports: dict[int, str] = {}
 
     def make_comm(ps_id: int, members: list[int]) -> Communicator:

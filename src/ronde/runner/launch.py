@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds between SIGTERM and SIGKILL when stopping workers.
 GRACE_S = 3.0
+#: after a failure, how long survivors may take to exit by themselves before SIGTERM
+SETTLE_S = 1.0
 #: stderr lines kept per rank for the failure summary.
 TAIL_LINES = 50
 DEFAULT_REMOTE_SHELL = "ssh -o BatchMode=yes -o StrictHostKeyChecking=no {host}"
@@ -274,6 +276,13 @@ class _Job:
                     reason = "timeout"
                 if reason:
                     break
+            if reason == "failure":
+                # Give the survivors a moment to fail by themselves: their own typed
+                # errors (PeerLostError naming the lost rank...) are worth showing.
+                settle = time.monotonic() + SETTLE_S
+                while any(w.alive for w in self.workers) and time.monotonic() < settle \
+                        and not self.signals:
+                    self._record(0.05)
             running = [w.slot.rank for w in self.workers if w.alive]
             if reason != "done":
                 self._stop_all(spare_reporters=reason == "failure")
@@ -292,7 +301,15 @@ class _Job:
         if primary:
             first = min(primary, key=lambda f: f.get("time", 0.0))
             return self.workers[first["rank"]], str(first.get("message", ""))
-        failed = [w for w in self.workers if w.returncode not in (None, 0) and not w.signalled]
+        # A rank whose error says another rank caused it (PeerLostError, ShutdownError,
+        # StallError: reported as secondary) is not the cause while another failed rank
+        # made no such claim, e.g. one that called sys.exit(3).
+        secondary = {f.get("rank") for f in list(self.server.failures) if f.get("secondary")}
+        failed = [w for w in self.workers if w.returncode not in (None, 0) and not w.signalled
+                  and w.slot.rank not in secondary]
+        if not failed:
+            failed = [w for w in self.workers
+                      if w.returncode not in (None, 0) and not w.signalled]
         if not failed:
             failed = [w for w in self.workers if w.returncode not in (None, 0)]
         if not failed:
@@ -491,3 +508,7 @@ def run(command: Sequence[str], np: int | None, hosts: str | None = None,
         return job.run()
     finally:
         server.close()
+        # segments are unlinked once mapped; this catches a crash during start-up
+        from ..transport.shm import remove_job_segments
+
+        remove_job_segments(job_id)

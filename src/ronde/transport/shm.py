@@ -39,6 +39,25 @@ def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+def job_key(job_id: str) -> str:
+    """The file-name-safe form of a job id used in segment names."""
+    return "".join(c if c.isalnum() else "_" for c in job_id)
+
+
+def remove_job_segments(job_id: str) -> int:
+    """Unlink any segment a job left behind (launcher clean-up after a crash)."""
+    import glob
+
+    removed = 0
+    for path in glob.glob(os.path.join(shm_dir(), f"ronde-{job_key(job_id)}-*")):
+        try:
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
 def _blocks(m: int, n: int) -> list[tuple[int, int]]:
     base, extra = divmod(m, n)
     out, lo = [], 0
