@@ -62,6 +62,12 @@ class _FrameReader:
             self.eof = True
         self.buf += data
 
+    def has_frame(self) -> bool:
+        if len(self.buf) < wire.HEADER_BYTES:
+            return False
+        _, length = wire.decode_header(bytes(self.buf[: wire.HEADER_BYTES]))
+        return len(self.buf) >= wire.HEADER_BYTES + length
+
     def pop(self) -> bytes | None:
         if len(self.buf) < wire.HEADER_BYTES:
             return None
@@ -204,12 +210,35 @@ class Engine:
     # -- failure -------------------------------------------------------------------------
     def fail(self, exc: BaseException) -> None:
         with self._lock:
-            if self._error is None:
+            first = self._error is None
+            if first:
                 self._error = exc
-        self._fail_all(exc)
+        self._fail_all(self._error or exc)
+        if first and isinstance(exc, PeerLostError):
+            self._tell_peers(exc)
         self.wake()
 
+    def _tell_peers(self, exc: PeerLostError) -> None:
+        """Before leaving, tell every live peer which rank was lost, so that they blame
+        that rank rather than this one when this process exits."""
+        frame = wire.encode_frame(KIND_ROUND, wire.dumps({"f": [exc.rank, str(exc)]}))
+        for r, reader in self._readers.items():
+            if r in self._gone or r == exc.rank:
+                continue
+            try:
+                reader.sock.setblocking(True)
+                reader.sock.settimeout(0.5)
+                reader.sock.sendall(frame)
+            except OSError:
+                pass
+
     def fail_from_executor(self, exc: BaseException, resp: Response) -> None:
+        if isinstance(exc, PeerLostError) and self._error is None:
+            # the control thread may be about to learn the real cause (a peer's notice
+            # that another rank was lost first): give it a moment
+            deadline = time.monotonic() + 0.3
+            while self._error is None and time.monotonic() < deadline:
+                time.sleep(0.005)
         if isinstance(exc, (PeerLostError, ShutdownError)) or self._error is not None:
             self.fail(self._error or exc)
         else:
@@ -345,6 +374,12 @@ class Engine:
                 if payload is not None:
                     messages[r] = _as_dict(wire.loads(payload), r)
                     to_recv.discard(r)
+                    notice = messages[r].get("f")
+                    if notice:
+                        lost = int(notice[0]) if notice[0] is not None else r
+                        raise PeerLostError(
+                            f"rank {self.describe_rank(lost)} was lost (rank {r} reports: "
+                            f"{notice[1]})", rank=lost)
             if not (to_send or to_recv):
                 break
             rlist = [self._readers[r].sock for r in to_recv]
@@ -370,7 +405,7 @@ class Engine:
                 r = by_sock[id(s)]
                 reader = self._readers[r]
                 reader.fill()
-                if reader.eof and reader.pop() is None:
+                if reader.eof and not reader.has_frame():
                     self._peer_closed(r)
                     to_recv.discard(r)
                     to_send.pop(r, None)
