@@ -35,8 +35,37 @@ def test_small_tensors_are_fused(engines):
     for per_rank in hs:
         for h in per_rank:
             np.testing.assert_array_equal(h.wait(10), np.full(3, 2.0, np.float32))
-    # 30 tensors submitted before a round ran: far fewer rounds than tensors
-    assert g.engines[0].negotiator.round < 30
+
+
+def _announce(neg, rank, names, nbytes_each=12, op=ReduceOp.SUM):
+    return {"a": [neg.encode_announcement(rank, n, ar(n, np.ones(nbytes_each // 4, np.float32),
+                                                       op).meta()) for n in names]}
+
+
+def test_negotiator_fuses_compatible_tensors_up_to_the_threshold():
+    from ronde.core.negotiation import Negotiator
+
+    neg = Negotiator(2, {0: [0, 1]}, fusion_threshold_bytes=40, cache_capacity=16)
+    names = [f"t{i}" for i in range(7)]
+    # rank 1 announces in the opposite order: the agreed order is rank 0's
+    out = neg.apply_round([_announce(neg, 0, names), _announce(neg, 1, names[::-1])])
+    assert [r.names for r in out] == [names[0:3], names[3:6], names[6:7]]  # 3 x 12 B <= 40 B
+    # different ops never share a buffer
+    neg = Negotiator(2, {0: [0, 1]}, fusion_threshold_bytes=1 << 20, cache_capacity=16)
+    msgs = [{"a": _announce(neg, r, ["a"])["a"] + _announce(neg, r, ["b"], op=ReduceOp.MAX)["a"]}
+            for r in range(2)]
+    assert [r.names for r in neg.apply_round(msgs)] == [["a"], ["b"]]
+
+
+def test_negotiator_waits_for_every_rank_and_replays_from_cache():
+    from ronde.core.negotiation import Negotiator
+
+    neg = Negotiator(2, {0: [0, 1]}, fusion_threshold_bytes=1 << 20, cache_capacity=16)
+    assert neg.apply_round([_announce(neg, 0, ["x"]), {}]) == []
+    assert [r.names for r in neg.apply_round([{}, _announce(neg, 1, ["x"])])] == [["x"]]
+    again = _announce(neg, 0, ["x"])
+    assert again == {"a": [0]}  # only the cache id travels now
+    assert [r.names for r in neg.apply_round([again, _announce(neg, 1, ["x"])])] == [["x"]]
 
 
 def test_response_cache_announces_ids_on_repeat(engines):
