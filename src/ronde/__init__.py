@@ -1,6 +1,6 @@
 """ronde: distributed data-parallel training in pure Python, with Horovod's API.
 
-Typical use (numpy; framework bindings live in ``ronde.torch`` and friends)::
+Typical use (numpy arrays; framework bindings such as ``ronde.torch`` build on this)::
 
     import ronde as hvd
     hvd.init()

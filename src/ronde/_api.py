@@ -43,14 +43,18 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
     with _lock:
         if _rt is not None:
             return
-        if comm is not None and not (isinstance(comm, (list, tuple)) and
-                                     sorted(comm) == list(range(len(comm)))):
-            raise RondeError("init(comm=...) with an MPI communicator or a rank subset is not "
-                             "supported yet; use process sets instead")
+        if comm is not None and not isinstance(comm, (list, tuple)):
+            raise RondeError("init(comm=...) with an MPI communicator is not supported yet; "
+                             "launch with ronderun or mpirun and call init() without comm")
         from . import _runtime
 
         _counters.clear()
         _rt = _runtime.init()
+        if comm is not None and sorted(int(r) for r in comm) != list(range(_rt.topo.size)):
+            rt, _rt = _rt, None
+            _runtime.shutdown(rt)
+            raise RondeError(f"init(comm={list(comm)}): a subset of the {rt.topo.size} ranks is "
+                             "not supported; init() with all ranks, then use a ProcessSet")
         global_process_set._bind(0, list(range(_rt.topo.size)), _rt.topo.rank)
     for ps in process_sets or ():
         add_process_set(ps)
@@ -132,7 +136,7 @@ def _auto_name(kind: str, ps_id: int) -> str:
     with _lock:
         n = _counters.get(key, 0)
         _counters[key] = n + 1
-    return f"{kind}.noname.{n}" if ps_id == 0 else f"{kind}.ps{ps_id}.noname.{n}"
+    return f"{kind}.noname.{n}" if ps_id == 0 else f"ps{ps_id}/{kind}.noname.{n}"
 
 
 def _ps_id(process_set: ProcessSet | None) -> int:
@@ -159,8 +163,17 @@ def submit(kind: Kind, array: np.ndarray | None, name: str | None, process_set: 
     """Hand one request to the engine and return its handle (bindings use this)."""
     rt = _runtime_or_raise()
     ps_id = _ps_id(process_set)
+    if ps_id != 0:
+        ps = process_set
+        assert ps is not None and ps.ranks is not None
+        if rt.topo.rank not in ps.ranks:
+            raise RondeError(f"rank {rt.topo.rank} called {kind.name.lower()} on process set "
+                             f"{ps.ranks}, which it is not a member of; only members may call "
+                             "collectives on a process set")
     if name is None:
         name = _auto_name(kind.name.lower(), ps_id)
+    elif ps_id != 0:
+        name = f"ps{ps_id}/{name}"  # names are scoped by process set, as in Horovod
     req = Request(kind, name, array, ps_id=ps_id, **kwargs)
     return rt.engine.submit(req).handle
 
@@ -217,7 +230,7 @@ def grouped_allreduce_async(tensors: Sequence[Any], average: bool | None = None,
                             process_set: ProcessSet | None = None) -> "GroupHandle":
     """Start an allreduce of every tensor in the list (negotiated and fused together)."""
     ps_id = _ps_id(process_set)
-    base = name if name is not None else _auto_name("grouped_allreduce", ps_id)
+    base = name if name is not None else _auto_name("grouped_allreduce", 0)
     return GroupHandle([allreduce_async(t, average, f"{base}.{i}", op, prescale_factor,
                                         postscale_factor, process_set)
                         for i, t in enumerate(tensors)])
@@ -362,7 +375,7 @@ def join(device: int = -1, process_set: ProcessSet | None = None) -> int:
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet | None = None) -> Any:
     """Broadcast a picklable object from ``root_rank``; returns it on every rank."""
-    base = name or _auto_name("broadcast_object", _ps_id(process_set))
+    base = name or _auto_name("broadcast_object", 0)
     payload = _dumps(obj) if rank() == root_rank else np.zeros(0, np.uint8)
     length = broadcast(np.array([payload.size], dtype=np.int64), root_rank, f"{base}.len",
                        process_set)
@@ -374,7 +387,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
 def allgather_object(obj: Any, name: str | None = None,
                      process_set: ProcessSet | None = None) -> list[Any]:
     """Gather a picklable object from every rank; returns the list in rank order."""
-    base = name or _auto_name("allgather_object", _ps_id(process_set))
+    base = name or _auto_name("allgather_object", 0)
     payload = _dumps(obj)
     sizes = allgather(np.array([payload.size], dtype=np.int64), f"{base}.len", process_set)
     data = allgather(payload, f"{base}.data", process_set)

@@ -30,9 +30,8 @@ _SIZE_UNITS = {
 def parse_bytes(text: str) -> int:
     """Parse ``"67108864"``, ``"64MB"``, ``"64 MiB"`` or ``"1.5g"`` into bytes.
 
-    Decimal suffixes (KB, MB, GB) are powers of 1000 and binary ones (KiB, MiB,
-    GiB) powers of 1024, except that a bare ``"64MB"`` is read as Horovod users mean
-    it: we follow the common ML convention and treat ``MB`` as MiB too.
+    Every suffix is a power of 1024: ``KB``/``KiB``/``K``, ``MB``/``MiB``/``M``,
+    ``GB``/``GiB``/``G`` (``"64MB"`` is 64 MiB, as Horovod users mean it).
     """
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not m:
@@ -143,5 +142,8 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}")
     if cfg.fusion_threshold_bytes < 0:
         raise ConfigError("RONDE_FUSION_THRESHOLD must be >= 0 (0 disables fusion)")
+    if cfg.log_level and cfg.log_level.upper() not in (
+            "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "TRACE", "FATAL"):
+        raise ConfigError(f"RONDE_LOG_LEVEL={cfg.log_level!r}: use DEBUG, INFO, WARNING or ERROR")
     if cfg.shm_segment_bytes < 1 << 16:
         raise ConfigError("RONDE_SHM_SEGMENT must be at least 64KiB")

@@ -158,6 +158,10 @@ def _choose_transport(cfg: _config.Config, topo: Topology, members: list[int]) -
             raise ConfigError(
                 "RONDE_TRANSPORT=shm needs every rank of the process set on one host; use "
                 "RONDE_TRANSPORT=tcp (or auto) for multi-host jobs")
+        if platform.machine().lower() not in ("x86_64", "amd64"):
+            raise ConfigError(
+                "RONDE_TRANSPORT=shm relies on x86-64 memory ordering and is not available on "
+                f"{platform.machine()}; use RONDE_TRANSPORT=tcp")
         return "shm"
     if cfg.transport == "tcp":
         return "tcp"
@@ -171,7 +175,9 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
     global _generation, _atexit_registered
     cfg = _config.load()
     if cfg.log_level:
-        logging.getLogger("ronde").setLevel(cfg.log_level.upper())
+        level = {"TRACE": "DEBUG", "FATAL": "CRITICAL"}.get(cfg.log_level.upper(),
+                                                            cfg.log_level.upper())
+        logging.getLogger("ronde").setLevel(level)
     wenv = worker_env.detect()
     _generation += 1
     gen = _generation

@@ -60,3 +60,17 @@ def test_topology_single_host():
     assert all(o[1] == 3 and o[3] == 3 and o[5] == 1 and o[6] for o in out)
     assert [o[2] for o in out] == [0, 1, 2]
     assert all(o[7] == "shm" for o in out)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_misuse_fails_fast_instead_of_hanging(transport):
+    assert run_ranks(3, workers.misuse, timeout_s=50,
+                     env={"RONDE_TRANSPORT": transport}) == ["ok"] * 3
+
+
+@pytest.mark.timeout(60)
+def test_stall_shutdown_time_zero_means_never():
+    # Horovod users write 0 for "disabled"; it once made every round time out at once
+    assert run_ranks(2, workers.plain_allreduce, timeout_s=50,
+                     env={"RONDE_STALL_SHUTDOWN_TIME": "0"}) == [2.0, 2.0]

@@ -54,3 +54,19 @@ def test_torchrun_environment():
                                "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                                "MASTER_PORT": str(port - 1), "TORCHELASTIC_RUN_ID": "t"})
     assert outs == [f"{r} 2 {r} 3" for r in range(2)]
+
+
+@pytest.mark.timeout(90)
+def test_open_mpi_with_explicit_rendezvous_address_rank0_serves():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    job = uuid.uuid4().hex
+    outs = spawn(2, lambda r: {"OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_SIZE": "2",
+                               "OMPI_COMM_WORLD_LOCAL_RANK": str(r),
+                               "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "PMIX_NAMESPACE": job,
+                               "RONDE_RENDEZVOUS_ADDR": "127.0.0.1",
+                               "RONDE_RENDEZVOUS_PORT": str(port), "RONDE_SECRET": "cd" * 16})
+    assert outs == [f"{r} 2 {r} 3" for r in range(2)]

@@ -181,3 +181,45 @@ def topology() -> tuple:
            hvd.cross_size(), hvd.is_homogeneous(), hvd.active_transport())
     hvd.shutdown()
     return out
+
+
+def misuse() -> str:
+    """Regressions found in review: each of these used to hang or misbehave."""
+    import glob
+    import os
+
+    import pytest
+
+    import ronde as hvd
+    from ronde.transport.shm import job_key, shm_dir
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    # shm segments are unlinked once mapped, even if the only collective is a broadcast
+    hvd.broadcast(np.ones(2), root_rank=0)
+    hvd.broadcast(np.ones(2), root_rank=0)
+    left = glob.glob(os.path.join(shm_dir(), f"ronde-{job_key(os.environ['RONDE_JOB_ID'])}-*"))
+    assert left == [], left
+    first = hvd.add_process_set([0])
+    rest = hvd.add_process_set(list(range(1, n)))
+    mine, other = (first, rest) if r == 0 else (rest, first)
+    # a non-member gets an immediate error, not a hang
+    with pytest.raises(hvd.RondeError, match="not a member"):
+        hvd.allreduce(np.ones(1), process_set=other)
+    # the same name in two disjoint process sets is two different tensors
+    got = hvd.allreduce(np.ones(2) * (r + 1), name="grad", op=hvd.Sum, process_set=mine)
+    np.testing.assert_allclose(got, np.full(2, float(sum(q + 1 for q in mine.ranks))))
+    hvd.shutdown()
+    with pytest.raises(hvd.RondeError, match="subset"):
+        hvd.init(comm=[0, 1])
+    assert not hvd.is_initialized()
+    return "ok"
+
+
+def plain_allreduce() -> float:
+    import ronde as hvd
+
+    hvd.init()
+    out = float(hvd.allreduce(np.ones(1), op=hvd.Sum)[0])
+    hvd.shutdown()
+    return out

@@ -66,7 +66,7 @@ def byte_view(arr: np.ndarray) -> memoryview:
     Goes through ``view(np.uint8)`` because ``memoryview()`` refuses dtypes the
     buffer protocol cannot describe (``ml_dtypes.bfloat16``).
     """
-    return memoryview(arr.reshape(-1).view(np.uint8))
+    return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
 
 def flat_view(arr: np.ndarray, what: str) -> np.ndarray:

@@ -417,7 +417,8 @@ class Engine:
                 log.warning("rank %d: rank(s) %s have not answered a negotiation round for "
                             "%.0fs; is their Python process blocked?", self.rank,
                             sorted(to_recv), waited)
-            if to_recv and waited > self.cfg.stall_shutdown_time_s:
+            limit = self.cfg.stall_shutdown_time_s
+            if to_recv and limit > 0 and waited > limit:
                 r = min(to_recv)
                 raise PeerLostError(f"rank {self.describe_rank(r)} stopped responding for "
                                     f"{waited:.0f}s", rank=r)

@@ -143,8 +143,9 @@ class Executor:
             fusion.pack(flat, inputs, sizes, meta0.prescale)
             comm.allreduce_staged(nbytes, dtype, op)
             fusion.unpack(flat, outs, sizes, post)
-        elif len(reqs) == 1 and reqs[0] is not None:
+        elif len(reqs) == 1 and reqs[0] is not None and reqs[0].array is not None:
             out = outs[0]
+            assert out is not None
             flat_out = out.reshape(-1)
             if out is not reqs[0].array or meta0.prescale != 1.0:
                 fusion.scaled_copy(flat_out, reqs[0].array.reshape(-1), meta0.prescale)
@@ -177,10 +178,11 @@ class Executor:
         req = reqs[0]
         meta = resp.metas[0][self.engine.rank]
         root = members.index(meta.root)
-        out = req.out if req.out is not None else req.allocate(  # type: ignore[union-attr]
-            meta.shape, resolve_dtype(meta.dtype))
-        if comm.rank == root and out is not req.array:  # type: ignore[union-attr]
-            np.copyto(out, req.array)  # type: ignore[union-attr]
+        assert req is not None and req.array is not None
+        out = req.out if req.out is not None else req.allocate(meta.shape,
+                                                               resolve_dtype(meta.dtype))
+        if comm.rank == root and out is not req.array:
+            np.copyto(out, req.array)
         comm.broadcast(out.reshape(-1), root)
         req.complete(out)  # type: ignore[union-attr]
 

@@ -137,7 +137,9 @@ def detect(env: Mapping[str, str] | None = None) -> WorkerEnv:
     return WorkerEnv(
         rank=rank, size=size, local_rank=local_rank, local_size=local_size, host=hostname,
         source=source, rendezvous=explicit_rdv, secret=secret or _weak_secret(source, job),
-        job_id=f"{source}-{job}", rendezvous_mode=mode if mode != "server" or rank != 0 else "server",
+        job_id=f"{source}-{job}",
+        # no launcher service here: with an explicit address, rank 0 serves it
+        rendezvous_mode="rank0" if mode == "server" else mode,
     )
 
 

@@ -32,7 +32,7 @@ from ..collectives.ops import ReduceOp, reduce_into
 from .base import Communicator
 
 _HEADER_BYTES = 4096
-WRITTEN, REDUCED, DONE = 0, 1, 2
+WRITTEN, REDUCED, DONE, ATTACHED = 0, 1, 2, 3
 
 
 def shm_dir() -> str:
@@ -102,6 +102,7 @@ class ShmCommunicator(Communicator):
             self._data.append(np.frombuffer(mm, dtype=np.uint8, count=segment_bytes,
                                             offset=_HEADER_BYTES))
         self._my_hdr = self._hdr[self.rank]
+        self._publish(ATTACHED, 1)  # I have mapped every peer's segment
 
     @staticmethod
     def _open_peer(path: str, total: int, deadline: float) -> mmap.mmap:
@@ -121,29 +122,10 @@ class ShmCommunicator(Communicator):
             time.sleep(0.002)
 
     # -- synchronisation -----------------------------------------------------------------
-    def _wait_all(self, idx: int, t: int, exclude_self: bool = True) -> None:
+    def _wait_all(self, idx: int, t: int) -> None:
         for j in range(self.size):
-            if j == self.rank and exclude_self:
-                continue
-            hdr = self._hdr[j]
-            if hdr[idx] >= t:
-                continue
-            spins = 0
-            sleep_s = 0.00002
-            while hdr[idx] < t:
-                spins += 1
-                if spins < 64:
-                    continue
-                if spins < 1024:
-                    time.sleep(0)
-                    if spins % 128 == 0:
-                        self._check()
-                    continue
-                time.sleep(sleep_s)
-                sleep_s = min(sleep_s * 2, 0.001)
-                self._check()
-        if idx == WRITTEN and not self._unlinked:
-            self._unlink()
+            if j != self.rank:
+                self._wait_all_one(j, idx, t)
 
     def _check(self) -> None:
         err = self._aborted()
@@ -155,6 +137,8 @@ class ShmCommunicator(Communicator):
 
     def _begin(self) -> int:
         """Start a piece: wait until peers finished reading my segment, return its counter."""
+        if not self._unlinked and all(h[ATTACHED] >= 1 for h in self._hdr):
+            self._unlink()  # every member has mapped it: the name is no longer needed
         self._wait_all(DONE, self._t)
         self._t += 1
         return self._t
@@ -169,6 +153,8 @@ class ShmCommunicator(Communicator):
     def staging(self, nbytes: int) -> np.ndarray | None:
         if nbytes > self.segment_bytes or self.size == 1:
             return None
+        if not self._unlinked and all(h[ATTACHED] >= 1 for h in self._hdr):
+            self._unlink()
         self._wait_all(DONE, self._t)
         return self._data[self.rank][:nbytes]
 
@@ -209,11 +195,10 @@ class ShmCommunicator(Communicator):
         self._publish(DONE, t)
 
     def _wait_all_one(self, j: int, idx: int, t: int) -> None:
+        """Wait until member ``j``'s counter ``idx`` reaches ``t``: spin, yield, then sleep."""
         hdr = self._hdr[j]
         if hdr[idx] >= t:
             return
-        saved = self.size
-        # reuse the generic loop for a single peer
         spins = 0
         sleep_s = 0.00002
         while hdr[idx] < t:
@@ -221,14 +206,13 @@ class ShmCommunicator(Communicator):
             if spins < 64:
                 continue
             if spins < 1024:
-                time.sleep(0)
+                time.sleep(0)  # lets the other threads of this process have the GIL
                 if spins % 128 == 0:
                     self._check()
                 continue
             time.sleep(sleep_s)
             sleep_s = min(sleep_s * 2, 0.001)
             self._check()
-        del saved
 
     def reducescatter(self, buf: np.ndarray, counts: list[int], op: ReduceOp) -> np.ndarray:
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)

@@ -1,0 +1,57 @@
+"""The ``ronde`` command: ``ronde doctor`` tells what works on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import platform
+import sys
+
+
+def _has(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def doctor() -> int:
+    """Print which transports and frameworks are usable here, and why not the others."""
+    import numpy as np
+
+    from . import __version__
+    from .transport.shm import shm_dir
+
+    lines = [f"ronde {__version__}, Python {platform.python_version()}, numpy {np.__version__},"
+             f" {platform.system()} {platform.machine()}"]
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    shm = shm_dir()
+    lines.append("transports:")
+    lines.append("  tcp     available")
+    if x86 and os.access(shm, os.W_OK):
+        lines.append(f"  shm     available (segments in {shm})")
+    else:
+        why = "needs x86-64 memory ordering" if not x86 else f"{shm} is not writable"
+        lines.append(f"  shm     not available: {why}")
+    lines.append("frameworks (bindings are being built; see README):")
+    for name, module in (("PyTorch", "torch"), ("TensorFlow", "tensorflow"), ("Keras", "keras"),
+                         ("JAX", "jax"), ("MXNet", "mxnet"), ("mpi4py", "mpi4py"),
+                         ("bfloat16 (ml_dtypes)", "ml_dtypes")):
+        lines.append(f"  {name:22s}{'installed' if _has(module) else 'not installed'}")
+    print("\n".join(lines))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ronde", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("doctor", help="show what ronde can use on this machine")
+    args = parser.parse_args(argv)
+    if args.command == "doctor":
+        return doctor()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
