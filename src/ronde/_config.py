@@ -74,6 +74,7 @@ class Config:
     bind_addr: str = ""
     shm_segment_bytes: int = 64 * 1024 * 1024
     small_allreduce_bytes: int = 64 * 1024
+    inline_bytes: int = 4096
     log_level: str = ""
 
     def describe(self) -> str:
@@ -98,6 +99,7 @@ _ENV: dict[str, tuple[str, tuple[str, ...], Callable[[str], object]]] = {
     "bind_addr": ("RONDE_BIND_ADDR", (), str),
     "shm_segment_bytes": ("RONDE_SHM_SEGMENT", (), parse_bytes),
     "small_allreduce_bytes": ("RONDE_SMALL_ALLREDUCE", (), parse_bytes),
+    "inline_bytes": ("RONDE_INLINE_BYTES", (), parse_bytes),
     "log_level": ("RONDE_LOG_LEVEL", ("HOROVOD_LOG_LEVEL",), str),
 }
 

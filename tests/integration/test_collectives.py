@@ -74,3 +74,11 @@ def test_stall_shutdown_time_zero_means_never():
     # Horovod users write 0 for "disabled"; it once made every round time out at once
     assert run_ranks(2, workers.plain_allreduce, timeout_s=50,
                      env={"RONDE_STALL_SHUTDOWN_TIME": "0"}) == [2.0, 2.0]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("inline", ["4096", "0"])
+def test_steady_state_with_and_without_inline_data(transport, inline):
+    env = {"RONDE_TRANSPORT": transport, "RONDE_INLINE_BYTES": inline}
+    assert run_ranks(3, workers.steady_state, timeout_s=80, env=env) == ["ok"] * 3

@@ -223,3 +223,36 @@ def plain_allreduce() -> float:
     out = float(hvd.allreduce(np.ones(1), op=hvd.Sum)[0])
     hvd.shutdown()
     return out
+
+
+def steady_state() -> str:
+    """Repeated names: the response cache and the inline path for small tensors."""
+    import ronde as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    for step in range(30):
+        for dt in ("float32", "float64", "int32", "float16"):
+            x = (np.arange(5) + r + step).astype(dt)
+            got = hvd.allreduce(x, op=hvd.Sum, name=f"s.{dt}")
+            ref = sum((np.arange(5) + q + step).astype(np.float64) for q in range(n))
+            np.testing.assert_allclose(got.astype(np.float64), ref, rtol=1e-3)
+        avg = hvd.allreduce(np.full(3, float(r)), name="avg", prescale_factor=2.0,
+                            postscale_factor=0.5)
+        np.testing.assert_allclose(avg, np.full(3, (n - 1) / 2))
+        mx = hvd.allreduce(np.array([r, -r], np.int64), op=hvd.Max, name="max")
+        np.testing.assert_array_equal(mx, [n - 1, 0])
+        # a large tensor under a repeated name still goes through the data plane
+        big = hvd.allreduce(np.full(70_000, 1.0, np.float32), op=hvd.Sum, name="big")
+        assert float(big[0]) == n and float(big[-1]) == n
+        hs = [hvd.allreduce_async(np.full(2, float(r + i)), op=hvd.Sum, name=f"h{i}")
+              for i in range(8)]
+        for i, h in enumerate(hs):
+            np.testing.assert_allclose(hvd.synchronize(h), np.full(2, float(sum(range(n)) + n * i)))
+    # uneven data after the cache is warm: joined ranks contribute zeros
+    for step in range(r + 1):
+        got = hvd.allreduce(np.ones(2), op=hvd.Sum, name="uneven")
+        np.testing.assert_allclose(got, np.full(2, float(sum(1 for q in range(n) if q >= step))))
+    hvd.join()
+    hvd.shutdown()
+    return "ok"

@@ -24,18 +24,23 @@ import logging
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from typing import Any, Callable
+
+import numpy as np
 
 from .._config import Config
 from .._errors import (DuplicateNameError, PeerLostError, ProtocolError, RondeError,
                        ShutdownError)
 from ..transport import wire
 from ..transport.base import Communicator
+from ..collectives.ops import ReduceOp, reduce_into
+from . import fusion
 from .executor import Executor
 from .negotiation import Negotiator, Response
-from .requests import Kind, Request
+from .requests import Kind, Request, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +226,7 @@ class Engine:
     def _tell_peers(self, exc: PeerLostError) -> None:
         """Before leaving, tell every live peer which rank was lost, so that they blame
         that rank rather than this one when this process exits."""
-        frame = wire.encode_frame(KIND_ROUND, wire.dumps({"f": [exc.rank, str(exc)]}))
+        frame = wire.encode_frame(KIND_ROUND, _pack_round({"f": [exc.rank, str(exc)]}, b""))
         for r, reader in self._readers.items():
             if r in self._gone or r == exc.rank:
                 continue
@@ -322,7 +327,7 @@ class Engine:
         while not self.executor.idle() and time.monotonic() < deadline and self._error is None:
             time.sleep(0.001)
 
-    def _build_message(self) -> dict[str, Any]:
+    def _build_message(self) -> tuple[dict[str, Any], bytes]:
         with self._lock:
             reqs, self._outbox = self._outbox, []
             joins, self._joins = self._joins, []
@@ -333,9 +338,27 @@ class Engine:
                 self._shutdown_announced = True
                 self._shutdown_at = time.monotonic()
         msg: dict[str, Any] = {}
+        blob = bytearray()
         if reqs:
-            enc = self.negotiator.encode_announcement
-            msg["a"] = [enc(self.rank, r.name, r.meta()) for r in reqs]
+            neg = self.negotiator
+            inline_left = self.cfg.inline_bytes and _INLINE_ROUND_BYTES
+            announcements: list[Any] = []
+            for r in reqs:
+                raw = r.meta()
+                cid = neg.cached_id(self.rank, r.name, raw)
+                if cid is None:
+                    announcements.append([r.name, raw])
+                    continue
+                arr = r.array
+                if (r.kind == Kind.ALLREDUCE and arr is not None
+                        and arr.nbytes <= min(self.cfg.inline_bytes, inline_left)):
+                    data = _prescaled_bytes(arr, r.prescale)
+                    announcements.append([cid, len(blob), len(data)])
+                    blob += data
+                    inline_left -= len(data)
+                else:
+                    announcements.append(cid)
+            msg["a"] = announcements
         if joins:
             msg["j"] = joins
         if ps_reqs:
@@ -344,25 +367,54 @@ class Engine:
             msg["x"] = abort
         if shut:
             msg["s"] = 1
-        return msg
+        return msg, bytes(blob)
 
     def _round(self) -> None:
-        msg = self._build_message()
+        msg, blob = self._build_message()
         messages: list[dict[str, Any]] = [{} for _ in range(self.size)]
-        messages[self.rank] = msg
+        blobs: list[bytes] = [b""] * self.size
+        messages[self.rank], blobs[self.rank] = msg, blob
         if self._readers:
-            frame = wire.encode_frame(KIND_ROUND, wire.dumps(msg))
-            self._exchange(frame, messages)
-        responses = self.negotiator.apply_round(messages)
+            frame = wire.encode_frame(KIND_ROUND, _pack_round(msg, blob))
+            self._exchange(frame, messages, blobs)
+        responses = self.negotiator.apply_round(messages, blobs)
         for m in messages:
             if m.get("x"):
                 x = m["x"]
                 responses = self.negotiator.abort(x.get("names", []), str(x.get("message")),
                                                   "stall") + responses
         for resp in responses:
-            self.executor.queue.put(resp)
+            if resp.inline is not None:
+                self._complete_inline(resp)
+            else:
+                self.executor.queue.put(resp)
 
-    def _exchange(self, frame: bytes, messages: list[dict[str, Any]]) -> None:
+    def _complete_inline(self, resp: Response) -> None:
+        """Reduce an allreduce whose every contribution came with the negotiation."""
+        req = self.take(resp.names[0])
+        if req is None:  # not a member of this process set
+            return
+        try:
+            meta = resp.metas[0][min(resp.metas[0])]
+            dtype = resolve_dtype(meta.dtype)
+            op, post = ReduceOp(meta.op), meta.postscale
+            if op == ReduceOp.AVERAGE:
+                op, post = ReduceOp.SUM, post / len(resp.inline or ())
+            out = req.out if req.out is not None else req.allocate(meta.shape, dtype)
+            flat = out.reshape(-1)
+            parts = resp.inline or []
+            np.copyto(flat, np.frombuffer(parts[0], dtype=dtype))
+            for part in parts[1:]:
+                reduce_into(flat, np.frombuffer(part, dtype=dtype), op)
+            fusion.scale_inplace(flat, post)
+        except BaseException as exc:  # noqa: BLE001 - the caller gets it
+            req.fail(exc if isinstance(exc, RondeError) else RondeError(
+                f"allreduce {req.name!r} failed: {exc!r}"))
+            return
+        req.complete(out)
+
+    def _exchange(self, frame: bytes, messages: list[dict[str, Any]],
+                  blobs: list[bytes]) -> None:
         """Send ``frame`` to every live peer and read one frame from each, full duplex."""
         to_send = {r: memoryview(frame) for r in self._readers if r not in self._gone}
         to_recv = set(to_send)
@@ -372,7 +424,7 @@ class Engine:
             for r in list(to_recv):
                 payload = self._readers[r].pop()
                 if payload is not None:
-                    messages[r] = _as_dict(wire.loads(payload), r)
+                    messages[r], blobs[r] = _unpack_round(payload, r)
                     to_recv.discard(r)
                     notice = messages[r].get("f")
                     if notice:
@@ -458,6 +510,34 @@ class Engine:
             for n in abort_names:
                 self._stall_warned.discard(n)
             self.wake()
+
+
+_JSON_LEN = struct.Struct("!I")
+#: at most this many inline bytes ride in one round message
+_INLINE_ROUND_BYTES = 256 * 1024
+
+
+def _pack_round(msg: dict[str, Any], blob: bytes) -> bytes:
+    body = wire.dumps(msg)
+    return _JSON_LEN.pack(len(body)) + body + blob
+
+
+def _unpack_round(payload: bytes, rank: int) -> tuple[dict[str, Any], bytes]:
+    if len(payload) < _JSON_LEN.size:
+        raise ProtocolError(f"rank {rank} sent a truncated negotiation message")
+    (n,) = _JSON_LEN.unpack_from(payload)
+    if n > len(payload) - _JSON_LEN.size:
+        raise ProtocolError(f"rank {rank} sent a negotiation message with a bad length")
+    body = payload[_JSON_LEN.size: _JSON_LEN.size + n]
+    return _as_dict(wire.loads(body), rank), payload[_JSON_LEN.size + n:]
+
+
+def _prescaled_bytes(arr: np.ndarray, prescale: float) -> bytes:
+    if prescale == 1.0:
+        return arr.tobytes()
+    scaled = np.empty_like(arr)
+    fusion.scaled_copy(scaled.reshape(-1), arr.reshape(-1), prescale)
+    return scaled.tobytes()
 
 
 def _as_dict(obj: Any, rank: int) -> dict[str, Any]:

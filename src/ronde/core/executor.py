@@ -139,10 +139,9 @@ class Executor:
         nbytes = total * dtype.itemsize
         staging = comm.staging(nbytes) if comm.size > 1 else None
         if staging is not None:
-            flat = staging.view(dtype)
-            fusion.pack(flat, inputs, sizes, meta0.prescale)
-            comm.allreduce_staged(nbytes, dtype, op)
-            fusion.unpack(flat, outs, sizes, post)
+            fusion.pack(staging.view(dtype), inputs, sizes, meta0.prescale)
+            result = comm.allreduce_staged(nbytes, dtype, op)
+            fusion.unpack(result, outs, sizes, post)
         elif len(reqs) == 1 and reqs[0] is not None and reqs[0].array is not None:
             out = outs[0]
             assert out is not None

@@ -10,6 +10,12 @@ mismatch (shape, dtype, op, root) is detected identically everywhere.
 Steady state is cheap thanks to the response cache: once a name has completed, its
 per-rank metadata is remembered under a small integer id, and later announcements
 of the same name with the same metadata send only that id.
+
+Small cached allreduces can go further: a rank may attach the tensor's bytes to its
+announcement (``[cid, offset, length]`` into the round frame's binary section). When
+every member attached its bytes, the response carries them (``inline``) and each
+rank reduces them itself, in rank order: one message exchange in all, no data-plane
+round trip. Otherwise the executor runs the collective as usual.
 """
 
 from __future__ import annotations
@@ -28,11 +34,15 @@ log = logging.getLogger(__name__)
 class Response:
     """One unit of work for the executor: a (possibly fused) collective, or an error."""
 
-    __slots__ = ("kind", "ps_id", "names", "metas", "joined", "error", "error_type", "value")
+    __slots__ = ("kind", "ps_id", "names", "metas", "joined", "error", "error_type", "value",
+                 "inline")
 
     def __init__(self, kind: Kind, ps_id: int, names: list[str], metas: list[dict[int, Meta]],
                  joined: frozenset[int] = frozenset(), error: str | None = None,
-                 error_type: str = "mismatch", value: Any = None) -> None:
+                 error_type: str = "mismatch", value: Any = None,
+                 inline: list[bytes] | None = None) -> None:
+        #: every member's (prescaled) bytes in member order, for an inline allreduce
+        self.inline = inline
         self.kind = kind
         self.ps_id = ps_id
         self.names = names
@@ -47,11 +57,14 @@ class Response:
 
 
 class _Entry:
-    __slots__ = ("name", "metas", "order", "first_seen")
+    __slots__ = ("name", "metas", "order", "first_seen", "cids", "data")
 
     def __init__(self, name: str, order: tuple[int, int, int]) -> None:
         self.name = name
         self.metas: dict[int, Meta] = {}
+        #: the cache id each rank announced with (None: full metadata)
+        self.cids: dict[int, int | None] = {}
+        self.data: dict[int, bytes] = {}
         self.order = order
         self.first_seen = time.monotonic()
 
@@ -61,8 +74,8 @@ class ResponseCache:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._by_id: collections.OrderedDict[int, tuple[str, dict[int, list[Any]]]] = (
-            collections.OrderedDict())
+        self._by_id: collections.OrderedDict[
+            int, tuple[str, dict[int, list[Any]], dict[int, Meta]]] = collections.OrderedDict()
         self._by_name: dict[str, int] = {}
         self._next_id = 0
 
@@ -74,27 +87,31 @@ class ResponseCache:
             return None
         return cid
 
-    def expand(self, cid: int, rank: int) -> tuple[str, list[Any]]:
+    def expand(self, cid: int, rank: int) -> tuple[str, list[Any], Meta]:
         try:
-            name, metas = self._by_id[cid]
-            return name, metas[rank]
+            name, raws, metas = self._by_id[cid]
+            return name, raws[rank], metas[rank]
         except KeyError:
             raise ProtocolError(f"rank {rank} referred to unknown cache entry {cid}") from None
 
-    def put(self, name: str, metas: dict[int, list[Any]]) -> None:
+    def touch(self, cid: int) -> None:
+        self._by_id.move_to_end(cid)
+
+    def put(self, name: str, metas: dict[int, Meta]) -> None:
         if self.capacity <= 0:
             return
+        raws = {r: _raw(m) for r, m in metas.items()}
         cid = self._by_name.get(name)
         if cid is not None:
-            self._by_id[cid] = (name, metas)
+            self._by_id[cid] = (name, raws, dict(metas))
             self._by_id.move_to_end(cid)
             return
         cid = self._next_id
         self._next_id += 1
         self._by_name[name] = cid
-        self._by_id[cid] = (name, metas)
+        self._by_id[cid] = (name, raws, dict(metas))
         while len(self._by_id) > self.capacity:
-            old_id, (old_name, _) = self._by_id.popitem(last=False)
+            old_id, (old_name, _, _) = self._by_id.popitem(last=False)
             del self._by_name[old_name]
 
     def __len__(self) -> int:
@@ -122,26 +139,41 @@ class Negotiator:
         cid = self.cache.lookup(name, rank, raw_meta)
         return cid if cid is not None else [name, raw_meta]
 
+    def cached_id(self, rank: int, name: str, raw_meta: list[Any]) -> int | None:
+        return self.cache.lookup(name, rank, raw_meta)
+
     # -- applying a round ------------------------------------------------------------
-    def apply_round(self, messages: list[dict[str, Any]]) -> list[Response]:
-        """Apply every rank's message of this round (index = rank); return responses."""
+    def apply_round(self, messages: list[dict[str, Any]],
+                    blobs: list[bytes] | None = None) -> list[Response]:
+        """Apply every rank's message of this round (index = rank); return responses.
+
+        ``blobs[rank]`` is the binary section of that rank's frame (inline data).
+        """
         self.round += 1
         out: list[Response] = []
         # Expand cache ids against the state at the start of the round, before any update.
-        expanded: list[list[tuple[str, list[Any]]]] = []
+        expanded: list[list[tuple[str, Meta, int | None, bytes | None]]] = []
         for rank, msg in enumerate(messages):
-            items: list[tuple[str, list[Any]]] = []
+            items: list[tuple[str, Meta, int | None, bytes | None]] = []
+            blob = blobs[rank] if blobs is not None else b""
             for ann in msg.get("a", ()):
                 if isinstance(ann, int):
-                    items.append(self.cache.expand(ann, rank))
+                    name, _, meta = self.cache.expand(ann, rank)
+                    items.append((name, meta, ann, None))
                 elif isinstance(ann, list) and len(ann) == 2 and isinstance(ann[0], str):
-                    items.append((ann[0], ann[1]))
+                    items.append((ann[0], Meta(ann[1]), None, None))
+                elif (isinstance(ann, list) and len(ann) == 3
+                      and all(isinstance(v, int) for v in ann)):
+                    cid, off, length = ann
+                    name, _, meta = self.cache.expand(cid, rank)
+                    if off < 0 or length != meta.nbytes or off + length > len(blob):
+                        raise ProtocolError(f"rank {rank} sent inline data out of bounds")
+                    items.append((name, meta, cid, blob[off: off + length]))
                 else:
                     raise ProtocolError(f"malformed announcement from rank {rank}")
             expanded.append(items)
         for rank, items in enumerate(expanded):
-            for idx, (name, raw) in enumerate(items):
-                meta = Meta(raw)
+            for idx, (name, meta, cid, data) in enumerate(items):
                 entry = self.entries.get(name)
                 if entry is None:
                     entry = self.entries[name] = _Entry(name, (self.round, rank, idx))
@@ -151,6 +183,9 @@ class Negotiator:
                         "give each in-flight collective a unique name", "duplicate"))
                     continue
                 entry.metas[rank] = meta
+                entry.cids[rank] = cid
+                if data is not None:
+                    entry.data[rank] = data
         for rank, msg in enumerate(messages):
             for ps_id in msg.get("j", ()):
                 self.joined.setdefault(int(ps_id), {})[rank] = self.round
@@ -207,14 +242,23 @@ class Negotiator:
                         f"{_ranks(gone)} shut down without submitting it", "shutdown")))
                 continue
             joined_here = frozenset(r for r in members if r not in entry.metas)
-            error = self._validate(entry, members, joined_here)
-            if error is not None:
-                ready.append((entry.order, self._error_response(entry, error[0], error[1])))
-                continue
+            cids = set(entry.cids.values())
+            if len(cids) == 1 and None not in cids and not joined_here:
+                # every rank repeated the metadata of an earlier success: valid as it was
+                self.cache.touch(next(iter(cids)))  # type: ignore[arg-type]
+            else:
+                error = self._validate(entry, members, joined_here)
+                if error is not None:
+                    ready.append((entry.order, self._error_response(entry, error[0], error[1])))
+                    continue
+                self.cache.put(entry.name, entry.metas)
             del self.entries[entry.name]
-            self.cache.put(entry.name, {r: _raw(m) for r, m in entry.metas.items()})
+            inline = None
+            if len(entry.data) == len(members) and not joined_here:
+                inline = [entry.data[r] for r in members]
             ready.append((entry.order, Response(first.kind, first.ps_id, [entry.name],
-                                                [dict(entry.metas)], joined=joined_here)))
+                                                [dict(entry.metas)], joined=joined_here,
+                                                inline=inline)))
         ready.sort(key=lambda item: item[0])
         return self._fuse([resp for _, resp in ready])
 
@@ -283,7 +327,8 @@ class Negotiator:
         open_groups: dict[tuple[Any, ...], Response] = {}
         sizes: dict[tuple[Any, ...], int] = {}
         for resp in responses:
-            if resp.kind != Kind.ALLREDUCE or resp.error or self.fusion_threshold_bytes <= 0:
+            if (resp.kind != Kind.ALLREDUCE or resp.error or resp.inline is not None
+                    or self.fusion_threshold_bytes <= 0):
                 out.append(resp)
                 continue
             meta = next(iter(resp.metas[0].values()))

@@ -10,6 +10,8 @@ data moves. The caller gets a :class:`Handle` back at once.
 from __future__ import annotations
 
 import enum
+import functools
+import math
 import threading
 from typing import Any, Callable, Sequence
 
@@ -38,6 +40,7 @@ def dtype_name(dtype: np.dtype) -> str:
     return str(np.dtype(dtype))
 
 
+@functools.lru_cache(maxsize=64)
 def resolve_dtype(name: str) -> np.dtype:
     """Turn a dtype name from the wire back into a numpy dtype (bfloat16 via ml_dtypes)."""
     if name == "bfloat16":
@@ -214,7 +217,7 @@ class Meta:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * resolve_dtype(self.dtype).itemsize
+        return math.prod(self.shape) * resolve_dtype(self.dtype).itemsize
 
     def describe(self) -> str:
         return describe(self.dtype, self.shape)

@@ -54,8 +54,8 @@ class Communicator(abc.ABC):
         """A byte buffer the engine may fuse into, if that saves a copy (shm); else None."""
         return None
 
-    def allreduce_staged(self, nbytes: int, dtype: np.dtype, op: ReduceOp) -> None:
-        """Allreduce the first ``nbytes`` of :meth:`staging` in place."""
+    def allreduce_staged(self, nbytes: int, dtype: np.dtype, op: ReduceOp) -> np.ndarray:
+        """Allreduce the first ``nbytes`` of :meth:`staging`; return the flat result."""
         raise NotImplementedError
 
     def close(self) -> None:

@@ -32,6 +32,9 @@ from ..collectives.ops import ReduceOp, reduce_into
 from .base import Communicator
 
 _HEADER_BYTES = 4096
+#: allreduces up to this size take the one-synchronisation path through a small,
+#: double-buffered region (every rank reduces all contributions itself)
+SMALL_BYTES = 64 * 1024
 WRITTEN, REDUCED, DONE, ATTACHED = 0, 1, 2, 3
 
 
@@ -82,7 +85,7 @@ class ShmCommunicator(Communicator):
         self._aborted = aborted
         self._t = 0
         self._unlinked = False
-        total = _HEADER_BYTES + segment_bytes
+        total = _HEADER_BYTES + segment_bytes + 2 * SMALL_BYTES
         self._path = os.path.join(shm_dir(), f"ronde-{key}-{rank}")
         fd = os.open(self._path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
         try:
@@ -93,6 +96,7 @@ class ShmCommunicator(Communicator):
         self._maps: list[mmap.mmap] = []
         self._hdr: list[np.ndarray] = []
         self._data: list[np.ndarray] = []
+        self._small: list[list[np.ndarray]] = []
         deadline = time.monotonic() + timeout_s
         for g in members:
             mm = self._mine if g == rank else self._open_peer(
@@ -101,6 +105,10 @@ class ShmCommunicator(Communicator):
             self._hdr.append(np.frombuffer(mm, dtype=np.int64, count=8, offset=0))
             self._data.append(np.frombuffer(mm, dtype=np.uint8, count=segment_bytes,
                                             offset=_HEADER_BYTES))
+            self._small.append([np.frombuffer(mm, dtype=np.uint8, count=SMALL_BYTES,
+                                              offset=_HEADER_BYTES + segment_bytes + p * SMALL_BYTES)
+                                for p in (0, 1)])
+        self._scratch = np.empty(SMALL_BYTES, dtype=np.uint8)
         self._my_hdr = self._hdr[self.rank]
         self._publish(ATTACHED, 1)  # I have mapped every peer's segment
 
@@ -155,14 +163,43 @@ class ShmCommunicator(Communicator):
             return None
         if not self._unlinked and all(h[ATTACHED] >= 1 for h in self._hdr):
             self._unlink()
+        if nbytes <= SMALL_BYTES:
+            # the next op (counter t+1) uses parity (t+1) % 2; op t-1 used it last
+            self._wait_all(DONE, self._t - 1)
+            return self._small[self.rank][(self._t + 1) % 2][:nbytes]
         self._wait_all(DONE, self._t)
         return self._data[self.rank][:nbytes]
 
-    def allreduce_staged(self, nbytes: int, dtype: np.dtype, op: ReduceOp) -> None:
+    def allreduce_staged(self, nbytes: int, dtype: np.dtype, op: ReduceOp) -> np.ndarray:
         dtype = np.dtype(dtype)
+        if nbytes <= SMALL_BYTES:
+            return self._allreduce_small(None, nbytes // dtype.itemsize, dtype, op)
         self._allreduce_piece(None, nbytes // dtype.itemsize, dtype, op)
+        return self._data[self.rank][:nbytes].view(dtype)
+
+    def _allreduce_small(self, buf: np.ndarray | None, m: int, dtype: np.dtype,
+                         op: ReduceOp) -> np.ndarray:
+        """One synchronisation: everyone writes, everyone reduces all, in rank order."""
+        self._wait_all(DONE, self._t - 1)
+        self._t += 1
+        t = self._t
+        nbytes = m * dtype.itemsize
+        views = [self._small[j][t % 2][:nbytes].view(dtype) for j in range(self.size)]
+        if buf is not None:
+            np.copyto(views[self.rank], buf)
+        self._publish(WRITTEN, t)
+        self._wait_all(WRITTEN, t)
+        out = buf if buf is not None else self._scratch[:nbytes].view(dtype)
+        np.copyto(out, views[0])
+        for j in range(1, self.size):
+            reduce_into(out, views[j], op)
+        self._publish(DONE, t)
+        return out
 
     def allreduce(self, buf: np.ndarray, op: ReduceOp) -> None:
+        if buf.nbytes <= SMALL_BYTES:
+            self._allreduce_small(buf, buf.size, buf.dtype, op)
+            return
         step = self._piece_elems(buf.dtype)
         for s in range(0, buf.size, step):
             self._allreduce_piece(buf[s: s + step], min(step, buf.size - s), buf.dtype, op)
