@@ -73,7 +73,9 @@ class RondeComm:
         return values
 
     def allreduce_sum(self, buf: np.ndarray) -> np.ndarray:
-        return self._ronde.allreduce(buf, op=Sum, name="bench")
+        # In place (the path of ronde.torch's allreduce_), like the peers' in-place
+        # all_reduce; the functional allreduce() also pays for a fresh output array.
+        return self._ronde.allreduce_async(buf, op=Sum, name="bench", out=buf).wait()
 
     def max_across_ranks(self, values: np.ndarray) -> np.ndarray:
         return self._ronde.allreduce(values, op=Max, name=f"bench.max.{values.size}")

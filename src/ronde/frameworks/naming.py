@@ -1,0 +1,80 @@
+"""Tensor names for gradients and state, and cross-rank consistency reports.
+
+ronde matches collectives by name, so every rank must give a gradient the same
+name. Names come from the user's ``named_parameters`` or, without them, from the
+parameter's position (group ``i``, index ``j``): stable as long as every rank builds
+the same model. :func:`parameter_differences` turns the per-rank parameter tables
+(gathered once with ``allgather_object``) into an error message naming the
+parameters that differ.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Iterable, Mapping, Sequence
+
+#: one parameter's signature: (dtype name, shape)
+Signature = tuple[str, tuple[int, ...]]
+
+
+def auto_parameter_name(group: int, index: int) -> str:
+    """The name of parameter ``index`` of parameter group ``group`` when none is given."""
+    return f"noname.{group}.{index}"
+
+
+def gradient_name(param_name: str) -> str:
+    """The collective name of a parameter's gradient (Horovod's ``allreduce.<name>``)."""
+    return f"allreduce.{param_name}"
+
+
+def check_unique(names: Iterable[str], what: str = "named_parameters") -> None:
+    """Raise ``ValueError`` listing the names that occur more than once."""
+    dups = sorted(n for n, c in Counter(names).items() if c > 1)
+    if dups:
+        raise ValueError(f"parameter names in {what} must be unique; duplicates: "
+                         f"{', '.join(map(repr, dups[:10]))}"
+                         f"{' ...' if len(dups) > 10 else ''}")
+
+
+def _fmt(sig: Signature) -> str:
+    return f"{sig[0]}[{', '.join(map(str, sig[1]))}]"
+
+
+def parameter_differences(tables: Sequence[Mapping[str, Signature]],
+                          ranks: Sequence[int] | None = None, limit: int = 8) -> str | None:
+    """Describe how per-rank parameter tables differ, or None if they agree.
+
+    Args:
+        tables: one ``{name: (dtype, shape)}`` per rank, in rank order.
+        ranks: the global ranks of ``tables`` (default 0..n-1).
+        limit: at most this many differing names are described.
+    """
+    ranks = list(ranks) if ranks is not None else list(range(len(tables)))
+    names = sorted(set().union(*[set(t) for t in tables])) if tables else []
+    problems: list[str] = []
+    for name in names:
+        present = [r for r, t in zip(ranks, tables) if name in t]
+        missing = [r for r in ranks if r not in present]
+        if missing:
+            problems.append(f"{name!r} exists on rank{'s' if len(present) > 1 else ''} "
+                            f"{_ranks(present)} but not on {_ranks(missing)}")
+            continue
+        sigs: dict[Signature, list[int]] = {}
+        for r, t in zip(ranks, tables):
+            sigs.setdefault((t[name][0], tuple(t[name][1])), []).append(r)
+        if len(sigs) > 1:
+            problems.append(f"{name!r} is " + "; ".join(
+                f"{_fmt(s)} on {_ranks(rs)}" for s, rs in sigs.items()))
+    if not problems:
+        return None
+    more = f" (and {len(problems) - limit} more)" if len(problems) > limit else ""
+    return "; ".join(problems[:limit]) + more
+
+
+def _ranks(rs: Sequence[int]) -> str:
+    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
+
+
+def as_table(items: Iterable[tuple[str, Any, Sequence[int]]]) -> dict[str, Signature]:
+    """Build a ``{name: (dtype, shape)}`` table from ``(name, dtype, shape)`` triples."""
+    return {name: (str(dtype), tuple(int(d) for d in shape)) for name, dtype, shape in items}

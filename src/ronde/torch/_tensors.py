@@ -1,0 +1,178 @@
+"""torch tensors <-> the numpy buffers the engine reads and writes.
+
+CPU tensors cross without copies: a contiguous CPU tensor's ``.numpy()`` shares its
+memory, and outputs are allocated as torch tensors whose numpy view the engine
+fills (``alloc=``/``out=`` of the runtime API), so the result *is* a torch tensor.
+bfloat16 has no numpy dtype in torch: its int16 view is reinterpreted as
+``ml_dtypes.bfloat16`` (same bits). Non-contiguous tensors are copied to a
+contiguous one first. CUDA tensors take a host round trip (copy to CPU, reduce,
+copy back) until the NCCL path exists; a warning says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+_NUMPY: dict[torch.dtype, Any] = {
+    torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64,
+    torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64,
+    torch.uint8: np.uint8,
+}
+_TORCH: dict[str, torch.dtype] = {str(np.dtype(v)): k for k, v in _NUMPY.items()}
+_TORCH["bfloat16"] = torch.bfloat16
+_warned_device = threading.Event()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The numpy-style name of a torch dtype (``float32``, ``bfloat16``...)."""
+    if dtype == torch.bfloat16:
+        return "bfloat16"
+    if dtype not in _NUMPY:
+        raise TypeError(f"ronde cannot send torch tensors of dtype {dtype}; supported: "
+                        f"{', '.join(sorted(_TORCH))} (cast first, e.g. bool -> uint8)")
+    return str(np.dtype(_NUMPY[dtype]))
+
+
+def torch_dtype(dtype: Any) -> torch.dtype:
+    """The torch dtype for a numpy dtype (bfloat16 via ml_dtypes)."""
+    return _TORCH[str(np.dtype(dtype))]
+
+
+def numpy_view(t: torch.Tensor) -> np.ndarray:
+    """A numpy array sharing memory with a contiguous CPU tensor."""
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    dtype_name(t.dtype)  # raises a clear TypeError for unsupported dtypes
+    return t.numpy()
+
+
+def host(t: torch.Tensor, what: str) -> torch.Tensor:
+    """The tensor detached, on the CPU and contiguous: itself when it already is."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} expects a torch.Tensor, got {type(t).__name__}")
+    if t.is_sparse:
+        raise TypeError(f"{what} expects a dense tensor; use sparse_allreduce_async for sparse "
+                        "tensors or DistributedOptimizer(sparse_as_dense=True)")
+    t = t.detach()
+    if t.device.type != "cpu":
+        if not _warned_device.is_set():
+            _warned_device.set()
+            logger.warning("ronde.torch: %s tensors are copied to host memory for the "
+                           "collective and back (no NCCL path yet); expect extra latency",
+                           t.device.type)
+        return t.to("cpu").contiguous()
+    return t.contiguous()
+
+
+class Allocator:
+    """The ``alloc=`` callable: allocates the output as a torch tensor, keeps it."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self) -> None:
+        self.tensor: torch.Tensor | None = None
+
+    def __call__(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        self.tensor = torch.empty(tuple(shape), dtype=torch_dtype(dtype))
+        return numpy_view(self.tensor)
+
+
+class TorchHandle:
+    """The handle of an async torch collective; ``wait()`` returns torch tensors.
+
+    ``hvd.synchronize(handle)`` and ``hvd.poll(handle)`` accept it, like the runtime's
+    own :class:`~ronde.core.requests.Handle`, whose methods it mirrors.
+    """
+
+    __slots__ = ("_inner", "_convert", "_done", "_value", "name")
+
+    def __init__(self, inner: Any, convert: Callable[[Any], Any]) -> None:
+        self._inner = inner
+        self._convert = convert
+        self._done = False
+        self._value: Any = None
+        self.name: str = getattr(inner, "name", "")
+
+    def poll(self) -> bool:
+        """True once the collective finished."""
+        return bool(self._inner.poll())
+
+    done = poll
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until finished; return the torch result or raise the collective's error."""
+        if not self._done:
+            raw = self._inner.wait(timeout)
+            self._value = self._convert(raw)
+            self._done = True
+        return self._value
+
+    def exception(self) -> BaseException | None:
+        """Wait, then return the error or None."""
+        return self._inner.exception()
+
+    def add_done_callback(self, fn: Callable[["TorchHandle"], None]) -> None:
+        """Call ``fn(self)`` once finished (from an engine thread; keep it short)."""
+        self._inner.add_done_callback(lambda _h: fn(self))
+
+    def __repr__(self) -> str:
+        return f"<TorchHandle {self.name!r} {'done' if self.poll() else 'pending'}>"
+
+
+class MultiHandle(TorchHandle):
+    """Several runtime handles finishing one torch result (grouped, sparse)."""
+
+    __slots__ = ()
+
+    def __init__(self, inners: list[Any], convert: Callable[[list[Any]], Any],
+                 name: str = "") -> None:
+        super().__init__(_Group(inners), convert)
+        self.name = name
+
+
+class _Group:
+    def __init__(self, inners: list[Any]) -> None:
+        self.inners = inners
+
+    def poll(self) -> bool:
+        return all(h.poll() for h in self.inners)
+
+    def wait(self, timeout: float | None = None) -> list[Any]:
+        return [h.wait(timeout) for h in self.inners]
+
+    def exception(self) -> BaseException | None:
+        for h in self.inners:
+            exc = h.exception()
+            if exc is not None:
+                return exc
+        return None
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        remaining = [len(self.inners)]
+        lock = threading.Lock()
+
+        def one(_h: Any) -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                fn(self)
+
+        if not self.inners:
+            fn(self)
+        for h in self.inners:
+            h.add_done_callback(one)
+
+
+def to_device(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Move a host result back to ``like``'s device (no-op on the CPU)."""
+    return result if like.device.type == "cpu" else result.to(like.device)
