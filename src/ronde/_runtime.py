@@ -165,8 +165,16 @@ def _choose_transport(cfg: _config.Config, topo: Topology, members: list[int]) -
         return "shm"
     if cfg.transport == "tcp":
         return "tcp"
-    if same_host and platform.machine().lower() in ("x86_64", "amd64"):
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    if same_host and x86:
         return "shm"
+    if x86 and cfg.hierarchical != "off":
+        per_host: dict[str, int] = {}
+        for r in members:
+            per_host[topo.hosts[r]] = per_host.get(topo.hosts[r], 0) + 1
+        counts = set(per_host.values())
+        if len(counts) == 1 and counts.pop() > 1:
+            return "hierarchical"
     return "tcp"
 
 
@@ -230,9 +238,25 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
         from .transport.tcp import SocketP2P
 
         assert mesh is not None
-        p2p = SocketP2P(rank, members, mesh.data, lambda r: f"{r} (host {topo.hosts[r]})",
-                        aborted)
-        return P2PCommunicator(p2p, cfg.small_allreduce_bytes)
+
+        def tcp(group: list[int]) -> Communicator:
+            p2p = SocketP2P(rank, group, mesh.data, lambda r: f"{r} (host {topo.hosts[r]})",
+                            aborted)
+            return P2PCommunicator(p2p, cfg.small_allreduce_bytes)
+
+        if kind == "hierarchical":
+            from .transport.hierarchical import HierarchicalCommunicator
+            from .transport.shm import ShmCommunicator
+
+            me = topo.hosts[rank]
+            local = [r for r in members if topo.hosts[r] == me]
+            hosts_in_order = list(dict.fromkeys(topo.hosts[r] for r in members))
+            cross = [[r for r in members if topo.hosts[r] == h][local.index(rank)]
+                     for h in hosts_in_order]
+            shm = ShmCommunicator(rank, local, f"{key}-g{gen}-ps{ps_id}-local",
+                                  cfg.shm_segment_bytes, aborted, cfg.start_timeout_s)
+            return HierarchicalCommunicator(shm, tcp(cross), tcp(members))
+        return tcp(members)
 
     comms = {0: make_comm(0, list(range(size)))}
     engine = Engine(rank, size, cfg, ctl, comms, {0: list(range(size))}, make_comm,

@@ -256,3 +256,23 @@ def steady_state() -> str:
     hvd.join()
     hvd.shutdown()
     return "ok"
+
+
+def multihost() -> tuple:
+    """Collectives on simulated hosts (2 ranks per host): hierarchical allreduce."""
+    import ronde as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    for length in (1, 1001, 1_000_003):
+        x = np.arange(length, dtype=np.float32) % 7 + r
+        got = hvd.allreduce(x, op=hvd.Sum, name=f"h.{length}")
+        np.testing.assert_allclose(got, (np.arange(length) % 7) * n + n * (n - 1) / 2)
+    g = hvd.allgather(np.full((r + 1, 2), r))
+    assert g.shape == (n * (n + 1) // 2, 2)
+    b = hvd.broadcast(np.arange(5) + r, root_rank=n - 1)
+    np.testing.assert_array_equal(b, np.arange(5) + n - 1)
+    out = (hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size(),
+           hvd.active_transport())
+    hvd.shutdown()
+    return out

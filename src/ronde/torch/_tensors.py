@@ -41,7 +41,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def torch_dtype(dtype: Any) -> torch.dtype:
-    """The torch dtype for a numpy dtype (bfloat16 via ml_dtypes)."""
+    """The torch dtype for a numpy dtype or dtype name (bfloat16 via ml_dtypes)."""
+    if isinstance(dtype, str) and dtype in _TORCH:
+        return _TORCH[dtype]
     return _TORCH[str(np.dtype(dtype))]
 
 

@@ -1,0 +1,298 @@
+"""``DistributedOptimizer``: averages gradients across ranks while backward runs.
+
+The wrapper is a dynamic subclass of the user's optimizer class (so
+``isinstance(opt, torch.optim.SGD)`` holds and LR schedulers work) sharing the
+original's parameter groups and state. A ``post_accumulate_grad`` hook on every
+parameter starts an asynchronous in-place allreduce of ``p.grad`` as soon as the
+gradient is final, so communication overlaps the rest of backward; ``step()``
+waits for all of them (:meth:`synchronize`) and then runs the inner step.
+
+Semantics (as Horovod's, where it defines them):
+
+* ``backward_passes_per_step=N``: the first N-1 backward passes accumulate locally
+  (torch sums into ``p.grad``); the N-th starts the allreduce. ``step()`` after fewer
+  passes (a partial last window) reduces what was accumulated; nothing is rescaled,
+  so divide the loss by N yourself for a mean over micro-batches. N+1 passes before
+  a step raise ``TooManyPassesError`` from ``backward()``.
+* A parameter that got no gradient on this rank in a step is reduced as zeros at
+  ``synchronize()`` time, so every rank submits the same names (no deadlock); it
+  then has a gradient (the average of the other ranks', or zeros) on every rank.
+* ``step()`` when no parameter has a gradient at all raises ``RondeError`` (usually
+  a forgotten ``loss.backward()``).
+* At the first ``synchronize()`` the ranks compare their parameter tables
+  (``allgather_object``) and raise ``TensorMismatchError`` naming the differing
+  parameters instead of waiting for an allreduce that one rank never submits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+
+from .. import _api
+from .._errors import RondeError, TensorMismatchError
+from .._ops import ReduceOp
+from ..frameworks.accumulation import PassCounter
+from ..frameworks.compression import Compressor, wire_reduction
+from ..frameworks.naming import (as_table, auto_parameter_name, check_unique, gradient_name,
+                                 parameter_differences)
+from ..process_sets import ProcessSet, global_process_set
+from . import _collectives as C
+from ._tensors import dtype_name
+from .compression import Compression
+
+logger = logging.getLogger(__name__)
+
+
+class _DistributedMixin:
+    """Methods mixed in front of the user's optimizer class."""
+
+    param_groups: list[dict[str, Any]]
+
+    def _ronde_init(self, named_parameters: Any, compression: Any, backward_passes_per_step: int,
+                    op: Any, gradient_predivide_factor: float, groups: Any,
+                    sparse_as_dense: bool, process_set: ProcessSet) -> None:
+        resolved = C.resolve_op(op, None)
+        if resolved == ReduceOp.ADASUM:
+            raise ValueError("op=Adasum is not supported yet; use Average or Sum")
+        if gradient_predivide_factor != 1.0 and resolved != ReduceOp.AVERAGE:
+            raise ValueError("gradient_predivide_factor is only supported with op=Average")
+        self._ronde_op = resolved
+        self._ronde_pre, self._ronde_post = 1.0, 1.0
+        if resolved == ReduceOp.AVERAGE:  # the engine divides by the size after the sum
+            self._ronde_pre = 1.0 / gradient_predivide_factor
+            self._ronde_post = float(gradient_predivide_factor)
+        self._ronde_compression = compression
+        self._ronde_sparse_as_dense = bool(sparse_as_dense)
+        self._ronde_ps = process_set
+        self._ronde_counter: PassCounter[torch.Tensor] = PassCounter(backward_passes_per_step)
+        self._ronde_names = self._ronde_name_parameters(named_parameters)
+        self._ronde_params = [p for g in self.param_groups for p in g["params"]
+                              if p.requires_grad]
+        self._ronde_handles: dict[torch.Tensor, tuple[Any, Any, str]] = {}
+        self._ronde_groups = self._ronde_make_groups(groups)
+        self._ronde_ready: dict[int, set[int]] = {}
+        self._ronde_validated = False
+        self._ronde_synchronized = False
+        self._ronde_should_sync = True
+        self._ronde_hooks = [p.register_post_accumulate_grad_hook(self._ronde_hook)
+                             for p in self._ronde_params]
+
+    # -- set-up --------------------------------------------------------------------------
+    def _ronde_name_parameters(self, named_parameters: Any) -> dict[int, str]:
+        all_params = [(gi, j, p) for gi, g in enumerate(self.param_groups)
+                      for j, p in enumerate(g["params"])]
+        if named_parameters is None:
+            return {id(p): auto_parameter_name(gi, j) for gi, j, p in all_params}
+        named = list(named_parameters)
+        if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
+            raise ValueError("named_parameters should be a sequence of (name, parameter) "
+                             "tuples, usually model.named_parameters()")
+        check_unique([n for n, _ in named])
+        names = {id(p): n for n, p in named}
+        unnamed = [f"group {gi} index {j} {tuple(p.shape)}" for gi, j, p in all_params
+                   if id(p) not in names]
+        if unnamed:
+            raise ValueError(f"named_parameters was given, but {len(unnamed)} of the optimizer's "
+                             f"parameters are not in it ({', '.join(unnamed[:5])}); pass the "
+                             "named_parameters() of the model the optimizer was built from")
+        return names
+
+    def _ronde_make_groups(self, groups: Any) -> dict[int, list[torch.Tensor]]:
+        params = self._ronde_params
+        if not groups:
+            return {}
+        if isinstance(groups, int):
+            n = max(1, min(groups, len(params)))
+            per = -(-len(params) // n)
+            return {i: params[i * per:(i + 1) * per] for i in range(n) if params[i * per:]}
+        wanted = {id(p) for p in params}
+        out = {}
+        for i, group in enumerate(groups):
+            members = [p for p in group if id(p) in wanted]
+            if len(members) != len(list(group)):
+                raise ValueError(f"groups[{i}] holds tensors that are not trainable parameters "
+                                 "of this optimizer")
+            out[i] = members
+        return out
+
+    # -- backward side ---------------------------------------------------------------------
+    def _ronde_hook(self, p: torch.Tensor) -> None:
+        name = self._ronde_names[id(p)]
+        if not self._ronde_counter.record(p, f"the gradient of {name!r}"):
+            return
+        gid = self._ronde_group_id(p)
+        if gid is None:
+            self._ronde_submit(p)
+            return
+        ready = self._ronde_ready.setdefault(gid, set())
+        ready.add(id(p))
+        members = self._ronde_groups[gid]
+        if len(ready) == len(members):
+            for q in members:
+                self._ronde_submit(q)
+
+    def _ronde_group_id(self, p: torch.Tensor) -> int | None:
+        for gid, members in self._ronde_groups.items():
+            if any(q is p for q in members):
+                return gid
+        return None
+
+    def _ronde_submit(self, p: torch.Tensor) -> None:
+        if p in self._ronde_handles:
+            return
+        name = gradient_name(self._ronde_names[id(p)])
+        grad = p.grad
+        assert grad is not None
+        op, pre, post = self._ronde_op, self._ronde_pre, self._ronde_post
+        if grad.is_sparse and not self._ronde_sparse_as_dense:
+            h = C.sparse_allreduce_async(grad, name, op, self._ronde_ps, pre, post)
+            self._ronde_handles[p] = (h, "sparse", name)
+            return
+        dense = grad.to_dense() if grad.is_sparse else grad
+        comp = self._ronde_compression
+        compressed, ctx = comp.compress(dense)
+        if isinstance(comp, Compressor) and comp.compresses(dtype_name(dense.dtype)):
+            op, pre, post = wire_reduction(op, pre, post, C.set_size(self._ronde_ps),
+                                           comp.wire_dtype)
+        h = C.allreduce_async_(compressed, None, name, op, pre, post, self._ronde_ps)
+        kind = "inplace" if compressed is grad else ("dense", ctx)
+        self._ronde_handles[p] = (h, kind, name)
+
+    # -- step side -------------------------------------------------------------------------
+    def _ronde_validate(self) -> None:
+        table = as_table((self._ronde_names[id(p)], dtype_name(p.dtype), p.shape)
+                         for p in self._ronde_params)
+        tables = C.allgather_object(table, "ronde.torch.DistributedOptimizer.parameters",
+                                    self._ronde_ps)
+        ranks = self._ronde_ps.ranks
+        diff = parameter_differences(tables, ranks)
+        if diff:
+            raise TensorMismatchError(
+                f"DistributedOptimizer: the trainable parameters differ across ranks: {diff}; "
+                "build the same model on every rank (and pass the same named_parameters)")
+        self._ronde_validated = True
+
+    def synchronize(self) -> None:
+        """Wait until every gradient is reduced (starting those not started yet).
+
+        Call it before reading or clipping gradients, then call ``step()`` inside
+        ``with optimizer.skip_synchronize():``.
+        """
+        try:
+            if not self._ronde_validated:
+                self._ronde_validate()
+            if not self._ronde_handles and all(p.grad is None for p in self._ronde_params):
+                raise RondeError("optimizer.step()/synchronize() found no gradients on rank "
+                                 f"{_api.rank()}: call loss.backward() before optimizer.step()")
+            for p in self._ronde_params:
+                if p not in self._ronde_handles:
+                    if p.grad is None:  # unused in this step here: contribute zeros
+                        p.grad = torch.zeros_like(p)
+                    self._ronde_submit(p)
+            for p in self._ronde_params:
+                h, kind, name = self._ronde_handles[p]
+                out = h.wait()
+                if kind == "sparse":
+                    p.grad = out
+                elif kind != "inplace":
+                    value = self._ronde_compression.decompress(out, kind[1], name) \
+                        if isinstance(self._ronde_compression, Compressor) \
+                        else self._ronde_compression.decompress(out, kind[1])
+                    if p.grad is not None and not p.grad.is_sparse:
+                        with torch.no_grad():
+                            p.grad.copy_(value)
+                    else:
+                        p.grad = value.to(p.dtype)
+        finally:
+            self._ronde_handles.clear()
+            self._ronde_ready.clear()
+            self._ronde_counter.reset()
+        self._ronde_synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside this block ``step()`` does not synchronize (you called ``synchronize()``)."""
+        self._ronde_should_sync = False
+        try:
+            yield
+        finally:
+            self._ronde_should_sync = True
+
+    def step(self, closure: Any = None) -> Any:
+        """Wait for the reduced gradients (unless inside ``skip_synchronize``), then step."""
+        if self._ronde_should_sync:
+            if self._ronde_synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "after optimizer.synchronize(); gradients are reduced twice. Use "
+                              "`with optimizer.skip_synchronize(): optimizer.step()`",
+                              stacklevel=2)
+            self.synchronize()
+        self._ronde_synchronized = False
+        return super().step(closure)  # type: ignore[misc]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients; refuses while reductions are still in flight."""
+        if self._ronde_handles:
+            raise RondeError("optimizer.zero_grad() was called after loss.backward() but before "
+                             "optimizer.step() or optimizer.synchronize(): gradients are being "
+                             "reduced in the background; call step() first")
+        self._ronde_counter.reset()
+        self._ronde_ready.clear()
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change ``backward_passes_per_step`` (between steps)."""
+        self._ronde_counter = PassCounter(passes)
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        """Backward passes accumulated locally before each allreduce."""
+        return self._ronde_counter.passes_per_step
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,
+                         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+                         compression: Any = Compression.none, backward_passes_per_step: int = 1,
+                         op: Any = ReduceOp.AVERAGE, gradient_predivide_factor: float = 1.0,
+                         num_groups: int = 0,
+                         groups: int | Sequence[Sequence[torch.Tensor]] | None = None,
+                         sparse_as_dense: bool = False,
+                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
+
+    Args:
+        optimizer: a constructed torch optimizer; use the returned object instead.
+        named_parameters: ``model.named_parameters()``: names the gradients' collectives
+            (recommended). Without it, names come from parameter positions.
+        compression: ``Compression.none`` (default), ``.fp16`` or ``.bf16``.
+        backward_passes_per_step: backward passes accumulated locally before the allreduce.
+        op: ``Average`` (default) or ``Sum``.
+        gradient_predivide_factor: with Average, divide by this before the sum and by
+            ``size / factor`` after it (guards low-precision sums).
+        num_groups: deprecated spelling of ``groups=<int>``.
+        groups: an int (that many groups of consecutive parameters) or a list of lists
+            of parameters; a group's allreduces start together once all are ready.
+        sparse_as_dense: reduce sparse gradients as dense tensors instead of allgathering
+            their indices and values.
+        process_set: the ranks that average their gradients (default: all).
+
+    Returns:
+        An instance of a subclass of ``type(optimizer)`` sharing its groups and state.
+
+    Raises:
+        ValueError: duplicate names, parameters missing from ``named_parameters``, an
+            unsupported op, or a predivide factor with an op other than Average.
+    """
+    base = optimizer.__class__
+    cls = type(base.__name__, (_DistributedMixin, base), {"__module__": base.__module__})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped._ronde_init(named_parameters, compression, backward_passes_per_step, op,
+                        gradient_predivide_factor, groups if groups is not None else num_groups,
+                        sparse_as_dense, process_set)
+    return wrapped

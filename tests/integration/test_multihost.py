@@ -1,0 +1,42 @@
+"""A multi-host job on simulated hosts (network namespaces): tcp across, shm within."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ronde.testing import netns
+
+pytestmark = pytest.mark.skipif(not netns.available(), reason="needs root and iproute2")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.timeout(120)
+def test_two_hosts_two_ranks_each(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import json, sys\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        "from tests.integration import workers\n"
+        "print('RESULT', json.dumps(workers.multihost()), flush=True)\n")
+    with netns.SimulatedHosts(2) as hosts:
+        proc = subprocess.run(
+            [sys.executable, "-m", "ronde.run", "-H", hosts.spec(2), "--start-timeout", "30",
+             sys.executable, str(script)],
+            capture_output=True, text=True, timeout=100, env=hosts.env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = {}
+    for line in proc.stdout.splitlines():
+        if "<stdout>:RESULT " in line:
+            rank = int(line[1:line.index("]")])
+            results[rank] = json.loads(line.split("RESULT ", 1)[1])
+    assert sorted(results) == [0, 1, 2, 3]
+    # ranks 0,1 on the first host, 2,3 on the second
+    assert [results[r][:4] for r in range(4)] == [[0, 2, 0, 2], [1, 2, 0, 2], [0, 2, 1, 2],
+                                                  [1, 2, 1, 2]]
+    assert {results[r][4] for r in range(4)} == {"hierarchical"}
