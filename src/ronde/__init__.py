@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 
 # The API module (numpy, the engine) is imported on first use, so that
 # ``import ronde`` costs about a millisecond and imports no framework.
-_LAZY = {name: "._api" for name in ['GroupHandle', 'add_process_set', 'allgather', 'allgather_async', 'allgather_object', 'allreduce', 'allreduce_async', 'alltoall', 'alltoall_async', 'barrier', 'broadcast', 'broadcast_async', 'broadcast_object', 'ccl_built', 'cross_rank', 'cross_size', 'cuda_built', 'ddl_built', 'gloo_built', 'gloo_enabled', 'grouped_allreduce', 'grouped_allreduce_async', 'init', 'is_homogeneous', 'is_initialized', 'join', 'local_rank', 'local_size', 'mpi_built', 'mpi_enabled', 'mpi_threads_supported', 'nccl_built', 'poll', 'rank', 'reducescatter', 'reducescatter_async', 'remove_process_set', 'rocm_built', 'shutdown', 'size', 'synchronize', 'active_transport']}
+_LAZY = {name: "._api" for name in ['GroupHandle', 'add_process_set', 'allgather', 'allgather_async', 'allgather_object', 'allreduce', 'allreduce_async', 'alltoall', 'alltoall_async', 'barrier', 'broadcast', 'broadcast_async', 'broadcast_object', 'ccl_built', 'cross_rank', 'cross_size', 'cuda_built', 'ddl_built', 'gloo_built', 'gloo_enabled', 'grouped_allreduce', 'grouped_allreduce_async', 'init', 'is_homogeneous', 'is_initialized', 'join', 'local_rank', 'local_size', 'mpi_built', 'mpi_enabled', 'mpi_threads_supported', 'nccl_built', 'poll', 'rank', 'reducescatter', 'reducescatter_async', 'remove_process_set', 'rocm_built', 'shutdown', 'size', 'synchronize', 'active_transport', 'start_timeline', 'stop_timeline']}
 _LAZY["Handle"] = ".core.requests"
 
 
@@ -46,6 +46,7 @@ __all__ = [
     "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall",
     "alltoall_async", "reducescatter", "reducescatter_async", "barrier", "join",
     "broadcast_object", "allgather_object", "poll", "synchronize", "Handle", "GroupHandle",
+    "start_timeline", "stop_timeline",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "Average", "Sum", "Min", "Max", "Product", "Adasum", "ReduceOp",
     "RondeError", "ConfigError", "NotInitializedError", "TensorMismatchError",

@@ -430,6 +430,27 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     return True
 
 
+# -- timeline ------------------------------------------------------------------------------
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start writing a Chrome-trace timeline (rank 0; ``{rank}`` in the path: every rank).
+
+    Open the file in chrome://tracing or https://ui.perfetto.dev. It stays loadable
+    even if the job is killed while writing it.
+    """
+    from . import _runtime
+
+    rt = _runtime_or_raise()
+    _runtime.start_timeline(rt.engine, file_path, rt.topo.rank, mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Stop and close the timeline started by ``start_timeline`` or ``RONDE_TIMELINE``."""
+    rt = _runtime_or_raise()
+    tl, rt.engine.timeline = rt.engine.timeline, None
+    if tl is not None:
+        tl.close()
+
+
 # -- build facts (Horovod compatibility) ---------------------------------------------------
 def mpi_built() -> bool:
     """False: this build does not use MPI underneath (see RONDE_TRANSPORT)."""

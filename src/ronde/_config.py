@@ -71,6 +71,7 @@ class Config:
     stall_shutdown_time_s: float = 300.0
     stall_check_enabled: bool = True
     timeline_path: str = ""
+    timeline_mark_cycles: bool = False
     bind_addr: str = ""
     shm_segment_bytes: int = 64 * 1024 * 1024
     small_allreduce_bytes: int = 64 * 1024
@@ -97,6 +98,8 @@ _ENV: dict[str, tuple[str, tuple[str, ...], Callable[[str], object]]] = {
     "stall_check_enabled": (
         "RONDE_STALL_CHECK", (), _parse_bool),
     "timeline_path": ("RONDE_TIMELINE", ("HOROVOD_TIMELINE",), str),
+    "timeline_mark_cycles": ("RONDE_TIMELINE_MARK_CYCLES", ("HOROVOD_TIMELINE_MARK_CYCLES",),
+                             _parse_bool),
     "bind_addr": ("RONDE_BIND_ADDR", (), str),
     "shm_segment_bytes": ("RONDE_SHM_SEGMENT", (), parse_bytes),
     "small_allreduce_bytes": ("RONDE_SMALL_ALLREDUCE", (), parse_bytes),

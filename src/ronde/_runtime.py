@@ -262,6 +262,8 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
     engine = Engine(rank, size, cfg, ctl, comms, {0: list(range(size))}, make_comm,
                     lambda r: f"{r} (host {topo.hosts[r]})")
     holder["engine"] = engine
+    if cfg.timeline_path:
+        start_timeline(engine, cfg.timeline_path, rank, cfg.timeline_mark_cycles)
     engine.start()
     rt = Runtime(cfg, topo, engine, wenv, mesh, gen, transports[0])
     if rank == 0:
@@ -272,6 +274,24 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
         _install_excepthook()
         _atexit_registered = True
     return rt
+
+
+def timeline_path_for(path: str, rank: int) -> str | None:
+    """Rank 0 writes ``path`` (as Horovod does); with ``{rank}`` in it, every rank does."""
+    if "{rank}" in path:
+        return path.replace("{rank}", str(rank))
+    return path if rank == 0 else None
+
+
+def start_timeline(engine: Engine, path: str, rank: int, mark_cycles: bool) -> None:
+    from .core.timeline import Timeline
+
+    target = timeline_path_for(path, rank)
+    if target is None:
+        return
+    old, engine.timeline = engine.timeline, Timeline(target, rank, mark_cycles)
+    if old is not None:
+        old.close()
 
 
 def shutdown(rt: Runtime) -> None:

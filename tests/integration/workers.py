@@ -276,3 +276,22 @@ def multihost() -> tuple:
            hvd.active_transport())
     hvd.shutdown()
     return out
+
+
+def timeline_job(path: str, kill_rank0: bool) -> str:
+    import os
+    import signal
+
+    import ronde as hvd
+
+    hvd.init()
+    for step in range(5):
+        hs = [hvd.allreduce_async(np.ones(100 * (i + 1)), name=f"grad.{i}") for i in range(4)]
+        for h in hs:
+            hvd.synchronize(h)
+        hvd.allgather(np.ones((2, 2)), name="gathered")
+    hvd.allreduce(np.ones(200_000), name="big")
+    if kill_rank0 and hvd.rank() == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    hvd.shutdown()
+    return path

@@ -21,6 +21,7 @@ import json
 import re
 import subprocess
 import sys
+from typing import Any
 
 from ..testing import netns
 
@@ -52,7 +53,7 @@ def _rate_bits(rate: str) -> float:
     return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
 
 
-def run_point(hosts: int, slots: int, rate: str, mib: int, repeats: int) -> dict[str, object]:
+def run_point(hosts: int, slots: int, rate: str, mib: int, repeats: int) -> dict[str, Any]:
     count = mib * (1 << 20) // 4
     code = _WORKER.format(count=count, repeats=repeats)
     with netns.SimulatedHosts(hosts, rate=rate) as sim:

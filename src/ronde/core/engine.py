@@ -41,6 +41,7 @@ from . import fusion
 from .executor import Executor
 from .negotiation import Negotiator, Response
 from .requests import Kind, Request, resolve_dtype
+from .timeline import Timeline, now_us
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,8 @@ class Engine:
         self._thread = threading.Thread(target=self._control_main, name="ronde-control",
                                         daemon=True)
         self._stopped = threading.Event()
+        #: the Chrome-trace recorder, or None (see timeline.py)
+        self.timeline: Timeline | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -138,6 +141,9 @@ class Engine:
         self._thread.join(self.cfg.shutdown_timeout_s + 5.0)
         self.executor.stop(5.0)
         self._fail_all(ShutdownError("ronde was shut down while this collective was pending"))
+        if self.timeline is not None:
+            self.timeline.close()
+            self.timeline = None
         for comm in self._comms.values():
             comm.close()
         for fd in (self._wake_r, self._wake_w):
@@ -164,6 +170,8 @@ class Engine:
                     f"a collective named {req.name!r} is already in flight on rank "
                     f"{self.rank}; wait for it first or give this one another name")
             self._pending[req.name] = req
+            if self.timeline is not None:
+                req.t_submit = now_us()
             if req.kind == Kind.JOIN:
                 self._joins.append(req.ps_id)
             else:
@@ -339,6 +347,12 @@ class Engine:
                 self._shutdown_at = time.monotonic()
         msg: dict[str, Any] = {}
         blob = bytearray()
+        tl = self.timeline
+        if tl is not None:
+            stamp = now_us()
+            for r in reqs:
+                r.t_announce = stamp
+                tl.phase(r.name, "QUEUE", r.t_submit or stamp, stamp)
         if reqs:
             neg = self.negotiator
             inline_left = self.cfg.inline_bytes and _INLINE_ROUND_BYTES
@@ -378,6 +392,17 @@ class Engine:
             frame = wire.encode_frame(KIND_ROUND, _pack_round(msg, blob))
             self._exchange(frame, messages, blobs)
         responses = self.negotiator.apply_round(messages, blobs)
+        tl = self.timeline
+        if tl is not None:
+            tl.cycle(self.negotiator.round)
+            stamp = now_us()
+            with self._lock:
+                for resp in responses:
+                    for name in resp.names:
+                        req = self._pending.get(name)
+                        if req is not None and req.t_announce:
+                            tl.phase(name, "NEGOTIATE", req.t_announce, stamp,
+                                     {"error": resp.error} if resp.error else None)
         for m in messages:
             if m.get("x"):
                 x = m["x"]
@@ -394,6 +419,7 @@ class Engine:
         req = self.take(resp.names[0])
         if req is None:  # not a member of this process set
             return
+        start = now_us() if self.timeline is not None else 0.0
         try:
             meta = resp.metas[0][min(resp.metas[0])]
             dtype = resolve_dtype(meta.dtype)
@@ -411,6 +437,8 @@ class Engine:
             req.fail(exc if isinstance(exc, RondeError) else RondeError(
                 f"allreduce {req.name!r} failed: {exc!r}"))
             return
+        if self.timeline is not None:
+            self.timeline.phase(req.name, "INLINE_REDUCE", start, now_us())
         req.complete(out)
 
     def _exchange(self, frame: bytes, messages: list[dict[str, Any]],

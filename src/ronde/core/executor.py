@@ -24,6 +24,7 @@ from ..collectives.ops import ReduceOp
 from . import fusion
 from .negotiation import Response
 from .requests import Kind, Meta, Request, resolve_dtype
+from .timeline import now_us
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -55,6 +56,7 @@ class Executor:
         self._fusion = fusion.FusionBuffer()
         self._thread = threading.Thread(target=self._loop, name="ronde-executor", daemon=True)
         self.on_idle: Callable[[], None] | None = None
+        self._marks: list[tuple[str, float]] | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -108,15 +110,35 @@ class Executor:
             return
         comm = eng.communicator(resp.ps_id)
         reqs = [eng.take(name) for name in resp.names]
+        self._marks = [] if eng.timeline is not None else None
         try:
             handler = _HANDLERS[resp.kind]
+            self._mark("start")
             handler(self, resp, reqs, comm, members)
+            self._record(resp)
         except BaseException as exc:
             for req in reqs:
                 if req is not None:
                     req.fail(exc if isinstance(exc, RondeError) else RondeError(
                         f"{resp.kind.name.lower()} {req.name!r} failed: {exc!r}"))
             raise
+
+    def _mark(self, phase: str) -> None:
+        if self._marks is not None:
+            self._marks.append((phase, now_us()))
+
+    def _record(self, resp: Response) -> None:
+        """Turn the marks of this response into timeline phases for each tensor."""
+        tl, marks = self.engine.timeline, self._marks
+        if tl is None or not marks:
+            return
+        marks.append(("end", now_us()))
+        args = {"fused": len(resp.names)} if len(resp.names) > 1 else None
+        for (phase, start), (_, end) in zip(marks[1:-1], marks[2:]):
+            for name in resp.names:
+                tl.phase(name, phase, start, end, args)
+        for name in resp.names:
+            tl.phase(name, resp.kind.name, marks[0][1], marks[-1][1], args)
 
     # -- per kind ------------------------------------------------------------------------
     def _allreduce(self, resp: Response, reqs: list[Request | None], comm: Any,
@@ -139,21 +161,30 @@ class Executor:
         nbytes = total * dtype.itemsize
         staging = comm.staging(nbytes) if comm.size > 1 else None
         if staging is not None:
+            self._mark("MEMCPY_IN_FUSION_BUFFER")
             fusion.pack(staging.view(dtype), inputs, sizes, meta0.prescale)
+            self._mark("TRANSFER")
             result = comm.allreduce_staged(nbytes, dtype, op)
+            self._mark("MEMCPY_OUT_FUSION_BUFFER")
             fusion.unpack(result, outs, sizes, post)
         elif len(reqs) == 1 and reqs[0] is not None and reqs[0].array is not None:
             out = outs[0]
             assert out is not None
             flat_out = out.reshape(-1)
+            self._mark("MEMCPY_IN")
             if out is not reqs[0].array or meta0.prescale != 1.0:
                 fusion.scaled_copy(flat_out, reqs[0].array.reshape(-1), meta0.prescale)
+            self._mark("TRANSFER")
             comm.allreduce(flat_out, op)
+            self._mark("SCALE")
             fusion.scale_inplace(flat_out, post)
         else:
             flat = self._fusion.get(nbytes).view(dtype)
+            self._mark("MEMCPY_IN_FUSION_BUFFER")
             fusion.pack(flat, inputs, sizes, meta0.prescale)
+            self._mark("TRANSFER")
             comm.allreduce(flat, op)
+            self._mark("MEMCPY_OUT_FUSION_BUFFER")
             fusion.unpack(flat, outs, sizes, post)
         for req, out in zip(reqs, outs):
             if req is not None:

@@ -130,7 +130,8 @@ class Request:
     """One collective call on one rank, as the engine sees it."""
 
     __slots__ = ("kind", "name", "array", "out", "alloc", "op", "root", "prescale",
-                 "postscale", "splits", "ps_id", "handle", "finish", "dtype", "shape")
+                 "postscale", "splits", "ps_id", "handle", "finish", "dtype", "shape",
+                 "t_submit", "t_announce")
 
     def __init__(
         self,
@@ -160,6 +161,7 @@ class Request:
         self.splits = None if splits is None else [int(s) for s in splits]
         self.ps_id = ps_id
         self.handle = Handle(name)
+        self.t_submit = self.t_announce = 0.0  # timeline stamps (microseconds)
         #: turns the engine's raw result into what the caller gets back
         self.finish = finish
         if array is not None:
