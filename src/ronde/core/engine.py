@@ -122,6 +122,9 @@ class Engine:
         self.executor = Executor(self)
         self.executor.on_idle = self.wake
         self._stall_warned: set[str] = set()
+        self._stack_request: list[int] = []  # rank 0: ranks asked for their stacks
+        self._send_stack = False  # asked by rank 0 for my main thread's stack
+        self.stacks: dict[int, str] = {}  # rank 0: what the asked ranks were doing
         self._thread = threading.Thread(target=self._control_main, name="ronde-control",
                                         daemon=True)
         self._stopped = threading.Event()
@@ -292,7 +295,7 @@ class Engine:
             buffered = any(rd.buf for rd in live.values())
             with self._lock:
                 have_local = bool(self._outbox or self._joins or self._ps_requests
-                                  or self._abort_msg
+                                  or self._abort_msg or self._stack_request or self._send_stack
                                   or (self._shutdown_requested and not self._shutdown_announced))
             now = time.monotonic()
             if have_local and (self.executor.idle() or now - last_round >= cycle_s):
@@ -341,6 +344,8 @@ class Engine:
             joins, self._joins = self._joins, []
             ps_reqs, self._ps_requests = self._ps_requests, []
             abort, self._abort_msg = self._abort_msg, None
+            ask, self._stack_request = self._stack_request, []
+            send_stack, self._send_stack = self._send_stack, False
             shut = self._shutdown_requested and not self._shutdown_announced
             if shut:
                 self._shutdown_announced = True
@@ -379,6 +384,10 @@ class Engine:
             msg["ps"] = ps_reqs
         if abort:
             msg["x"] = abort
+        if ask:
+            msg["k"] = ask
+        if send_stack:
+            msg["st"] = _main_thread_stack()
         if shut:
             msg["s"] = 1
         return msg, bytes(blob)
@@ -403,6 +412,13 @@ class Engine:
                         if req is not None and req.t_announce:
                             tl.phase(name, "NEGOTIATE", req.t_announce, stamp,
                                      {"error": resp.error} if resp.error else None)
+        if self.rank in (messages[0].get("k") or ()):
+            self._send_stack = True
+            self.wake()
+        for r, m in enumerate(messages):
+            if isinstance(m.get("st"), str) and self.rank == 0:
+                self.stacks[r] = m["st"][-4000:]
+                log.warning("stall: rank %s is at:\n%s", self.describe_rank(r), self.stacks[r])
         for m in messages:
             if m.get("x"):
                 x = m["x"]
@@ -518,26 +534,53 @@ class Engine:
         stalled = self.negotiator.stalled(cfg.stall_check_time_s)
         abort_names = []
         lines = []
+        ask: set[int] = set()
+        all_missing: set[int] = set()
         for name, ready, missing, age in stalled:
             if not missing:
                 continue
+            all_missing.update(missing)
             if name not in self._stall_warned:
                 self._stall_warned.add(name)
+                ask.update(missing)
                 log.warning("stall: %r has been waiting %.0fs; ready on rank(s) %s, missing on "
                             "rank(s) %s (are they in a different code path, or slower?)",
                             name, age, ready, [self.describe_rank(m) for m in missing])
             if cfg.stall_shutdown_time_s > 0 and age > cfg.stall_shutdown_time_s:
                 abort_names.append(name)
-                lines.append(f"{name!r} (ready on {ready}, missing on {missing})")
+                lines.append(f"{name!r} (ready on rank(s) {_ranks_text(ready)}, missing on "
+                             f"rank(s) {_ranks_text(missing)})")
+        if ask:
+            with self._lock:
+                self._stack_request = sorted(ask)
+            self.wake()
         if abort_names:
+            doing = "".join(f"\n--- rank {r} was at:\n{self.stacks[r]}"
+                            for r in sorted(all_missing) if r in self.stacks)
             msg = (f"stalled for more than {cfg.stall_shutdown_time_s:g}s "
                    f"(RONDE_STALL_SHUTDOWN_TIME): {'; '.join(lines)}; the missing ranks never "
-                   "submitted these collectives")
+                   "submitted these collectives (a different code path, or fewer batches: "
+                   f"see join())" + doing)
             with self._lock:
                 self._abort_msg = {"names": abort_names, "message": msg}
             for n in abort_names:
                 self._stall_warned.discard(n)
             self.wake()
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def _main_thread_stack() -> str:
+    """The main thread's current Python stack (what a stalled rank is doing)."""
+    import sys
+    import traceback
+
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    if frame is None:
+        return "(main thread not found)"
+    return "".join(traceback.format_stack(frame)[-12:])
 
 
 _JSON_LEN = struct.Struct("!I")
