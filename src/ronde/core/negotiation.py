@@ -148,7 +148,19 @@ class Negotiator:
         """Apply every rank's message of this round (index = rank); return responses.
 
         ``blobs[rank]`` is the binary section of that rank's frame (inline data).
+        Messages come from authenticated peers but are still checked: anything
+        malformed raises :class:`ProtocolError`, never another exception type.
         """
+        try:
+            return self._apply_round(messages, blobs)
+        except RondeError:
+            raise
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError,
+                OverflowError) as exc:
+            raise ProtocolError(f"malformed negotiation message: {exc!r}") from None
+
+    def _apply_round(self, messages: list[dict[str, Any]],
+                     blobs: list[bytes] | None) -> list[Response]:
         self.round += 1
         out: list[Response] = []
         # Expand cache ids against the state at the start of the round, before any update.

@@ -193,6 +193,22 @@ class Request:
         self.handle._set_error(error)
 
 
+#: dtypes that may appear on the wire (anything else is refused before use)
+WIRE_DTYPES = frozenset({"bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
+                         "uint64", "float16", "float32", "float64", "bfloat16", "complex64",
+                         "complex128"})
+
+
+def _int(value: Any, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{value} is below {minimum}")
+    if abs(value) > 2**62:
+        raise ValueError(f"{value} is out of range")
+    return value
+
+
 class Meta:
     """Decoded metadata of one rank's request (see :meth:`Request.meta`)."""
 
@@ -200,18 +216,29 @@ class Meta:
                  "splits")
 
     def __init__(self, raw: Sequence[Any]) -> None:
+        from .._errors import ProtocolError
+
         if not isinstance(raw, (list, tuple)) or len(raw) != 9:
-            raise RondeError("malformed request metadata from a peer")
+            raise ProtocolError("malformed request metadata from a peer")
         kind, ps_id, dtype, shape, op, root, pre, post, splits = raw
-        self.kind = Kind(int(kind))
-        self.ps_id = int(ps_id)
-        self.dtype = str(dtype)
-        self.shape = tuple(int(d) for d in shape)
-        self.op = int(op)
-        self.root = int(root)
-        self.prescale = float(pre)
-        self.postscale = float(post)
-        self.splits = None if splits is None else tuple(int(s) for s in splits)
+        try:
+            self.kind = Kind(_int(kind))
+            self.ps_id = _int(ps_id)
+            if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
+                raise ValueError(f"dtype {dtype!r}")
+            self.dtype = dtype
+            if not isinstance(shape, list) or len(shape) > 32:
+                raise ValueError("shape")
+            self.shape = tuple(_int(d, 0) for d in shape)
+            self.op = _int(op)
+            self.root = _int(root, -1)
+            self.prescale = float(pre)
+            self.postscale = float(post)
+            if splits is not None and not isinstance(splits, list):
+                raise ValueError("splits")
+            self.splits = None if splits is None else tuple(_int(s, 0) for s in splits)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ProtocolError(f"malformed request metadata from a peer ({exc})") from None
 
     def key(self) -> tuple[Any, ...]:
         return (self.kind, self.ps_id, self.dtype, self.shape, self.op, self.root,
