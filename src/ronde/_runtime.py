@@ -234,14 +234,15 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
             from .transport.shm import ShmCommunicator
 
             return ShmCommunicator(rank, members, f"{key}-g{gen}-ps{ps_id}",
-                                   cfg.shm_segment_bytes, aborted, cfg.start_timeout_s)
+                                   cfg.shm_segment_bytes, aborted, cfg.start_timeout_s,
+                                   cfg.stall_shutdown_time_s)
         from .transport.tcp import SocketP2P
 
         assert mesh is not None
 
         def tcp(group: list[int]) -> Communicator:
             p2p = SocketP2P(rank, group, mesh.data, lambda r: f"{r} (host {topo.hosts[r]})",
-                            aborted)
+                            aborted, cfg.stall_shutdown_time_s)
             return P2PCommunicator(p2p, cfg.small_allreduce_bytes)
 
         if kind == "hierarchical":
@@ -254,7 +255,8 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
             cross = [[r for r in members if topo.hosts[r] == h][local.index(rank)]
                      for h in hosts_in_order]
             shm = ShmCommunicator(rank, local, f"{key}-g{gen}-ps{ps_id}-local",
-                                  cfg.shm_segment_bytes, aborted, cfg.start_timeout_s)
+                                  cfg.shm_segment_bytes, aborted, cfg.start_timeout_s,
+                                  cfg.stall_shutdown_time_s)
             return HierarchicalCommunicator(shm, tcp(cross), tcp(members))
         return tcp(members)
 

@@ -77,12 +77,15 @@ class ShmCommunicator(Communicator):
     name = "shm"
 
     def __init__(self, rank: int, members: list[int], key: str, segment_bytes: int,
-                 aborted: Callable[[], BaseException | None], timeout_s: float = 30.0) -> None:
+                 aborted: Callable[[], BaseException | None], timeout_s: float = 30.0,
+                 progress_timeout_s: float = 0.0) -> None:
         self.members = members
         self.rank = members.index(rank)
         self.size = len(members)
         self.segment_bytes = segment_bytes
         self._aborted = aborted
+        #: fail when a peer makes no progress for this long (0: wait for ever)
+        self.progress_timeout_s = progress_timeout_s
         self._t = 0
         self._unlinked = False
         total = _HEADER_BYTES + segment_bytes + 2 * SMALL_BYTES
@@ -238,6 +241,7 @@ class ShmCommunicator(Communicator):
             return
         spins = 0
         sleep_s = 0.00002
+        started = 0.0
         while hdr[idx] < t:
             spins += 1
             if spins < 64:
@@ -250,6 +254,17 @@ class ShmCommunicator(Communicator):
             time.sleep(sleep_s)
             sleep_s = min(sleep_s * 2, 0.001)
             self._check()
+            if self.progress_timeout_s:
+                now = time.monotonic()
+                started = started or now
+                if now - started > self.progress_timeout_s:
+                    from .._errors import PeerLostError
+
+                    g = self.members[j]
+                    raise PeerLostError(
+                        f"rank {g} made no progress in a shared-memory collective for "
+                        f"{now - started:.0f}s; the process is alive but not taking part",
+                        rank=g)
 
     def reducescatter(self, buf: np.ndarray, counts: list[int], op: ReduceOp) -> np.ndarray:
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import select
 import socket
+import time
 from typing import Callable
 
 from .._errors import PeerLostError, ShutdownError
@@ -23,14 +24,16 @@ class SocketP2P:
     """P2P over already-connected, authenticated stream sockets."""
 
     def __init__(self, rank: int, members: list[int], socks: dict[int, socket.socket],
-                 describe_peer: Callable[[int], str], aborted: Callable[[], BaseException | None]
-                 ) -> None:
+                 describe_peer: Callable[[int], str], aborted: Callable[[], BaseException | None],
+                 progress_timeout_s: float = 0.0) -> None:
         self.members = members
         self.rank = members.index(rank)
         self.size = len(members)
         self._socks = {i: socks[g] for i, g in enumerate(members) if g != rank}
         self._describe = describe_peer
         self._aborted = aborted
+        #: fail when a peer moves no byte for this long (0: wait for ever)
+        self.progress_timeout_s = progress_timeout_s
         for s in self._socks.values():
             s.setblocking(False)
 
@@ -58,6 +61,7 @@ class SocketP2P:
         ssock = self._socks[send_peer] if to_send else None
         rsock = self._socks[recv_peer] if to_recv else None
         sent = got = 0
+        last_progress = 0.0
         while sent < to_send or got < to_recv:
             progressed = False
             if sent < to_send:
@@ -83,6 +87,7 @@ class SocketP2P:
                 except OSError as exc:
                     raise self._lost(recv_peer, str(exc)) from None
             if progressed:
+                last_progress = 0.0
                 continue
             poller = select.poll()
             if sent < to_send and ssock is rsock and got < to_recv:
@@ -94,4 +99,11 @@ class SocketP2P:
                     poller.register(rsock.fileno(), select.POLLIN)  # type: ignore[union-attr]
             if not poller.poll(_POLL_MS):
                 self._check_abort()
+                now = time.monotonic()
+                if not last_progress:
+                    last_progress = now
+                elif self.progress_timeout_s and now - last_progress > self.progress_timeout_s:
+                    stuck = recv_peer if got < to_recv else send_peer
+                    raise self._lost(stuck, f"no data moved for {now - last_progress:.0f}s; "
+                                     "the process is alive but not taking part")
 
