@@ -78,3 +78,18 @@ def test_rendezvous_survives_garbage_and_unauthenticated_peers():
         assert [p["rank"] for p in results[0]] == [0, 1] == [p["rank"] for p in results[1]]
     finally:
         srv.close()
+
+
+def test_start_up_errors_say_what_is_wrong():
+    from ronde import RendezvousError
+
+    info = {"rank": 1, "size": 2, "generation": 1, "host": "h"}
+    with pytest.raises(RendezvousError, match="cannot resolve rendezvous host"):
+        register(("no-such-host.invalid", 1234), b"s", info, 2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here
+    t = time.monotonic()
+    with pytest.raises(RendezvousError, match=r"cannot reach the rendezvous service .*refused"):
+        register(("127.0.0.1", port), b"s", info, 1.5)
+    assert time.monotonic() - t < 5
