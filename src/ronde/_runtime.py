@@ -97,6 +97,12 @@ def _route_address(target: str) -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
+def _free_port(bind: str) -> int:
+    with socket.socket() as s:
+        s.bind((bind if bind not in ("", "0.0.0.0") else "", 0))
+        return int(s.getsockname()[1])
+
+
 def _file_rendezvous_path(job_id: str) -> str:
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job_id)
     return os.path.join(tempfile.gettempdir(), f"ronde-rdv-{os.getuid()}-{safe}.json")
@@ -203,6 +209,8 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
         advertised = bind if bind not in ("0.0.0.0", "") else _route_address(rdv_host)
         info = {"rank": rank, "size": size, "generation": gen, "host": wenv.host,
                 "addr": advertised, "port": listener.getsockname()[1]}
+        if cfg.transport == "gloo" and rank == 0:
+            info["store_port"] = _free_port(bind)
         try:
             peers, secret = _rendezvous(wenv, cfg, info)
         except BaseException:
@@ -212,6 +220,11 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
         mesh = mesh_mod.Mesh(rank, size, gen, secret, listener, peers, cfg.start_timeout_s)
         mesh.connect()
         ctl = mesh.ctl
+        if cfg.transport == "gloo":
+            from .transport import torch_dist
+
+            torch_dist.init_world(rank, size, str(peers[0]["addr"]),
+                                  int(peers[0]["store_port"]), cfg.start_timeout_s)
     topo = Topology.build(rank, hosts)
     holder: dict[str, Engine] = {}
 
@@ -224,7 +237,17 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
     key = job_key(wenv.job_id or f"pid{os.getppid()}")
     transports: dict[int, str] = {}
 
-    def make_comm(ps_id: int, members: list[int]) -> Communicator:
+    def make_comm(ps_id: int, members: list[int]) -> Communicator | None:
+        if cfg.transport == "gloo" and size > 1:
+            from .transport import torch_dist
+
+            group = torch_dist.new_group(members, size)  # collective over every rank
+            transports[ps_id] = "gloo"
+            if rank not in members:
+                return None
+            return torch_dist.TorchDistCommunicator(group, rank, members)
+        if rank not in members:
+            return None
         if len(members) == 1:
             transports[ps_id] = "self"
             return SelfCommunicator()
@@ -260,7 +283,9 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
             return HierarchicalCommunicator(shm, tcp(cross), tcp(members))
         return tcp(members)
 
-    comms = {0: make_comm(0, list(range(size)))}
+    world = make_comm(0, list(range(size)))
+    assert world is not None
+    comms = {0: world}
     engine = Engine(rank, size, cfg, ctl, comms, {0: list(range(size))}, make_comm,
                     lambda r: f"{r} (host {topo.hosts[r]})")
     holder["engine"] = engine
@@ -302,6 +327,10 @@ def shutdown(rt: Runtime) -> None:
     rt.engine.shutdown()
     if rt.mesh is not None:
         rt.mesh.close()
+    if rt.cfg.transport == "gloo" and rt.topo.size > 1:
+        from .transport import torch_dist
+
+        torch_dist.destroy_world()
 
 
 def _atexit_shutdown() -> None:

@@ -34,7 +34,13 @@ def doctor() -> int:
     else:
         why = "needs x86-64 memory ordering" if not x86 else f"{shm} is not writable"
         lines.append(f"  shm     not available: {why}")
-    lines.append("frameworks (bindings are being built; see README):")
+    if _has("torch"):
+        lines.append("  gloo    available (torch.distributed; RONDE_TRANSPORT=gloo)")
+    else:
+        lines.append("  gloo    not available: pip install torch")
+    lines.append("  mpi     planned (mpi4py)")
+    lines.append("  nccl    not available: planned for CUDA tensors in ronde.torch")
+    lines.append("frameworks:")
     for name, module in (("PyTorch", "torch"), ("TensorFlow", "tensorflow"), ("Keras", "keras"),
                          ("JAX", "jax"), ("MXNet", "mxnet"), ("mpi4py", "mpi4py"),
                          ("bfloat16 (ml_dtypes)", "ml_dtypes")):

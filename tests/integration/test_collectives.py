@@ -8,7 +8,10 @@ from ronde.testing import run_ranks
 
 from . import workers
 
-TRANSPORTS = ["shm", "tcp"]
+import importlib.util
+
+#: every transport available here runs the same tests (gloo needs torch)
+TRANSPORTS = ["shm", "tcp"] + (["gloo"] if importlib.util.find_spec("torch") else [])
 
 
 @pytest.mark.timeout(180)

@@ -1,16 +1,19 @@
 """``python -m ronde.bench CASE ...``: the benchmark driver.
 
-Cases: ``allreduce`` (bandwidth over message sizes), ``latency`` (back-to-back 4-byte
-allreduces) or ``all``. For each of ``--rounds`` rounds the driver runs one job per
-contender (ronde per ``--transports``, then ``--peers``), rotating the start of the
+Cases: ``allreduce`` (bandwidth over ``--sizes``), ``latency`` (``--latency-ops``
+back-to-back 4-byte allreduces), ``allgather``, ``broadcast``, ``reducescatter``,
+``alltoall`` (over ``--coll-sizes``), ``fusion`` (ResNet-50's 161 gradient tensors as
+separate allreduces against one buffer of their total size), a comma list of these, or
+``all``. For each of ``--rounds`` rounds the driver runs one job per contender (ronde per
+``--transports``, then ``--peers``: gloo, mpich, openmpi), rotating the start of the
 order each round so that no contender always runs first on a noisy machine; each point
 is the median over rounds. Prints one JSON line per point on stdout, then tables;
-progress and notes go to stderr.
+progress and notes go to stderr. ``--quick`` is a preset for a run of under two minutes.
 
 Example::
 
     python -m ronde.bench allreduce --np 2 --sizes 4B..64MiB --transports shm,tcp \\
-        --peers gloo --json-out bench.json
+        --peers gloo,mpich,openmpi --json-out bench.json
 """
 
 from __future__ import annotations
@@ -24,35 +27,78 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from ._contenders import Contender, JobFailedError, select_contenders
-from ._report import Point, combine, print_tables
+from ._contenders import PEERS, Contender, JobFailedError, select_contenders
+from ._mpi import MPI_PEERS
+from ._report import Point, combine, points_from_json, print_tables
 from ._stats import DEFAULT_SIZES_BYTES, format_bytes, parse_sizes
-from ._timing import Settings
+from ._timing import COLLECTIVES, Settings
 
-CASES = ("allreduce", "latency")
+CASES = ("allreduce", "latency", *COLLECTIVES, "fusion")
+DEFAULT_COLL_SIZES = "4KiB,1MiB,16MiB"
+
+#: ``--quick``: what it sets unless the flag is given explicitly
+QUICK = {"rounds": 1, "sizes": "4B,64KiB,1MiB,16MiB,64MiB", "coll_sizes": "4KiB,1MiB,16MiB",
+         "target_s": 0.1, "min_iters": 3, "latency_ops": 2000}
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m ronde.bench",
-        description="Benchmark ronde's allreduce against torch.distributed's Gloo.")
-    p.add_argument("case", choices=[*CASES, "all"], help="what to measure")
+        description="Benchmark ronde's collectives against Gloo, MPICH and Open MPI.")
+    p.add_argument("case", help=f"what to measure: {', '.join(CASES)}, a comma list of "
+                                "these, or all")
     p.add_argument("--np", type=int, default=2, help="ranks per job (default 2)")
     p.add_argument("--sizes", default=None,
-                   help="message sizes: comma list (4B,1KiB,64MiB) or range A..B in powers "
+                   help="allreduce sizes: comma list (4B,1KiB,64MiB) or range A..B in powers "
                         "of 4 (default 4B,64B,1KiB,16KiB,256KiB,1MiB,4MiB,16MiB,64MiB)")
-    p.add_argument("--rounds", type=int, default=2,
+    p.add_argument("--coll-sizes", default=None,
+                   help="sizes for allgather/broadcast/reducescatter/alltoall, the largest "
+                        f"buffer per rank (default {DEFAULT_COLL_SIZES})")
+    p.add_argument("--rounds", type=int, default=None,
                    help="times the whole contender list runs, interleaved (default 2)")
     p.add_argument("--repeats", type=int, default=None,
                    help="fixed number of timed iterations per size (default: adaptive, "
                         "about --target-s of work, 5..1000)")
-    p.add_argument("--target-s", type=float, default=0.5,
+    p.add_argument("--target-s", type=float, default=None,
                    help="timed seconds per size for the adaptive count (default 0.5)")
+    p.add_argument("--latency-ops", type=int, default=None,
+                   help="4-byte allreduces in the latency case, in 5 timed batches "
+                        "(default 10000)")
     p.add_argument("--transports", default="shm,tcp", help="ronde transports (default shm,tcp)")
-    p.add_argument("--peers", default="gloo", help="peer libraries: gloo or none (default gloo)")
+    p.add_argument("--peers", default=",".join(PEERS),
+                   help="peer libraries, comma list of gloo, mpich, openmpi, or none "
+                        "(default: all of them that can run here)")
+    p.add_argument("--cache-dir", default=None,
+                   help="where the MPI peers' venvs live (default ~/.cache/ronde-bench)")
+    p.add_argument("--quick", action="store_true",
+                   help="a short run (< 2 min): 1 round, fewer sizes, ~0.1 s per point, "
+                        "2000 latency ops; explicit flags still win")
     p.add_argument("--timeout-s", type=float, default=300.0, help="limit per job (default 300)")
     p.add_argument("--json-out", default=None, help="also write points and raw rounds here")
+    p.add_argument("--replay", default=None, metavar="FILE",
+                   help="measure nothing: print the tables of a --json-out file again")
     return p
+
+
+def replay(path: str) -> int:
+    """Print the tables of a saved run (the contenders in the order they were measured)."""
+    points = points_from_json(json.loads(Path(path).read_text())["points"])
+    impls = list(dict.fromkeys(p.impl for p in points))
+    print_tables(points, [i for i in impls if i.startswith("ronde-")],
+                 [i for i in impls if not i.startswith("ronde-")], sys.stdout,
+                 mpi_impls=[i for i in impls if i in MPI_PEERS])
+    return 0
+
+
+def _cases(text: str) -> list[str]:
+    if text == "all":
+        return list(CASES)
+    cases = _split(text)
+    bad = [c for c in cases if c not in CASES]
+    if bad or not cases:
+        raise ValueError(f"unknown case(s) {', '.join(bad) or text!r}; choose from "
+                         f"{', '.join(CASES)} or all")
+    return [c for c in CASES if c in cases]
 
 
 def _split(text: str) -> list[str]:
@@ -74,8 +120,8 @@ def machine_info() -> dict[str, Any]:
 
 
 def run_rounds(contenders: Sequence[Contender], rounds: int, np_: int, cases: Sequence[str],
-               sizes: Sequence[int], settings: Settings,
-               timeout_s: float) -> dict[str, list[dict[str, Any]]]:
+               sizes: Sequence[int], settings: Settings, timeout_s: float,
+               coll_sizes: Sequence[int] | None = None) -> dict[str, list[dict[str, Any]]]:
     """Run every contender ``rounds`` times, interleaved; per impl, its job summaries."""
     raw: dict[str, list[dict[str, Any]]] = {c.impl: [] for c in contenders}
     for r in range(rounds):
@@ -84,52 +130,100 @@ def run_rounds(contenders: Sequence[Contender], rounds: int, np_: int, cases: Se
             t0 = time.monotonic()
             print(f"round {r + 1}/{rounds}: {c.impl} ...", end="", file=sys.stderr, flush=True)
             try:
-                raw[c.impl].append(c.run(np_, cases, sizes, settings, timeout_s))
+                raw[c.impl].append(c.run(np_, cases, sizes, settings, timeout_s, coll_sizes))
                 print(f" {time.monotonic() - t0:.1f} s", file=sys.stderr)
             except (JobFailedError, OSError) as e:
                 print(f" failed, its points lack this round\n{e}", file=sys.stderr)
     return raw
 
 
+def _points(contenders: Sequence[Contender], cases: Sequence[str], np_: int,
+            raw: dict[str, list[dict[str, Any]]]) -> list[Point]:
+    points: list[Point] = []
+    for c in contenders:
+        for case in cases:
+            per_round = [doc["results"].get(case, []) for doc in raw[c.impl]]
+            if case != "fusion":
+                points.extend(combine(case, c.impl, c.transport, np_, per_round))
+                continue
+            for variant in ("single", "tensors"):
+                points.extend(combine(f"fusion.{variant}", c.impl, c.transport, np_,
+                                      [[s for s in summaries if s.get("variant") == variant]
+                                       for summaries in per_round]))
+    return points
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the command line, run the rounds, print JSON lines and tables."""
     p = _parser()
     args = p.parse_args(argv)
+    if args.replay:
+        return replay(args.replay)
+    if args.quick:
+        for key, value in QUICK.items():
+            if key != "min_iters" and getattr(args, key) is None:
+                setattr(args, key, value)
+    args.rounds = 2 if args.rounds is None else args.rounds
+    args.target_s = 0.5 if args.target_s is None else args.target_s
+    args.latency_ops = 10_000 if args.latency_ops is None else args.latency_ops
     try:
+        cases = _cases(args.case)
         sizes = parse_sizes(args.sizes) if args.sizes else list(DEFAULT_SIZES_BYTES)
-        contenders = select_contenders(_split(args.transports), _split(args.peers))
+        coll_sizes = parse_sizes(args.coll_sizes or DEFAULT_COLL_SIZES)
+        transports, peers = _split(args.transports), _split(args.peers)
+        bad = [x for x in peers if x not in PEERS]
+        if bad:
+            raise ValueError(f"unknown peer(s) {', '.join(bad)}; choose from "
+                             f"{', '.join(PEERS)} or 'none'")
     except ValueError as e:
         p.error(str(e))
-    if args.np < 1 or args.rounds < 1 or (args.repeats is not None and args.repeats < 1):
-        p.error("--np, --rounds and --repeats must be at least 1")
+    if args.np < 1 or args.rounds < 1 or (args.repeats is not None and args.repeats < 1) \
+            or args.latency_ops < 1:
+        p.error("--np, --rounds, --repeats and --latency-ops must be at least 1")
+    cache_dir = Path(args.cache_dir).expanduser() if args.cache_dir else None
+    try:
+        contenders = select_contenders(transports, peers, cache_dir)
+    except ValueError as e:
+        p.error(str(e))
     if not contenders:
         p.error("nothing to run: give at least one transport or peer")
-    cases = list(CASES) if args.case == "all" else [args.case]
-    settings = Settings(target_s=args.target_s)
+    settings = Settings(target_s=args.target_s, latency_ops=args.latency_ops)
+    if args.quick:
+        settings.min_iters = int(QUICK["min_iters"])
     if args.repeats is not None:
         settings.min_iters = settings.max_iters = args.repeats
 
     info = machine_info()
     print(f"ronde.bench: cases={','.join(cases)} np={args.np} rounds={args.rounds} "
           f"sizes={','.join(format_bytes(s) for s in sizes)} "
+          f"coll-sizes={','.join(format_bytes(s) for s in coll_sizes)} "
+          f"latency-ops={args.latency_ops} "
           f"contenders={','.join(c.impl for c in contenders)} "
-          f"iters={args.repeats or f'adaptive ~{args.target_s}s [5, 1000]'} "
-          f"cpus={info['nproc']} ({info['cpu_model']})", file=sys.stderr)
-    raw = run_rounds(contenders, args.rounds, args.np, cases, sizes, settings, args.timeout_s)
+          f"iters={args.repeats or f'adaptive ~{args.target_s}s [{settings.min_iters}, 1000]'} "
+          f"cpus={info['nproc']} ({info['cpu_model']}) "
+          f"load={os.getloadavg()[0]:.2f}", file=sys.stderr)
+    t0 = time.monotonic()
+    raw = run_rounds(contenders, args.rounds, args.np, cases, sizes, settings, args.timeout_s,
+                     coll_sizes)
+    info["wall_s"] = round(time.monotonic() - t0, 1)
+    info["loadavg_end"] = os.getloadavg()
 
-    points: list[Point] = []
+    points = _points(contenders, cases, args.np, raw)
     for c in contenders:
-        for case in cases:
-            per_round = [doc["results"].get(case, []) for doc in raw[c.impl]]
-            points.extend(combine(case, c.impl, c.transport, args.np, per_round))
         for doc in raw[c.impl][:1]:
             for key in ("numpy", "torch", "ronde"):
                 if key in doc:
                     info.setdefault(key, doc[key])
+            if c.is_mpi:
+                info[c.impl] = {k: doc[k] for k in ("mpi_library", "mpi4py", "numpy",
+                                                    f"{c.impl}_package") if k in doc}
     for pt in points:
         print(pt.json_line())
     print_tables(points, [c.impl for c in contenders if c.kind == "ronde"],
-                 [c.impl for c in contenders if c.kind != "ronde"], sys.stdout)
+                 [c.impl for c in contenders if c.kind != "ronde"], sys.stdout,
+                 mpi_impls=[c.impl for c in contenders if c.kind in MPI_PEERS])
+    print(f"\nwall time {info['wall_s']} s; load average at the end "
+          f"{info['loadavg_end'][0]:.2f}", file=sys.stderr)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(
             {"argv": sys.argv, "machine": info, "points": [json.loads(pt.json_line())

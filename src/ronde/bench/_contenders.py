@@ -1,9 +1,10 @@
 """The contenders and how one job of each is launched.
 
 A contender is one library configuration measured by the same worker loop: ronde over
-one transport, started through ``ronderun -np N --transport T``, or a peer library
-(only ``gloo`` today), started by :mod:`ronde.bench._gloo`. :meth:`Contender.run` runs
-one job and returns rank 0's summary, or raises :class:`JobFailedError`.
+one transport, started through ``ronderun -np N --transport T``, or a peer library:
+``gloo`` (started by :mod:`ronde.bench._gloo`), ``mpich`` or ``openmpi`` (mpi4py in a
+venv of its own, started by :mod:`ronde.bench._mpi`). :meth:`Contender.run` runs one
+job and returns rank 0's summary, or raises :class:`JobFailedError`.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ._gloo import launch_gloo, torch_available
+from ._mpi import MPI_PEERS, default_cache_dir, ensure_venv, launch_mpi
 from ._timing import Settings
 from ._worker import worker_argv
 
 TRANSPORTS = ("shm", "tcp")
-PEERS = ("gloo",)
+PEERS = ("gloo", "mpich", "openmpi")
 
 
 class JobFailedError(RuntimeError):
@@ -40,10 +42,16 @@ class Contender:
 
     kind: str
     transport: str  # ronde transport, or the peer's name
+    venv: str | None = None  # the MPI peers' virtual environment
+
+    @property
+    def is_mpi(self) -> bool:
+        """True for the MPI peers."""
+        return self.kind in MPI_PEERS
 
     @property
     def impl(self) -> str:
-        """The label in JSON lines: ``ronde-shm``, ``ronde-tcp``, ``gloo``."""
+        """The label in JSON lines: ``ronde-shm``, ``ronde-tcp``, ``gloo``, ``mpich``..."""
         return f"ronde-{self.transport}" if self.kind == "ronde" else self.kind
 
     @property
@@ -58,12 +66,14 @@ class Contender:
                 *flags]
 
     def run(self, np_: int, cases: Sequence[str], sizes: Sequence[int], settings: Settings,
-            timeout_s: float) -> dict[str, Any]:
+            timeout_s: float, coll_sizes: Sequence[int] | None = None) -> dict[str, Any]:
         """Run one job of ``np_`` ranks; rank 0's summary (see ``_worker.write_result``)."""
         with tempfile.TemporaryDirectory(prefix="ronde-bench-") as tmp:
             out = Path(tmp) / "result.json"
-            flags = worker_argv(cases, sizes, settings, out)
-            if self.kind == "ronde":
+            flags = worker_argv(cases, sizes, settings, out, coll_sizes)
+            if self.is_mpi and self.venv is not None:
+                rc, log = launch_mpi(self.kind, Path(self.venv), np_, flags, timeout_s)
+            elif self.kind == "ronde":
                 cmd = self.command(np_, flags, timeout_s)
                 proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True, timeout=timeout_s + 30)
@@ -79,8 +89,12 @@ class Contender:
         return doc
 
 
-def select_contenders(transports: Sequence[str], peers: Sequence[str]) -> list[Contender]:
-    """The contenders to run, in column order; peers that cannot run are skipped with a note."""
+def select_contenders(transports: Sequence[str], peers: Sequence[str],
+                      cache_dir: Path | None = None) -> list[Contender]:
+    """The contenders to run, in column order; peers that cannot run are skipped with a note.
+
+    The MPI peers' venvs are created here, on first use, under ``cache_dir``.
+    """
     bad = [t for t in transports if t not in TRANSPORTS]
     if bad:
         raise ValueError(f"unknown transport(s) {', '.join(bad)}; choose from "
@@ -94,6 +108,11 @@ def select_contenders(transports: Sequence[str], peers: Sequence[str]) -> list[C
         if peer == "gloo" and not torch_available():
             print("note: torch is not installed, skipping the gloo peer "
                   "(pip install 'torch==2.13.0' to compare against it)", file=sys.stderr)
+            continue
+        if peer in MPI_PEERS:
+            venv = ensure_venv(peer, cache_dir or default_cache_dir())
+            if venv is not None:
+                chosen.append(Contender(peer, peer, str(venv)))
             continue
         chosen.append(Contender(peer, peer))
     return chosen

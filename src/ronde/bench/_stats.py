@@ -80,6 +80,17 @@ def algbw_GBps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
 
 
-def busbw_GBps(nbytes: int, seconds: float, np_: int) -> float:
-    """Bus bandwidth as nccl-tests defines it for allreduce: algbw * 2(n-1)/n."""
-    return algbw_GBps(nbytes, seconds) * (2 * (np_ - 1) / np_ if np_ > 1 else 1.0)
+def bus_factor(case: str, np_: int) -> float:
+    """busbw / algbw as nccl-tests defines it: 2(n-1)/n for allreduce (and the fusion
+    case, a set of allreduces), (n-1)/n for allgather, reducescatter and alltoall, 1 for
+    broadcast (and for a single rank)."""
+    if np_ <= 1 or case == "broadcast":
+        return 1.0
+    if case in ("allgather", "reducescatter", "alltoall"):
+        return (np_ - 1) / np_
+    return 2 * (np_ - 1) / np_
+
+
+def busbw_GBps(nbytes: int, seconds: float, np_: int, case: str = "allreduce") -> float:
+    """Bus bandwidth as nccl-tests defines it: algbw * :func:`bus_factor`."""
+    return algbw_GBps(nbytes, seconds) * bus_factor(case, np_)

@@ -1,9 +1,13 @@
 """The ronde worker: ``ronderun -np N --transport T python -m ronde.bench._worker ...``.
 
-Every rank runs :func:`ronde.bench._timing.run_cases` through the public numpy API
-(blocking ``ronde.allreduce(buf, op=ronde.Sum, name="bench")``, engine included);
-rank 0 writes the summary as JSON to ``--out``. :func:`worker_arguments` is the command
-line shared with the Gloo worker (:mod:`ronde.bench._gloo`).
+Every rank runs :func:`ronde.bench._timing.run_cases` through the public numpy API,
+engine included: in-place ``allreduce_async(buf, op=Sum, name=..., out=buf).wait()``
+and ``broadcast_async(buf, 0, name=..., out=buf).wait()``; the functional
+``allgather``, ``reducescatter`` and ``alltoall`` (they return new arrays: the API has
+no ``out=`` for them); for the fusion case, one named ``allreduce_async(..., out=t)``
+per tensor, all submitted, then all waited. Rank 0 writes the summary as JSON to
+``--out``. :func:`worker_arguments` is the command line shared with the peer workers
+(:mod:`ronde.bench._gloo`, :mod:`ronde.bench._mpi`).
 """
 
 from __future__ import annotations
@@ -25,8 +29,11 @@ from ._timing import Settings, run_cases
 def worker_arguments(prog: str) -> argparse.ArgumentParser:
     """The flags every worker takes (the driver builds them with :func:`worker_argv`)."""
     p = argparse.ArgumentParser(prog=prog)
-    p.add_argument("--cases", required=True, help="comma list: allreduce,latency")
-    p.add_argument("--sizes", required=True, help="comma list of byte counts")
+    p.add_argument("--cases", required=True, help="comma list: allreduce,latency,...")
+    p.add_argument("--sizes", required=True, help="comma list of allreduce byte counts")
+    p.add_argument("--coll-sizes", default=None,
+                   help="comma list of byte counts for allgather .. alltoall")
+    p.add_argument("--latency-ops", type=int, default=10_000)
     p.add_argument("--target-s", type=float, default=0.5)
     p.add_argument("--min-iters", type=int, default=5)
     p.add_argument("--max-iters", type=int, default=1000)
@@ -35,16 +42,28 @@ def worker_arguments(prog: str) -> argparse.ArgumentParser:
 
 
 def worker_argv(cases: Sequence[str], sizes: Sequence[int], settings: Settings,
-                out: Path) -> list[str]:
-    """The flags for :func:`worker_arguments` that reproduce ``cases``/``sizes``/``settings``."""
-    return ["--cases", ",".join(cases), "--sizes", ",".join(str(s) for s in sizes),
+                out: Path, coll_sizes: Sequence[int] | None = None) -> list[str]:
+    """The flags for :func:`worker_arguments` that reproduce the driver's request."""
+    argv = ["--cases", ",".join(cases), "--sizes", ",".join(str(s) for s in sizes),
             "--target-s", repr(settings.target_s), "--min-iters", str(settings.min_iters),
-            "--max-iters", str(settings.max_iters), "--out", str(out)]
+            "--max-iters", str(settings.max_iters), "--latency-ops",
+            str(settings.latency_ops), "--out", str(out)]
+    if coll_sizes is not None:
+        argv += ["--coll-sizes", ",".join(str(s) for s in coll_sizes)]
+    return argv
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
     """The :class:`Settings` a parsed worker command line asks for."""
-    return Settings(target_s=args.target_s, min_iters=args.min_iters, max_iters=args.max_iters)
+    return Settings(target_s=args.target_s, min_iters=args.min_iters, max_iters=args.max_iters,
+                    latency_ops=args.latency_ops)
+
+
+def run_from_args(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`run_cases` with the cases, sizes and settings of a parsed command line."""
+    coll = [int(s) for s in args.coll_sizes.split(",")] if args.coll_sizes else None
+    return run_cases(comm, args.cases.split(","), [int(s) for s in args.sizes.split(",")],
+                     settings_from(args), coll)
 
 
 def write_result(path: str, impl: str, np_: int, results: dict[str, Any],
@@ -77,6 +96,26 @@ class RondeComm:
         # all_reduce; the functional allreduce() also pays for a fresh output array.
         return self._ronde.allreduce_async(buf, op=Sum, name="bench", out=buf).wait()
 
+    def allreduce_many(self, bufs: list[np.ndarray]) -> None:
+        allreduce_async = self._ronde.allreduce_async
+        handles = [allreduce_async(b, op=Sum, name=f"bench.grad.{i}", out=b)
+                   for i, b in enumerate(bufs)]
+        for h in handles:
+            h.wait()
+
+    def allgather(self, buf: np.ndarray, out: np.ndarray) -> np.ndarray:
+        return self._ronde.allgather(buf, name="bench.allgather")
+
+    def broadcast(self, buf: np.ndarray) -> np.ndarray:
+        return self._ronde.broadcast_async(buf, 0, name="bench.broadcast", out=buf).wait()
+
+    def reducescatter(self, buf: np.ndarray, out: np.ndarray) -> np.ndarray:
+        return self._ronde.reducescatter(buf, op=Sum, name="bench.reducescatter")
+
+    def alltoall(self, buf: np.ndarray, out: np.ndarray) -> np.ndarray:
+        result: np.ndarray = self._ronde.alltoall(buf, name="bench.alltoall")
+        return result
+
     def max_across_ranks(self, values: np.ndarray) -> np.ndarray:
         return self._ronde.allreduce(values, op=Max, name=f"bench.max.{values.size}")
 
@@ -92,8 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ronde.init()
     try:
         comm = RondeComm()
-        results = run_cases(comm, args.cases.split(","),
-                            [int(s) for s in args.sizes.split(",")], settings_from(args))
+        results = run_from_args(comm, args)
         if comm.rank == 0:
             write_result(args.out, f"ronde-{ronde.active_transport()}", comm.size, results,
                          {"ronde": __version__})

@@ -93,7 +93,7 @@ class Engine:
 
     def __init__(self, rank: int, size: int, cfg: Config, ctl_socks: dict[int, socket.socket],
                  comms: dict[int, Communicator], process_sets: dict[int, list[int]],
-                 make_communicator: Callable[[int, list[int]], Communicator],
+                 make_communicator: Callable[[int, list[int]], Communicator | None],
                  describe_rank: Callable[[int], str]) -> None:
         self.rank, self.size, self.cfg = rank, size, cfg
         self.describe_rank = describe_rank
@@ -208,8 +208,10 @@ class Engine:
         action, ps_id, ranks = change
         if action == "add":
             self._ps_members[ps_id] = list(ranks)
-            if self.rank in ranks:
-                self._comms[ps_id] = self._make_comm(ps_id, list(ranks))
+            # every rank calls the factory (a Gloo group needs all of them); members keep it
+            comm = self._make_comm(ps_id, list(ranks))
+            if comm is not None and self.rank in ranks:
+                self._comms[ps_id] = comm
         else:
             self._ps_members.pop(ps_id, None)
             comm = self._comms.pop(ps_id, None)

@@ -56,8 +56,8 @@ def parameter_differences(tables: Sequence[Mapping[str, Signature]],
         present = [r for r, t in zip(ranks, tables) if name in t]
         missing = [r for r in ranks if r not in present]
         if missing:
-            problems.append(f"{name!r} exists on rank{'s' if len(present) > 1 else ''} "
-                            f"{_ranks(present)} but not on {_ranks(missing)}")
+            problems.append(f"{name!r} exists on {_ranks(present)} but not on "
+                            f"{_ranks(missing)}")
             continue
         sigs: dict[Signature, list[int]] = {}
         for r, t in zip(ranks, tables):

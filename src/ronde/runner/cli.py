@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     knobs = p.add_argument_group("worker settings (set RONDE_* variables for the workers)")
     knobs.add_argument("--transport", choices=TRANSPORTS, default=None,
                        help="data transport (RONDE_TRANSPORT)")
+    for name in ("gloo", "tcp", "shm"):
+        knobs.add_argument(f"--{name}", dest="transport", action="store_const", const=name,
+                           help=f"same as --transport {name} (horovodrun spelling)")
     knobs.add_argument("--fusion-threshold-mb", type=float, default=None,
                        help="fusion buffer size in MiB (RONDE_FUSION_THRESHOLD, in bytes)")
     knobs.add_argument("--cycle-time-ms", type=float, default=None,

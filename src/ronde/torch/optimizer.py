@@ -75,6 +75,8 @@ class _DistributedMixin:
                               if p.requires_grad]
         self._ronde_handles: dict[torch.Tensor, tuple[Any, Any, str]] = {}
         self._ronde_groups = self._ronde_make_groups(groups)
+        self._ronde_group_of = {id(q): gid for gid, members in self._ronde_groups.items()
+                                for q in members}
         self._ronde_ready: dict[int, set[int]] = {}
         self._ronde_validated = False
         self._ronde_synchronized = False
@@ -125,7 +127,7 @@ class _DistributedMixin:
         name = self._ronde_names[id(p)]
         if not self._ronde_counter.record(p, f"the gradient of {name!r}"):
             return
-        gid = self._ronde_group_id(p)
+        gid = self._ronde_group_of.get(id(p))
         if gid is None:
             self._ronde_submit(p)
             return
@@ -135,12 +137,6 @@ class _DistributedMixin:
         if len(ready) == len(members):
             for q in members:
                 self._ronde_submit(q)
-
-    def _ronde_group_id(self, p: torch.Tensor) -> int | None:
-        for gid, members in self._ronde_groups.items():
-            if any(q is p for q in members):
-                return gid
-        return None
 
     def _ronde_submit(self, p: torch.Tensor) -> None:
         if p in self._ronde_handles:
@@ -167,7 +163,7 @@ class _DistributedMixin:
     def _ronde_validate(self) -> None:
         table = as_table((self._ronde_names[id(p)], dtype_name(p.dtype), p.shape)
                          for p in self._ronde_params)
-        tables = C.allgather_object(table, "ronde.torch.DistributedOptimizer.parameters",
+        tables = _api.allgather_object(table, "ronde.torch.DistributedOptimizer.parameters",
                                     self._ronde_ps)
         ranks = self._ronde_ps.ranks
         diff = parameter_differences(tables, ranks)

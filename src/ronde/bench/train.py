@@ -1,0 +1,180 @@
+"""Training throughput: ronde's DistributedOptimizer vs DDP (Gloo) vs one process.
+
+``python -m ronde.bench.train [--np 2] [--steps 30] [--models cnn,transformer]``
+measures samples/s of a small CNN (3x32x32 inputs) and a small transformer encoder
+(sequence 32, width 128) on the CPU, one thread per rank, for:
+
+* ``single``: one process, the per-rank batch (the baseline);
+* ``ronde``: ``--np`` ranks started by ronde's launcher, ``ronde.torch.DistributedOptimizer``;
+* ``ddp``: ``--np`` processes with ``torch.nn.parallel.DistributedDataParallel`` over Gloo,
+  started the way :mod:`ronde.bench._gloo` starts its workers.
+
+Each rank trains on a fixed random batch of ``--batch`` samples; the first ``--warmup``
+steps are not timed. Prints one JSON line per point, then a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Sequence
+
+from ._gloo import free_port
+
+
+def _model(torch: Any, name: str) -> tuple[Any, Any, Any]:
+    nn = torch.nn
+    torch.manual_seed(0)
+    if name == "cnn":
+        model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                              nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                              nn.Flatten(), nn.Linear(64 * 8 * 8, 128), nn.ReLU(),
+                              nn.Linear(128, 10))
+        return model, (3, 32, 32), 10
+    if name == "transformer":
+        layer = nn.TransformerEncoderLayer(128, 4, 256, batch_first=True, dropout=0.0)
+        model = nn.Sequential(nn.TransformerEncoder(layer, 2), nn.Flatten(),
+                              nn.Linear(32 * 128, 10))
+        return model, (32, 128), 10
+    raise ValueError(f"unknown model {name!r}")
+
+
+def _train(mode: str, model_name: str, batch: int, steps: int, warmup: int,
+           rank: int = 0, world: int = 1) -> float:
+    """Run the loop in this process; return samples/s over all ranks."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    model, shape, classes = _model(torch, model_name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if mode == "ronde":
+        import ronde.torch as hvd
+
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    elif mode == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(batch, *shape, generator=gen)
+    y = torch.randint(0, classes, (batch,), generator=gen)
+    t0 = 0.0
+    for i in range(warmup + steps):
+        if i == warmup:
+            t0 = time.perf_counter()
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    elapsed = time.perf_counter() - t0
+    return world * batch * steps / elapsed
+
+
+def ronde_worker(model_name: str, batch: int, steps: int, warmup: int) -> float:
+    """One rank of the ``ronde`` contender (run through :func:`ronde.testing.run_ranks`)."""
+    import ronde.torch as hvd
+
+    hvd.init()
+    rate = _train("ronde", model_name, batch, steps, warmup, hvd.rank(), hvd.size())
+    worst = float(hvd.allreduce(__import__("torch").tensor([1.0 / rate]), op=hvd.Max)[0])
+    hvd.shutdown()
+    return 1.0 / worst  # the slowest rank sets the pace
+
+
+def _run_ddp(np_: int, model_name: str, batch: int, steps: int, warmup: int,
+             timeout_s: float) -> float:
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "ronde.bench.train", "--ddp-worker",
+                               f"{r},{np_},{port}", "--models", model_name, "--batch",
+                               str(batch), "--steps", str(steps), "--warmup", str(warmup)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(np_)]
+    rates = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout_s)
+        if p.returncode != 0:
+            raise RuntimeError(f"ddp worker failed: {err[-2000:]}")
+        rates.append(float(out.strip().splitlines()[-1]))
+    return min(rates)
+
+
+def _ddp_worker(spec: str, model_name: str, batch: int, steps: int, warmup: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    rank, world, port = (int(v) for v in spec.split(","))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    rate = _train("ddp", model_name, batch, steps, warmup, rank, world)
+    dist.barrier()
+    dist.destroy_process_group()
+    print(rate, flush=True)
+    del torch
+
+
+def _run_single(model_name: str, batch: int, steps: int, warmup: int, timeout_s: float) -> float:
+    code = (f"from ronde.bench.train import _train; print(_train('single', {model_name!r}, "
+            f"{batch}, {steps}, {warmup}))")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=timeout_s, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; see the module docstring."""
+    p = argparse.ArgumentParser(prog="python -m ronde.bench.train", description=__doc__)
+    p.add_argument("--np", type=int, default=2)
+    p.add_argument("--models", default="cnn,transformer")
+    p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument("--ddp-worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    if args.ddp_worker:
+        _ddp_worker(args.ddp_worker, models[0], args.batch, args.steps, args.warmup)
+        return 0
+    from ..testing import run_ranks
+    from . import train as importable  # run_ranks imports the worker by module name
+
+    rows = []
+    for model_name in models:
+        best: dict[str, float] = {}
+        for _ in range(args.rounds):
+            runs = {
+                "single": lambda: _run_single(model_name, args.batch, args.steps, args.warmup,
+                                              args.timeout_s),
+                "ronde": lambda: run_ranks(args.np, importable.ronde_worker, model_name, args.batch,
+                                           args.steps, args.warmup, timeout_s=args.timeout_s,
+                                           env={"OMP_NUM_THREADS": "1"})[0],
+                "ddp": lambda: _run_ddp(args.np, model_name, args.batch, args.steps,
+                                        args.warmup, args.timeout_s),
+            }
+            for name, fn in runs.items():
+                rate = fn()
+                best[name] = max(best.get(name, 0.0), rate)
+        for name, rate in best.items():
+            point = {"case": "train", "model": model_name, "contender": name,
+                     "np": 1 if name == "single" else args.np, "batch_per_rank": args.batch,
+                     "samples_per_s": round(rate, 1)}
+            print(json.dumps(point), flush=True)
+        rows.append((model_name, best))
+    print(f"\n{'model':<12} {'single':>10} {'ronde np=' + str(args.np):>12} "
+          f"{'ddp np=' + str(args.np):>12} {'ronde/ddp':>10} {'ronde/single':>13}")
+    for model_name, best in rows:
+        print(f"{model_name:<12} {best['single']:>10.1f} {best['ronde']:>12.1f} "
+              f"{best['ddp']:>12.1f} {best['ronde'] / best['ddp']:>10.2f} "
+              f"{best['ronde'] / best['single']:>13.2f}")
+    print("(samples/s; one thread per rank; best of rounds)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,38 @@
+"""ronde.torch collectives in real processes: dtypes, in-place, async, zero-copy, gradients."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+import os  # noqa: E402
+import sys  # noqa: E402
+
+from ronde.testing import run_ranks  # noqa: E402
+
+# tests/torch has no __init__.py on purpose: as a package named "torch" it would
+# shadow the real torch for everything that puts tests/ on sys.path.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch_workers as workers  # noqa: E402
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("np_", [1, 2, 3])
+def test_collectives_on_torch_tensors(np_):
+    assert run_ranks(np_, workers.collectives, timeout_s=80) == ["ok"] * np_
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_gradients_of_collectives(np_):
+    assert run_ranks(np_, workers.gradients, timeout_s=80) == ["ok"] * np_
+
+
+def test_import_ronde_imports_no_framework():
+    import subprocess
+    import sys
+
+    code = "import ronde, sys; ronde.Average; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,77 @@
+"""DistributedOptimizer: same parameters as one process on the full batch, and misuse."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+import os  # noqa: E402
+import sys  # noqa: E402
+
+from ronde.testing import run_ranks  # noqa: E402
+
+# tests/torch has no __init__.py on purpose: as a package named "torch" it would
+# shadow the real torch for everything that puts tests/ on sys.path.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch_workers as workers  # noqa: E402
+
+#: (optimizer, backward_passes_per_step, compression, SyncBatchNorm?) -> tolerance
+CONFIGS = {
+    ("sgd", 1, "none", False): 1e-12,
+    ("adam", 1, "none", False): 1e-12,
+    ("sgd", 2, "none", False): 1e-12,
+    ("adam", 2, "none", False): 1e-12,
+    ("sgd", 1, "fp16", False): 1e-3,
+    ("adam", 1, "fp16", False): 1e-3,
+    ("adamw", 1, "bf16", False): 5e-3,
+    ("sgd", 1, "none", True): 1e-12,
+    ("adam", 1, "none", True): 1e-8,  # Adam normalizes tiny last-bit differences up
+}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("np_", [2])
+def test_distributed_training_equals_one_process_on_the_full_batch(np_):
+    configs = list(CONFIGS)
+    per_rank = run_ranks(np_, workers.equivalence, configs, timeout_s=80)
+    for diffs in per_rank:
+        for cfg, diff in zip(configs, diffs):
+            assert diff <= CONFIGS[cfg], (cfg, diff)
+
+
+@pytest.mark.timeout(60)
+def test_sync_batch_norm_matches_batch_norm_with_uneven_batches():
+    assert max(run_ranks(2, workers.syncbn_uneven, timeout_s=50)) < 1e-12
+
+
+@pytest.mark.timeout(90)
+def test_broadcast_parameters_and_optimizer_state():
+    assert run_ranks(2, workers.broadcast_state, timeout_s=80) == ["ok", "ok"]
+
+
+@pytest.mark.timeout(60)
+def test_differing_parameters_fail_every_rank_within_seconds():
+    out = run_ranks(2, workers.extra_parameter, timeout_s=50)
+    for msg, elapsed in out:
+        assert "'extra.weight' exists on rank 1 but not on rank 0" in msg, msg
+        assert "build the same model on every rank" in msg
+        assert elapsed < 5.0
+    assert out[0][0] == out[1][0]
+
+
+@pytest.mark.timeout(60)
+def test_misuse_errors_and_synchronize_patterns():
+    assert run_ranks(2, workers.local_misuse, timeout_s=50) == ["ok", "ok"]
+
+
+@pytest.mark.timeout(60)
+def test_parameter_without_gradient_does_not_deadlock():
+    a, b = run_ranks(2, workers.unused_parameter, timeout_s=50)
+    assert a == b
+
+
+@pytest.mark.timeout(90)
+def test_torch_compile_model_with_distributed_optimizer():
+    assert max(run_ranks(2, workers.compiled, timeout_s=80)) < 1e-12

@@ -1,0 +1,507 @@
+"""Functions run inside real worker processes by the torch tests (any np >= 1).
+
+Each takes its expectations from rank()/size() and returns something small.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import numpy as np
+
+
+def _setup():
+    import torch
+
+    import ronde.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    return torch, hvd
+
+
+DTYPES = ["float32", "float64", "float16", "bfloat16", "int32", "int64"]
+
+
+def collectives() -> str:
+    torch, hvd = _setup()
+    r, n = hvd.rank(), hvd.size()
+    tri = n * (n + 1) / 2
+    for name in DTYPES:
+        dt = getattr(torch, name)
+        x = (torch.arange(7) % 5 + 1 + r).to(dt)
+        ref = sum((torch.arange(7) % 5 + 1 + q).double() for q in range(n))
+        got = hvd.allreduce(x, op=hvd.Sum, name=f"sum.{name}")
+        assert got.dtype == dt and got.shape == x.shape, (got.dtype, got.shape)
+        torch.testing.assert_close(got.double(), ref)
+        assert torch.equal(x, (torch.arange(7) % 5 + 1 + r).to(dt))  # input untouched
+        mx = hvd.allreduce(x, op=hvd.Max, name=f"max.{name}")
+        torch.testing.assert_close(mx.double(), (torch.arange(7) % 5 + n).double())
+        # in place: the same tensor object and storage, filled by the engine
+        y = x.clone()
+        ptr = y.data_ptr()
+        out = hvd.allreduce_(y, op=hvd.Sum, name=f"sum_.{name}")
+        assert out is y and y.data_ptr() == ptr
+        torch.testing.assert_close(y.double(), ref)
+        h = hvd.allreduce_async(x, op=hvd.Sum, name=f"async.{name}")
+        torch.testing.assert_close(hvd.synchronize(h).double(), ref)
+        assert hvd.poll(h)
+        g = hvd.allgather(torch.full((r + 1, 2), r).to(dt), name=f"gather.{name}")
+        assert g.dtype == dt and g.shape == (n * (n + 1) // 2, 2)
+        b = hvd.broadcast(torch.full((3,), r + 1).to(dt), root_rank=n - 1, name=f"bc.{name}")
+        assert b.dtype == dt and bool((b.double() == n).all())
+    # zero copy: the engine reads the tensor's own memory (numpy view shares storage)
+    from ronde.torch._tensors import numpy_view
+
+    t = torch.ones(5)
+    assert numpy_view(t).__array_interface__["data"][0] == t.data_ptr()
+    bf = torch.ones(5, dtype=torch.bfloat16)
+    assert numpy_view(bf).__array_interface__["data"][0] == bf.data_ptr()
+    # default op is Average; average= spelling; scale factors
+    torch.testing.assert_close(hvd.allreduce(torch.full((2,), float(r))),
+                               torch.full((2,), (n - 1) / 2))
+    torch.testing.assert_close(hvd.allreduce(torch.ones(2), average=False), torch.full((2,), 1.0 * n))
+    torch.testing.assert_close(hvd.allreduce(torch.ones(2), op=hvd.Sum, prescale_factor=2.0,
+                                             postscale_factor=0.5), torch.full((2,), 1.0 * n))
+    # 0-d, non-contiguous in place, requires_grad leaf in place
+    assert float(hvd.allreduce(torch.tensor(r + 1.0), op=hvd.Sum)) == tri
+    base = torch.arange(12.0).view(3, 4)
+    view = base[:, ::2]
+    hvd.allreduce_(view, op=hvd.Sum, name="noncontig")
+    torch.testing.assert_close(base[:, ::2], torch.arange(12.0).view(3, 4)[:, ::2] * n)
+    torch.testing.assert_close(base[:, 1::2], torch.arange(12.0).view(3, 4)[:, 1::2])
+    leaf = torch.ones(3, requires_grad=True)
+    hvd.broadcast_(leaf, 0, name="leaf")
+    # grouped (in place and not), async in place
+    outs = hvd.grouped_allreduce([torch.ones(2) * r, torch.ones(3, 3) * r], op=hvd.Sum)
+    torch.testing.assert_close(outs[1], torch.full((3, 3), n * (n - 1) / 2))
+    ts = [torch.ones(2) * r, torch.ones(4) * r]
+    assert hvd.grouped_allreduce_(ts, op=hvd.Sum, name="grp_") [0] is ts[0]
+    torch.testing.assert_close(ts[1], torch.full((4,), n * (n - 1) / 2))
+    z = torch.full((4,), float(r))
+    hz = hvd.allreduce_async_(z, op=hvd.Sum, name="az")
+    assert hvd.synchronize(hz) is z and float(z[0]) == n * (n - 1) / 2
+    # broadcast_ in place, async forms
+    bt = torch.full((4,), float(r))
+    assert hvd.broadcast_(bt, 0) is bt and bool((bt == 0).all())
+    hb = hvd.broadcast_async(torch.full((2,), float(r)), n - 1)
+    assert bool((hvd.synchronize(hb) == n - 1).all())
+    hg = hvd.allgather_async(torch.full((1, 2), float(r)))
+    assert hvd.synchronize(hg).shape == (n, 2)
+    # alltoall equal and explicit splits
+    a = hvd.alltoall(torch.arange(2 * n) + 100 * r)
+    torch.testing.assert_close(a, torch.cat([torch.arange(2 * r, 2 * r + 2) + 100 * j
+                                             for j in range(n)]))
+    splits = [(r + j) % 3 for j in range(n)]
+    data = torch.cat([torch.full((s,), 10 * r + j, dtype=torch.int32)
+                      for j, s in enumerate(splits)])
+    out, rs = hvd.alltoall(data, splits=torch.tensor(splits))
+    assert rs.tolist() == [(j + r) % 3 for j in range(n)]
+    # reducescatter (Horovod's torch argument order: tensor, name, compression, op)
+    rows = 2 * n + 1
+    part = hvd.reducescatter(torch.ones(rows, 2) * (r + 1), op=hvd.Sum)
+    assert part.shape[0] == rows // n + (1 if r < rows % n else 0)
+    torch.testing.assert_close(part, torch.full_like(part, tri))
+    part = hvd.synchronize(hvd.reducescatter_async(torch.ones(n, 2) * r))
+    torch.testing.assert_close(part, torch.full((1, 2), (n - 1) / 2))
+    # compression
+    for comp in (hvd.Compression.fp16, hvd.Compression.bf16):
+        c = hvd.allreduce(torch.full((5,), 1.5 + r, dtype=torch.float64), compression=comp)
+        assert c.dtype == torch.float64
+        torch.testing.assert_close(c, torch.full((5,), 1.5 + (n - 1) / 2, dtype=torch.float64))
+    big = hvd.allreduce(torch.full((3,), 60000.0), compression=hvd.Compression.fp16,
+                        name="fp16.big")  # the average fits: pre-divided, no overflow
+    torch.testing.assert_close(big, torch.full((3,), 60000.0), rtol=1e-3, atol=0)
+    # sparse allreduce: coalesced sum, Average divides by size
+    i = torch.tensor([[r, 0]])
+    sp = torch.sparse_coo_tensor(i, torch.ones(2, 3), (n + 1, 3), check_invariants=True)
+    expect = torch.zeros(n + 1, 3)
+    for q in range(n):
+        expect[q] += 1
+        expect[0] += 1
+    got = hvd.synchronize(hvd.sparse_allreduce_async(sp, name="sparse", op=hvd.Sum))
+    assert got.is_sparse and torch.equal(got.to_dense(), expect)
+    got = hvd.synchronize(hvd.sparse_allreduce_async(sp, name="sparse.avg"))
+    torch.testing.assert_close(got.to_dense(), expect / n)
+    # objects carry tensors
+    assert torch.equal(hvd.broadcast_object({"t": torch.ones(2) * r}, 0)["t"], torch.zeros(2))
+    assert [int(t) for t in hvd.allgather_object(torch.tensor(r))] == list(range(n))
+    # unsupported dtype: clear TypeError before anything is sent
+    try:
+        hvd.allreduce(torch.ones(2, dtype=torch.bool))
+    except TypeError as exc:
+        assert "bool" in str(exc)
+    else:
+        raise AssertionError("bool allreduce accepted")
+    hvd.shutdown()
+    return "ok"
+
+
+def gradients() -> str:
+    torch, hvd = _setup()
+    r, n = hvd.rank(), hvd.size()
+    d = torch.float64
+    tri = n * (n + 1) / 2
+    w = torch.full((4,), r + 1.0, dtype=d)
+    for op, pre, post, factor in [(hvd.Sum, 1.0, 1.0, tri), (hvd.Average, 1.0, 1.0, tri / n),
+                                  (hvd.Sum, 2.0, 3.0, 6 * tri)]:
+        x = (torch.arange(4, dtype=d) + r).requires_grad_()
+        y = hvd.allreduce(x, op=op, prescale_factor=pre, postscale_factor=post, name="ar")
+        (y * w).sum().backward()
+        torch.testing.assert_close(x.grad, torch.full((4,), factor, dtype=d))
+    # Max: the gradient goes to the rank(s) holding the maximum
+    x = torch.tensor([float(r), -float(r), 5.0], dtype=d, requires_grad=True)
+    (hvd.allreduce(x, op=hvd.Max) * (r + 1)).sum().backward()
+    expect = [tri if r == n - 1 else 0.0, tri if r == 0 else 0.0, tri]
+    torch.testing.assert_close(x.grad, torch.tensor(expect, dtype=d))
+    # fp16 compression is differentiable (casts are)
+    x = torch.ones(3, dtype=d, requires_grad=True)
+    (hvd.allreduce(x, op=hvd.Sum, compression=hvd.Compression.fp16) * (r + 1)).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), tri, dtype=d))
+    # allgather: summed gradient, this rank's rows
+    total = n * (n + 1) // 2
+    x = torch.ones(r + 1, 2, dtype=d, requires_grad=True)
+    y = hvd.allgather(x, name="ag")
+    W = torch.arange(total * 2, dtype=d).view(total, 2)
+    (y * W * (r + 1)).sum().backward()
+    start = r * (r + 1) // 2
+    torch.testing.assert_close(x.grad, W[start:start + r + 1] * tri)
+    # broadcast: summed gradient on the root, zeros elsewhere
+    root = n - 1
+    x = torch.full((3,), float(r), dtype=d, requires_grad=True)
+    (hvd.broadcast(x, root, name="bc") * (r + 1)).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), tri if r == root else 0.0, dtype=d))
+    # alltoall: block j went to rank j, whose loss weight is j+1
+    x = torch.ones(2 * n, dtype=d, requires_grad=True)
+    (hvd.alltoall(x) * (r + 1)).sum().backward()
+    torch.testing.assert_close(x.grad, torch.arange(1, n + 1, dtype=d).repeat_interleave(2))
+    # reducescatter Sum: rows of rank q's block get weight q+1; Average divides by n
+    rows = 2 * n + 1
+    base, extra = divmod(rows, n)
+    owner = torch.cat([torch.full((base + (1 if q < extra else 0),), q + 1.0, dtype=d)
+                       for q in range(n)])
+    for op, scale in [(hvd.Sum, 1.0), (hvd.Average, 1.0 / n)]:
+        x = torch.ones(rows, 2, dtype=d, requires_grad=True)
+        (hvd.reducescatter(x, op=op) * (r + 1)).sum().backward()
+        torch.testing.assert_close(x.grad, owner[:, None].expand(rows, 2) * scale)
+    # grouped allreduce
+    a = torch.ones(2, dtype=d, requires_grad=True)
+    b = torch.ones(3, dtype=d, requires_grad=True)
+    ya, yb = hvd.grouped_allreduce([a, b], op=hvd.Sum, name="grp")
+    ((ya + 0).sum() * (r + 1) + yb.sum() * 2).backward()
+    torch.testing.assert_close(a.grad, torch.full((2,), tri, dtype=d))
+    torch.testing.assert_close(b.grad, torch.full((3,), 2.0 * n, dtype=d))
+    # numerically: d/dx of sum(w * allreduce_avg(x)) by central differences, every
+    # rank perturbing its own element j in lockstep (the change then comes from all ranks)
+    x0 = torch.arange(3, dtype=d) + r
+    x = x0.clone().requires_grad_()
+    (hvd.allreduce(x, name="num") * w[:3]).sum().backward()
+    eps = 1e-6
+    for j in range(3):
+        e = torch.zeros(3, dtype=d)
+        e[j] = eps
+        fp = float((hvd.allreduce(x0 + e, name="num+") * w[:3]).sum())
+        fm = float((hvd.allreduce(x0 - e, name="num-") * w[:3]).sum())
+        lockstep = hvd.allreduce(torch.tensor((fp - fm) / (2 * eps), dtype=d), op=hvd.Sum)
+        # the lockstep derivative sums all ranks' own derivatives (n of them)
+        torch.testing.assert_close(hvd.allreduce(x.grad[j], op=hvd.Sum), lockstep)
+    hvd.shutdown()
+    return "ok"
+
+
+# -- DistributedOptimizer equivalence -----------------------------------------------------
+def _model(torch, seed: int, norm: str | None = None, extra: bool = False):
+    nn = torch.nn
+    torch.manual_seed(seed)
+    layers = [nn.Linear(6, 8)]
+    if norm is not None:
+        import ronde.torch as hvd
+
+        layers.append(hvd.SyncBatchNorm(8) if norm == "sync" else nn.BatchNorm1d(8))
+    layers += [nn.Tanh(), nn.Linear(8, 3)]
+    model = nn.Sequential(*layers)
+    if extra:
+        model.add_module("extra", nn.Linear(3, 3))
+    return model.double()
+
+
+def _optimizer(torch, name: str, params, lr: float = 0.05):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr * 0.2)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr * 0.2, weight_decay=0.1)
+    raise ValueError(name)
+
+
+def equivalence(configs: list, steps: int = 4, batch: int = 8) -> list:
+    """Train distributed and a one-process reference on the full batch; return max diffs."""
+    torch, hvd = _setup()
+    r, n = hvd.rank(), hvd.size()
+    F = torch.nn.functional
+    results = []
+    for cfg_i, (opt_name, bpps, comp, norm) in enumerate(configs):
+        model = _model(torch, 7, "sync" if norm else None)
+        ref = _model(torch, 7, "plain" if norm else None)
+        ref.load_state_dict(model.state_dict())
+        compression = getattr(hvd.Compression, comp)
+        opt = hvd.DistributedOptimizer(
+            _optimizer(torch, opt_name, model.parameters()), backward_passes_per_step=bpps,
+            named_parameters=[(f"c{cfg_i}.{k}", v) for k, v in model.named_parameters()],
+            compression=compression)
+        ref_opt = _optimizer(torch, opt_name, ref.parameters())
+        gen = torch.Generator().manual_seed(11)
+        for _ in range(steps):
+            x = torch.randn(n * batch, 6, generator=gen, dtype=torch.float64)
+            y = torch.randn(n * batch, 3, generator=gen, dtype=torch.float64)
+            ref_opt.zero_grad()
+            F.mse_loss(ref(x), y).backward()
+            ref_opt.step()
+            mine_x, mine_y = x[r * batch:(r + 1) * batch], y[r * batch:(r + 1) * batch]
+            opt.zero_grad()
+            for xs, ys in zip(mine_x.chunk(bpps), mine_y.chunk(bpps)):
+                (F.mse_loss(model(xs), ys) / bpps).backward()
+            opt.step()
+        diff = max(float((a - b).abs().max()) for a, b in
+                   zip(model.state_dict().values(), ref.state_dict().values())
+                   if a.dtype.is_floating_point)
+        results.append(diff)
+    hvd.shutdown()
+    return results
+
+
+def syncbn_uneven() -> float:
+    """SyncBatchNorm with a different batch size per rank vs BatchNorm on the union."""
+    torch, hvd = _setup()
+    r, n = hvd.rank(), hvd.size()
+    sizes = [3 + q for q in range(n)]
+    gen = torch.Generator().manual_seed(5)
+    full = torch.randn(sum(sizes), 4, 5, generator=gen, dtype=torch.float64) * 3 + 1
+    coef = torch.randn(sum(sizes), 4, 5, generator=gen, dtype=torch.float64)
+    start = sum(sizes[:r])
+    mine = full[start:start + sizes[r]].clone().requires_grad_()
+    sync = hvd.SyncBatchNorm(4, momentum=0.3).double()
+    plain = torch.nn.BatchNorm1d(4, momentum=0.3).double()
+    with torch.no_grad():
+        sync.weight.copy_(torch.linspace(0.5, 2, 4))
+        sync.bias.copy_(torch.linspace(-1, 1, 4))
+    plain.load_state_dict(sync.state_dict())
+    ref_in = full.clone().requires_grad_()
+    out_ref = plain(ref_in)
+    (out_ref * coef).sum().backward()
+    out = sync(mine)
+    (out * coef[start:start + sizes[r]]).sum().backward()
+    diffs = [
+        float((out - out_ref[start:start + sizes[r]]).detach().abs().max()),
+        float((mine.grad - ref_in.grad[start:start + sizes[r]]).abs().max()),
+        float((sync.running_mean - plain.running_mean).abs().max()),
+        float((sync.running_var - plain.running_var).abs().max()),
+        float((hvd.allreduce(sync.weight.grad, op=hvd.Sum) - plain.weight.grad).abs().max()),
+        float((hvd.allreduce(sync.bias.grad, op=hvd.Sum) - plain.bias.grad).abs().max()),
+    ]
+    # eval mode is local BatchNorm with the (synchronized) running statistics
+    sync.eval()
+    plain.eval()
+    diffs.append(float((sync(mine.detach()) - plain(mine.detach())).abs().max()))
+    # empty batch on one rank still works
+    x = torch.randn(0 if r == 0 else 4, 4, dtype=torch.float64)
+    sync.train()
+    sync(x)
+    hvd.shutdown()
+    return max(diffs)
+
+
+# -- state broadcast ----------------------------------------------------------------------
+def _state_signature(torch, opt) -> list:
+    sd = opt.state_dict()
+    out = [sorted((k, v) for k, v in g.items() if k != "params") for g in sd["param_groups"]]
+    for idx in sorted(sd["state"]):
+        for k, v in sorted(sd["state"][idx].items()):
+            out.append((idx, k, v.tolist() if isinstance(v, torch.Tensor) else v))
+    return out
+
+
+def broadcast_state() -> str:
+    torch, hvd = _setup()
+    r, n = hvd.rank(), hvd.size()
+    F = torch.nn.functional
+    for opt_name in ("sgd", "adam", "adamw"):
+        for when in ("before", "after"):
+            for wrap in (False, True):
+                model = _model(torch, 100 + r)  # different weights per rank
+                opt = _optimizer(torch, opt_name, model.parameters(), lr=0.05 * (r + 1))
+                if when == "after":  # a local step on rank-specific data: states differ
+                    x = torch.randn(4, 6, dtype=torch.float64) + r
+                    F.mse_loss(model(x), torch.zeros(4, 3, dtype=torch.float64)).backward()
+                    opt.step()
+                    opt.zero_grad()
+                if wrap:
+                    opt = hvd.DistributedOptimizer(
+                        opt, named_parameters=[(f"{opt_name}.{when}.{k}", v)
+                                               for k, v in model.named_parameters()])
+                hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+                hvd.broadcast_optimizer_state(opt, root_rank=0)
+                sig = _state_signature(torch, opt)
+                assert hvd.allgather_object(sig) == [sig] * n, (opt_name, when, wrap)
+                if when == "before":
+                    assert not opt.state_dict()["state"]
+                # the same data on every rank from here: ranks stay identical
+                x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator()
+                                .manual_seed(3))
+                for _ in range(2):
+                    opt.zero_grad()
+                    F.mse_loss(model(x), torch.zeros(4, 3, dtype=torch.float64)).backward()
+                    opt.step()
+                flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+                root = hvd.broadcast(flat, 0, name=f"chk.{opt_name}.{when}.{wrap}")
+                assert torch.equal(flat, root), (opt_name, when, wrap)
+    # named_parameters() generator and a plain list are accepted too
+    model = _model(torch, 200 + r)
+    hvd.broadcast_parameters(model.named_parameters(), root_rank=n - 1)
+    hvd.broadcast_parameters(list(model.parameters()), root_rank=n - 1)
+    ref = _model(torch, 200 + n - 1)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    hvd.shutdown()
+    return "ok"
+
+
+# -- misuse -------------------------------------------------------------------------------
+def extra_parameter() -> tuple:
+    """Rank 1 has a parameter rank 0 lacks: a clear error on every rank, quickly."""
+    torch, hvd = _setup()
+    r = hvd.rank()
+    model = _model(torch, 1, extra=(r == 1))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    t0 = time.monotonic()
+    model(torch.ones(2, 6, dtype=torch.float64)).sum().backward()
+    try:
+        opt.step()
+    except hvd.TensorMismatchError as exc:
+        msg = str(exc)
+    else:
+        raise AssertionError("no error for differing parameters")
+    elapsed = time.monotonic() - t0
+    hvd.shutdown()
+    return msg, elapsed
+
+
+def local_misuse() -> str:
+    torch, hvd = _setup()
+    r, n = hvd.rank(), hvd.size()
+    F = torch.nn.functional
+    model = _model(torch, 1)
+    named = list(model.named_parameters())
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    _raises(ValueError, "unique; duplicates: '0.weight'",
+            lambda: hvd.DistributedOptimizer(sgd, named_parameters=named + [named[0]]))
+    _raises(ValueError, "not in it",
+            lambda: hvd.DistributedOptimizer(sgd, named_parameters=named[:1]))
+    _raises(ValueError, "Adasum", lambda: hvd.DistributedOptimizer(sgd, op=hvd.Adasum))
+    _raises(ValueError, "only supported with op=Average",
+            lambda: hvd.DistributedOptimizer(sgd, op=hvd.Sum, gradient_predivide_factor=2.0))
+    opt = hvd.DistributedOptimizer(sgd, named_parameters=named)
+    assert isinstance(opt, torch.optim.SGD)
+    _raises(hvd.RondeError, "found no gradients", opt.step)  # every rank: no backward
+    x = torch.ones(4, 6, dtype=torch.float64)
+    model(x).sum().backward()
+    _raises(hvd.RondeError, "zero_grad", opt.zero_grad)
+    _raises(hvd.TooManyPassesError, "backward_passes_per_step=1",
+            lambda: model(x).sum().backward())
+    opt.step()
+    opt.zero_grad()
+    # predivide factor: same result as plain averaging
+    model2 = _model(torch, 1)
+    opt2 = hvd.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.1),
+                                    named_parameters=[(f"pd.{k}", v) for k, v in
+                                                      model2.named_parameters()],
+                                    gradient_predivide_factor=4.0, groups=2)
+    model3 = _model(torch, 1)
+    opt3 = hvd.DistributedOptimizer(torch.optim.SGD(model3.parameters(), lr=0.1),
+                                    named_parameters=[(f"plain.{k}", v) for k, v in
+                                                      model3.named_parameters()])
+    for m, o in ((model2, opt2), (model3, opt3)):
+        F.mse_loss(m(x * (r + 1)), torch.zeros(4, 3, dtype=torch.float64)).backward()
+        o.step()
+    for a, b in zip(model2.parameters(), model3.parameters()):
+        torch.testing.assert_close(a, b)
+    # synchronize + skip_synchronize for gradient clipping
+    F.mse_loss(model3(x * (r + 1)), torch.zeros(4, 3, dtype=torch.float64)).backward()
+    opt3.synchronize()
+    torch.nn.utils.clip_grad_norm_(model3.parameters(), 0.01)
+    with opt3.skip_synchronize():
+        opt3.step()
+    opt3.zero_grad()
+    # partial last window: step after 1 of 2 backward passes reduces what accumulated
+    opt3.set_backward_passes_per_step(2)
+    F.mse_loss(model3(x), torch.zeros(4, 3, dtype=torch.float64)).backward()
+    opt3.step()
+    opt3.zero_grad()
+    opt3.set_backward_passes_per_step(1)
+    flat = torch.cat([p.detach().reshape(-1) for p in model3.parameters()])
+    assert torch.equal(flat, hvd.broadcast(flat, 0, name="chk.misuse"))
+    hvd.shutdown()
+    return "ok"
+
+
+def _raises(cls, match, fn) -> None:
+    try:
+        fn()
+    except cls as exc:
+        assert match in str(exc), f"{match!r} not in {exc}"
+    else:
+        raise AssertionError(f"{fn} did not raise {cls.__name__}")
+
+
+def unused_parameter() -> list:
+    """A branch used only on some ranks (and one used nowhere) does not deadlock."""
+    torch, hvd = _setup()
+    r, n = hvd.rank(), hvd.size()
+    nn = torch.nn
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(3, 2), "b": nn.Linear(3, 2), "c": nn.Linear(3, 2)})
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    x = torch.ones(2, 3)
+    for step in range(3):
+        opt.zero_grad()
+        loss = model["a"](x).sum()
+        if r == 0:  # only rank 0 uses "b"; nobody uses "c"
+            loss = loss + model["b"](x).sum()
+        loss.backward()
+        opt.step()
+    grads = [p.grad.clone() for p in model.parameters()]
+    assert torch.equal(model["c"].weight.grad, torch.zeros(2, 3))
+    torch.testing.assert_close(model["b"].bias.grad, torch.full((2,), 2.0 / n))
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert torch.equal(flat, hvd.broadcast(flat, 0, name="chk.unused"))
+    hvd.shutdown()
+    return [float(g.sum()) for g in grads]
+
+
+def compiled(backend: str = "aot_eager") -> float:
+    """torch.compile(model): the wrapper's hooks see the compiled module's gradients."""
+    torch, hvd = _setup()
+    r, n = hvd.rank(), hvd.size()
+    F = torch.nn.functional
+    model = _model(torch, 3)
+    ref = _model(torch, 3)
+    cmodel = torch.compile(model, backend=backend)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(cmodel.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=cmodel.named_parameters())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(4 * n, 6, generator=gen, dtype=torch.float64)
+        y = torch.randn(4 * n, 3, generator=gen, dtype=torch.float64)
+        opt.zero_grad()
+        F.mse_loss(cmodel(x[4 * r:4 * r + 4]), y[4 * r:4 * r + 4]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    hvd.shutdown()
+    return max(float((a - b).detach().abs().max())
+               for a, b in zip(model.parameters(), ref.parameters()))
