@@ -455,21 +455,33 @@ def stop_timeline() -> None:
 
 
 # -- build facts (Horovod compatibility) ---------------------------------------------------
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def mpi_built() -> bool:
-    """False: this build does not use MPI underneath (see RONDE_TRANSPORT)."""
-    return False
+    """True when mpi4py is installed, so ``RONDE_TRANSPORT=mpi`` can work."""
+    return _importable("mpi4py")
 
 
 def mpi_enabled() -> bool:
-    return False
+    """True when the global process set moves its bytes through MPI."""
+    return _rt is not None and _rt.transport == "mpi"
 
 
 def gloo_built() -> bool:
-    return False
+    """True when torch.distributed (Gloo) is installed: ``RONDE_TRANSPORT=gloo``."""
+    return _importable("torch")
 
 
 def gloo_enabled() -> bool:
-    return False
+    """True when the global process set moves its bytes through Gloo."""
+    return _rt is not None and _rt.transport == "gloo"
 
 
 def nccl_built() -> bool:
@@ -493,7 +505,12 @@ def ccl_built() -> bool:
 
 
 def mpi_threads_supported() -> bool:
-    return False
+    """True when MPI runs with ``MPI_THREAD_MULTIPLE`` (only meaningful with mpi)."""
+    if not mpi_enabled():
+        return False
+    from mpi4py import MPI
+
+    return bool(MPI.Query_thread() == MPI.THREAD_MULTIPLE)
 
 
 Callback = Callable[[Handle], None]

@@ -53,7 +53,7 @@ def _parse_bool(text: str) -> bool:
     raise ConfigError(f"expected a boolean (1/0, true/false), got {text!r}")
 
 
-TRANSPORTS = ("auto", "tcp", "shm", "gloo")
+TRANSPORTS = ("auto", "tcp", "shm", "gloo", "mpi")
 
 
 @dataclasses.dataclass(frozen=True)

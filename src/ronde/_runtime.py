@@ -227,6 +227,11 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
                                   int(peers[0]["store_port"]), cfg.start_timeout_s)
     topo = Topology.build(rank, hosts)
     holder: dict[str, Engine] = {}
+    mpi_world = None
+    if cfg.transport == "mpi":
+        from .transport import mpi as mpi_mod
+
+        mpi_world = mpi_mod.check_world(rank, size)
 
     def aborted() -> BaseException | None:
         eng = holder.get("engine")
@@ -238,6 +243,11 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
     transports: dict[int, str] = {}
 
     def make_comm(ps_id: int, members: list[int]) -> Communicator | None:
+        if mpi_world is not None:
+            from .transport.mpi import MPICommunicator
+
+            transports[ps_id] = "mpi"
+            return MPICommunicator.create(mpi_world, members, rank)
         if cfg.transport == "gloo" and size > 1:
             from .transport import torch_dist
 

@@ -38,7 +38,11 @@ def doctor() -> int:
         lines.append("  gloo    available (torch.distributed; RONDE_TRANSPORT=gloo)")
     else:
         lines.append("  gloo    not available: pip install torch")
-    lines.append("  mpi     planned (mpi4py)")
+    if _has("mpi4py"):
+        lines.append("  mpi     available (mpi4py; RONDE_TRANSPORT=mpi under mpirun, or "
+                     "ronderun --mpi)")
+    else:
+        lines.append("  mpi     not available: pip install 'ronde[mpi]' (mpi4py + MPICH)")
     lines.append("  nccl    not available: planned for CUDA tensors in ronde.torch")
     lines.append("frameworks:")
     for name, module in (("PyTorch", "torch"), ("TensorFlow", "tensorflow"), ("Keras", "keras"),

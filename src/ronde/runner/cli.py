@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     knobs = p.add_argument_group("worker settings (set RONDE_* variables for the workers)")
     knobs.add_argument("--transport", choices=TRANSPORTS, default=None,
                        help="data transport (RONDE_TRANSPORT)")
+    knobs.add_argument("--mpi", action="store_true",
+                       help="launch with the environment's mpiexec/mpirun and move the bytes "
+                            "with MPI (RONDE_TRANSPORT=mpi)")
     for name in ("gloo", "tcp", "shm"):
         knobs.add_argument(f"--{name}", dest="transport", action="store_const", const=name,
                            help=f"same as --transport {name} (horovodrun spelling)")
@@ -176,6 +179,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = worker_settings(args)
         if args.bind_addr:
             os.environ["RONDE_BIND_ADDR"] = args.bind_addr  # the launcher's server, too
+        if args.mpi:
+            from .mpi_launch import run_mpi
+
+            return run_mpi(command, args.np, args.hosts, args.hostfile, settings, start_timeout)
         result = launch.run(
             command, args.np, hosts=args.hosts, hostfile=args.hostfile, env=settings,
             start_timeout_s=start_timeout, output_dir=args.output_filename,

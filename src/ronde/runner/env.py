@@ -137,9 +137,11 @@ def detect(env: Mapping[str, str] | None = None) -> WorkerEnv:
     return WorkerEnv(
         rank=rank, size=size, local_rank=local_rank, local_size=local_size, host=hostname,
         source=source, rendezvous=explicit_rdv, secret=secret or _weak_secret(source, job),
-        job_id=f"{source}-{job}",
-        # no launcher service here: with an explicit address, rank 0 serves it
-        rendezvous_mode="rank0" if mode == "server" else mode,
+        job_id=env.get("RONDE_JOB_ID") or f"{source}-{job}",
+        # under ronderun --mpi the launcher serves the rendezvous; otherwise, with an
+        # explicit address, rank 0 serves it
+        rendezvous_mode=("server" if env.get("RONDE_LAUNCHER") == "ronderun" else "rank0")
+        if mode == "server" else mode,
     )
 
 

@@ -1,0 +1,56 @@
+"""The same collective suite with MPI moving the bytes (ronderun --mpi, mpi4py + MPICH)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HAVE_MPI = importlib.util.find_spec("mpi4py") is not None and (
+    os.path.exists(os.path.join(os.path.dirname(sys.executable), "mpiexec"))
+    or shutil.which("mpiexec") is not None)
+pytestmark = pytest.mark.skipif(not HAVE_MPI, reason="needs mpi4py and mpiexec")
+
+
+def run_mpi(tmp_path, np_: int, worker: str) -> dict[int, object]:
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import json, sys\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        "from tests.integration import workers\n"
+        f"sys.stdout.write('RESULT ' + json.dumps(workers.{worker}()) + chr(10))\n")
+    proc = subprocess.run([sys.executable, "-m", "ronde.run", "--mpi", "-np", str(np_),
+                           sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=150, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    results = {}
+    for line in proc.stdout.splitlines():
+        if "RESULT " in line:
+            rank = int(line[line.index("[") + 1: line.index("]")])
+            results[rank] = json.loads(line.split("RESULT ", 1)[1])
+    return results
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_every_collective_over_mpi(tmp_path, np_):
+    assert run_mpi(tmp_path, np_, "collectives") == {r: "ok" for r in range(np_)}
+
+
+@pytest.mark.timeout(120)
+def test_process_sets_and_steady_state_over_mpi(tmp_path):
+    ids = run_mpi(tmp_path, 4, "process_sets")
+    assert len({json.dumps(v) for v in ids.values()}) == 1
+    assert run_mpi(tmp_path, 3, "steady_state") == {r: "ok" for r in range(3)}
+
+
+@pytest.mark.timeout(60)
+def test_topology_reports_mpi(tmp_path):
+    out = run_mpi(tmp_path, 2, "topology")
+    assert [out[r][0] for r in range(2)] == [0, 1] and {out[r][7] for r in range(2)} == {"mpi"}
