@@ -34,7 +34,9 @@ class EngineGroup:
             holder: dict[str, Engine] = {}
 
             def make(ps_id: int, members: list[int], r: int = r, holder: dict = holder
-                     ) -> Communicator:
+                     ) -> Communicator | None:
+                if r not in members:
+                    return None
                 p2p = SocketP2P(r, members, data[r], str, lambda: holder["e"].aborted())
                 return P2PCommunicator(p2p, self.cfg.small_allreduce_bytes)
 

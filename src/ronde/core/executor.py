@@ -164,9 +164,12 @@ class Executor:
             self._mark("MEMCPY_IN_FUSION_BUFFER")
             fusion.pack(staging.view(dtype), inputs, sizes, meta0.prescale)
             self._mark("TRANSFER")
-            result = comm.allreduce_staged(nbytes, dtype, op)
+            pieces = comm.allreduce_staged(nbytes, dtype, op)
             self._mark("MEMCPY_OUT_FUSION_BUFFER")
-            fusion.unpack(result, outs, sizes, post)
+            try:
+                fusion.unpack_pieces(pieces, outs, sizes, post)
+            finally:
+                comm.release()
         elif len(reqs) == 1 and reqs[0] is not None and reqs[0].array is not None:
             out = outs[0]
             assert out is not None

@@ -56,6 +56,25 @@ def pack(flat: np.ndarray, inputs: Sequence[np.ndarray | None], sizes: Sequence[
         off += n
 
 
+def unpack_pieces(pieces: Sequence[tuple[int, np.ndarray]],
+                  outputs: Sequence[np.ndarray | None], sizes: Sequence[int],
+                  factor: float) -> None:
+    """Like :func:`unpack`, from a result held as ``(offset, view)`` pieces (e.g. one
+    block per rank's shared segment), so no gather into one buffer is needed."""
+    if len(pieces) == 1:
+        unpack(pieces[0][1], outputs, sizes, factor)
+        return
+    off = 0
+    for out, n in zip(outputs, sizes):
+        if out is not None and n:
+            dst = out.reshape(-1)
+            for start, view in pieces:
+                lo, hi = max(off, start), min(off + n, start + view.size)
+                if lo < hi:
+                    scaled_copy(dst[lo - off: hi - off], view[lo - start: hi - start], factor)
+        off += n
+
+
 def unpack(flat: np.ndarray, outputs: Sequence[np.ndarray | None], sizes: Sequence[int],
            factor: float) -> None:
     """Copy consecutive slices of ``flat`` back into each output (None: skip)."""

@@ -54,9 +54,17 @@ class Communicator(abc.ABC):
         """A byte buffer the engine may fuse into, if that saves a copy (shm); else None."""
         return None
 
-    def allreduce_staged(self, nbytes: int, dtype: np.dtype, op: ReduceOp) -> np.ndarray:
-        """Allreduce the first ``nbytes`` of :meth:`staging`; return the flat result."""
+    def allreduce_staged(self, nbytes: int, dtype: np.dtype, op: ReduceOp
+                         ) -> list[tuple[int, np.ndarray]]:
+        """Allreduce the first ``nbytes`` of :meth:`staging`.
+
+        Returns the result as ``(element offset, flat view)`` pieces in order; the
+        views stay valid until :meth:`release`.
+        """
         raise NotImplementedError
+
+    def release(self) -> None:
+        """Done reading the pieces returned by :meth:`allreduce_staged`."""
 
     def close(self) -> None:
         """Release resources (sockets are owned by the mesh, not closed here)."""

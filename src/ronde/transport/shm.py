@@ -87,6 +87,7 @@ class ShmCommunicator(Communicator):
         #: fail when a peer makes no progress for this long (0: wait for ever)
         self.progress_timeout_s = progress_timeout_s
         self._t = 0
+        self._open = 0  # counter of a staged allreduce whose pieces are being read
         self._unlinked = False
         total = _HEADER_BYTES + segment_bytes + 2 * SMALL_BYTES
         self._path = os.path.join(shm_dir(), f"ronde-{key}-{rank}")
@@ -173,12 +174,32 @@ class ShmCommunicator(Communicator):
         self._wait_all(DONE, self._t)
         return self._data[self.rank][:nbytes]
 
-    def allreduce_staged(self, nbytes: int, dtype: np.dtype, op: ReduceOp) -> np.ndarray:
+    def allreduce_staged(self, nbytes: int, dtype: np.dtype, op: ReduceOp
+                         ) -> list[tuple[int, np.ndarray]]:
+        """Reduce what was packed into :meth:`staging`; return the result's pieces.
+
+        The pieces are ``(element offset, view)``: this rank's block from its own
+        segment and every other block straight from its owner's segment, so the
+        caller unpacks without a gather copy first. Call :meth:`release` after.
+        """
         dtype = np.dtype(dtype)
+        m = nbytes // dtype.itemsize
         if nbytes <= SMALL_BYTES:
-            return self._allreduce_small(None, nbytes // dtype.itemsize, dtype, op)
-        self._allreduce_piece(None, nbytes // dtype.itemsize, dtype, op)
-        return self._data[self.rank][:nbytes].view(dtype)
+            return [(0, self._allreduce_small(None, m, dtype, op))]
+        t = self._reduce_own_block(None, m, dtype, op)
+        pieces = []
+        for j, (lo, hi) in enumerate(_blocks(m, self.size)):
+            if j != self.rank:
+                self._wait_all_one(j, REDUCED, t)
+            pieces.append((lo, self._view(j, dtype, m)[lo:hi]))
+        self._open = t
+        return pieces
+
+    def release(self) -> None:
+        """The caller is done reading the pieces of the last staged allreduce."""
+        if self._open:
+            self._publish(DONE, self._open)
+            self._open = 0
 
     def _allreduce_small(self, buf: np.ndarray | None, m: int, dtype: np.dtype,
                          op: ReduceOp) -> np.ndarray:
@@ -207,31 +228,30 @@ class ShmCommunicator(Communicator):
         for s in range(0, buf.size, step):
             self._allreduce_piece(buf[s: s + step], min(step, buf.size - s), buf.dtype, op)
 
-    def _allreduce_piece(self, buf: np.ndarray | None, m: int, dtype: np.dtype,
-                         op: ReduceOp) -> None:
+    def _reduce_own_block(self, buf: np.ndarray | None, m: int, dtype: np.dtype,
+                          op: ReduceOp) -> int:
+        """Copy in (unless staged), then reduce this rank's block; returns the counter."""
         t = self._begin()
         views = [self._view(j, dtype, m) for j in range(self.size)]
         mine = views[self.rank]
         if buf is not None:
             np.copyto(mine, buf)
         self._publish(WRITTEN, t)
-        blocks = _blocks(m, self.size)
-        lo, hi = blocks[self.rank]
+        lo, hi = _blocks(m, self.size)[self.rank]
         self._wait_all(WRITTEN, t)
         acc = mine[lo:hi]
         for j in range(self.size):
             if j != self.rank:
                 reduce_into(acc, views[j][lo:hi], op)
         self._publish(REDUCED, t)
-        dst = mine if buf is None else buf
-        for j in range(self.size):
-            if j == self.rank:
-                continue
-            self._wait_all_one(j, REDUCED, t)
-            jlo, jhi = blocks[j]
-            np.copyto(dst[jlo:jhi], views[j][jlo:jhi])
-        if buf is not None:
-            np.copyto(buf[lo:hi], acc)
+        return t
+
+    def _allreduce_piece(self, buf: np.ndarray, m: int, dtype: np.dtype, op: ReduceOp) -> None:
+        t = self._reduce_own_block(buf, m, dtype, op)
+        for j, (lo, hi) in enumerate(_blocks(m, self.size)):
+            if j != self.rank:
+                self._wait_all_one(j, REDUCED, t)
+            np.copyto(buf[lo:hi], self._view(j, dtype, m)[lo:hi])
         self._publish(DONE, t)
 
     def _wait_all_one(self, j: int, idx: int, t: int) -> None:
