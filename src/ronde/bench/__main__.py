@@ -47,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m ronde.bench",
         description="Benchmark ronde's collectives against Gloo, MPICH and Open MPI.")
     p.add_argument("case", help=f"what to measure: {', '.join(CASES)}, a comma list of "
-                                "these, or all")
+                                "these, or all; separate commands: train (training "
+                                "throughput vs DDP), multihost (simulated hosts, root)")
     p.add_argument("--np", type=int, default=2, help="ranks per job (default 2)")
     p.add_argument("--sizes", default=None,
                    help="allreduce sizes: comma list (4B,1KiB,64MiB) or range A..B in powers "
@@ -156,6 +157,15 @@ def _points(contenders: Sequence[Contender], cases: Sequence[str], np_: int,
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the command line, run the rounds, print JSON lines and tables."""
+    raw = list(sys.argv[1:] if argv is None else argv)
+    if raw[:1] == ["train"]:  # training throughput: ronde vs DDP vs one process
+        from .train import main as train_main
+
+        return train_main(raw[1:])
+    if raw[:1] == ["multihost"]:  # simulated hosts (needs root)
+        from .multihost import main as multihost_main
+
+        return multihost_main(raw[1:])
     p = _parser()
     args = p.parse_args(argv)
     if args.replay:
