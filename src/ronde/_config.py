@@ -77,6 +77,7 @@ class Config:
     small_allreduce_bytes: int = 64 * 1024
     inline_bytes: int = 4096
     hierarchical: str = "auto"
+    cma: bool = True
     log_level: str = ""
 
     def describe(self) -> str:
@@ -104,6 +105,7 @@ _ENV: dict[str, tuple[str, tuple[str, ...], Callable[[str], object]]] = {
     "shm_segment_bytes": ("RONDE_SHM_SEGMENT", (), parse_bytes),
     "small_allreduce_bytes": ("RONDE_SMALL_ALLREDUCE", (), parse_bytes),
     "inline_bytes": ("RONDE_INLINE_BYTES", (), parse_bytes),
+    "cma": ("RONDE_CMA", (), _parse_bool),
     "hierarchical": ("RONDE_HIERARCHICAL_ALLREDUCE", ("HOROVOD_HIERARCHICAL_ALLREDUCE",),
                      lambda v: "auto" if v.lower() == "auto" else ("on" if _parse_bool(v) else "off")),
     "log_level": ("RONDE_LOG_LEVEL", ("HOROVOD_LOG_LEVEL",), str),

@@ -268,7 +268,7 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
 
             return ShmCommunicator(rank, members, f"{key}-g{gen}-ps{ps_id}",
                                    cfg.shm_segment_bytes, aborted, cfg.start_timeout_s,
-                                   cfg.stall_shutdown_time_s)
+                                   cfg.stall_shutdown_time_s, cfg.cma)
         from .transport.tcp import SocketP2P
 
         assert mesh is not None

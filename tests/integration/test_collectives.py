@@ -85,3 +85,17 @@ def test_stall_shutdown_time_zero_means_never():
 def test_steady_state_with_and_without_inline_data(transport, inline):
     env = {"RONDE_TRANSPORT": transport, "RONDE_INLINE_BYTES": inline}
     assert run_ranks(3, workers.steady_state, timeout_s=80, env=env) == ["ok"] * 3
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport,cma", [("shm", "1"), ("shm", "0"), ("tcp", "1")])
+@pytest.mark.parametrize("np_", [2, 3])
+def test_fused_large_tensors(transport, cma, np_):
+    env = {"RONDE_TRANSPORT": transport, "RONDE_CMA": cma}
+    assert run_ranks(np_, workers.fused_large, timeout_s=100, env=env) == ["ok"] * np_
+
+
+@pytest.mark.timeout(60)
+def test_single_copy_path_is_agreed_by_every_rank():
+    assert run_ranks(3, workers.cma_denied_on_one_rank, timeout_s=50,
+                     env={"RONDE_TRANSPORT": "shm"}) == [False, False, False]

@@ -320,3 +320,46 @@ def stall() -> str:
         assert elapsed < 5.5, elapsed
         return "stalled"
     raise AssertionError("no StallError")
+
+
+def fused_large() -> str:
+    """Many mid-size tensors at once: fused, and on shm read straight from the peers."""
+    import ronde as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    sizes = [50_001, 7, 120_000, 3, 99_999, 1, 64_000]
+    for step in range(3):
+        for dt in ("float32", "float64", "int64"):
+            ts = [(np.arange(s) % 5 + r + step).astype(dt) for s in sizes]
+            hs = [hvd.allreduce_async(t, op=hvd.Sum, name=f"f{i}.{dt}", out=t)
+                  for i, t in enumerate(ts)]
+            for h in hs:
+                hvd.synchronize(h)
+            for s, t in zip(sizes, ts):
+                ref = sum((np.arange(s) % 5 + q + step).astype(np.float64) for q in range(n))
+                np.testing.assert_allclose(t.astype(np.float64), ref)
+        avg = [np.full(s, float(r), np.float32) for s in sizes]
+        hs = [hvd.allreduce_async(t, name=f"avg{i}", prescale_factor=2.0, postscale_factor=0.25)
+              for i, t in enumerate(avg)]
+        for h in hs:
+            np.testing.assert_allclose(hvd.synchronize(h), (n - 1) / 4)
+    hvd.shutdown()
+    return "ok"
+
+
+def cma_denied_on_one_rank() -> bool:
+    """If one rank cannot read its peers' memory, every rank takes the shm path alike."""
+    import ronde as hvd
+    from ronde.transport import cma
+
+    if int(__import__("os").environ["RONDE_RANK"]) == 1:
+        cma.supported = lambda: False  # as if process_vm_readv were refused here
+    hvd.init()
+    x = np.full(300_000, hvd.rank() + 1.0, np.float32)
+    for _ in range(3):
+        np.testing.assert_allclose(hvd.allreduce(x, op=hvd.Sum, name="x"),
+                                   hvd.size() * (hvd.size() + 1) / 2)
+    decision = hvd._api._rt.engine.communicator(0)._cma
+    hvd.shutdown()
+    return decision

@@ -15,10 +15,16 @@ out of their owners' segments (N(n-1)/n): about three passes over the data, two
 when the engine fused straight into the segment (:meth:`staging`). Segment files
 are unlinked as soon as every member has mapped them, so a crash leaves nothing in
 ``/dev/shm``.
+
+Allreduces of at least ``CMA_MIN_BYTES`` skip the segment altogether when every rank
+can use cross-memory attach (see ``cma.py``): peers read each other's tensors in
+place, about one pass over the data plus half a reduction, and fused tensors need no
+fusion buffer. The segment then only carries the counters and the address table.
 """
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import tempfile
@@ -31,11 +37,18 @@ from .._errors import RendezvousError
 from ..collectives.ops import ReduceOp, reduce_into
 from .base import Communicator
 
-_HEADER_BYTES = 4096
+#: counters, then a table of (address, length) pairs for single-copy allreduces
+_HEADER_BYTES = 64 * 1024
+_SLOTS = 16
+_TABLE_OFFSET = _SLOTS * 8
+TABLE_ENTRIES = (_HEADER_BYTES - _TABLE_OFFSET) // 16
+#: allreduces of at least this size use cross-memory attach when every rank can
+CMA_MIN_BYTES = 256 * 1024
+_CMA_CHUNK_BYTES = 1 << 20
 #: allreduces up to this size take the one-synchronisation path through a small,
 #: double-buffered region (every rank reduces all contributions itself)
 SMALL_BYTES = 64 * 1024
-WRITTEN, REDUCED, DONE, ATTACHED = 0, 1, 2, 3
+WRITTEN, REDUCED, DONE, ATTACHED, PID, PROBE, CMA_OK, NSEG = 0, 1, 2, 3, 4, 5, 6, 7
 
 
 def shm_dir() -> str:
@@ -78,7 +91,7 @@ class ShmCommunicator(Communicator):
 
     def __init__(self, rank: int, members: list[int], key: str, segment_bytes: int,
                  aborted: Callable[[], BaseException | None], timeout_s: float = 30.0,
-                 progress_timeout_s: float = 0.0) -> None:
+                 progress_timeout_s: float = 0.0, cma: bool = True) -> None:
         self.members = members
         self.rank = members.index(rank)
         self.size = len(members)
@@ -101,12 +114,15 @@ class ShmCommunicator(Communicator):
         self._hdr: list[np.ndarray] = []
         self._data: list[np.ndarray] = []
         self._small: list[list[np.ndarray]] = []
+        self._table: list[np.ndarray] = []
         deadline = time.monotonic() + timeout_s
         for g in members:
             mm = self._mine if g == rank else self._open_peer(
                 os.path.join(shm_dir(), f"ronde-{key}-{g}"), total, deadline)
             self._maps.append(mm)
-            self._hdr.append(np.frombuffer(mm, dtype=np.int64, count=8, offset=0))
+            self._hdr.append(np.frombuffer(mm, dtype=np.int64, count=_SLOTS, offset=0))
+            self._table.append(np.frombuffer(mm, dtype=np.int64, count=2 * TABLE_ENTRIES,
+                                             offset=_TABLE_OFFSET))
             self._data.append(np.frombuffer(mm, dtype=np.uint8, count=segment_bytes,
                                             offset=_HEADER_BYTES))
             self._small.append([np.frombuffer(mm, dtype=np.uint8, count=SMALL_BYTES,
@@ -114,6 +130,12 @@ class ShmCommunicator(Communicator):
                                 for p in (0, 1)])
         self._scratch = np.empty(SMALL_BYTES, dtype=np.uint8)
         self._my_hdr = self._hdr[self.rank]
+        # single-copy reads need to know who we are; the probe lets peers test them
+        self._probe = np.array([0x726F6E6465], dtype=np.int64)
+        self._cma: bool | None = None if cma else False
+        self._cma_scratch = np.empty(0, dtype=np.uint8)
+        self._publish(PID, os.getpid())
+        self._publish(PROBE, int(self._probe.ctypes.data))
         self._publish(ATTACHED, 1)  # I have mapped every peer's segment
 
     @staticmethod
@@ -285,6 +307,122 @@ class ShmCommunicator(Communicator):
                         f"rank {g} made no progress in a shared-memory collective for "
                         f"{now - started:.0f}s; the process is alive but not taking part",
                         rank=g)
+
+    # -- single-copy allreduce (cross-memory attach, see cma.py) ------------------------------
+    def cma_eligible(self, nbytes: int, n_tensors: int) -> bool:
+        """Whether an allreduce of this shape may take the single-copy path.
+
+        A pure function of the op (the same on every rank) and of a decision every
+        rank reached together at the first eligible op.
+        """
+        return (self._cma is not False and nbytes >= CMA_MIN_BYTES
+                and 0 < n_tensors <= TABLE_ENTRIES and self.size > 1)
+
+    def _agree_on_cma(self) -> bool:
+        from . import cma
+
+        ok = cma.supported()
+        if ok:
+            for j in range(self.size):
+                if j == self.rank:
+                    continue
+                got = np.zeros(1, dtype=np.int64)
+                try:
+                    cma.read_into(int(self._hdr[j][PID]), [(got.ctypes.data, 8)],
+                                  [(int(self._hdr[j][PROBE]), 8)])
+                except OSError:
+                    ok = False
+                    break
+                ok = ok and int(got[0]) == 0x726F6E6465
+        self._publish(CMA_OK, 1 if ok else 2)
+        self._wait_all(CMA_OK, 1)
+        return all(int(h[CMA_OK]) == 1 for h in self._hdr)
+
+    def allreduce_scattered(self, bufs: list[np.ndarray], op: ReduceOp, postscale: float
+                            ) -> bool:
+        """Allreduce the concatenation of ``bufs`` in place, reading peers directly.
+
+        Returns False, on every rank alike, when single-copy reads are not possible
+        here (the caller then takes the shared-segment path).
+        """
+        from . import cma
+        from ..core.fusion import scale_inplace
+
+        if self._cma is None:
+            self._cma = self._agree_on_cma()
+        if not self._cma:
+            return False
+        dtype = bufs[0].dtype
+        item = dtype.itemsize
+        t = self._begin()
+        table = self._table[self.rank]
+        for i, arr in enumerate(bufs):
+            table[2 * i] = arr.ctypes.data
+            table[2 * i + 1] = arr.nbytes
+        self._publish(NSEG, len(bufs))
+        self._publish(WRITTEN, t)
+        self._wait_all(WRITTEN, t)
+        n = len(bufs)
+        layouts = [cma.Layout(self._table[j][0:2 * n:2].tolist(),
+                              self._table[j][1:2 * n:2].tolist()) for j in range(self.size)]
+        mine = layouts[self.rank]
+        elem_starts = [s // item for s in mine.starts]
+        total = mine.nbytes // item
+        blocks = _blocks(total, self.size)
+        pids = [int(h[PID]) for h in self._hdr]
+
+        def my_views(lo: int, hi: int) -> list[np.ndarray]:
+            out = []
+            i = max(0, bisect.bisect_right(elem_starts, lo) - 1)
+            while lo < hi and i < n:
+                s, e = elem_starts[i], elem_starts[i + 1]
+                if e > lo and e > s:
+                    a, b = max(lo, s), min(hi, e)
+                    out.append(bufs[i][a - s: b - s])
+                    lo = b
+                i += 1
+            return out
+
+        chunk = max(1, _CMA_CHUNK_BYTES // item)
+        if self._cma_scratch.nbytes < chunk * item:
+            self._cma_scratch = np.empty(chunk * item, dtype=np.uint8)
+        scratch = self._cma_scratch[: chunk * item].view(dtype)
+        lo, hi = blocks[self.rank]
+        try:
+            for a in range(lo, hi, chunk):
+                b = min(a + chunk, hi)
+                views = my_views(a, b)
+                tmp = scratch[: b - a]
+                for j in range(self.size):
+                    if j == self.rank:
+                        continue
+                    cma.read_into(pids[j], [(tmp.ctypes.data, tmp.nbytes)],
+                                  layouts[j].ranges(a * item, b * item))
+                    off = 0
+                    for v in views:
+                        reduce_into(v, tmp[off: off + v.size], op)
+                        off += v.size
+                for v in views:
+                    scale_inplace(v, postscale)
+            self._publish(REDUCED, t)
+            for j in range(self.size):
+                if j == self.rank:
+                    continue
+                jlo, jhi = blocks[j]
+                if jlo == jhi:
+                    continue
+                self._wait_all_one(j, REDUCED, t)
+                cma.read_into(pids[j], mine.ranges(jlo * item, jhi * item),
+                              layouts[j].ranges(jlo * item, jhi * item))
+        except OSError as exc:
+            from .._errors import PeerLostError
+
+            raise PeerLostError(f"single-copy read from a peer on this host failed ({exc}); "
+                                "it probably exited", rank=None) from None
+        self._publish(DONE, t)
+        # peers read my tensors until they are DONE: only then may the caller reuse them
+        self._wait_all(DONE, t)
+        return True
 
     def reducescatter(self, buf: np.ndarray, counts: list[int], op: ReduceOp) -> np.ndarray:
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)

@@ -1,0 +1,41 @@
+"""Cross-memory attach helpers: byte ranges over several tensors, and real reads."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from ronde.transport import cma
+
+pytestmark = pytest.mark.skipif(not cma.supported(), reason="process_vm_readv refused here")
+
+
+def test_layout_ranges_cover_exactly_the_requested_bytes():
+    lay = cma.Layout([1000, 5000, 9000], [10, 0, 30])
+    assert lay.nbytes == 40
+    assert lay.ranges(0, 40) == [(1000, 10), (9000, 30)]
+    assert lay.ranges(5, 15) == [(1005, 5), (9000, 5)]
+    assert lay.ranges(12, 12) == []
+    assert lay.ranges(39, 40) == [(9029, 1)]
+
+
+def test_read_into_gathers_scattered_ranges_in_many_calls():
+    src = [np.arange(n, dtype=np.uint8) for n in (3, 1, 5000, 7)]
+    dst = [np.zeros(n, dtype=np.uint8) for n in (2, 5009)]
+    remote = [(a.ctypes.data, a.nbytes) for a in src] * 1  # 5011 bytes
+    local = [(d.ctypes.data, d.nbytes) for d in dst]
+    cma.read_into(os.getpid(), local, remote)
+    assert bytes(np.concatenate(dst)) == bytes(np.concatenate(src))
+    # more pieces than one system call takes (IOV_MAX)
+    many = [np.full(1, i % 256, dtype=np.uint8) for i in range(3000)]
+    out = np.zeros(3000, dtype=np.uint8)
+    cma.read_into(os.getpid(), [(out.ctypes.data, 3000)], [(a.ctypes.data, 1) for a in many])
+    assert (out == np.arange(3000) % 256).all()
+
+
+def test_bad_address_is_an_oserror_not_a_crash():
+    out = np.zeros(8, dtype=np.uint8)
+    with pytest.raises(OSError):
+        cma.read_into(os.getpid(), [(out.ctypes.data, 8)], [(8, 8)])
