@@ -117,6 +117,7 @@ class Engine:
             s.setblocking(False)
         self._gone: set[int] = set()
         self._wake_r, self._wake_w = os.pipe()
+        self._wake_pending = False
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.executor = Executor(self)
@@ -156,6 +157,11 @@ class Engine:
                 pass
 
     def wake(self) -> None:
+        # one byte in the pipe is enough until the control thread has drained it: skip
+        # the system call (and the thread switch) for every further submission
+        if self._wake_pending:
+            return
+        self._wake_pending = True
         try:
             os.write(self._wake_w, b"x")
         except (BlockingIOError, OSError):
@@ -318,6 +324,9 @@ class Engine:
                             pass
                     except BlockingIOError:
                         pass
+                    # cleared before the outbox is read again (next iteration), so a
+                    # submission racing with this still leaves a byte or is seen
+                    self._wake_pending = False
                 else:
                     peer_started = True
             now = time.monotonic()
