@@ -291,6 +291,7 @@ def timeline_job(path: str, kill_rank0: bool) -> str:
             hvd.synchronize(h)
         hvd.allgather(np.ones((2, 2)), name="gathered")
     hvd.allreduce(np.ones(200_000), name="big")
+    time.sleep(0.3)  # events reach the file at least every 0.1 s
     if kill_rank0 and hvd.rank() == 0:
         os.kill(os.getpid(), signal.SIGKILL)
     hvd.shutdown()

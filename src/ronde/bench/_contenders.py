@@ -22,7 +22,10 @@ from ._mpi import MPI_PEERS, default_cache_dir, ensure_venv, launch_mpi
 from ._timing import Settings
 from ._worker import worker_argv
 
-TRANSPORTS = ("shm", "tcp")
+#: ronde configurations: a transport, or ``shm+timeline`` (shm with the timeline on, to
+#: measure its cost); ``gloo`` and ``mpi`` put ronde's engine over those engines, so
+#: they show the overhead ronde adds to the raw peers measured beside them
+TRANSPORTS = ("shm", "tcp", "gloo", "mpi", "shm+timeline")
 PEERS = ("gloo", "mpich", "openmpi")
 
 
@@ -61,7 +64,13 @@ class Contender:
 
     def command(self, np_: int, flags: Sequence[str], timeout_s: float) -> list[str]:
         """The ronde job's command line (peers are started by their own launcher)."""
-        return [*ronderun_command(), "-np", str(np_), "--transport", self.transport,
+        how = ["--transport", self.transport]
+        if self.transport == "mpi":
+            how = ["--mpi"]
+        elif self.transport == "shm+timeline":
+            tl = Path(tempfile.gettempdir()) / "ronde-bench-timeline-{rank}.json"
+            how = ["--transport", "shm", "--timeline-filename", str(tl)]
+        return [*ronderun_command(), "-np", str(np_), *how,
                 "--timeout", str(int(timeout_s)), sys.executable, "-m", "ronde.bench._worker",
                 *flags]
 
@@ -83,7 +92,11 @@ class Contender:
             if rc != 0 or not out.exists():
                 raise JobFailedError(f"{self.impl} job failed (exit code {rc}):\n{log}")
             doc: dict[str, Any] = json.loads(out.read_text())
-        if self.kind == "ronde" and doc.get("impl") != self.impl:
+            if self.transport == "shm+timeline":
+                for leftover in Path(tempfile.gettempdir()).glob("ronde-bench-timeline-*.json"):
+                    leftover.unlink()
+        expected = "ronde-shm" if self.transport == "shm+timeline" else self.impl
+        if self.kind == "ronde" and doc.get("impl") != expected:
             raise JobFailedError(f"asked for {self.impl} but the job ran {doc.get('impl')}; "
                                  "check RONDE_TRANSPORT and the transport's requirements")
         return doc

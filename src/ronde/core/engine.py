@@ -311,7 +311,7 @@ class Engine:
             elif have_local:
                 timeout = max(0.0, cycle_s - (now - last_round))
             else:
-                timeout = 1.0
+                timeout = 1.0 if self.timeline is None else 0.1
             if buffered:
                 timeout = 0.0
             fds = [self._wake_r] + [rd.sock for rd in live.values()]
@@ -342,6 +342,8 @@ class Engine:
             if now - last_stall_check > 1.0:
                 last_stall_check = now
                 self._check_stalls()
+            if self.timeline is not None:
+                self.timeline.tick()
 
     def _drain_for_shutdown(self) -> None:
         # let the executor finish what was agreed before leaving
