@@ -340,7 +340,7 @@ def shutdown(rt: Runtime) -> None:
     if rt.cfg.transport == "gloo" and rt.topo.size > 1:
         from .transport import torch_dist
 
-        torch_dist.destroy_world()
+        torch_dist.destroy_world(healthy=rt.engine.failed is None)
 
 
 def _atexit_shutdown() -> None:

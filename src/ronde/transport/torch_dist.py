@@ -46,10 +46,24 @@ def init_world(rank: int, size: int, store_addr: str, store_port: int, timeout_s
                             timeout=datetime.timedelta(seconds=max(timeout_s, 60.0)))
 
 
-def destroy_world() -> None:
+def destroy_world(healthy: bool = True) -> None:
+    """Tear the Gloo groups down (so ``init`` can build new ones).
+
+    All ranks first meet in a barrier, so that no rank destroys its group while a
+    peer's Gloo threads still talk to it (which makes Gloo abort the process). After
+    a failure the groups are left to the process's exit instead.
+    """
     torch = _torch()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    dist = torch.distributed
+    if not dist.is_initialized():
+        return
+    if not healthy:
+        return
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=10))
+    except Exception:  # noqa: BLE001 - a peer is gone: leave the groups to exit
+        return
+    dist.destroy_process_group()
 
 
 def new_group(members: list[int], size: int) -> Any:
