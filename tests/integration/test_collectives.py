@@ -50,10 +50,12 @@ def test_process_sets(transport):
     assert all(i == ids[0] for i in ids) and ids[0][0] != ids[0][1]
 
 
-@pytest.mark.timeout(60)
-def test_shutdown_then_init_again_is_quick():
-    worst = run_ranks(2, workers.reinit, timeout_s=50)
-    assert max(worst) < 5.0
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_shutdown_then_init_again_is_quick(transport):
+    worst = run_ranks(2, workers.reinit, timeout_s=80, env={"RONDE_TRANSPORT": transport})
+    # a Gloo process group takes a few seconds to build; ronde's own transports do not
+    assert max(worst) < (15.0 if transport == "gloo" else 5.0)
 
 
 @pytest.mark.timeout(60)
