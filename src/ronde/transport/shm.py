@@ -294,7 +294,7 @@ class ShmCommunicator(Communicator):
                     self._check()
                 continue
             time.sleep(sleep_s)
-            sleep_s = min(sleep_s * 2, 0.001)
+            sleep_s = min(sleep_s * 2, 0.0002)
             self._check()
             if self.progress_timeout_s:
                 now = time.monotonic()
