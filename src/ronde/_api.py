@@ -136,7 +136,7 @@ def _auto_name(kind: str, ps_id: int) -> str:
     with _lock:
         n = _counters.get(key, 0)
         _counters[key] = n + 1
-    return f"{kind}.noname.{n}" if ps_id == 0 else f"ps{ps_id}/{kind}.noname.{n}"
+    return f"{kind}.noname.{n}"  # submit() scopes it by process set
 
 
 def _ps_id(process_set: ProcessSet | None) -> int:
@@ -175,7 +175,7 @@ def submit(kind: Kind, array: np.ndarray | None, name: str | None, process_set: 
                              "collectives on a process set")
     if name is None:
         name = _auto_name(kind.name.lower(), ps_id)
-    elif ps_id != 0:
+    if ps_id != 0:
         name = f"ps{ps_id}/{name}"  # names are scoped by process set, as in Horovod
     req = Request(kind, name, array, ps_id=ps_id, **kwargs)
     return rt.engine.submit(req).handle
@@ -233,7 +233,7 @@ def grouped_allreduce_async(tensors: Sequence[Any], average: bool | None = None,
                             process_set: ProcessSet | None = None) -> "GroupHandle":
     """Start an allreduce of every tensor in the list (negotiated and fused together)."""
     ps_id = _ps_id(process_set)
-    base = name if name is not None else _auto_name("grouped_allreduce", 0)
+    base = name if name is not None else _auto_name("grouped_allreduce", ps_id)
     return GroupHandle([allreduce_async(t, average, f"{base}.{i}", op, prescale_factor,
                                         postscale_factor, process_set)
                         for i, t in enumerate(tensors)])
@@ -378,7 +378,7 @@ def join(device: int = -1, process_set: ProcessSet | None = None) -> int:
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet | None = None) -> Any:
     """Broadcast a picklable object from ``root_rank``; returns it on every rank."""
-    base = name or _auto_name("broadcast_object", 0)
+    base = name or _auto_name("broadcast_object", _ps_id(process_set))
     payload = _dumps(obj) if rank() == root_rank else np.zeros(0, np.uint8)
     length = broadcast(np.array([payload.size], dtype=np.int64), root_rank, f"{base}.len",
                        process_set)
@@ -390,7 +390,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
 def allgather_object(obj: Any, name: str | None = None,
                      process_set: ProcessSet | None = None) -> list[Any]:
     """Gather a picklable object from every rank; returns the list in rank order."""
-    base = name or _auto_name("allgather_object", 0)
+    base = name or _auto_name("allgather_object", _ps_id(process_set))
     payload = _dumps(obj)
     sizes = allgather(np.array([payload.size], dtype=np.int64), f"{base}.len", process_set)
     data = allgather(payload, f"{base}.data", process_set)
@@ -476,7 +476,11 @@ def mpi_enabled() -> bool:
 
 def gloo_built() -> bool:
     """True when torch.distributed (Gloo) is installed: ``RONDE_TRANSPORT=gloo``."""
-    return _importable("torch")
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return bool(dist.is_available())
 
 
 def gloo_enabled() -> bool:

@@ -8,10 +8,10 @@ from ronde.testing import run_ranks
 
 from . import workers
 
-import importlib.util
+from ronde import gloo_built
 
 #: every transport available here runs the same tests (gloo needs torch)
-TRANSPORTS = ["shm", "tcp"] + (["gloo"] if importlib.util.find_spec("torch") else [])
+TRANSPORTS = ["shm", "tcp"] + (["gloo"] if gloo_built() else [])
 
 
 @pytest.mark.timeout(180)

@@ -1,0 +1,105 @@
+"""Broadcasting parameters and optimizer state (pytrees) from one rank.
+
+JAX arrays are immutable, so unlike ``ronde.torch`` these functions *return* the
+root's pytree instead of overwriting in place::
+
+    params = hvd.broadcast_parameters(params, root_rank=0)
+    opt_state = hvd.broadcast_optimizer_state(opt_state, root_rank=0)
+
+Every rank must pass a pytree of the same structure, shapes and dtypes (its values
+are ignored off the root). Before any data moves the ranks compare their leaf
+tables (one ``allgather_object``) so that a differing model fails at once on every
+rank with a ``TensorMismatchError`` naming the leaves that differ. Leaf ``p`` (a
+``jax.tree_util.keystr`` path) is broadcast as ``<prefix>.<p>``; all leaves are
+submitted before any is awaited. These run eagerly (not inside ``jit``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax
+import numpy as np
+
+from .. import _api
+from .._errors import TensorMismatchError
+from ..frameworks.naming import as_table, parameter_differences
+from ..process_sets import ProcessSet, global_process_set
+from ._arrays import any_traced, to_device, to_host
+
+logger = logging.getLogger(__name__)
+
+
+def leaf_table(tree: Any) -> tuple[list[str], list[Any], Any]:
+    """Leaf names (key paths), leaves and treedef of a pytree."""
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    names = [jax.tree_util.keystr(path) or "<root>" for path, _ in with_path]
+    return names, [leaf for _, leaf in with_path], treedef
+
+
+def check_same_tree(names: list[str], leaves: list[Any], what: str, name: str,
+                    process_set: ProcessSet) -> None:
+    """Raise ``TensorMismatchError`` on every rank if the ranks' leaf tables differ.
+
+    Args:
+        names: leaf names (key paths).
+        leaves: the leaves (anything with ``dtype`` and ``shape``, or array-likes).
+        what: the caller, for the message.
+        name: the name of the ``allgather_object`` collective.
+        process_set: the ranks that compare.
+    """
+    table = as_table((n, np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype,
+                      np.shape(x)) for n, x in zip(names, leaves))
+    tables = _api.allgather_object(table, name, process_set)
+    diff = parameter_differences(tables, process_set.ranks)
+    if diff:
+        raise TensorMismatchError(f"{what}: the pytrees differ across ranks: {diff}; every "
+                                  "rank must pass a pytree of the same structure, shapes and "
+                                  "dtypes")
+
+
+def broadcast_tree(tree: Any, root_rank: int = 0, prefix: str = "broadcast_tree",
+                   process_set: ProcessSet = global_process_set) -> Any:
+    """Return ``root_rank``'s pytree on every rank (see the module doc)."""
+    names, leaves, treedef = leaf_table(tree)
+    if any_traced(leaves):
+        raise TypeError(f"{prefix}: cannot run inside jax.jit; call it eagerly (usually once, "
+                        "before training), or use ronde.jax.broadcast inside jit")
+    check_same_tree(names, leaves, prefix, f"{prefix}.structure", process_set)
+    hosts = [to_host(x, f"{prefix} {n}") for n, x in zip(names, leaves)]
+    handles = [_api.broadcast_async(h, root_rank, f"{prefix}.{n}", process_set)
+               for n, h in zip(names, hosts)]
+    out = [to_device(np.asarray(h.wait()), x if isinstance(x, jax.Array) else None)
+           for h, x in zip(handles, leaves)]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def broadcast_parameters(params: Any, root_rank: int = 0,
+                         process_set: ProcessSet = global_process_set) -> Any:
+    """Return the root's parameters (a pytree of arrays) on every rank.
+
+    Args:
+        params: the parameter pytree (same structure, shapes and dtypes everywhere).
+        root_rank: the rank whose values everyone gets.
+        process_set: the ranks taking part (default: all).
+
+    Returns:
+        A pytree of new ``jax.Array`` leaves holding the root's values.
+
+    Raises:
+        TensorMismatchError: the ranks' pytrees differ (on every rank).
+    """
+    return broadcast_tree(params, root_rank, "broadcast_parameters", process_set)
+
+
+def broadcast_optimizer_state(opt_state: Any, root_rank: int = 0,
+                              process_set: ProcessSet = global_process_set) -> Any:
+    """Return the root's optax state (any pytree of arrays) on every rank."""
+    return broadcast_tree(opt_state, root_rank, "broadcast_optimizer_state", process_set)
+
+
+def broadcast_variables(variables: Any, root_rank: int = 0,
+                        process_set: ProcessSet = global_process_set) -> Any:
+    """Alias of :func:`broadcast_parameters` (Horovod's TensorFlow spelling)."""
+    return broadcast_tree(variables, root_rank, "broadcast_variables", process_set)

@@ -1,0 +1,242 @@
+"""Functions run inside real worker processes by the JAX tests (any np >= 1).
+
+Each takes its expectations from rank()/size() and returns something small.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+def _setup(x64: bool = False):
+    import jax
+
+    jax.config.update("jax_enable_x64", x64)
+    import ronde.jax as hvd
+
+    hvd.init()
+    return jax, hvd
+
+
+DTYPES = ["float32", "float16", "bfloat16", "int32"]
+
+
+def collectives() -> str:
+    """Every collective on arrays and pytrees, eagerly and inside jax.jit."""
+    jax, hvd = _setup()
+    jnp = jax.numpy
+    r, n = hvd.rank(), hvd.size()
+    for dt in DTYPES:
+        x = (jnp.arange(7) % 5 + 1 + r).astype(dt)
+        ref = sum(np.arange(7) % 5 + 1 + q for q in range(n)).astype(np.float64)
+        eager = hvd.allreduce(x, op=hvd.Sum, name=f"sum.{dt}")
+        jitted = jax.jit(lambda v: hvd.allreduce(v, op=hvd.Sum, name=f"jsum.{dt}"))(x)
+        for got in (eager, jitted):
+            assert isinstance(got, jax.Array) and got.dtype == x.dtype and got.shape == x.shape
+            np.testing.assert_allclose(np.asarray(got, np.float64), ref)
+        mx = hvd.allreduce(x, op=hvd.Max, name=f"max.{dt}")
+        np.testing.assert_allclose(np.asarray(mx, np.float64), np.arange(7) % 5 + n)
+        h = hvd.allreduce_async(x, op=hvd.Sum, name=f"async.{dt}")
+        np.testing.assert_allclose(np.asarray(hvd.synchronize(h), np.float64), ref)
+        assert hvd.poll(h)
+    # a pytree: every leaf reduced, structure kept, int leaves too
+    tree = {"w": jnp.full((2, 3), float(r)), "b": (jnp.arange(3) + r, jnp.float32(r))}
+    for got in (hvd.allreduce(tree, name="tree"),
+                jax.jit(lambda t: hvd.allreduce(t, name="jtree"))(tree)):
+        assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(tree)
+        np.testing.assert_allclose(got["w"], np.full((2, 3), (n - 1) / 2))
+        np.testing.assert_array_equal(got["b"][0], np.arange(3) + (n - 1) // 2)
+    # allgather: uneven eagerly, even inside jit
+    g = hvd.allgather(jnp.full((r + 1, 2), r, jnp.int32), name="gather.uneven")
+    np.testing.assert_array_equal(g[:, 0], np.repeat(np.arange(n), np.arange(1, n + 1)))
+    gj = jax.jit(lambda v: hvd.allgather(v, name="gather.jit"))(jnp.full((2, 3), float(r)))
+    np.testing.assert_array_equal(gj[:, 0], np.repeat(np.arange(n), 2))
+    # broadcast from the last rank, eager and jit
+    root = n - 1
+    for got in (hvd.broadcast(jnp.arange(4.0) + r, root, name="bcast"),
+                jax.jit(lambda v: hvd.broadcast(v, root, name="jbcast"))(jnp.arange(4.0) + r)):
+        np.testing.assert_array_equal(got, np.arange(4.0) + root)
+    # alltoall: equal blocks (jit) and splits (eager)
+    a = jnp.arange(2 * n) + 100 * r
+    got = jax.jit(lambda v: hvd.alltoall(v, name="a2a.jit"))(a)
+    np.testing.assert_array_equal(got, np.concatenate([[2 * r, 2 * r + 1] + 100 * np.array(q)
+                                                       for q in range(n)]))
+    splits = [1] * n
+    splits[0] += 1
+    out, recv = hvd.alltoall(jnp.arange(n + 1) + 100 * r, splits=splits, name="a2a.splits")
+    assert list(np.asarray(recv)) == [splits[r]] * n
+    # reducescatter: 2n+1 rows, the first rank takes the extra one
+    rows = 2 * n + 1
+    part = jax.jit(lambda v: hvd.reducescatter(v, op=hvd.Sum, name="rs"))(jnp.ones((rows, 2)))
+    assert part.shape == (2 + (r == 0), 2) and float(part[0, 0]) == n
+    # inside lax.scan and lax.cond, and a result that one rank does not use
+    scan = jax.jit(lambda v: jax.lax.scan(
+        lambda c, _: (hvd.allreduce(c, op=hvd.Sum, name="scan"), None), v, None, length=3)[0])
+    np.testing.assert_allclose(scan(jnp.ones(2)), np.full(2, float(n) ** 3))
+    cond = jax.jit(lambda p, v: jax.lax.cond(p, lambda u: hvd.allreduce(u, name="cond"),
+                                             lambda u: u, v))
+    np.testing.assert_allclose(cond(True, jnp.full(2, float(r))), np.full(2, (n - 1) / 2))
+    unused = jax.jit(lambda v: (hvd.allreduce(v, name="unused"), v + 1)[1 if r else 0])
+    np.asarray(unused(jnp.ones(2)))  # the callback runs on every rank: no hang
+    # objects, process sets, join
+    assert hvd.broadcast_object({"r": r}, root_rank=0) == {"r": 0}
+    assert hvd.allgather_object(r) == list(range(n))
+    if n >= 2:
+        ps = hvd.add_process_set([0, 1])
+        if ps.included():
+            got = jax.jit(lambda v: hvd.allreduce(v, op=hvd.Sum, name="ps", process_set=ps))(
+                jnp.full(3, r + 1.0))
+            np.testing.assert_allclose(got, np.full(3, 3.0))
+        hvd.remove_process_set(ps)
+    if r == 0:
+        last = hvd.join()
+    else:
+        s = hvd.allreduce(jnp.array([3.0]), name="joined")
+        np.testing.assert_allclose(s, [3.0])
+        last = hvd.join()
+    assert last in (range(1, n) if n > 1 else [0]), last  # a rank that joined after rank 0
+    return "ok"
+
+
+def gradients() -> str:
+    """jax.grad through allreduce/allgather/broadcast, eager and jitted."""
+    jax, hvd = _setup()
+    jnp = jax.numpy
+    r, n = hvd.rank(), hvd.size()
+    tri = n * (n + 1) / 2
+    x = jnp.arange(4.0) + r
+    w = float(r + 1)
+
+    def sum_loss(v):
+        return (w * hvd.allreduce(v, op=hvd.Sum, name="g.sum")).sum()
+
+    def avg_loss(v):
+        return (w * hvd.allreduce({"a": v}, name="g.avg")["a"]).sum()
+
+    def gather_loss(v):
+        return (w * hvd.allgather(v, name="g.gather")).sum()
+
+    def bcast_loss(v):
+        return (w * hvd.broadcast(v, 0, name="g.bcast")).sum()
+
+    def max_loss(v):
+        return hvd.allreduce(v, op=hvd.Max, name="g.max").sum()
+
+    for wrap in (lambda f: f, jax.jit):
+        np.testing.assert_allclose(wrap(jax.grad(sum_loss))(x), np.full(4, tri))
+        np.testing.assert_allclose(wrap(jax.grad(avg_loss))(x), np.full(4, tri / n))
+        np.testing.assert_allclose(wrap(jax.grad(gather_loss))(x), np.full(4, tri))
+        np.testing.assert_allclose(wrap(jax.grad(bcast_loss))(x),
+                                   np.full(4, tri if r == 0 else 0.0))
+        np.testing.assert_allclose(wrap(jax.grad(max_loss))(x),
+                                   np.full(4, float(n) if r == n - 1 else 0.0))
+    # value_and_grad of a jitted step with the collective in the middle of the model
+    def model(v):
+        h = jnp.tanh(v * 2.0)
+        return jnp.sum(hvd.allreduce(h, name="g.mid") ** 2)
+
+    val, g = jax.jit(jax.value_and_grad(model))(x)
+    mean_h = np.mean([np.tanh((np.arange(4.0) + q) * 2.0) for q in range(n)], axis=0)
+    np.testing.assert_allclose(val, np.sum(mean_h ** 2), rtol=1e-6)
+    # d/dx_r sum_q sum(mean_h^2) = n * 2 mean_h / n * dh_r
+    expect = 2 * mean_h * 2.0 * (1 - np.tanh((np.arange(4.0) + r) * 2.0) ** 2)
+    np.testing.assert_allclose(g, expect, rtol=1e-5, atol=2e-6)  # float32 tanh
+    return "ok"
+
+
+def _data(seed: int, count: int):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(count, 6))
+    y = rng.integers(0, 3, size=count)
+    return x, y
+
+
+def _init(jax, seed: int = 0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return {"l1": {"w": jax.random.normal(k1, (6, 8)) * 0.3, "b": jax.numpy.zeros(8)},
+            "l2": {"w": jax.random.normal(k2, (8, 3)) * 0.3, "b": jax.numpy.zeros(3)}}
+
+
+def _loss(jax, params, x, y):
+    jnp = jax.numpy
+    h = jnp.tanh(x @ params["l1"]["w"] + params["l1"]["b"])
+    logits = h @ params["l2"]["w"] + params["l2"]["b"]
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
+
+
+def equivalence(configs: list[tuple[str, int, str, bool]], steps: int = 5,
+                batch: int = 4) -> list[float]:
+    """Max |param difference| between np=n training on batch b and 1 process on n*b.
+
+    Each config: (optimizer, backward_passes_per_step, compression, jit).
+    """
+    jax, hvd = _setup(x64=True)
+    import optax
+
+    import ronde._api as api
+
+    jnp = jax.numpy
+    r, n = hvd.rank(), hvd.size()
+    sent: list[str] = []
+    real = api.allreduce_async
+
+    def counting(tensor, *args, **kwargs):  # records the gradient collectives' names
+        h = real(tensor, *args, **kwargs)
+        sent.append(h.name)
+        return h
+
+    api.allreduce_async = counting
+    out = []
+    for ci, (opt, passes, comp, jit) in enumerate(configs):
+        make = {"sgd": lambda: optax.sgd(0.1, momentum=0.9), "adam": lambda: optax.adam(0.01)}
+        compression = getattr(hvd.Compression, comp)
+        x, y = _data(ci, steps * passes * n * batch)
+        grad = jax.grad(lambda p, a, b: _loss(jax, p, a, b))
+        # reference: one process, full batch of n*batch per pass, mean over the window
+        ref_tx = make[opt]()
+        ref = _init(jax)
+        ref_state = ref_tx.init(ref)
+        # distributed: this rank's shard, accumulated over `passes` update calls
+        tx = hvd.DistributedOptimizer(make[opt](), compression=compression,
+                                      backward_passes_per_step=passes,
+                                      average_aggregated_gradients=True,
+                                      name=f"grads.{ci}")
+        params = hvd.broadcast_parameters(_init(jax, seed=r), root_rank=0)
+        state = tx.init(params)
+        update = jax.jit(tx.update) if jit else tx.update
+        sent.clear()
+        for s in range(steps):
+            window = slice(s * passes * n * batch, (s + 1) * passes * n * batch)
+            g_ref = grad(ref, jnp.asarray(x[window]), jnp.asarray(y[window]))
+            u, ref_state = ref_tx.update(g_ref, ref_state, ref)
+            ref = optax.apply_updates(ref, u)
+            for k in range(passes):
+                lo = s * passes * n * batch + (k * n + r) * batch
+                g = grad(params, jnp.asarray(x[lo:lo + batch]), jnp.asarray(y[lo:lo + batch]))
+                u, state = update(g, state, params)
+                params = optax.apply_updates(params, u)
+        # fusion: one allreduce per step (all leaves are float64)
+        assert sent == [f"grads.{ci}.float64"] * steps, sent
+        diffs = jax.tree_util.tree_map(lambda a, b: float(jnp.max(jnp.abs(a - b))), params, ref)
+        out.append(max(jax.tree_util.tree_leaves(diffs)))
+    api.allreduce_async = real
+    return out
+
+
+def mismatch() -> tuple[str, float]:
+    """Rank 1 builds a model with an extra leaf: init fails on every rank at once."""
+    jax, hvd = _setup()
+    import optax
+
+    params = _init(jax)
+    if hvd.rank() == 1:
+        params["extra"] = {"w": jax.numpy.zeros(2)}
+    start = time.monotonic()
+    try:
+        hvd.DistributedOptimizer(optax.sgd(0.1)).init(params)
+    except hvd.TensorMismatchError as e:
+        return str(e), time.monotonic() - start
+    return "no error", time.monotonic() - start
