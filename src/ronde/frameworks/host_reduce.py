@@ -1,0 +1,187 @@
+"""Reducing one step's gradients on the host, as numpy arrays (framework-neutral).
+
+Where it sits: bindings whose tensors cannot be handed to the engine one by one
+from Python (TensorFlow graphs, Keras 3 on the JAX, TensorFlow and torch backends)
+move a whole step's gradients to the host in *one* call (``tf.numpy_function``,
+``jax.pure_callback``, or directly when eager) and run :func:`reduce_arrays` there.
+It submits every allreduce before waiting on any, so the engine negotiates and
+fuses them together, and a single host call per step means ranks can never order
+their blocking calls differently (the deadlock a call per tensor could cause when
+a graph runs independent ops in a different order on each rank).
+
+Each gradient is described by a :class:`GradientSpec`: dense gradients are
+allreduced (compressed to a 16-bit wire dtype when asked, with the overflow policy
+of :mod:`.compression`); sparse ones (values and indices of an ``IndexedSlices``)
+are allgathered and scaled, as Horovod does.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from .compression import Compression, Compressor, wire_reduction
+
+logger = logging.getLogger(__name__)
+
+
+class NumpyAdapter:
+    """The :class:`~ronde.frameworks.compression.TensorAdapter` for numpy arrays."""
+
+    def dtype_name(self, tensor: np.ndarray) -> str:
+        """The array's dtype name (``bfloat16`` through ml_dtypes)."""
+        return str(tensor.dtype)
+
+    def cast(self, tensor: np.ndarray, dtype_name: str) -> np.ndarray:
+        """The array converted to ``dtype_name`` (itself when equal)."""
+        if str(tensor.dtype) == dtype_name:
+            return tensor
+        if dtype_name == "bfloat16":
+            import ml_dtypes
+
+            return tensor.astype(ml_dtypes.bfloat16)
+        return tensor.astype(dtype_name)
+
+    def all_finite(self, tensor: np.ndarray) -> bool:
+        """True when the array holds no inf and no nan."""
+        return bool(np.isfinite(tensor.astype(np.float32, copy=False)).all())
+
+
+#: the built-in compressors for numpy arrays (what the host reduction applies)
+NUMPY_COMPRESSION: Compression[np.ndarray] = Compression(NumpyAdapter())
+
+
+def wire_dtype_of(compression: Any) -> str | None:
+    """The wire dtype of a ronde compressor of any binding (``None``: no cast).
+
+    Raises:
+        TypeError: ``compression`` is not one of ronde's ``Compression.none/fp16/bf16``
+            (Horovod-style custom compressors run on framework tensors and cannot be
+            applied on the host).
+    """
+    if compression is None:
+        return None
+    if isinstance(compression, Compressor):
+        return compression.wire_dtype
+    raise TypeError(f"compression={compression!r} is not supported here; use "
+                    "Compression.none, Compression.fp16 or Compression.bf16")
+
+
+def host_compressor(wire_dtype: str | None) -> Compressor[np.ndarray]:
+    """The numpy compressor that casts to ``wire_dtype``."""
+    if wire_dtype is None:
+        return NUMPY_COMPRESSION.none
+    if wire_dtype == "float16":
+        return NUMPY_COMPRESSION.fp16
+    if wire_dtype == "bfloat16":
+        return NUMPY_COMPRESSION.bf16
+    raise ValueError(f"unknown wire dtype {wire_dtype!r}")
+
+
+@dataclass(frozen=True)
+class GradientSpec:
+    """One gradient of a host reduction.
+
+    Attributes:
+        name: the collective's name (identical on every rank).
+        sparse: True for an ``IndexedSlices``-like pair (values, indices), which
+            is allgathered; False for a dense array, which is allreduced.
+    """
+
+    name: str
+    sparse: bool = False
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """How the gradients of a host reduction are combined.
+
+    Attributes:
+        op: a ``ReduceOp`` value (Average, Sum, Min, Max, Product).
+        prescale: factor applied before the reduction.
+        postscale: factor applied after it.
+        wire_dtype: ``"float16"``/``"bfloat16"`` to compress floats, or None.
+        process_set: the ranks taking part (None: all).
+    """
+
+    op: int
+    prescale: float = 1.0
+    postscale: float = 1.0
+    wire_dtype: str | None = None
+    process_set: Any = None
+
+
+def set_size(process_set: Any) -> int:
+    """Number of ranks of a process set (the job size for None or the global set)."""
+    from .. import _api
+
+    ranks = getattr(process_set, "ranks", None)
+    return len(ranks) if ranks is not None else _api.size()
+
+
+def count_inputs(specs: Sequence[GradientSpec]) -> int:
+    """How many arrays :func:`reduce_arrays` takes (and returns) for ``specs``."""
+    return sum(2 if s.sparse else 1 for s in specs)
+
+
+def reduce_arrays(arrays: Sequence[np.ndarray], specs: Sequence[GradientSpec],
+                  reduction: Reduction) -> list[np.ndarray]:
+    """Reduce a step's gradients over the ranks; returns the arrays in input order.
+
+    Dense gradients come back with their own shape and dtype; a sparse pair comes
+    back as (every rank's values concatenated and scaled, every rank's indices).
+
+    Args:
+        arrays: the flattened inputs: one array per dense spec, two per sparse spec.
+        specs: what each gradient is.
+        reduction: how to combine them.
+    """
+    from .. import _api
+    from .._ops import ReduceOp
+
+    if len(arrays) != count_inputs(specs):
+        raise ValueError(f"reduce_arrays got {len(arrays)} arrays for {len(specs)} gradients "
+                         f"(expected {count_inputs(specs)})")
+    compressor = host_compressor(reduction.wire_dtype)
+    size = set_size(reduction.process_set)
+    pending: list[Any] = []
+    pos = 0
+    for spec in specs:
+        if spec.sparse:
+            values, indices = np.asarray(arrays[pos]), np.asarray(arrays[pos + 1])
+            pos += 2
+            scale = reduction.prescale * reduction.postscale
+            if int(reduction.op) == int(ReduceOp.AVERAGE):
+                scale /= size
+            elif int(reduction.op) != int(ReduceOp.SUM):
+                raise ValueError(f"sparse gradient {spec.name!r}: only Sum and Average are "
+                                 "supported; pass sparse_as_dense=True")
+            hv = _api.allgather_async(np.ascontiguousarray(values), f"{spec.name}.values",
+                                      reduction.process_set)
+            hi = _api.allgather_async(np.ascontiguousarray(indices), f"{spec.name}.indices",
+                                      reduction.process_set)
+            pending.append(("sparse", hv, hi, scale, values.dtype))
+            continue
+        arr = np.asarray(arrays[pos])
+        pos += 1
+        sent, ctx = compressor.compress(arr)
+        op, pre, post = int(reduction.op), reduction.prescale, reduction.postscale
+        if compressor.compresses(str(arr.dtype)):
+            op, pre, post = wire_reduction(op, pre, post, size, compressor.wire_dtype)
+        h = _api.allreduce_async(sent, None, spec.name, op, pre, post, reduction.process_set)
+        pending.append(("dense", h, ctx, spec.name, arr.dtype))
+    out: list[np.ndarray] = []
+    for item in pending:
+        if item[0] == "sparse":
+            _, hv, hi, scale, dtype = item
+            values = hv.wait()
+            out.append((values * scale).astype(dtype, copy=False) if scale != 1.0 else values)
+            out.append(hi.wait())
+        else:
+            _, h, ctx, name, dtype = item
+            value = compressor.decompress(np.asarray(h.wait()), ctx, name)
+            out.append(np.asarray(value, dtype=dtype))
+    return out

@@ -1,0 +1,115 @@
+"""ronde for Keras 3: Horovod's ``horovod.keras`` API on the TensorFlow, JAX and torch backends.
+
+One script trains data-parallel on every Keras backend (``KERAS_BACKEND=jax|torch|
+tensorflow``)::
+
+    import keras
+    import ronde.keras as hvd
+
+    hvd.init()
+    model = build_model()
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.001 * hvd.size()))
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    model.fit(x[hvd.rank()::hvd.size()], y[hvd.rank()::hvd.size()],
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                         hvd.callbacks.MetricAverageCallback()],
+              verbose=1 if hvd.rank() == 0 else 0)
+
+See docs/keras.md for what runs where on each backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+try:
+    import keras as _keras  # noqa: F401
+except ImportError as _exc:  # pragma: no cover - depends on the environment
+    raise ImportError("ronde.keras needs Keras 3 and a backend: pip install 'keras>=3' "
+                      "and one of tensorflow-cpu, jax or torch") from _exc
+
+import numpy as np
+
+from .. import _api
+from .._api import (add_process_set, barrier, cross_rank, cross_size, init, is_homogeneous,
+                    is_initialized, join, local_rank, local_size, rank, remove_process_set,
+                    shutdown, size)
+from .._errors import RondeError, TensorMismatchError
+from .._ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from ..frameworks.host_reduce import NUMPY_COMPRESSION as Compression
+from ..process_sets import ProcessSet, global_process_set
+from . import callbacks
+from ._bridge import to_numpy
+from .callbacks import broadcast_model
+from .optimizer import DistributedOptimizer, is_distributed
+from .saving import load_model
+
+
+def _tensor(value: np.ndarray) -> Any:
+    import keras
+
+    return keras.ops.convert_to_tensor(value)
+
+
+def allreduce(value: Any, name: str | None = None, average: bool | None = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0, op: Any = None,
+              compression: Any = None, process_set: ProcessSet = global_process_set) -> Any:
+    """Reduce a value (backend tensor, numpy array, number) over the ranks; eager."""
+    return _tensor(_api.allreduce(np.asarray(to_numpy(value)), average, name, op,
+                                  prescale_factor, postscale_factor, process_set))
+
+
+def allgather(value: Any, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> Any:
+    """Concatenate every rank's value along dimension 0; eager."""
+    return _tensor(_api.allgather(to_numpy(value), name, process_set))
+
+
+def broadcast(value: Any, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> Any:
+    """The root rank's value on every rank; eager."""
+    return _tensor(_api.broadcast(to_numpy(value), root_rank, name, process_set))
+
+
+def reducescatter(value: Any, name: str | None = None, op: Any = None,
+                  process_set: ProcessSet = global_process_set) -> Any:
+    """Reduce over ranks; rank r gets its block of dimension 0; eager."""
+    return _tensor(_api.reducescatter(to_numpy(value), op, name, process_set))
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Broadcast a picklable object from ``root_rank``."""
+    return _api.broadcast_object(obj, root_rank, name, process_set)
+
+
+def allgather_object(obj: Any, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Gather a picklable object from every rank, in rank order."""
+    return _api.allgather_object(obj, name, process_set)
+
+
+def broadcast_variables(variables: Any, root_rank: int = 0,
+                        process_set: ProcessSet = global_process_set) -> None:
+    """Assign the root rank's values to Keras variables on every rank (eager)."""
+    from .callbacks import _broadcast_arrays
+
+    if callable(variables) and not isinstance(variables, (list, tuple)):
+        variables = variables()
+    variables = list(variables)
+    values = _broadcast_arrays([to_numpy(v) for v in variables], root_rank,
+                               f"broadcast_variables.{len(variables)}", process_set)
+    for v, value in zip(variables, values):
+        v.assign(value)
+
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "is_homogeneous", "join", "barrier",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+    "Average", "Sum", "Min", "Max", "Product", "Adasum", "ReduceOp", "Compression",
+    "allreduce", "allgather", "broadcast", "reducescatter", "broadcast_object",
+    "allgather_object", "broadcast_variables", "broadcast_model",
+    "DistributedOptimizer", "is_distributed", "load_model", "callbacks",
+    "RondeError", "TensorMismatchError",
+]

@@ -1,0 +1,88 @@
+"""Backend tensors <-> the host, for Keras 3 on the TensorFlow, JAX and torch backends.
+
+The Keras binding does one thing per backend: run a numpy function over a list
+of backend tensors and get backend tensors back, whether the step is traced or
+eager. What runs where:
+
+* ``tensorflow``: ``tf.numpy_function`` inside ``tf.function`` (the default
+  ``model.fit`` path), a direct call eagerly (:mod:`ronde.tensorflow._bridge`).
+* ``jax``: ``jax.pure_callback`` inside ``jax.jit`` (Keras' default on JAX, XLA
+  included: the callback leaves the compiled program for the host and comes
+  back); the same call works on concrete arrays.
+* ``torch``: eager (Keras' default on torch); tensors cross through numpy
+  without copies on CPU (:mod:`ronde.torch._tensors`).
+* ``numpy``: a direct call.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+HostFn = Callable[..., Sequence[np.ndarray]]
+
+
+def backend_name() -> str:
+    """The active Keras backend (``tensorflow``, ``jax``, ``torch``, ``numpy``)."""
+    import keras
+
+    return str(keras.backend.backend())
+
+
+def host_map(fn: HostFn, tensors: Sequence[Any], name: str = "ronde") -> list[Any]:
+    """Run ``fn(*numpy arrays)`` over backend tensors; outputs have the inputs' shapes/dtypes."""
+    backend = backend_name()
+    if not tensors:
+        return []
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        from ..tensorflow._bridge import host_call
+
+        ts = [tf.convert_to_tensor(t) for t in tensors]
+        return host_call(fn, ts, [t.dtype for t in ts], [t.shape for t in ts], name)
+    if backend == "jax":
+        import jax
+
+        shapes = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in tensors]
+
+        def call(*arrays: Any) -> list[np.ndarray]:
+            outs = fn(*[np.asarray(a) for a in arrays])
+            return [np.asarray(o, dtype=s.dtype).reshape(s.shape) for o, s in zip(outs, shapes)]
+
+        return list(jax.pure_callback(call, shapes, *tensors))
+    if backend == "torch":
+        import torch
+
+        from ..torch._collectives import from_numpy
+        from ..torch._tensors import numpy_view
+
+        staged = [t.detach().cpu().contiguous() for t in tensors]
+        outs = fn(*[numpy_view(t) for t in staged])
+        with torch.no_grad():
+            return [from_numpy(np.ascontiguousarray(o)).to(t.device)
+                    for o, t in zip(outs, tensors)]
+    return [np.asarray(o) for o in fn(*[np.asarray(t) for t in tensors])]
+
+
+def to_numpy(tensor: Any) -> np.ndarray:
+    """A numpy copy of a backend tensor or Keras variable (eager only)."""
+    import keras
+
+    return np.asarray(keras.ops.convert_to_numpy(tensor))
+
+
+def sync_jax_state(model: Any) -> None:
+    """On JAX, write ``fit``'s in-flight state back to the Keras variables (else no-op)."""
+    if backend_name() == "jax" and hasattr(model, "jax_state_sync"):
+        model.jax_state_sync()
+
+
+def mark_variables_changed(model: Any) -> None:
+    """On JAX, make ``fit`` re-read the variables a callback assigned (else no-op)."""
+    if backend_name() == "jax" and hasattr(model, "_jax_state_synced"):
+        model._jax_state_synced = True

@@ -1,0 +1,225 @@
+"""``DistributedOptimizer`` for Keras 3 optimizers, on every Keras backend.
+
+The wrapper is a subclass of the user's optimizer class (same name, same config)
+whose ``apply()`` averages the gradients over the ranks before the inner update:
+``apply_gradients`` (custom loops), ``model.fit`` on TensorFlow and torch, and
+``stateless_apply`` (``model.fit`` on JAX) all go through ``apply``. The reduction
+is one host call per step (:mod:`ronde.keras._bridge`), so it works inside
+``tf.function`` and ``jax.jit``.
+
+``backward_passes_per_step=k`` uses Keras' own ``gradient_accumulation_steps=k``:
+the optimizer accumulates locally and the ranks reduce the accumulated gradient
+once per update (Horovod's default sums the k passes,
+``average_aggregated_gradients=True`` averages them as Keras does). Clipping
+(``clipnorm``...) applies to the reduced gradient, as in Horovod.
+
+On TensorFlow, XLA cannot compile the host call: a model compiled with
+``jit_compile=True`` must not use this optimizer (the ronde callbacks switch
+``jit_compile`` off with a log line; otherwise the first step raises a
+``RondeError`` that says so). JAX's ``jit`` and torch need nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+from .. import _api
+from .._ops import ReduceOp
+from ..frameworks.host_reduce import GradientSpec, Reduction, reduce_arrays, wire_dtype_of
+from ..frameworks.naming import gradient_name
+from ..process_sets import ProcessSet, global_process_set
+from ._bridge import backend_name, host_map
+
+logger = logging.getLogger(__name__)
+
+
+class CallableList(list):  # type: ignore[type-arg]
+    """A list that returns itself when called: ``opt.variables`` and ``opt.variables()``."""
+
+    def __call__(self) -> "CallableList":
+        return self
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a distributed optimizer does with the gradients (see ``DistributedOptimizer``)."""
+
+    op: int
+    prescale: float
+    postscale: float
+    compression: Any
+    sparse_as_dense: bool
+    process_set: Any
+    prefix: str
+    passes: int
+    average_aggregated: bool
+
+
+def _tape_reduced(grads: Sequence[Any]) -> bool:
+    tape = sys.modules.get("ronde.tensorflow.gradients")
+    return bool(tape is not None and tape.take_reduced(grads))
+
+
+class _DistributedMixin:
+    """Methods mixed in front of the user's Keras optimizer class."""
+
+    _ronde: Options
+    _ronde_skip: bool = False
+    gradient_accumulation_steps: Any
+
+    @property
+    def variables(self) -> CallableList:
+        """The optimizer's variables (a list that can also be called, Keras 2 style)."""
+        return CallableList(super().variables)  # type: ignore[misc]
+
+    def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
+        """Reduce ``grads`` over the ranks, then apply them with the wrapped optimizer."""
+        grads = list(grads)
+        skip = _tape_reduced(grads)
+        if skip:
+            logger.debug("gradients come from DistributedGradientTape, already reduced")
+        self._ronde_skip = skip
+        if not skip and not self.gradient_accumulation_steps:
+            variables = list(trainable_variables) if trainable_variables is not None else \
+                list(getattr(self, "_trainable_variables", []) or [None] * len(grads))
+            grads = self._ronde_reduce(grads, variables, 1.0)
+        return super().apply(grads, trainable_variables)  # type: ignore[misc]
+
+    def _clip_gradients(self, grads: Any) -> Any:
+        # With gradient accumulation Keras calls this once per update, on the
+        # accumulated mean: the place to reduce once per k passes.
+        if self.gradient_accumulation_steps and not self._ronde_skip:
+            o = self._ronde
+            scale = 1.0 if o.average_aggregated else float(self.gradient_accumulation_steps)
+            grads = self._ronde_reduce(list(grads), [None] * len(grads), scale)
+        return super()._clip_gradients(grads)  # type: ignore[misc]
+
+    def _ronde_reduce(self, grads: list[Any], variables: Sequence[Any],
+                      extra_post: float) -> list[Any]:
+        o = self._ronde
+        post = o.postscale * extra_post
+        if backend_name() == "tensorflow":
+            from ..tensorflow.gradients import reduce_gradients
+
+            return reduce_gradients(grads, variables, o.prefix, o.op, o.prescale, post,
+                                    o.compression, o.sparse_as_dense, o.process_set)
+        where = [i for i, g in enumerate(grads) if g is not None]
+        if not where:
+            return grads
+        specs = [GradientSpec(gradient_name(f"{o.prefix}.{_label(variables[i], i)}"))
+                 for i in where]
+        red = Reduction(o.op, o.prescale, post, wire_dtype_of(o.compression), o.process_set)
+        outs = host_map(lambda *a: reduce_arrays(a, specs, red), [grads[i] for i in where],
+                        f"ronde_{o.prefix}")
+        result = list(grads)
+        for i, out in zip(where, outs):
+            result[i] = out
+        return result
+
+
+def _label(v: Any, i: int) -> str:
+    label = None if v is None else (getattr(v, "path", None) or getattr(v, "name", None))
+    return f"{i}.{label}" if label else str(i)
+
+
+_classes: dict[type, type] = {}
+
+
+def distributed_class(base: type) -> type:
+    """The distributed subclass of a Keras optimizer class (one per class)."""
+    if issubclass(base, _DistributedMixin):
+        return base
+    cls = _classes.get(base)
+    if cls is None:
+        cls = type(base.__name__, (_DistributedMixin, base), {"__module__": base.__module__,
+                                                              "__doc__": base.__doc__})
+        _classes[base] = cls
+    return cls
+
+
+def is_distributed(optimizer: Any) -> bool:
+    """True for an optimizer returned by ``DistributedOptimizer``."""
+    return isinstance(optimizer, _DistributedMixin)
+
+
+def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: bool = False,
+                         device_dense: str = "", device_sparse: str = "",
+                         compression: Any = None, sparse_as_dense: bool = False,
+                         backward_passes_per_step: int = 1, op: Any = ReduceOp.AVERAGE,
+                         gradient_predivide_factor: float = 1.0,
+                         average_aggregated_gradients: bool = False, num_groups: int = 0,
+                         groups: Any = None, process_set: ProcessSet = global_process_set,
+                         scale_local_gradients: bool = True) -> Any:
+    """Wrap a Keras 3 optimizer so that it applies gradients averaged over the ranks.
+
+    Args:
+        optimizer: a Keras 3 optimizer (``keras.optimizers.Adam(...)``).
+        name: prefix of the gradients' collective names (default: the optimizer's name).
+        use_locking: ignored (Horovod compatibility).
+        device_dense: ignored (Horovod compatibility).
+        device_sparse: ignored (Horovod compatibility).
+        compression: ``Compression.none`` (default), ``.fp16`` or ``.bf16``.
+        sparse_as_dense: allreduce ``IndexedSlices`` (TensorFlow) as dense tensors.
+        backward_passes_per_step: batches accumulated locally per update and
+            allreduce (sets Keras' ``gradient_accumulation_steps``).
+        op: ``Average`` (default) or ``Sum``.
+        gradient_predivide_factor: with Average, divide by this before the sum and by
+            ``size / factor`` after it.
+        average_aggregated_gradients: with ``backward_passes_per_step > 1``, average
+            the passes (Keras' convention) instead of summing them (Horovod's default).
+        num_groups: accepted for Horovod compatibility (a step is one host call).
+        groups: as ``num_groups``.
+        process_set: the ranks that average their gradients.
+        scale_local_gradients: accepted for Horovod compatibility.
+
+    Returns:
+        A new optimizer of a subclass of ``type(optimizer)`` built from its config.
+        An optimizer that already holds variables (after a step, or from
+        ``load_model``) is converted in place instead, keeping its state.
+
+    Raises:
+        ValueError: an unsupported op, or ``backward_passes_per_step`` that conflicts
+            with the optimizer's own ``gradient_accumulation_steps``.
+    """
+    resolved = _api._resolve_op(op, None)
+    if resolved == ReduceOp.ADASUM:
+        raise ValueError("op=Adasum is not supported yet; use Average or Sum")
+    if gradient_predivide_factor != 1.0 and resolved != ReduceOp.AVERAGE:
+        raise ValueError("gradient_predivide_factor is only supported with op=Average")
+    wire_dtype_of(compression)
+    passes = int(backward_passes_per_step)
+    if passes < 1:
+        raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+    own = int(getattr(optimizer, "gradient_accumulation_steps", None) or 1)
+    if passes > 1 and own > 1 and own != passes:
+        raise ValueError(f"backward_passes_per_step={passes} conflicts with the optimizer's "
+                         f"gradient_accumulation_steps={own}; set only one of them")
+    options = Options(int(resolved), 1.0 / gradient_predivide_factor,
+                      float(gradient_predivide_factor), compression, bool(sparse_as_dense),
+                      process_set, name or f"DistributedOptimizer.{optimizer.name}", passes,
+                      bool(average_aggregated_gradients))
+    cls: Any = distributed_class(type(optimizer))
+    if getattr(optimizer, "built", False):
+        if passes > 1 and own != passes:
+            raise ValueError("backward_passes_per_step needs an optimizer that was not built "
+                             "yet (or one built with gradient_accumulation_steps="
+                             f"{passes})")
+        optimizer.__class__ = cls
+        wrapped = optimizer
+        logger.info("DistributedOptimizer: %s already holds state; converted in place",
+                    type(optimizer).__name__)
+    else:
+        config = optimizer.get_config()
+        if passes > 1:
+            config["gradient_accumulation_steps"] = passes
+        wrapped = cls.from_config(config)
+    wrapped._ronde = options
+    return wrapped
+
+
+def with_options(optimizer: Any, **changes: Any) -> None:
+    """Change a distributed optimizer's options in place (used by ``load_model``)."""
+    optimizer._ronde = replace(optimizer._ronde, **changes)

@@ -1,0 +1,54 @@
+"""``load_model``: load a Keras model and make its optimizer distributed again."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..process_sets import ProcessSet, global_process_set
+from .optimizer import DistributedOptimizer, is_distributed, with_options
+
+logger = logging.getLogger(__name__)
+
+
+def load_model(filepath: str, custom_optimizers: list[type] | None = None,
+               custom_objects: dict[str, Any] | None = None, compression: Any = None,
+               backward_passes_per_step: int = 1, op: Any = None,
+               process_set: ProcessSet = global_process_set, **kwargs: Any) -> Any:
+    """Load a model saved with ``model.save`` and wrap its optimizer in ``DistributedOptimizer``.
+
+    The optimizer keeps the state it was saved with (it is converted in place).
+    Save on rank 0 only; every rank loads the same file.
+
+    Args:
+        filepath: a ``.keras`` file.
+        custom_optimizers: custom optimizer classes used by the model (registered as
+            custom objects).
+        custom_objects: other custom objects, as for ``keras.saving.load_model``.
+        compression: compression of the distributed optimizer.
+        backward_passes_per_step: as for ``DistributedOptimizer`` (must match what the
+            optimizer was saved with when it is larger than 1).
+        op: ``Average`` (default) or ``Sum``.
+        process_set: the ranks that average their gradients.
+        **kwargs: passed to ``keras.saving.load_model``.
+    """
+    import keras
+
+    objects = dict(custom_objects or {})
+    for cls in custom_optimizers or ():
+        objects[cls.__name__] = cls
+    model = keras.saving.load_model(filepath, custom_objects=objects or None, **kwargs)
+    opt = getattr(model, "optimizer", None)
+    if opt is None:
+        logger.info("load_model(%r): the model has no optimizer (not compiled); nothing to "
+                    "wrap", filepath)
+        return model
+    if is_distributed(opt):
+        with_options(opt, compression=compression)
+        return model
+    from .._ops import ReduceOp
+
+    DistributedOptimizer(opt, compression=compression,
+                         backward_passes_per_step=backward_passes_per_step,
+                         op=op if op is not None else ReduceOp.AVERAGE, process_set=process_set)
+    return model

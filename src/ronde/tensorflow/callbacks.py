@@ -1,0 +1,11 @@
+"""``hvd.callbacks`` on the TensorFlow module (as many Horovod TF2 tutorials write it).
+
+The same Keras 3 callbacks as :mod:`ronde.keras.callbacks`.
+"""
+
+from ..keras.callbacks import (BestModelCheckpoint, BroadcastGlobalVariablesCallback,  # noqa: F401
+                               LearningRateScheduleCallback, LearningRateWarmupCallback,
+                               MetricAverageCallback)
+
+__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
+           "LearningRateScheduleCallback", "LearningRateWarmupCallback", "BestModelCheckpoint"]

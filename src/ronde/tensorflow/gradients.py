@@ -1,0 +1,181 @@
+"""``DistributedGradientTape`` and the reduction of a step's TensorFlow gradients.
+
+:func:`reduce_gradients` moves every gradient of a step to the host in one call
+and reduces them there (:mod:`ronde.frameworks.host_reduce`): dense gradients are
+allreduced (compressed when asked), ``tf.IndexedSlices`` (embedding gradients) are
+allgathered unless ``sparse_as_dense=True``. ``None`` gradients pass through.
+
+The tape remembers the gradients it returned; when the same list then reaches a
+``DistributedOptimizer``'s ``apply_gradients`` (Horovod scripts often use both),
+the optimizer does not reduce them a second time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Sequence
+
+import tensorflow as tf
+
+from .. import _api
+from .._ops import ReduceOp
+from ..frameworks.host_reduce import (GradientSpec, Reduction, count_inputs, reduce_arrays,
+                                      wire_dtype_of)
+from ..frameworks.naming import gradient_name
+from ..process_sets import ProcessSet, global_process_set
+from ._bridge import host_call
+
+logger = logging.getLogger(__name__)
+
+_reduced = threading.local()
+
+
+def mark_reduced(grads: Sequence[Any]) -> None:
+    """Remember ``grads`` as already averaged (read by :func:`take_reduced`)."""
+    _reduced.grads = [g for g in grads if g is not None]
+
+
+def take_reduced(grads: Sequence[Any]) -> bool:
+    """True (once) if ``grads`` are exactly the tensors a tape last returned reduced."""
+    last = getattr(_reduced, "grads", None)
+    mine = [g for g in grads if g is not None]
+    if not last or len(last) != len(mine) or any(a is not b for a, b in zip(last, mine)):
+        return False
+    _reduced.grads = None
+    return True
+
+
+def variable_label(v: Any, i: int) -> str:
+    """A readable, rank-independent name for source ``i`` (its path or name)."""
+    label = getattr(v, "path", None) or getattr(v, "name", None) or "tensor"
+    return f"{i}.{str(label).replace(':', '_')}"
+
+
+def reduce_gradients(grads: Sequence[Any], sources: Sequence[Any], prefix: str,
+                     op: Any = ReduceOp.AVERAGE, prescale: float = 1.0, postscale: float = 1.0,
+                     compression: Any = None, sparse_as_dense: bool = False,
+                     process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Reduce a step's gradients over the ranks in one host call.
+
+    Args:
+        grads: gradients (tensors, ``IndexedSlices`` or None), one per source.
+        sources: the variables they belong to (for names only).
+        prefix: the collective name prefix (identical on every rank).
+        op: ``Average`` (default) or ``Sum`` (others for dense gradients only).
+        prescale: factor applied before the reduction.
+        postscale: factor applied after it.
+        compression: ``Compression.none/fp16/bf16`` (cast on the host).
+        sparse_as_dense: densify ``IndexedSlices`` and allreduce them.
+        process_set: the ranks taking part.
+    """
+    red = Reduction(int(_api._resolve_op(op, None)), prescale, postscale,
+                    wire_dtype_of(compression), process_set)
+    specs: list[GradientSpec] = []
+    inputs: list[tf.Tensor] = []
+    where: list[int] = []
+    out = list(grads)
+    for i, (g, v) in enumerate(zip(grads, sources)):
+        if g is None:
+            continue
+        name = gradient_name(f"{prefix}.{variable_label(v, i)}")
+        if isinstance(g, tf.IndexedSlices) and sparse_as_dense:
+            g = tf.convert_to_tensor(g)
+        if isinstance(g, tf.IndexedSlices):
+            specs.append(GradientSpec(name, sparse=True))
+            inputs += [g.values, g.indices]
+        else:
+            specs.append(GradientSpec(name))
+            inputs.append(tf.convert_to_tensor(g))
+        where.append(i)
+    if not specs:
+        return out
+    assert count_inputs(specs) == len(inputs)
+    shapes = []
+    for spec, k in zip(specs, _offsets(specs)):
+        if spec.sparse:
+            shapes += [tf.TensorShape([None]).concatenate(inputs[k].shape[1:]),
+                       tf.TensorShape([None])]
+        else:
+            shapes.append(inputs[k].shape)
+    results = host_call(lambda *a: reduce_arrays(a, specs, red), inputs,
+                        [t.dtype for t in inputs], shapes, f"ronde_{prefix}")
+    for spec, k, i in zip(specs, _offsets(specs), where):
+        if spec.sparse:
+            g = grads[i]
+            out[i] = tf.IndexedSlices(results[k], results[k + 1], dense_shape=g.dense_shape)
+        else:
+            out[i] = results[k]
+    return out
+
+
+def _offsets(specs: Sequence[GradientSpec]) -> list[int]:
+    offs, pos = [], 0
+    for s in specs:
+        offs.append(pos)
+        pos += 2 if s.sparse else 1
+    return offs
+
+
+class _DistributedTapeMixin:
+    """``gradient()`` of a ``tf.GradientTape`` that returns reduced gradients."""
+
+    _ronde: dict[str, Any]
+
+    def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
+                 unconnected_gradients: Any = tf.UnconnectedGradients.NONE) -> Any:
+        """The gradients of ``target``, averaged (by default) over the ranks."""
+        grads = super().gradient(target, sources, output_gradients,  # type: ignore[misc]
+                                 unconnected_gradients)
+        flat_grads = tf.nest.flatten(grads, expand_composites=False)
+        flat_sources = tf.nest.flatten(sources)
+        o = self._ronde
+        reduced = reduce_gradients(flat_grads, flat_sources, o["prefix"], o["op"], o["pre"],
+                                   o["post"], o["compression"], o["sparse_as_dense"],
+                                   o["process_set"])
+        mark_reduced(reduced)
+        return tf.nest.pack_sequence_as(grads, reduced, expand_composites=False)
+
+
+def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",
+                            device_sparse: str = "", compression: Any = None,
+                            sparse_as_dense: bool = False, op: Any = ReduceOp.AVERAGE,
+                            gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                            groups: Any = None, process_set: ProcessSet = global_process_set,
+                            scale_local_gradients: bool = True,
+                            name: str = "DistributedGradientTape") -> tf.GradientTape:
+    """Wrap a ``tf.GradientTape`` so ``gradient()`` averages gradients over the ranks.
+
+    Args:
+        gradtape: the tape that recorded the forward pass (use the returned object).
+        device_dense: ignored (Horovod compatibility).
+        device_sparse: ignored (Horovod compatibility).
+        compression: ``Compression.none`` (default), ``.fp16`` or ``.bf16``.
+        sparse_as_dense: allreduce ``IndexedSlices`` as dense tensors instead of
+            allgathering their values and indices.
+        op: ``Average`` (default) or ``Sum``.
+        gradient_predivide_factor: with Average, divide by this before the sum and
+            by ``size / factor`` after it.
+        num_groups: accepted for Horovod compatibility (every gradient of a call is
+            fused into one host call anyway).
+        groups: as ``num_groups``.
+        process_set: the ranks that average their gradients.
+        scale_local_gradients: accepted for Horovod compatibility.
+        name: prefix of the gradients' collective names.
+
+    Returns:
+        An instance of a subclass of ``type(gradtape)`` sharing its recording.
+    """
+    resolved = _api._resolve_op(op, None)
+    if gradient_predivide_factor != 1.0 and resolved != ReduceOp.AVERAGE:
+        raise ValueError("gradient_predivide_factor is only supported with op=Average")
+    wire_dtype_of(compression)  # fail now on an unsupported compressor
+    base: type[Any] = type(gradtape)
+    cls: type[Any] = type(base.__name__, (_DistributedTapeMixin, base),
+                          {"__module__": base.__module__})
+    tape = cls.__new__(cls)  # type: ignore[call-overload]
+    tape.__dict__.update(gradtape.__dict__)
+    tape._ronde = {"prefix": name, "op": resolved, "pre": 1.0 / gradient_predivide_factor,
+                   "post": float(gradient_predivide_factor), "compression": compression,
+                   "sparse_as_dense": sparse_as_dense, "process_set": process_set}
+    return tape

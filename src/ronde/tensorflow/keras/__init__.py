@@ -1,0 +1,15 @@
+"""``import ronde.tensorflow.keras as hvd``: Horovod's ``horovod.tensorflow.keras`` spelling.
+
+Everything is :mod:`ronde.keras` (Keras 3 on the TensorFlow backend here), plus
+the TensorFlow collectives' ``broadcast_variables``.
+"""
+
+from __future__ import annotations
+
+from ...keras import *  # noqa: F401,F403
+from ...keras import __all__ as _keras_all
+from ...keras import callbacks  # noqa: F401
+from ..compression import Compression  # noqa: F401
+from ..functions import broadcast_variables  # noqa: F401
+
+__all__ = list(_keras_all)
