@@ -5,8 +5,8 @@ out) and returns a :class:`ConvertingHandle`: it mirrors the runtime's
 :class:`~ronde.core.requests.Handle` (``poll``, ``wait``, ``exception``,
 ``add_done_callback``) and converts the numpy result to the framework's type once,
 on the first ``wait()``. :func:`group` makes several runtime handles look like one
-(grouped allreduce, a pytree of arrays). ``ronde.torch``'s ``TorchHandle`` follows the
-same protocol.
+(grouped allreduce, a pytree of arrays). ``ronde.torch``'s ``TorchHandle`` is a
+:class:`ConvertingHandle` too.
 """
 
 from __future__ import annotations

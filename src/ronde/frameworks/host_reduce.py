@@ -1,18 +1,28 @@
 """Reducing one step's gradients on the host, as numpy arrays (framework-neutral).
 
-Where it sits: bindings whose tensors cannot be handed to the engine one by one
-from Python (TensorFlow graphs, Keras 3 on the JAX, TensorFlow and torch backends)
-move a whole step's gradients to the host in *one* call (``tf.numpy_function``,
-``jax.pure_callback``, or directly when eager) and run :func:`reduce_arrays` there.
-It submits every allreduce before waiting on any, so the engine negotiates and
-fuses them together, and a single host call per step means ranks can never order
-their blocking calls differently (the deadlock a call per tensor could cause when
-a graph runs independent ops in a different order on each rank).
+Where it sits: between a binding and the engine (:mod:`ronde._api`), for every
+binding whose tensors reach the engine as numpy arrays. TensorFlow graphs and
+Keras 3 (JAX, TensorFlow and torch backends) move a whole step's gradients to the
+host in *one* call (``tf.numpy_function``, ``jax.pure_callback``, or directly when
+eager); the JAX binding's host callbacks receive numpy arrays, and MXNet's
+``NDArray`` becomes one with ``asnumpy()``. All of them reduce here.
+
+:func:`reduce_arrays` submits every allreduce before waiting on any, so the engine
+negotiates and fuses them together (on one host its single-copy path then reads
+each array in place), and a single host call per step means ranks can never order
+their blocking calls differently (the deadlock a call per tensor could cause when a
+graph runs independent ops in a different order on each rank).
 
 Each gradient is described by a :class:`GradientSpec`: dense gradients are
 allreduced (compressed to a 16-bit wire dtype when asked, with the overflow policy
-of :mod:`.compression`); sparse ones (values and indices of an ``IndexedSlices``)
-are allgathered and scaled, as Horovod does.
+of :mod:`.compression`, an fp16 Average becoming a Sum of pre-divided inputs);
+sparse ones (values and indices of an ``IndexedSlices``) are allgathered and
+scaled, as Horovod does.
+
+:func:`fused_allreduce` is the form whose public contract is one collective per
+dtype (``<name>.<dtype>``: the JAX ``DistributedOptimizer`` and MXNet's
+``fused_allreduce_``): it flattens each dtype's arrays into one buffer and reduces
+the buffers with :func:`reduce_arrays`.
 """
 
 from __future__ import annotations
@@ -28,29 +38,37 @@ from .compression import Compression, Compressor, wire_reduction
 logger = logging.getLogger(__name__)
 
 
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype called ``name`` (``bfloat16`` needs the ml_dtypes package)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
 class NumpyAdapter:
     """The :class:`~ronde.frameworks.compression.TensorAdapter` for numpy arrays."""
 
     def dtype_name(self, tensor: np.ndarray) -> str:
-        """The array's dtype name (``bfloat16`` through ml_dtypes)."""
+        """The array's dtype name (``float32``, ``bfloat16`` through ml_dtypes...)."""
         return str(tensor.dtype)
 
     def cast(self, tensor: np.ndarray, dtype_name: str) -> np.ndarray:
-        """The array converted to ``dtype_name`` (itself when equal)."""
+        """The array converted to ``dtype_name`` (itself when it already has it)."""
         if str(tensor.dtype) == dtype_name:
             return tensor
-        if dtype_name == "bfloat16":
-            import ml_dtypes
-
-            return tensor.astype(ml_dtypes.bfloat16)
-        return tensor.astype(dtype_name)
+        return tensor.astype(numpy_dtype(dtype_name))
 
     def all_finite(self, tensor: np.ndarray) -> bool:
         """True when the array holds no inf and no nan."""
+        if tensor.dtype.kind in "iub":
+            return True
         return bool(np.isfinite(tensor.astype(np.float32, copy=False)).all())
 
 
-#: the built-in compressors for numpy arrays (what the host reduction applies)
+#: the built-in compressors for numpy arrays (``Compression`` of the JAX, MXNet and
+#: Keras bindings; what the host reduction applies for every binding)
 NUMPY_COMPRESSION: Compression[np.ndarray] = Compression(NumpyAdapter())
 
 
@@ -103,7 +121,8 @@ class Reduction:
         op: a ``ReduceOp`` value (Average, Sum, Min, Max, Product).
         prescale: factor applied before the reduction.
         postscale: factor applied after it.
-        wire_dtype: ``"float16"``/``"bfloat16"`` to compress floats, or None.
+        wire_dtype: ``"float16"``/``"bfloat16"`` to compress floats, or None
+            (:func:`wire_dtype_of` turns a binding's ``Compression.*`` into it).
         process_set: the ranks taking part (None: all).
     """
 
@@ -184,4 +203,34 @@ def reduce_arrays(arrays: Sequence[np.ndarray], specs: Sequence[GradientSpec],
             _, h, ctx, name, dtype = item
             value = compressor.decompress(np.asarray(h.wait()), ctx, name)
             out.append(np.asarray(value, dtype=dtype))
+    return out
+
+
+def fused_allreduce(arrays: Sequence[np.ndarray], name: str,
+                    reduction: Reduction) -> list[np.ndarray]:
+    """Allreduce dense arrays as one flat buffer per dtype (``<name>.<dtype>``).
+
+    The buffers are reduced together by :func:`reduce_arrays` (compression
+    included) and split back. Every rank must pass arrays of the same shapes and
+    dtypes in the same order (the bindings check their parameter tables with
+    :mod:`.naming` first). Flattening costs a copy in and out; use it only where
+    one collective per dtype is the contract, :func:`reduce_arrays` otherwise.
+
+    Returns:
+        New arrays with the reduced values, shapes and dtypes of the inputs.
+    """
+    arrs = [np.asarray(a) for a in arrays]
+    by_dtype: dict[str, list[int]] = {}  # dtypes in order of first appearance
+    for i, a in enumerate(arrs):
+        by_dtype.setdefault(str(a.dtype), []).append(i)
+    flats = [arrs[idx[0]].reshape(-1) if len(idx) == 1 else
+             np.concatenate([arrs[i].reshape(-1) for i in idx]) for idx in by_dtype.values()]
+    reduced = reduce_arrays(flats, [GradientSpec(f"{name}.{d}") for d in by_dtype], reduction)
+    out: list[np.ndarray] = [np.empty(0)] * len(arrs)
+    for idx, flat in zip(by_dtype.values(), reduced):
+        offset = 0
+        for i in idx:
+            n = arrs[i].size
+            out[i] = flat[offset:offset + n].reshape(arrs[i].shape)
+            offset += n
     return out

@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import _api
 from .._ops import ReduceOp
-from ..frameworks import host as _host
+from ..frameworks.host_reduce import NUMPY_COMPRESSION
 from ..process_sets import ProcessSet, global_process_set
 from . import _collectives as C
 from ._arrays import as_jax_input, host_call, spec_of, to_host
@@ -38,7 +38,7 @@ from ._arrays import as_jax_input, host_call, spec_of, to_host
 logger = logging.getLogger(__name__)
 
 #: ``ronde.jax.Compression``: casts happen on the host, right before the wire
-Compression = _host.Compression
+Compression = NUMPY_COMPRESSION
 
 
 def _differentiable(x: Any) -> bool:
@@ -79,7 +79,7 @@ def _reduce_leaves(xs: Sequence[Any], names: Sequence[str], op: ReduceOp, pre: f
                                           "factors is not implemented")
             leaves, outs = res
             summed = C.allreduce_arrays(cts, grad_names, ReduceOp.SUM, 1.0, 1.0, ps,
-                                        _host.Compression.none)
+                                        Compression.none)
             return (tuple(g * (x == o).astype(g.dtype)
                           for g, x, o in zip(summed, leaves, outs)),)
         raise NotImplementedError(f"the gradient of an allreduce with op={op.name} is not "

@@ -21,8 +21,8 @@ import numpy as np
 
 from .. import _api
 from .._ops import ReduceOp
-from ..frameworks import host as _host
 from ..frameworks.handles import ConvertingHandle, group
+from ..frameworks.host_reduce import GradientSpec, Reduction, reduce_arrays, wire_dtype_of
 from ..process_sets import ProcessSet, global_process_set
 from ._arrays import as_jax_input, host_call, is_traced, spec_of, to_device, to_host
 
@@ -66,14 +66,17 @@ def _eager_only(what: str, x: Any) -> None:
 def allreduce_arrays(xs: Sequence[Any], names: Sequence[str], op: ReduceOp, prescale: float,
                      postscale: float, process_set: ProcessSet | None,
                      compression: Any) -> list[Any]:
-    """Allreduce each array under its own name; all start before any is awaited."""
+    """Allreduce each array under its own name; all start before any is awaited.
+
+    ``compression`` is a ``Compression.none/fp16/bf16`` (the cast happens on the host,
+    in :func:`ronde.frameworks.host_reduce.reduce_arrays`).
+    """
     xs = [as_jax_input(x, "allreduce") for x in xs]
+    specs = [GradientSpec(n) for n in names]
+    reduction = Reduction(int(op), prescale, postscale, wire_dtype_of(compression), process_set)
 
     def fn(*arrays: np.ndarray) -> list[np.ndarray]:
-        finishes = [_host.compressed_allreduce_async(to_host(a, "allreduce"), n, op, prescale,
-                                                     postscale, process_set, compression)
-                    for a, n in zip(arrays, names)]
-        return [f() for f in finishes]
+        return reduce_arrays([to_host(a, "allreduce") for a in arrays], specs, reduction)
 
     return list(host_call(fn, [spec_of(x) for x in xs], xs, likes=xs))
 

@@ -16,7 +16,7 @@ see docs/jax.md)::
 
 **Fusion.** The whole gradient pytree is reduced by one host call: the leaves are
 flattened into one buffer per dtype (usually a single allreduce per step), through
-:func:`ronde.frameworks.host.fused_allreduce`, which also applies the compression.
+:func:`ronde.frameworks.host_reduce.fused_allreduce`, which also applies the compression.
 
 **Accumulation** (``backward_passes_per_step=N``, as in ``ronde.torch``): each
 ``update`` call is one backward pass. The first N-1 calls add the gradients to a
@@ -40,8 +40,9 @@ import jax.numpy as jnp
 import optax
 
 from .._ops import ReduceOp
-from ..frameworks import host as _host
 from ..frameworks.accumulation import PassCounter
+from ..frameworks.host_reduce import NUMPY_COMPRESSION as Compression
+from ..frameworks.host_reduce import Reduction, fused_allreduce, wire_dtype_of
 from ..process_sets import ProcessSet, global_process_set
 from . import _collectives as C
 from ._arrays import any_traced, host_call, spec_of
@@ -78,27 +79,27 @@ def _factors(op: ReduceOp, predivide: float) -> tuple[float, float]:
 def reduce_gradients(grads: Any, name: str = DEFAULT_NAME, op: Any = ReduceOp.AVERAGE,
                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set,
-                     compression: Any = _host.Compression.none) -> Any:
+                     compression: Any = Compression.none) -> Any:
     """Allreduce a gradient pytree as one buffer per dtype; eager or inside ``jit``.
 
     Not differentiable (it is meant for gradients). Every rank must pass a pytree
     of the same structure, shapes and dtypes.
     """
-    resolved = C.resolve_op(op, None)
+    reduction = Reduction(int(C.resolve_op(op, None)), prescale_factor, postscale_factor,
+                          wire_dtype_of(compression), process_set)
     leaves, treedef = jax.tree_util.tree_flatten(grads)
     if not leaves:
         return grads
     leaves = [jnp.asarray(x) for x in leaves]
 
     def fn(*arrays: Any) -> list[Any]:
-        return _host.fused_allreduce(arrays, name, resolved, prescale_factor, postscale_factor,
-                                     process_set, compression)
+        return fused_allreduce(arrays, name, reduction)
 
     out = host_call(fn, [spec_of(x) for x in leaves], leaves, likes=leaves)
     return jax.tree_util.tree_unflatten(treedef, list(out))
 
 
-def allreduce_gradients(op: Any = ReduceOp.AVERAGE, compression: Any = _host.Compression.none,
+def allreduce_gradients(op: Any = ReduceOp.AVERAGE, compression: Any = Compression.none,
                         gradient_predivide_factor: float = 1.0,
                         process_set: ProcessSet = global_process_set,
                         name: str = DEFAULT_NAME) -> optax.GradientTransformation:
@@ -109,6 +110,7 @@ def allreduce_gradients(op: Any = ReduceOp.AVERAGE, compression: Any = _host.Com
     """
     resolved = C.resolve_op(op, None)
     pre, post = _factors(resolved, gradient_predivide_factor)
+    wire_dtype_of(compression)  # fail now on an unsupported compressor
 
     def init(params: Any) -> optax.EmptyState:
         return optax.EmptyState()
@@ -121,7 +123,7 @@ def allreduce_gradients(op: Any = ReduceOp.AVERAGE, compression: Any = _host.Com
 
 
 def DistributedOptimizer(optimizer: optax.GradientTransformation,
-                         compression: Any = _host.Compression.none,
+                         compression: Any = Compression.none,
                          backward_passes_per_step: int = 1, op: Any = ReduceOp.AVERAGE,
                          gradient_predivide_factor: float = 1.0,
                          average_aggregated_gradients: bool = False,
@@ -156,6 +158,7 @@ def DistributedOptimizer(optimizer: optax.GradientTransformation,
                          f"{resolved.name}")
     pre, post = _factors(resolved, gradient_predivide_factor)
     passes_per_step = PassCounter(backward_passes_per_step).passes_per_step
+    wire_dtype_of(compression)  # fail now on an unsupported compressor
 
     def reduce(grads: Any) -> Any:
         return reduce_gradients(grads, name, resolved, pre, post, process_set, compression)

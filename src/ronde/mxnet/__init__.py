@@ -35,7 +35,7 @@ from .._errors import (AuthenticationError, ConfigError, DuplicateNameError, Joi
                        RondeError, ShutdownError, StallError, TensorMismatchError)
 from .._ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from ..frameworks.compression import Compressor
-from ..frameworks.host import Compression
+from ..frameworks.host_reduce import NUMPY_COMPRESSION as Compression
 from ..process_sets import ProcessSet, global_process_set
 from ._collectives import (allgather, allreduce, allreduce_, alltoall, broadcast, broadcast_,
                            fused_allreduce_, grouped_allreduce, grouped_allreduce_,

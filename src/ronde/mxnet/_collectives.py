@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import _api
 from .._ops import ReduceOp
-from ..frameworks import host as _host
+from ..frameworks.host_reduce import NUMPY_COMPRESSION, Reduction, fused_allreduce, wire_dtype_of
 from ..process_sets import ProcessSet, global_process_set
 
 logger = logging.getLogger(__name__)
@@ -126,15 +126,16 @@ def grouped_allreduce_(tensors: Sequence[mx.nd.NDArray], average: bool | None = 
 def fused_allreduce_(tensors: Sequence[mx.nd.NDArray], name: str, op: Any = None,
                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set,
-                     compression: Any = _host.Compression.none) -> list[mx.nd.NDArray]:
+                     compression: Any = NUMPY_COMPRESSION.none) -> list[mx.nd.NDArray]:
     """Allreduce arrays in place as one flat buffer per dtype, with compression.
 
     The buffer of dtype ``d`` is the collective ``<name>.<d>``; see
-    :func:`ronde.frameworks.host.fused_allreduce`.
+    :func:`ronde.frameworks.host_reduce.fused_allreduce`.
     """
+    reduction = Reduction(int(resolve_op(op, None)), prescale_factor, postscale_factor,
+                          wire_dtype_of(compression), process_set)
     hosts = [to_host(t, name) for t in tensors]
-    outs = _host.fused_allreduce(hosts, name, op, prescale_factor, postscale_factor,
-                                 process_set, compression)
+    outs = fused_allreduce(hosts, name, reduction)
     return [write_back(t, o) for o, t in zip(outs, tensors)]
 
 

@@ -1,8 +1,8 @@
 """``DistributedOptimizer`` (``mx.optimizer``) and ``DistributedTrainer`` (Gluon).
 
 Both average the gradients over the ranks before the optimizer sees them, with
-one fused allreduce per dtype (:func:`ronde.frameworks.host.fused_allreduce`, which
-also applies ``compression``):
+one fused allreduce per dtype (:func:`ronde.frameworks.host_reduce.fused_allreduce`,
+which also applies ``compression``):
 
 * ``DistributedOptimizer(opt)`` wraps an ``mx.optimizer.Optimizer``: its
   ``update``/``update_multi_precision`` reduce the gradient(s) they are given in place,
@@ -29,7 +29,7 @@ import numpy as np
 from .. import _api
 from .._errors import TensorMismatchError
 from .._ops import ReduceOp
-from ..frameworks import host as _host
+from ..frameworks.host_reduce import NUMPY_COMPRESSION as Compression, wire_dtype_of
 from ..frameworks.naming import as_table, parameter_differences
 from ..process_sets import ProcessSet, global_process_set
 from . import _collectives as C
@@ -62,9 +62,10 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
 
     def __init__(self, optimizer: mx.optimizer.Optimizer, gradient_predivide_factor: float = 1.0,
                  num_groups: int = 0, process_set: ProcessSet = global_process_set,
-                 compression: Any = _host.Compression.none) -> None:
+                 compression: Any = Compression.none) -> None:
         # no super().__init__(): every optimizer attribute lives on the inner optimizer
         object.__setattr__(self, "_optimizer", optimizer)
+        wire_dtype_of(compression)  # fail now on an unsupported compressor
         pre, post = _factors(gradient_predivide_factor)
         object.__setattr__(self, "_ronde", {"pre": pre, "post": post, "ps": process_set,
                                             "compression": compression})
@@ -135,7 +136,7 @@ class DistributedTrainer(mx.gluon.Trainer):
     """
 
     def __init__(self, params: Any, optimizer: Any, optimizer_params: dict | None = None,
-                 compression: Any = _host.Compression.none,
+                 compression: Any = Compression.none,
                  gradient_predivide_factor: float = 1.0, prefix: str | None = None,
                  num_groups: int = 0, process_set: ProcessSet = global_process_set) -> None:
         if isinstance(optimizer, DistributedOptimizer):
@@ -144,6 +145,7 @@ class DistributedTrainer(mx.gluon.Trainer):
             optimizer = optimizer._optimizer
         super().__init__(params, optimizer, optimizer_params=optimizer_params, kvstore=None,
                          update_on_kvstore=False)
+        wire_dtype_of(compression)  # fail now on an unsupported compressor
         self._ronde_pre, self._ronde_post = _factors(gradient_predivide_factor)
         self._ronde_compression = compression
         self._ronde_prefix = prefix or ""

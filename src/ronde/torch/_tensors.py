@@ -18,6 +18,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ..frameworks.handles import ConvertingHandle, GroupOfHandles
+
 logger = logging.getLogger(__name__)
 
 _NUMPY: dict[torch.dtype, Any] = {
@@ -88,46 +90,19 @@ class Allocator:
         return numpy_view(self.tensor)
 
 
-class TorchHandle:
+class TorchHandle(ConvertingHandle):
     """The handle of an async torch collective; ``wait()`` returns torch tensors.
 
     ``hvd.synchronize(handle)`` and ``hvd.poll(handle)`` accept it, like the runtime's
-    own :class:`~ronde.core.requests.Handle`, whose methods it mirrors.
+    own :class:`~ronde.core.requests.Handle`, whose methods it mirrors (see
+    :class:`~ronde.frameworks.handles.ConvertingHandle`).
     """
 
-    __slots__ = ("_inner", "_convert", "_done", "_value", "name")
+    __slots__ = ()
 
-    def __init__(self, inner: Any, convert: Callable[[Any], Any]) -> None:
-        self._inner = inner
-        self._convert = convert
-        self._done = False
-        self._value: Any = None
-        self.name: str = getattr(inner, "name", "")
-
-    def poll(self) -> bool:
-        """True once the collective finished."""
-        return bool(self._inner.poll())
-
-    done = poll
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """Block until finished; return the torch result or raise the collective's error."""
-        if not self._done:
-            raw = self._inner.wait(timeout)
-            self._value = self._convert(raw)
-            self._done = True
-        return self._value
-
-    def exception(self) -> BaseException | None:
-        """Wait, then return the error or None."""
-        return self._inner.exception()
-
-    def add_done_callback(self, fn: Callable[["TorchHandle"], None]) -> None:
-        """Call ``fn(self)`` once finished (from an engine thread; keep it short)."""
-        self._inner.add_done_callback(lambda _h: fn(self))
-
-    def __repr__(self) -> str:
-        return f"<TorchHandle {self.name!r} {'done' if self.poll() else 'pending'}>"
+    def __init__(self, inner: Any, convert: Callable[[Any], Any],
+                 name: str | None = None) -> None:
+        super().__init__(inner, convert, name, "TorchHandle")
 
 
 class MultiHandle(TorchHandle):
@@ -137,42 +112,7 @@ class MultiHandle(TorchHandle):
 
     def __init__(self, inners: list[Any], convert: Callable[[list[Any]], Any],
                  name: str = "") -> None:
-        super().__init__(_Group(inners), convert)
-        self.name = name
-
-
-class _Group:
-    def __init__(self, inners: list[Any]) -> None:
-        self.inners = inners
-
-    def poll(self) -> bool:
-        return all(h.poll() for h in self.inners)
-
-    def wait(self, timeout: float | None = None) -> list[Any]:
-        return [h.wait(timeout) for h in self.inners]
-
-    def exception(self) -> BaseException | None:
-        for h in self.inners:
-            exc = h.exception()
-            if exc is not None:
-                return exc
-        return None
-
-    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
-        remaining = [len(self.inners)]
-        lock = threading.Lock()
-
-        def one(_h: Any) -> None:
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
-                fn(self)
-
-        if not self.inners:
-            fn(self)
-        for h in self.inners:
-            h.add_done_callback(one)
+        super().__init__(GroupOfHandles(inners), convert, name)
 
 
 def to_device(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
