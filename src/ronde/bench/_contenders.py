@@ -59,7 +59,12 @@ class Contender:
 
     @property
     def short(self) -> str:
-        """The label in table headers and ratios: ``shm``, ``tcp``, ``gloo``."""
+        """The label in table headers and ratios: ``shm``, ``tcp``, ``gloo``...
+
+        ronde over Gloo or MPI is ``ronde-gloo``/``ronde-mpi``, so that it cannot be
+        mistaken for the raw peer measured beside it."""
+        if self.kind == "ronde" and self.transport in ("gloo", "mpi"):
+            return f"ronde-{self.transport}"
         return self.transport
 
     def command(self, np_: int, flags: Sequence[str], timeout_s: float) -> list[str]:

@@ -108,7 +108,9 @@ def print_tables(points: Sequence[Point], ronde_impls: Sequence[str],
     each point.
     """
     impls = [*ronde_impls, *peer_impls]
-    short = {i: i.removeprefix("ronde-") for i in impls}
+    # ronde over Gloo/MPI keeps its prefix so it is not mistaken for the raw peer
+    short = {i: i if i in ("ronde-gloo", "ronde-mpi") else i.removeprefix("ronde-")
+             for i in impls}
     idx = {(p.case, p.impl, p.bytes): p for p in points}
     np_ = points[0].np if points else 0
     rounds = max((p.rounds for p in points), default=0)
