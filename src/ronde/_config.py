@@ -78,6 +78,7 @@ class Config:
     inline_bytes: int = 4096
     hierarchical: str = "auto"
     cma: bool = True
+    torch_device_path: str = "auto"
     log_level: str = ""
 
     def describe(self) -> str:
@@ -106,6 +107,7 @@ _ENV: dict[str, tuple[str, tuple[str, ...], Callable[[str], object]]] = {
     "small_allreduce_bytes": ("RONDE_SMALL_ALLREDUCE", (), parse_bytes),
     "inline_bytes": ("RONDE_INLINE_BYTES", (), parse_bytes),
     "cma": ("RONDE_CMA", (), _parse_bool),
+    "torch_device_path": ("RONDE_TORCH_DEVICE_PATH", (), str),
     "hierarchical": ("RONDE_HIERARCHICAL_ALLREDUCE", ("HOROVOD_HIERARCHICAL_ALLREDUCE",),
                      lambda v: "auto" if v.lower() == "auto" else ("on" if _parse_bool(v) else "off")),
     "log_level": ("RONDE_LOG_LEVEL", ("HOROVOD_LOG_LEVEL",), str),
@@ -144,6 +146,9 @@ def load(env: Mapping[str, str] | None = None, **overrides: object) -> Config:
 
 
 def _validate(cfg: Config) -> None:
+    if cfg.torch_device_path not in ("auto", "always", "never"):
+        raise ConfigError(f"RONDE_TORCH_DEVICE_PATH={cfg.torch_device_path!r}: use auto, always "
+                          "or never")
     if cfg.transport not in TRANSPORTS:
         raise ConfigError(
             f"RONDE_TRANSPORT={cfg.transport!r} is not one of {', '.join(TRANSPORTS)}")

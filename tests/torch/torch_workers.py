@@ -505,3 +505,53 @@ def compiled(backend: str = "aot_eager") -> float:
     hvd.shutdown()
     return max(float((a - b).detach().abs().max())
                for a, b in zip(model.parameters(), ref.parameters()))
+
+
+def device_path() -> str:
+    """Collectives that stay on the device (here: CPU tensors through Gloo)."""
+    import numpy as np
+    import torch
+
+    import ronde.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    base = torch.arange(10, dtype=torch.float32)
+    assert torch.allclose(hvd.allreduce(base + r, op=hvd.Sum, name="a"),
+                          sum(base + q for q in range(n)))
+    assert torch.allclose(hvd.allreduce(base + r, name="avg", prescale_factor=2.0,
+                                        postscale_factor=0.5), base + (n - 1) / 2)
+    w = torch.ones(4, dtype=torch.int64) * (r + 1)
+    assert hvd.allreduce_(w, op=hvd.Sum, name="i") is w
+    assert w.tolist() == [n * (n + 1) // 2] * 4
+    strided = torch.zeros(4, 6)[:, ::2]  # non-contiguous, in place
+    strided.fill_(r + 1.0)
+    hvd.allreduce_(strided, op=hvd.Max, name="strided")
+    assert (strided == n).all()
+    b = hvd.broadcast(torch.full((3,), float(r)), root_rank=n - 1, name="b")
+    assert b.tolist() == [n - 1.0] * 3
+    t = torch.full((2, 2), float(r))
+    hvd.broadcast_(t, root_rank=0, name="b_")
+    assert (t == 0).all()
+    hs = [hvd.allreduce_async(torch.full((s,), float(r)), op=hvd.Sum, name=f"f{s}")
+          for s in (1, 5, 1000, 70_000)]
+    for h in hs:
+        assert torch.allclose(hvd.synchronize(h), torch.tensor(float(sum(range(n)))))
+    x = torch.ones(3, requires_grad=True)
+    hvd.allreduce(x * (r + 1), op=hvd.Sum, name="grad").sum().backward()
+    # d/dx of sum(allreduce_sum(x * (r+1))) = allreduce_sum(ones) * (r+1) = n * (r+1)
+    assert torch.allclose(x.grad, torch.full((3,), float(n * (r + 1)))), x.grad
+    model = torch.nn.Linear(4, 2)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.ones(8, 4) * (r + 1)).sum().backward()
+        opt.step()
+    ws = hvd.allgather_object(model.weight.detach().numpy().tolist())
+    assert all(np.allclose(ws[0], other) for other in ws)
+    assert torch.distributed.is_initialized()  # the device path really ran
+    hvd.shutdown()
+    return "ok"

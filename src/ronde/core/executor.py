@@ -153,6 +153,16 @@ class Executor:
         elif op == ReduceOp.ADASUM:
             op = ReduceOp.SUM  # Adasum degenerates to a sum here; documented limitation
         shapes = [_any_meta(m).shape for m in resp.metas]
+        if meta0.device:
+            self._mark("TRANSFER")
+            outs_dev = _device_backend(resp).allreduce(
+                resp.ps_id, members, [None if r is None else r.device for r in reqs], shapes,
+                meta0.dtype, op, meta0.prescale, post,
+                [None if r is None else r.out for r in reqs])
+            for req, out in zip(reqs, outs_dev):
+                if req is not None:
+                    req.complete(out)
+            return
         sizes = [_numel(s) for s in shapes]
         total = sum(sizes)
         outs = [None if r is None else (r.out if r.out is not None else r.allocate(s, dtype))
@@ -228,6 +238,12 @@ class Executor:
         req = reqs[0]
         meta = resp.metas[0][self.engine.rank]
         root = members.index(meta.root)
+        if meta.device:
+            assert req is not None
+            self._mark("TRANSFER")
+            req.complete(_device_backend(resp).broadcast(resp.ps_id, members, req.device,
+                                                         meta.root, req.out))
+            return
         assert req is not None and req.array is not None
         out = req.out if req.out is not None else req.allocate(meta.shape,
                                                                resolve_dtype(meta.dtype))
@@ -292,6 +308,17 @@ class Executor:
         for req in reqs:
             if req is not None:
                 req.complete(None)
+
+
+def _device_backend(resp: Response) -> Any:
+    from . import device
+
+    found = device.backend()
+    if found is None:
+        raise RondeError(f"{resp.kind.name.lower()} {resp.names[0]!r} holds accelerator "
+                         "tensors, but no device backend is registered in this process "
+                         "(import the framework binding, e.g. ronde.torch, on every rank)")
+    return found
 
 
 def _any_meta(metas: dict[int, Meta]) -> Meta:

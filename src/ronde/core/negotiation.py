@@ -299,6 +299,8 @@ class Negotiator:
             return (f"{what}: rank(s) {_ranks(sorted(joined))} already called join(); after a "
                     "join only allreduce is supported until every rank has joined", "joined")
         checks: list[tuple[str, Any, str]] = [
+            ("the device", lambda m: "accelerator" if m.device else "host memory",
+             "keep the tensor on the same kind of device on every rank"),
             ("dtype", lambda m: m.dtype, "cast the tensor to one dtype on all ranks"),
             ("process set", lambda m: m.ps_id, "pass the same process_set on all ranks"),
         ]
@@ -344,7 +346,8 @@ class Negotiator:
                 out.append(resp)
                 continue
             meta = next(iter(resp.metas[0].values()))
-            key = (resp.ps_id, meta.dtype, meta.op, meta.prescale, meta.postscale, resp.joined)
+            key = (resp.ps_id, meta.dtype, meta.op, meta.prescale, meta.postscale, resp.joined,
+                   meta.device)
             nbytes = meta.nbytes
             group = open_groups.get(key)
             if group is not None and sizes[key] + nbytes <= self.fusion_threshold_bytes:
@@ -418,7 +421,8 @@ class Negotiator:
 
 def _raw(meta: Meta) -> list[Any]:
     return [int(meta.kind), meta.ps_id, meta.dtype, list(meta.shape), meta.op, meta.root,
-            meta.prescale, meta.postscale, None if meta.splits is None else list(meta.splits)]
+            meta.prescale, meta.postscale, None if meta.splits is None else list(meta.splits),
+            meta.device]
 
 
 def _ranks(ranks: Iterable[int]) -> str:

@@ -131,7 +131,7 @@ class Request:
 
     __slots__ = ("kind", "name", "array", "out", "alloc", "op", "root", "prescale",
                  "postscale", "splits", "ps_id", "handle", "finish", "dtype", "shape",
-                 "t_submit", "t_announce")
+                 "t_submit", "t_announce", "device")
 
     def __init__(
         self,
@@ -148,6 +148,8 @@ class Request:
         out: np.ndarray | None = None,
         alloc: Allocator | None = None,
         finish: Callable[["Request", Any], Any] | None = None,
+        device: Any = None,
+        device_meta: tuple[str, tuple[int, ...]] | None = None,
     ) -> None:
         self.kind = kind
         self.name = name
@@ -164,16 +166,21 @@ class Request:
         self.t_submit = self.t_announce = 0.0  # timeline stamps (microseconds)
         #: turns the engine's raw result into what the caller gets back
         self.finish = finish
+        #: a framework tensor that stays on its accelerator (see DeviceBackend); then
+        #: ``array`` is None and ``device_meta`` gives its (dtype name, shape)
+        self.device = device
         if array is not None:
             self.dtype = dtype_name(array.dtype)
             self.shape = tuple(int(d) for d in array.shape)
+        elif device_meta is not None:
+            self.dtype, self.shape = device_meta[0], tuple(int(d) for d in device_meta[1])
         else:
             self.dtype, self.shape = "uint8", (0,)
 
     def meta(self) -> list[Any]:
         """The metadata every rank must agree on (plus per-rank sizes), for the wire."""
         return [int(self.kind), self.ps_id, self.dtype, list(self.shape), self.op, self.root,
-                self.prescale, self.postscale, self.splits]
+                self.prescale, self.postscale, self.splits, 1 if self.device is not None else 0]
 
     def allocate(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         if self.alloc is not None:
@@ -213,14 +220,14 @@ class Meta:
     """Decoded metadata of one rank's request (see :meth:`Request.meta`)."""
 
     __slots__ = ("kind", "ps_id", "dtype", "shape", "op", "root", "prescale", "postscale",
-                 "splits")
+                 "splits", "device")
 
     def __init__(self, raw: Sequence[Any]) -> None:
         from .._errors import ProtocolError
 
-        if not isinstance(raw, (list, tuple)) or len(raw) != 9:
+        if not isinstance(raw, (list, tuple)) or len(raw) != 10:
             raise ProtocolError("malformed request metadata from a peer")
-        kind, ps_id, dtype, shape, op, root, pre, post, splits = raw
+        kind, ps_id, dtype, shape, op, root, pre, post, splits, device = raw
         try:
             self.kind = Kind(_int(kind))
             self.ps_id = _int(ps_id)
@@ -237,12 +244,13 @@ class Meta:
             if splits is not None and not isinstance(splits, list):
                 raise ValueError("splits")
             self.splits = None if splits is None else tuple(_int(s, 0) for s in splits)
+            self.device = _int(device, 0)
         except (TypeError, ValueError, OverflowError) as exc:
             raise ProtocolError(f"malformed request metadata from a peer ({exc})") from None
 
     def key(self) -> tuple[Any, ...]:
         return (self.kind, self.ps_id, self.dtype, self.shape, self.op, self.root,
-                self.prescale, self.postscale, self.splits)
+                self.prescale, self.postscale, self.splits, self.device)
 
     @property
     def nbytes(self) -> int:

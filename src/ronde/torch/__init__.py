@@ -23,10 +23,10 @@ now (a warning says so once). See docs/pytorch.md for what differs from Horovod.
 from __future__ import annotations
 
 from .. import _api
-from .._api import (add_process_set, barrier, ccl_built, cross_rank, cross_size, cuda_built,
+from .._api import (add_process_set, barrier, ccl_built, cross_rank, cross_size,
                     ddl_built, gloo_built, gloo_enabled, init, is_homogeneous, is_initialized,
                     join, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
-                    nccl_built, rank, remove_process_set, rocm_built, shutdown, size)
+                    rank, remove_process_set, rocm_built, shutdown, size)
 from .._errors import (AuthenticationError, ConfigError, DuplicateNameError, JoinedError,
                        NotInitializedError, PeerLostError, ProtocolError, RendezvousError,
                        RondeError, ShutdownError, StallError, TensorMismatchError)
@@ -68,3 +68,18 @@ __all__ = [
     "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built",
     "rocm_built", "ddl_built", "ccl_built", "mpi_threads_supported",
 ]
+
+
+def nccl_built() -> bool:
+    """True when CUDA tensors can stay on the GPU: torch has NCCL and sees a GPU."""
+    import torch
+
+    dist = torch.distributed
+    return bool(dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available())
+
+
+def cuda_built() -> bool:
+    """True when this torch was built with CUDA."""
+    import torch
+
+    return torch.version.cuda is not None

@@ -18,6 +18,7 @@ import torch
 from .. import _api
 from .._ops import ReduceOp
 from ..process_sets import ProcessSet, global_process_set
+from . import _device
 from ._tensors import Allocator, MultiHandle, TorchHandle, host, numpy_view, to_device
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,10 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
                     op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Start an allreduce of ``tensor``; ``synchronize()`` the handle for a new tensor."""
+    if _device.wants_device_path(tensor, process_set):
+        inner = _device.submit_allreduce(tensor, average, name, op, prescale_factor,
+                                         postscale_factor, process_set, inplace=False)
+        return TorchHandle(inner, lambda raw: raw)
     staged = host(tensor, "allreduce")
     alloc = Allocator()
     inner = _api.allreduce_async(numpy_view(staged), average, name, op, prescale_factor,
@@ -76,6 +81,10 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
                      op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Start an in-place allreduce; ``synchronize()`` returns ``tensor`` itself, reduced."""
+    if _device.wants_device_path(tensor, process_set):
+        inner = _device.submit_allreduce(tensor, average, name, op, prescale_factor,
+                                         postscale_factor, process_set, inplace=True)
+        return TorchHandle(inner, lambda raw: tensor)
     staged = host(tensor, "allreduce_")
     arr = numpy_view(staged)
     inner = _api.allreduce_async(arr, average, name, op, prescale_factor, postscale_factor,
@@ -91,8 +100,10 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                             process_set).wait()
 
 
-def _group_names(name: str | None, n: int) -> list[str]:
-    base = name if name is not None else _api._auto_name("grouped_allreduce", 0)
+def _group_names(name: str | None, n: int, process_set: ProcessSet | None) -> list[str]:
+    # unnamed groups count per process set, so members and non-members stay in step
+    base = name if name is not None else _api._auto_name("grouped_allreduce",
+                                                         _api._ps_id(process_set))
     return [f"{base}.{i}" for i in range(n)]
 
 
@@ -102,7 +113,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
                             process_set: ProcessSet = global_process_set) -> MultiHandle:
     """Start an allreduce of every tensor; the handle's result is the list of outputs."""
     hs = [allreduce_async(t, average, n, op, prescale_factor, postscale_factor, process_set)
-          for t, n in zip(tensors, _group_names(name, len(tensors)))]
+          for t, n in zip(tensors, _group_names(name, len(tensors), process_set))]
     return MultiHandle(hs, lambda outs: list(outs), name or "grouped_allreduce")
 
 
@@ -112,7 +123,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              process_set: ProcessSet = global_process_set) -> MultiHandle:
     """In-place form of :func:`grouped_allreduce_async`."""
     hs = [allreduce_async_(t, average, n, op, prescale_factor, postscale_factor, process_set)
-          for t, n in zip(tensors, _group_names(name, len(tensors)))]
+          for t, n in zip(tensors, _group_names(name, len(tensors), process_set))]
     return MultiHandle(hs, lambda outs: list(outs), name or "grouped_allreduce")
 
 
@@ -167,6 +178,9 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Start a broadcast from ``root_rank``; the result is a new tensor."""
+    if _device.wants_device_path(tensor, process_set):
+        inner = _device.submit_broadcast(tensor, root_rank, name, process_set, inplace=False)
+        return TorchHandle(inner, lambda raw: raw)
     staged = host(tensor, "broadcast")
     alloc = Allocator()
     inner = _api.broadcast_async(numpy_view(staged), root_rank, name, process_set, alloc=alloc)
@@ -176,6 +190,9 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Start an in-place broadcast; ``synchronize()`` returns ``tensor`` itself."""
+    if _device.wants_device_path(tensor, process_set):
+        inner = _device.submit_broadcast(tensor, root_rank, name, process_set, inplace=True)
+        return TorchHandle(inner, lambda raw: tensor)
     staged = host(tensor, "broadcast_")
     arr = numpy_view(staged)
     inner = _api.broadcast_async(arr, root_rank, name, process_set, out=arr)

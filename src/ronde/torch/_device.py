@@ -1,0 +1,211 @@
+"""CUDA tensors stay on the GPU: allreduce and broadcast through a NCCL process group.
+
+ronde's engine still negotiates, orders, fuses and validates every collective (see
+:mod:`ronde.core.device`); when the executor reaches an agreed allreduce of CUDA
+tensors it calls :class:`TorchDeviceBackend`, which concatenates them into one buffer
+on the device (the fusion), reduces it with ``torch.distributed.all_reduce`` on a NCCL
+group, applies the scale factors there and copies the pieces back. No byte crosses to
+the host.
+
+The process group is created lazily, on every rank at its first device collective:
+rank 0 picks a port, :func:`ronde.broadcast_object` gives it to the others, and a
+``TCPStore`` at rank 0's address starts ``init_process_group("nccl")``; if
+torch.distributed is already initialised (``RONDE_TRANSPORT=gloo``), a NCCL group is
+added with ``new_group`` instead. Device collectives run on the global process set;
+on other process sets, and for the other collectives, CUDA tensors take a host round
+trip. ``RONDE_TORCH_DEVICE_PATH=always`` sends CPU tensors through this same path with
+Gloo (which is how it is tested on machines without GPUs); ``never`` disables it.
+
+Streams: the executor thread issues the NCCL call on the device's current stream, so it
+is ordered after the work that produced the gradients on that stream, and what runs
+after ``synchronize()`` on that stream is ordered after the reduction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import socket
+import threading
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from .. import _api
+from .._ops import ReduceOp
+from ..core import device as device_mod
+from ._tensors import dtype_name, torch_dtype
+
+logger = logging.getLogger(__name__)
+
+
+def _mode() -> str:
+    rt = _api._rt
+    return rt.cfg.torch_device_path if rt is not None else "auto"
+
+
+def wants_device_path(tensor: torch.Tensor, process_set: Any) -> bool:
+    """Whether a collective on ``tensor`` should stay on its device."""
+    mode = _mode()
+    if mode == "never" or (process_set is not None and process_set.process_set_id not in (
+            None, 0)):
+        return False
+    if not torch.distributed.is_available():
+        return False
+    if tensor.is_cuda:
+        return mode in ("auto", "always") and torch.distributed.is_nccl_available()
+    return mode == "always" and tensor.device.type == "cpu" and not tensor.is_sparse
+
+
+class TorchDeviceBackend:
+    """Runs the engine's device collectives with torch.distributed (see module doc)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._group: Any = None
+        self._device: torch.device | None = None
+        self._generation = -1
+
+    # -- set-up (caller's thread, at the first device collective of a generation) ---------
+    def ensure(self, sample: torch.Tensor) -> None:
+        rt = _api._runtime_or_raise()
+        if self._group is not None and self._generation == rt.generation:
+            return
+        with self._lock:
+            if self._group is not None and self._generation == rt.generation:
+                return
+            dist = torch.distributed
+            backend = "nccl" if sample.is_cuda else "gloo"
+            timeout = datetime.timedelta(seconds=max(60.0, rt.cfg.start_timeout_s))
+            if dist.is_initialized():
+                group = dist.new_group(backend=backend, timeout=timeout)
+            else:
+                offer = _store_address(rt) if rt.topo.rank == 0 else None
+                addr, port = _api.broadcast_object(offer, 0, name="ronde.torch.device.store")
+                store = dist.TCPStore(addr, port, rt.topo.size, is_master=rt.topo.rank == 0,
+                                      timeout=timeout)
+                dist.init_process_group(backend, store=store, rank=rt.topo.rank,
+                                        world_size=rt.topo.size, timeout=timeout)
+                group = dist.group.WORLD
+            self._device = sample.device
+            self._group = group
+            self._generation = rt.generation
+            logger.info("ronde.torch: %s tensors reduce through a %s process group",
+                        sample.device.type, backend)
+
+    # -- DeviceBackend -----------------------------------------------------------------------
+    def allreduce(self, ps_id: int, members: Sequence[int], tensors: Sequence[Any | None],
+                  shapes: Sequence[tuple[int, ...]], dtype: str, op: ReduceOp,
+                  prescale: float, postscale: float, outs: Sequence[Any | None]) -> list[Any]:
+        tdtype = torch_dtype(dtype)
+        with self._on_device():
+            parts = [t.reshape(-1) if t is not None else
+                     torch.zeros(_numel(s), dtype=tdtype, device=self._device)
+                     for t, s in zip(tensors, shapes)]
+            buf = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+            _scale(buf, prescale)
+            torch.distributed.all_reduce(buf, op=_OPS[op], group=self._group)
+            _scale(buf, postscale)
+            results, off = [], 0
+            for shape, out in zip(shapes, outs):
+                n = _numel(shape)
+                piece = buf[off: off + n].view(shape)
+                if out is not None:
+                    out.copy_(piece)
+                    piece = out
+                results.append(piece)
+                off += n
+        return results
+
+    def broadcast(self, ps_id: int, members: Sequence[int], tensor: Any, root: int,
+                  out: Any | None) -> Any:
+        with self._on_device():
+            if out is not None and out.is_contiguous():
+                buf = out
+                if out.data_ptr() != tensor.data_ptr():
+                    buf.copy_(tensor)
+            else:
+                buf = tensor.clone()
+            torch.distributed.broadcast(buf, src=root, group=self._group)
+            if out is not None and buf is not out:
+                out.copy_(buf)
+                return out
+        return buf
+
+    @contextlib.contextmanager
+    def _on_device(self) -> Iterator[None]:
+        # the executor thread's current CUDA device is not the caller's: be explicit
+        if self._device is not None and self._device.type == "cuda":
+            with torch.cuda.device(self._device):
+                yield
+        else:
+            yield
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _scale(buf: torch.Tensor, factor: float) -> None:
+    if factor == 1.0:
+        return
+    if buf.is_floating_point():
+        buf.mul_(factor)
+    else:  # integers: like the host path, scale in float64 and truncate toward zero
+        buf.copy_((buf.to(torch.float64) * factor).to(buf.dtype))
+
+
+def _store_address(rt: Any) -> tuple[str, int]:
+    host = "127.0.0.1"
+    mesh = rt.mesh
+    if mesh is not None and mesh._peers:
+        host = str(mesh._peers[0]["addr"])
+    with socket.socket() as s:
+        s.bind(("" if host != "127.0.0.1" else host, 0))
+        return host, int(s.getsockname()[1])
+
+
+_OPS = {
+    ReduceOp.SUM: torch.distributed.ReduceOp.SUM,
+    ReduceOp.MIN: torch.distributed.ReduceOp.MIN,
+    ReduceOp.MAX: torch.distributed.ReduceOp.MAX,
+    ReduceOp.PRODUCT: torch.distributed.ReduceOp.PRODUCT,
+} if torch.distributed.is_available() else {}
+
+BACKEND = TorchDeviceBackend()
+device_mod.register(BACKEND)
+
+
+def submit_allreduce(tensor: torch.Tensor, average: bool | None, name: str | None, op: Any,
+                     prescale: float, postscale: float, process_set: Any,
+                     inplace: bool) -> Any:
+    """Submit a device allreduce; returns the runtime handle (result: the torch tensor)."""
+    from ..core.requests import Kind
+
+    t = tensor.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    BACKEND.ensure(t)
+    resolved = _api._resolve_op(op, average)
+    return _api.submit(Kind.ALLREDUCE, None, name, process_set, op=resolved,
+                       prescale=prescale, postscale=postscale, device=t,
+                       device_meta=(dtype_name(t.dtype), tuple(t.shape)),
+                       out=tensor.detach() if inplace else None)
+
+
+def submit_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, process_set: Any,
+                     inplace: bool) -> Any:
+    """Submit a device broadcast; returns the runtime handle (result: the torch tensor)."""
+    from ..core.requests import Kind
+
+    t = tensor.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    BACKEND.ensure(t)
+    return _api.submit(Kind.BROADCAST, None, name, process_set, root=int(root_rank), device=t,
+                       device_meta=(dtype_name(t.dtype), tuple(t.shape)),
+                       out=tensor.detach() if inplace else None)

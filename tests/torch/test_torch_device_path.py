@@ -1,0 +1,40 @@
+"""The device path (CUDA tensors through NCCL), exercised on the CPU with Gloo.
+
+``RONDE_TORCH_DEVICE_PATH=always`` sends CPU tensors through the same code CUDA tensors
+take (fusion on the device, a torch.distributed process group, scale factors on the
+device), with Gloo instead of NCCL, so the path is tested on machines without GPUs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+import os  # noqa: E402
+import sys  # noqa: E402
+
+from ronde.testing import run_ranks  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch_workers as workers  # noqa: E402
+
+DEVICE = {"RONDE_TORCH_DEVICE_PATH": "always"}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_collectives_and_optimizer_on_the_device_path(np_):
+    assert run_ranks(np_, workers.device_path, timeout_s=100, env=DEVICE) == ["ok"] * np_
+
+
+@pytest.mark.timeout(120)
+def test_training_equivalence_on_the_device_path():
+    configs = [("sgd", 1, "none", False), ("adam", 2, "none", False),
+               ("sgd", 1, "fp16", False)]
+    tolerance = {("sgd", 1, "none", False): 1e-12, ("adam", 2, "none", False): 1e-12,
+                 ("sgd", 1, "fp16", False): 1e-3}
+    for diffs in run_ranks(2, workers.equivalence, configs, timeout_s=100, env=DEVICE):
+        for cfg, diff in zip(configs, diffs):
+            assert diff <= tolerance[cfg], (cfg, diff)
