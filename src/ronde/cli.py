@@ -43,7 +43,20 @@ def doctor() -> int:
                      "ronderun --mpi)")
     else:
         lines.append("  mpi     not available: pip install 'ronde[mpi]' (mpi4py + MPICH)")
-    lines.append("  nccl    not available: planned for CUDA tensors in ronde.torch")
+    nccl = False
+    if _has("torch"):
+        try:
+            import torch
+
+            nccl = bool(torch.distributed.is_available() and torch.distributed.is_nccl_available()
+                        and torch.cuda.is_available())
+        except Exception:  # noqa: BLE001 - a broken torch is reported as unavailable
+            nccl = False
+    if nccl:
+        lines.append("  nccl    available (CUDA tensors in ronde.torch stay on the GPU)")
+    else:
+        lines.append("  nccl    not available: needs a CUDA build of torch and a GPU "
+                     "(CUDA tensors then stay on the GPU)")
     lines.append("frameworks:")
     for name, module in (("PyTorch", "torch"), ("TensorFlow", "tensorflow"), ("Keras", "keras"),
                          ("JAX", "jax"), ("MXNet", "mxnet"), ("mpi4py", "mpi4py"),
