@@ -34,8 +34,11 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
     """Start ronde in this process: find the other ranks, connect, start the engine.
 
     Args:
-        comm: accepted for Horovod compatibility; only ``None`` (all ranks) is
-            supported by the built-in transports.
+        comm: as in Horovod: ``None`` (all ranks), a list of every rank, or an mpi4py
+            communicator spanning every process of the job (e.g. ``MPI.COMM_WORLD``
+            when mpi4py is already initialised: ronde then shares that MPI). A
+            communicator or list covering only some ranks is refused; use a
+            :class:`ProcessSet` after ``init()`` instead.
         process_sets: :class:`ProcessSet` objects to register now (every rank must
             pass the same list, in the same order).
     """
@@ -43,18 +46,30 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
     with _lock:
         if _rt is not None:
             return
-        if comm is not None and not isinstance(comm, (list, tuple)):
-            raise RondeError("init(comm=...) with an MPI communicator is not supported yet; "
-                             "launch with ronderun or mpirun and call init() without comm")
+        mpi_comm = comm if comm is not None and hasattr(comm, "Get_size") else None
+        if comm is not None and mpi_comm is None and not isinstance(comm, (list, tuple)):
+            raise RondeError(f"init(comm={comm!r}): pass None, a list of ranks or an mpi4py "
+                             "communicator")
         from . import _runtime
 
         _counters.clear()
         _rt = _runtime.init()
-        if comm is not None and sorted(int(r) for r in comm) != list(range(_rt.topo.size)):
+        size, me = _rt.topo.size, _rt.topo.rank
+        if mpi_comm is not None:
+            ok = mpi_comm.Get_size() == size and mpi_comm.Get_rank() == me
+            shown = f"an MPI communicator of {mpi_comm.Get_size()} processes (rank " \
+                    f"{mpi_comm.Get_rank()})"
+        elif comm is not None:
+            ok = sorted(int(r) for r in comm) == list(range(size))
+            shown = str(list(comm))
+        else:
+            ok, shown = True, ""
+        if not ok:
             rt, _rt = _rt, None
             _runtime.shutdown(rt)
-            raise RondeError(f"init(comm={list(comm)}): a subset of the {rt.topo.size} ranks is "
-                             "not supported; init() with all ranks, then use a ProcessSet")
+            raise RondeError(f"init(comm={shown}): ronde's world is every one of the {size} "
+                             f"ranks (this is rank {me}); a subset is not supported: init() "
+                             "with all ranks, then use a ProcessSet")
         global_process_set._bind(0, list(range(_rt.topo.size)), _rt.topo.rank)
     for ps in process_sets or ():
         add_process_set(ps)

@@ -54,3 +54,9 @@ def test_process_sets_and_steady_state_over_mpi(tmp_path):
 def test_topology_reports_mpi(tmp_path):
     out = run_mpi(tmp_path, 2, "topology")
     assert [out[r][0] for r in range(2)] == [0, 1] and {out[r][7] for r in range(2)} == {"mpi"}
+
+
+@pytest.mark.timeout(60)
+def test_init_with_an_mpi4py_communicator(tmp_path):
+    out = run_mpi(tmp_path, 3, "mpi_comm_init")
+    assert out == {r: [3.0, True, False] for r in range(3)}

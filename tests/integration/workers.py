@@ -364,3 +364,21 @@ def cma_denied_on_one_rank() -> bool:
     decision = hvd._api._rt.engine.communicator(0)._cma
     hvd.shutdown()
     return decision
+
+
+def mpi_comm_init() -> list:
+    """Horovod's init(comm=...) with an mpi4py communicator: the world, not a subset."""
+    from mpi4py import MPI
+
+    import ronde as hvd
+
+    hvd.init(comm=MPI.COMM_WORLD)
+    total = float(hvd.allreduce(np.ones(1), op=hvd.Sum)[0])
+    hvd.shutdown()
+    sub = MPI.COMM_WORLD.Split(MPI.COMM_WORLD.Get_rank() % 2)
+    try:
+        hvd.init(comm=sub)
+        refused = False
+    except hvd.RondeError as exc:
+        refused = "a subset is not supported" in str(exc)
+    return [total, refused, hvd.is_initialized()]
