@@ -5,7 +5,6 @@ Each takes its expectations from rank()/size() and returns something small.
 
 from __future__ import annotations
 
-import copy
 import time
 
 import numpy as np
@@ -509,7 +508,6 @@ def compiled(backend: str = "aot_eager") -> float:
 
 def device_path() -> str:
     """Collectives that stay on the device (here: CPU tensors through Gloo)."""
-    import numpy as np
     import torch
 
     import ronde.torch as hvd

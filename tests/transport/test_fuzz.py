@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import socket
@@ -14,11 +13,12 @@ import numpy as np
 import pytest
 
 from ronde import ProtocolError, RondeError
-from ronde.core.engine import _FrameReader, _pack_round, _unpack_round
+from ronde.core.rounds import FrameReader as _FrameReader
+from ronde.core.rounds import pack_round as _pack_round
+from ronde.core.rounds import unpack_round as _unpack_round
 from ronde.core.negotiation import Negotiator
 from ronde.core.requests import Kind, Request
 from ronde.runner.rendezvous import RendezvousServer, register
-from ronde.transport import wire
 
 pytestmark = pytest.mark.timeout(120)
 N_FRAMES = 10_000

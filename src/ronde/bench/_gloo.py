@@ -20,7 +20,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np

@@ -24,7 +24,6 @@ import logging
 import os
 import select
 import socket
-import struct
 import threading
 import time
 from typing import Any, Callable
@@ -32,7 +31,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .._config import Config
-from .._errors import (DuplicateNameError, PeerLostError, ProtocolError, RondeError,
+from .._errors import (DuplicateNameError, PeerLostError, RondeError,
                        ShutdownError)
 from ..transport import wire
 from ..transport.base import Communicator
@@ -40,53 +39,12 @@ from ..collectives.ops import ReduceOp, reduce_into
 from . import fusion
 from .executor import Executor
 from .negotiation import Negotiator, Response
+from . import rounds
 from .requests import Kind, Request, resolve_dtype
+from .stall import StallInspector
 from .timeline import Timeline, now_us
 
 log = logging.getLogger(__name__)
-
-KIND_ROUND = 3
-_READ_BYTES = 1 << 16
-
-
-class _FrameReader:
-    """Incremental, bounded frame parser for one non-blocking control socket."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.buf = bytearray()
-        self.eof = False
-
-    def fill(self) -> None:
-        try:
-            data = self.sock.recv(_READ_BYTES)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self.eof = True
-        self.buf += data
-
-    def has_frame(self) -> bool:
-        if len(self.buf) < wire.HEADER_BYTES:
-            return False
-        _, length = wire.decode_header(bytes(self.buf[: wire.HEADER_BYTES]))
-        return len(self.buf) >= wire.HEADER_BYTES + length
-
-    def pop(self) -> bytes | None:
-        if len(self.buf) < wire.HEADER_BYTES:
-            return None
-        kind, length = wire.decode_header(bytes(self.buf[: wire.HEADER_BYTES]))
-        if kind != KIND_ROUND:
-            raise ProtocolError(f"unexpected control frame kind {kind}")
-        end = wire.HEADER_BYTES + length
-        if len(self.buf) < end:
-            return None
-        payload = bytes(self.buf[wire.HEADER_BYTES: end])
-        del self.buf[:end]
-        return payload
-
 
 class Engine:
     """Background negotiation and execution of collectives for one process."""
@@ -112,7 +70,7 @@ class Engine:
         self._comms = comms
         self.negotiator = Negotiator(size, {k: list(v) for k, v in process_sets.items()},
                                      cfg.fusion_threshold_bytes, cfg.cache_capacity)
-        self._readers = {r: _FrameReader(s) for r, s in ctl_socks.items()}
+        self._readers = {r: rounds.FrameReader(s) for r, s in ctl_socks.items()}
         for s in ctl_socks.values():
             s.setblocking(False)
         self._gone: set[int] = set()
@@ -122,10 +80,9 @@ class Engine:
         os.set_blocking(self._wake_w, False)
         self.executor = Executor(self)
         self.executor.on_idle = self.wake
-        self._stall_warned: set[str] = set()
+        self.stall = StallInspector(cfg, describe_rank)
         self._stack_request: list[int] = []  # rank 0: ranks asked for their stacks
         self._send_stack = False  # asked by rank 0 for my main thread's stack
-        self.stacks: dict[int, str] = {}  # rank 0: what the asked ranks were doing
         self._thread = threading.Thread(target=self._control_main, name="ronde-control",
                                         daemon=True)
         self._stopped = threading.Event()
@@ -245,7 +202,7 @@ class Engine:
     def _tell_peers(self, exc: PeerLostError) -> None:
         """Before leaving, tell every live peer which rank was lost, so that they blame
         that rank rather than this one when this process exits."""
-        frame = wire.encode_frame(KIND_ROUND, _pack_round({"f": [exc.rank, str(exc)]}, b""))
+        frame = wire.encode_frame(rounds.KIND_ROUND, rounds.pack_round({"f": [exc.rank, str(exc)]}, b""))
         for r, reader in self._readers.items():
             if r in self._gone or r == exc.rank:
                 continue
@@ -373,7 +330,7 @@ class Engine:
                 tl.phase(r.name, "QUEUE", r.t_submit or stamp, stamp)
         if reqs:
             neg = self.negotiator
-            inline_left = self.cfg.inline_bytes and _INLINE_ROUND_BYTES
+            inline_left = self.cfg.inline_bytes and rounds.INLINE_ROUND_BYTES
             announcements: list[Any] = []
             for r in reqs:
                 raw = r.meta()
@@ -384,7 +341,7 @@ class Engine:
                 arr = r.array
                 if (r.kind == Kind.ALLREDUCE and arr is not None
                         and arr.nbytes <= min(self.cfg.inline_bytes, inline_left)):
-                    data = _prescaled_bytes(arr, r.prescale)
+                    data = rounds.prescaled_bytes(arr, r.prescale)
                     announcements.append([cid, len(blob), len(data)])
                     blob += data
                     inline_left -= len(data)
@@ -400,7 +357,7 @@ class Engine:
         if ask:
             msg["k"] = ask
         if send_stack:
-            msg["st"] = _main_thread_stack()
+            msg["st"] = rounds.main_thread_stack()
         if shut:
             msg["s"] = 1
         return msg, bytes(blob)
@@ -411,7 +368,7 @@ class Engine:
         blobs: list[bytes] = [b""] * self.size
         messages[self.rank], blobs[self.rank] = msg, blob
         if self._readers:
-            frame = wire.encode_frame(KIND_ROUND, _pack_round(msg, blob))
+            frame = wire.encode_frame(rounds.KIND_ROUND, rounds.pack_round(msg, blob))
             self._exchange(frame, messages, blobs)
         responses = self.negotiator.apply_round(messages, blobs)
         tl = self.timeline
@@ -430,8 +387,7 @@ class Engine:
             self.wake()
         for r, m in enumerate(messages):
             if isinstance(m.get("st"), str) and self.rank == 0:
-                self.stacks[r] = m["st"][-4000:]
-                log.warning("stall: rank %s is at:\n%s", self.describe_rank(r), self.stacks[r])
+                self.stall.record_stack(r, m["st"])
         for m in messages:
             if m.get("x"):
                 x = m["x"]
@@ -481,7 +437,7 @@ class Engine:
             for r in list(to_recv):
                 payload = self._readers[r].pop()
                 if payload is not None:
-                    messages[r], blobs[r] = _unpack_round(payload, r)
+                    messages[r], blobs[r] = rounds.unpack_round(payload, r)
                     to_recv.discard(r)
                     notice = messages[r].get("f")
                     if notice:
@@ -541,93 +497,16 @@ class Engine:
             f"shutdown(); see that rank's output for the first failure", rank=r)
 
     def _check_stalls(self) -> None:
-        cfg = self.cfg
-        if not cfg.stall_check_enabled or self.rank != 0:
+        if not self.cfg.stall_check_enabled or self.rank != 0:
             return
-        stalled = self.negotiator.stalled(cfg.stall_check_time_s)
-        abort_names = []
-        lines = []
-        ask: set[int] = set()
-        all_missing: set[int] = set()
-        for name, ready, missing, age in stalled:
-            if not missing:
-                continue
-            all_missing.update(missing)
-            if name not in self._stall_warned:
-                self._stall_warned.add(name)
-                ask.update(missing)
-                log.warning("stall: %r has been waiting %.0fs; ready on rank(s) %s, missing on "
-                            "rank(s) %s (are they in a different code path, or slower?)",
-                            name, age, ready, [self.describe_rank(m) for m in missing])
-            if cfg.stall_shutdown_time_s > 0 and age > cfg.stall_shutdown_time_s:
-                abort_names.append(name)
-                lines.append(f"{name!r} (ready on rank(s) {_ranks_text(ready)}, missing on "
-                             f"rank(s) {_ranks_text(missing)})")
-        if ask:
+        ask, abort = self.stall.check(self.negotiator)
+        if ask or abort:
             with self._lock:
-                self._stack_request = sorted(ask)
+                if ask:
+                    self._stack_request = ask
+                if abort:
+                    self._abort_msg = abort
             self.wake()
-        if abort_names:
-            doing = "".join(f"\n--- rank {r} was at:\n{self.stacks[r]}"
-                            for r in sorted(all_missing) if r in self.stacks)
-            msg = (f"stalled for more than {cfg.stall_shutdown_time_s:g}s "
-                   f"(RONDE_STALL_SHUTDOWN_TIME): {'; '.join(lines)}; the missing ranks never "
-                   "submitted these collectives (a different code path, or fewer batches: "
-                   f"see join())" + doing)
-            with self._lock:
-                self._abort_msg = {"names": abort_names, "message": msg}
-            for n in abort_names:
-                self._stall_warned.discard(n)
-            self.wake()
-
-
-def _ranks_text(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks))
-
-
-def _main_thread_stack() -> str:
-    """The main thread's current Python stack (what a stalled rank is doing)."""
-    import sys
-    import traceback
-
-    frame = sys._current_frames().get(threading.main_thread().ident or 0)
-    if frame is None:
-        return "(main thread not found)"
-    return "".join(traceback.format_stack(frame)[-12:])
-
-
-_JSON_LEN = struct.Struct("!I")
-#: at most this many inline bytes ride in one round message
-_INLINE_ROUND_BYTES = 256 * 1024
-
-
-def _pack_round(msg: dict[str, Any], blob: bytes) -> bytes:
-    body = wire.dumps(msg)
-    return _JSON_LEN.pack(len(body)) + body + blob
-
-
-def _unpack_round(payload: bytes, rank: int) -> tuple[dict[str, Any], bytes]:
-    if len(payload) < _JSON_LEN.size:
-        raise ProtocolError(f"rank {rank} sent a truncated negotiation message")
-    (n,) = _JSON_LEN.unpack_from(payload)
-    if n > len(payload) - _JSON_LEN.size:
-        raise ProtocolError(f"rank {rank} sent a negotiation message with a bad length")
-    body = payload[_JSON_LEN.size: _JSON_LEN.size + n]
-    return _as_dict(wire.loads(body), rank), payload[_JSON_LEN.size + n:]
-
-
-def _prescaled_bytes(arr: np.ndarray, prescale: float) -> bytes:
-    if prescale == 1.0:
-        return arr.tobytes()
-    scaled = np.empty_like(arr)
-    fusion.scaled_copy(scaled.reshape(-1), arr.reshape(-1), prescale)
-    return scaled.tobytes()
-
-
-def _as_dict(obj: Any, rank: int) -> dict[str, Any]:
-    if not isinstance(obj, dict):
-        raise ProtocolError(f"rank {rank} sent a malformed negotiation message")
-    return obj
 
 
 def _reraise(exc: BaseException) -> BaseException:

@@ -17,7 +17,6 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .._errors import RondeError
 
 
 class Kind(enum.IntEnum):

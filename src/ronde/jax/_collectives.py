@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

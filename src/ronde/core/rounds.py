@@ -1,0 +1,111 @@
+"""Round frames: what one rank sends every peer in a negotiation round.
+
+Where it sits in the engine cycle: the control thread packs its announcements into one
+frame per round (:func:`pack_round`: a JSON part, then the binary part carrying inline
+allreduce data) and reads each peer's frame incrementally with a :class:`FrameReader`
+(bounded: a length over the limit is a :class:`~ronde.ProtocolError` before anything is
+allocated).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import sys
+import threading
+import traceback
+from typing import Any
+
+import numpy as np
+
+from .._errors import ProtocolError
+from ..transport import wire
+from . import fusion
+
+KIND_ROUND = 3
+_READ_BYTES = 1 << 16
+
+
+class FrameReader:
+    """Incremental, bounded frame parser for one non-blocking control socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+        self.eof = False
+
+    def fill(self) -> None:
+        try:
+            data = self.sock.recv(_READ_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.eof = True
+        self.buf += data
+
+    def has_frame(self) -> bool:
+        if len(self.buf) < wire.HEADER_BYTES:
+            return False
+        _, length = wire.decode_header(bytes(self.buf[: wire.HEADER_BYTES]))
+        return len(self.buf) >= wire.HEADER_BYTES + length
+
+    def pop(self) -> bytes | None:
+        if len(self.buf) < wire.HEADER_BYTES:
+            return None
+        kind, length = wire.decode_header(bytes(self.buf[: wire.HEADER_BYTES]))
+        if kind != KIND_ROUND:
+            raise ProtocolError(f"unexpected control frame kind {kind}")
+        end = wire.HEADER_BYTES + length
+        if len(self.buf) < end:
+            return None
+        payload = bytes(self.buf[wire.HEADER_BYTES: end])
+        del self.buf[:end]
+        return payload
+
+
+def ranks_text(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def main_thread_stack() -> str:
+    """The main thread's current Python stack (what a stalled rank is doing)."""
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    if frame is None:
+        return "(main thread not found)"
+    return "".join(traceback.format_stack(frame)[-12:])
+
+
+_JSON_LEN = struct.Struct("!I")
+#: at most this many inline bytes ride in one round message
+INLINE_ROUND_BYTES = 256 * 1024
+
+
+def pack_round(msg: dict[str, Any], blob: bytes) -> bytes:
+    body = wire.dumps(msg)
+    return _JSON_LEN.pack(len(body)) + body + blob
+
+
+def unpack_round(payload: bytes, rank: int) -> tuple[dict[str, Any], bytes]:
+    if len(payload) < _JSON_LEN.size:
+        raise ProtocolError(f"rank {rank} sent a truncated negotiation message")
+    (n,) = _JSON_LEN.unpack_from(payload)
+    if n > len(payload) - _JSON_LEN.size:
+        raise ProtocolError(f"rank {rank} sent a negotiation message with a bad length")
+    body = payload[_JSON_LEN.size: _JSON_LEN.size + n]
+    return as_dict(wire.loads(body), rank), payload[_JSON_LEN.size + n:]
+
+
+def prescaled_bytes(arr: np.ndarray, prescale: float) -> bytes:
+    if prescale == 1.0:
+        return arr.tobytes()
+    scaled = np.empty_like(arr)
+    fusion.scaled_copy(scaled.reshape(-1), arr.reshape(-1), prescale)
+    return scaled.tobytes()
+
+
+def as_dict(obj: Any, rank: int) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"rank {rank} sent a malformed negotiation message")
+    return obj
