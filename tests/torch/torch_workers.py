@@ -389,7 +389,7 @@ def extra_parameter() -> tuple:
 
 def local_misuse() -> str:
     torch, hvd = _setup()
-    r, n = hvd.rank(), hvd.size()
+    r = hvd.rank()
     F = torch.nn.functional
     model = _model(torch, 1)
     named = list(model.named_parameters())
