@@ -27,9 +27,13 @@ import ctypes
 import ctypes.util
 import errno
 import os
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .._ops import ReduceOp
+    from .shm import ShmCommunicator
 
 
 class _Iovec(ctypes.Structure):
@@ -150,3 +154,86 @@ class Layout:
                 lo = b
             i += 1
         return out
+
+
+def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "ReduceOp",
+                       postscale: float) -> None:
+    """The single-copy allreduce (see the module docstring), driven by ``comm``'s counters.
+
+    ``bufs`` is the logical vector (same shapes and order on every rank); the result
+    replaces it in place, post-scaled.
+    """
+    from ..collectives.ops import reduce_into
+    from ..core.fusion import scale_inplace
+    from .shm import CMA_CHUNK_BYTES, DONE, NSEG, PID, REDUCED, WRITTEN, blocks as _blocks
+
+    dtype = bufs[0].dtype
+    item = dtype.itemsize
+    t = comm._begin()
+    table = comm._table[comm.rank]
+    for i, arr in enumerate(bufs):
+        table[2 * i] = arr.ctypes.data
+        table[2 * i + 1] = arr.nbytes
+    comm._publish(NSEG, len(bufs))
+    comm._publish(WRITTEN, t)
+    comm._wait_all(WRITTEN, t)
+    n = len(bufs)
+    layouts = [Layout(comm._table[j][0:2 * n:2].tolist(),
+                      comm._table[j][1:2 * n:2].tolist()) for j in range(comm.size)]
+    mine = layouts[comm.rank]
+    elem_starts = [s // item for s in mine.starts]
+    total = mine.nbytes // item
+    blocks = _blocks(total, comm.size)
+    pids = [int(h[PID]) for h in comm._hdr]
+
+    def my_views(lo: int, hi: int) -> list[np.ndarray]:
+        out = []
+        i = max(0, bisect.bisect_right(elem_starts, lo) - 1)
+        while lo < hi and i < n:
+            s, e = elem_starts[i], elem_starts[i + 1]
+            if e > lo and e > s:
+                a, b = max(lo, s), min(hi, e)
+                out.append(bufs[i][a - s: b - s])
+                lo = b
+            i += 1
+        return out
+
+    chunk = max(1, CMA_CHUNK_BYTES // item)
+    if comm._cma_scratch.nbytes < chunk * item:
+        comm._cma_scratch = np.empty(chunk * item, dtype=np.uint8)
+    scratch = comm._cma_scratch[: chunk * item].view(dtype)
+    lo, hi = blocks[comm.rank]
+    try:
+        for a in range(lo, hi, chunk):
+            b = min(a + chunk, hi)
+            views = my_views(a, b)
+            tmp = scratch[: b - a]
+            for j in range(comm.size):
+                if j == comm.rank:
+                    continue
+                read_into(pids[j], [(tmp.ctypes.data, tmp.nbytes)],
+                              layouts[j].ranges(a * item, b * item))
+                off = 0
+                for v in views:
+                    reduce_into(v, tmp[off: off + v.size], op)
+                    off += v.size
+            for v in views:
+                scale_inplace(v, postscale)
+        comm._publish(REDUCED, t)
+        for j in range(comm.size):
+            if j == comm.rank:
+                continue
+            jlo, jhi = blocks[j]
+            if jlo == jhi:
+                continue
+            comm._wait_all_one(j, REDUCED, t)
+            read_into(pids[j], mine.ranges(jlo * item, jhi * item),
+                          layouts[j].ranges(jlo * item, jhi * item))
+    except OSError as exc:
+        from .._errors import PeerLostError
+
+        raise PeerLostError(f"single-copy read from a peer on this host failed ({exc}); "
+                            "it probably exited", rank=None) from None
+    comm._publish(DONE, t)
+    # peers read my tensors until they are DONE: only then may the caller reuse them
+    comm._wait_all(DONE, t)

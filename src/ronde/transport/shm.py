@@ -24,7 +24,6 @@ fusion buffer. The segment then only carries the counters and the address table.
 
 from __future__ import annotations
 
-import bisect
 import mmap
 import os
 import tempfile
@@ -44,7 +43,7 @@ _TABLE_OFFSET = _SLOTS * 8
 TABLE_ENTRIES = (_HEADER_BYTES - _TABLE_OFFSET) // 16
 #: allreduces of at least this size use cross-memory attach when every rank can
 CMA_MIN_BYTES = 256 * 1024
-_CMA_CHUNK_BYTES = 1 << 20
+CMA_CHUNK_BYTES = 1 << 20
 #: allreduces up to this size take the one-synchronisation path through a small,
 #: double-buffered region (every rank reduces all contributions itself)
 SMALL_BYTES = 64 * 1024
@@ -74,7 +73,7 @@ def remove_job_segments(job_id: str) -> int:
     return removed
 
 
-def _blocks(m: int, n: int) -> list[tuple[int, int]]:
+def blocks(m: int, n: int) -> list[tuple[int, int]]:
     base, extra = divmod(m, n)
     out, lo = [], 0
     for i in range(n):
@@ -210,7 +209,7 @@ class ShmCommunicator(Communicator):
             return [(0, self._allreduce_small(None, m, dtype, op))]
         t = self._reduce_own_block(None, m, dtype, op)
         pieces = []
-        for j, (lo, hi) in enumerate(_blocks(m, self.size)):
+        for j, (lo, hi) in enumerate(blocks(m, self.size)):
             if j != self.rank:
                 self._wait_all_one(j, REDUCED, t)
             pieces.append((lo, self._view(j, dtype, m)[lo:hi]))
@@ -259,7 +258,7 @@ class ShmCommunicator(Communicator):
         if buf is not None:
             np.copyto(mine, buf)
         self._publish(WRITTEN, t)
-        lo, hi = _blocks(m, self.size)[self.rank]
+        lo, hi = blocks(m, self.size)[self.rank]
         self._wait_all(WRITTEN, t)
         acc = mine[lo:hi]
         for j in range(self.size):
@@ -270,7 +269,7 @@ class ShmCommunicator(Communicator):
 
     def _allreduce_piece(self, buf: np.ndarray, m: int, dtype: np.dtype, op: ReduceOp) -> None:
         t = self._reduce_own_block(buf, m, dtype, op)
-        for j, (lo, hi) in enumerate(_blocks(m, self.size)):
+        for j, (lo, hi) in enumerate(blocks(m, self.size)):
             if j != self.rank:
                 self._wait_all_one(j, REDUCED, t)
             np.copyto(buf[lo:hi], self._view(j, dtype, m)[lo:hi])
@@ -346,82 +345,12 @@ class ShmCommunicator(Communicator):
         here (the caller then takes the shared-segment path).
         """
         from . import cma
-        from ..core.fusion import scale_inplace
 
         if self._cma is None:
             self._cma = self._agree_on_cma()
         if not self._cma:
             return False
-        dtype = bufs[0].dtype
-        item = dtype.itemsize
-        t = self._begin()
-        table = self._table[self.rank]
-        for i, arr in enumerate(bufs):
-            table[2 * i] = arr.ctypes.data
-            table[2 * i + 1] = arr.nbytes
-        self._publish(NSEG, len(bufs))
-        self._publish(WRITTEN, t)
-        self._wait_all(WRITTEN, t)
-        n = len(bufs)
-        layouts = [cma.Layout(self._table[j][0:2 * n:2].tolist(),
-                              self._table[j][1:2 * n:2].tolist()) for j in range(self.size)]
-        mine = layouts[self.rank]
-        elem_starts = [s // item for s in mine.starts]
-        total = mine.nbytes // item
-        blocks = _blocks(total, self.size)
-        pids = [int(h[PID]) for h in self._hdr]
-
-        def my_views(lo: int, hi: int) -> list[np.ndarray]:
-            out = []
-            i = max(0, bisect.bisect_right(elem_starts, lo) - 1)
-            while lo < hi and i < n:
-                s, e = elem_starts[i], elem_starts[i + 1]
-                if e > lo and e > s:
-                    a, b = max(lo, s), min(hi, e)
-                    out.append(bufs[i][a - s: b - s])
-                    lo = b
-                i += 1
-            return out
-
-        chunk = max(1, _CMA_CHUNK_BYTES // item)
-        if self._cma_scratch.nbytes < chunk * item:
-            self._cma_scratch = np.empty(chunk * item, dtype=np.uint8)
-        scratch = self._cma_scratch[: chunk * item].view(dtype)
-        lo, hi = blocks[self.rank]
-        try:
-            for a in range(lo, hi, chunk):
-                b = min(a + chunk, hi)
-                views = my_views(a, b)
-                tmp = scratch[: b - a]
-                for j in range(self.size):
-                    if j == self.rank:
-                        continue
-                    cma.read_into(pids[j], [(tmp.ctypes.data, tmp.nbytes)],
-                                  layouts[j].ranges(a * item, b * item))
-                    off = 0
-                    for v in views:
-                        reduce_into(v, tmp[off: off + v.size], op)
-                        off += v.size
-                for v in views:
-                    scale_inplace(v, postscale)
-            self._publish(REDUCED, t)
-            for j in range(self.size):
-                if j == self.rank:
-                    continue
-                jlo, jhi = blocks[j]
-                if jlo == jhi:
-                    continue
-                self._wait_all_one(j, REDUCED, t)
-                cma.read_into(pids[j], mine.ranges(jlo * item, jhi * item),
-                              layouts[j].ranges(jlo * item, jhi * item))
-        except OSError as exc:
-            from .._errors import PeerLostError
-
-            raise PeerLostError(f"single-copy read from a peer on this host failed ({exc}); "
-                                "it probably exited", rank=None) from None
-        self._publish(DONE, t)
-        # peers read my tensors until they are DONE: only then may the caller reuse them
-        self._wait_all(DONE, t)
+        cma.allreduce_in_place(self, bufs, op, postscale)
         return True
 
     def reducescatter(self, buf: np.ndarray, counts: list[int], op: ReduceOp) -> np.ndarray:
