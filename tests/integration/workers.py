@@ -148,6 +148,8 @@ def process_sets() -> list:
     mine = evens if r % 2 == 0 else odds
     got = hvd.allreduce(np.ones(2) * r, op=hvd.Sum, process_set=mine)
     np.testing.assert_allclose(got, np.full(2, float(sum(mine.ranks))))
+    big = hvd.allreduce(np.full(300_001, float(r), np.float32), op=hvd.Sum, process_set=mine)
+    np.testing.assert_allclose(big, float(sum(mine.ranks)))  # single-copy path on shm
     g = hvd.allgather(np.array([r]), process_set=mine)
     np.testing.assert_array_equal(g, mine.ranks)
     b = hvd.broadcast(np.array([r]), root_rank=mine.ranks[-1], process_set=mine)
