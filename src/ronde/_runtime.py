@@ -30,6 +30,7 @@ from .core.engine import Engine
 from .runner import env as worker_env
 from .runner import rendezvous
 from .transport import mesh as mesh_mod
+from .transport.net import free_port, route_address
 from .transport.base import Communicator, P2PCommunicator, SelfCommunicator
 
 log = logging.getLogger("ronde")
@@ -85,22 +86,6 @@ class Runtime:
 
 def _is_loopback(addr: str) -> bool:
     return addr.startswith("127.") or addr in ("localhost", "::1")
-
-
-def _route_address(target: str) -> str:
-    """The local address this host uses to reach ``target`` (no packet is sent)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((target, 9))
-            return s.getsockname()[0]
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
-
-
-def _free_port(bind: str) -> int:
-    with socket.socket() as s:
-        s.bind((bind if bind not in ("", "0.0.0.0") else "", 0))
-        return int(s.getsockname()[1])
 
 
 def _file_rendezvous_path(job_id: str) -> str:
@@ -206,11 +191,11 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
         local_job = wenv.rendezvous_mode == "file" or _is_loopback(rdv_host)
         bind = cfg.bind_addr or ("127.0.0.1" if local_job else "0.0.0.0")
         listener = mesh_mod.listen(bind)
-        advertised = bind if bind not in ("0.0.0.0", "") else _route_address(rdv_host)
+        advertised = bind if bind not in ("0.0.0.0", "") else route_address(rdv_host)
         info = {"rank": rank, "size": size, "generation": gen, "host": wenv.host,
                 "addr": advertised, "port": listener.getsockname()[1]}
         if cfg.transport == "gloo" and rank == 0:
-            info["store_port"] = _free_port(bind)
+            info["store_port"] = free_port(bind)
         try:
             peers, secret = _rendezvous(wenv, cfg, info)
         except BaseException:

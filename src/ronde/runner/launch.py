@@ -20,7 +20,6 @@ import queue
 import secrets
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,8 @@ from typing import IO, Any, Mapping, Sequence
 from .._errors import ConfigError
 from .env import worker_env_vars
 from .hosts import RankSlot, is_local, layout
+from ..transport.net import route_address
+from . import summary
 from .rendezvous import RendezvousServer
 
 log = logging.getLogger(__name__)
@@ -64,22 +65,6 @@ class LaunchResult:
     exit_codes: list[int | None]
     cause: str
     summary: str = ""
-
-
-def _describe_status(code: int | None) -> str:
-    if code is None:
-        return "did not start"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by signal {name}"
-    return f"exit code {code}"
-
-
-def _shell_code(code: int) -> int:
-    return 128 - code if code < 0 else code
 
 
 class _Worker:
@@ -217,8 +202,7 @@ class _Job:
 
     def _reporters(self) -> set[int]:
         """Ranks that reported a primary failure of their own to the rendezvous service."""
-        return {f["rank"] for f in list(self.server.failures)
-                if not f.get("secondary") and isinstance(f.get("rank"), int)}
+        return {f["rank"] for f in summary.primary_reports(list(self.server.failures))}
 
     def _stop_all(self, spare_reporters: bool = False) -> None:
         """SIGTERM every live worker's group, SIGKILL after the grace period.
@@ -295,27 +279,6 @@ class _Job:
                 t.join(timeout=2.0)
         return self._result(reason, running)
 
-    def _first_failure(self) -> tuple[_Worker | None, str]:
-        primary = [f for f in list(self.server.failures) if f.get("rank") in self._reporters()
-                   and 0 <= f["rank"] < len(self.workers)]
-        if primary:
-            first = min(primary, key=lambda f: f.get("time", 0.0))
-            return self.workers[first["rank"]], str(first.get("message", ""))
-        # A rank whose error says another rank caused it (PeerLostError, ShutdownError,
-        # StallError: reported as secondary) is not the cause while another failed rank
-        # made no such claim, e.g. one that called sys.exit(3).
-        secondary = {f.get("rank") for f in list(self.server.failures) if f.get("secondary")}
-        failed = [w for w in self.workers if w.returncode not in (None, 0) and not w.signalled
-                  and w.slot.rank not in secondary]
-        if not failed:
-            failed = [w for w in self.workers
-                      if w.returncode not in (None, 0) and not w.signalled]
-        if not failed:
-            failed = [w for w in self.workers if w.returncode not in (None, 0)]
-        if not failed:
-            return None, ""
-        return min(failed, key=lambda w: (w.exit_time or 0.0, w.slot.rank)), ""
-
     def _result(self, reason: str, running: list[int]) -> LaunchResult:
         codes = [w.returncode for w in self.workers]
         if reason == "done":
@@ -324,39 +287,15 @@ class _Job:
             sig = self.signals[0]
             code = 130 if sig == signal.SIGINT else 128 + sig
             cause = (f"interrupted by {signal.Signals(sig).name}; stopped rank(s) "
-                     f"{_ranks(running) or 'none'}")
+                     f"{summary.ranks_text(running) or 'none'}")
             return self._finish(LaunchResult(code, None, codes, cause), [f"ronderun: {cause}"])
         if reason == "timeout":
             cause = (f"job timed out after {self.timeout_s:g}s (--timeout); killed the ranks "
-                     f"still running: {_ranks(running) or 'none'}")
+                     f"still running: {summary.ranks_text(running) or 'none'}")
             return self._finish(LaunchResult(124, None, codes, cause), [f"ronderun: {cause}"])
-        first, message = self._first_failure()
+        first, message = summary.first_failure(self.workers, list(self.server.failures))
         assert first is not None
-        raw = first.returncode if first.returncode is not None else 1
-        code = _shell_code(raw) or 1
-        where = f"rank {first.slot.rank} (host {first.slot.host})"
-        if first.signalled and raw < 0:  # it reported an error but did not exit in time
-            code = 1
-            cause = (f"{where} failed first: it reported an error, then ronderun had to stop "
-                     f"it ({_describe_status(raw)[4:]})")
-        elif raw < 0:
-            cause = f"{where} failed first: it {_describe_status(raw)}"
-        else:
-            cause = f"{where} failed first with {_describe_status(raw)}"
-        lines = [f"ronderun: {cause}"]
-        detail = list(first.tail) or (message.splitlines() if message else [])
-        if detail:
-            lines.append(f"ronderun: last stderr lines of rank {first.slot.rank}:")
-            lines.extend(f"    {line}" for line in detail)
-        others = []
-        for w in self.workers:
-            if w is first or w.returncode in (0, None):
-                continue
-            how = ("stopped by ronderun" if w.signalled
-                   else f"failed afterwards ({_describe_status(w.returncode)})")
-            others.append(f"{w.slot.rank} {how}")
-        lines.append("ronderun: other ranks: " + ("; ".join(others) if others else
-                                                  "none failed or needed stopping"))
+        code, cause, lines = summary.failure_lines(first, message, self.workers)
         return self._finish(LaunchResult(code, first.slot.rank, codes, cause), lines)
 
     def _finish(self, result: LaunchResult, lines: list[str]) -> LaunchResult:
@@ -371,27 +310,6 @@ class _Job:
             except (OSError, ValueError):
                 pass
         return result
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks))
-
-
-def _route_address(host: str) -> str:
-    """The address of this machine that routes to ``host`` (UDP connect sends nothing)."""
-    try:
-        infos = socket.getaddrinfo(host, 9, socket.AF_INET, socket.SOCK_DGRAM)
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(infos[0][4])
-            return str(s.getsockname()[0])
-    except OSError:
-        pass
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        log.warning("cannot find an address of this machine that %s can reach; "
-                    "telling workers 127.0.0.1 (set RONDE_BIND_ADDR)", host)
-        return "127.0.0.1"
 
 
 def _remote_argv(host: str, command: Sequence[str], variables: Mapping[str, str],
@@ -469,7 +387,7 @@ def run(command: Sequence[str], np: int | None, hosts: str | None = None,
         elif bind_env and bind_env not in ("0.0.0.0", "::"):
             advertise = bind_env
         else:
-            advertise = _route_address(next(h for h, loc in local.items() if not loc))
+            advertise = route_address(next(h for h, loc in local.items() if not loc))
         workers = []
         for s in slots:
             variables = worker_env_vars(

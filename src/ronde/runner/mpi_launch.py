@@ -20,6 +20,7 @@ from typing import Mapping, Sequence
 
 from .._errors import ConfigError
 from .hosts import HostSpec, is_local, resolve_hosts
+from . import summary
 from .rendezvous import RendezvousServer
 
 
@@ -76,9 +77,9 @@ def run_mpi(command: Sequence[str], np: int | None, hosts: str | None, hostfile:
     job_id = f"ronde-mpi-{os.getpid()}-{secrets.token_hex(4)}"
     addr = "127.0.0.1"
     if not all_local and specs:
-        from .launch import _route_address
+        from ..transport.net import route_address
 
-        addr = _route_address(next(h.name for h in specs if not is_local(h.name)))
+        addr = route_address(next(h.name for h in specs if not is_local(h.name)))
     env = dict(settings)
     env.setdefault("RONDE_TRANSPORT", "mpi")
     env.update({"RONDE_RENDEZVOUS_ADDR": addr, "RONDE_RENDEZVOUS_PORT": str(server.port),
@@ -102,7 +103,7 @@ def run_mpi(command: Sequence[str], np: int | None, hosts: str | None, hostfile:
 
         remove_job_segments(job_id)
     if code != 0 and server.failures:
-        first = min((f for f in server.failures if not f.get("secondary")),
+        first = min(summary.primary_reports(list(server.failures)),
                     key=lambda f: f.get("time", 0.0), default=None)
         if first is not None:
             sys.stderr.write(f"ronderun: rank {first.get('rank')} failed first:\n"

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import socket
 import threading
 from typing import Any, Iterator, Sequence
 
@@ -35,6 +34,7 @@ import torch
 from .. import _api
 from .._ops import ReduceOp
 from ..core import device as device_mod
+from ..transport.net import free_port
 from ._tensors import dtype_name, torch_dtype
 
 logger = logging.getLogger(__name__)
@@ -164,9 +164,7 @@ def _store_address(rt: Any) -> tuple[str, int]:
     mesh = rt.mesh
     if mesh is not None and mesh._peers:
         host = str(mesh._peers[0]["addr"])
-    with socket.socket() as s:
-        s.bind(("" if host != "127.0.0.1" else host, 0))
-        return host, int(s.getsockname()[1])
+    return host, free_port("" if host != "127.0.0.1" else host)
 
 
 _OPS = {

@@ -1,0 +1,100 @@
+"""Which rank failed first, and the summary ``ronderun`` prints last.
+
+When one rank fails, the others usually fail right after it, as a consequence. Workers
+report their exception to the rendezvous service and mark the consequences
+(``PeerLostError``, ``ShutdownError``, ``StallError``) as *secondary*; these functions
+turn those reports and the exit statuses into the first failure and its summary.
+Shared by :mod:`.launch` and :mod:`.mpi_launch`.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any, Protocol, Sequence
+
+
+class Failed(Protocol):
+    """What the summary needs to know about one rank's process."""
+
+    returncode: int | None
+    exit_time: float | None
+    signalled: bool
+    tail: Any
+    slot: Any
+
+
+def describe_status(code: int | None) -> str:
+    if code is None:
+        return "did not start"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by signal {name}"
+    return f"exit code {code}"
+
+
+def shell_code(code: int) -> int:
+    return 128 - code if code < 0 else code
+
+
+def ranks_text(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def primary_reports(failures: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Failures reported by the ranks themselves, not as a consequence of another."""
+    return [f for f in failures if not f.get("secondary") and isinstance(f.get("rank"), int)]
+
+
+def first_failure(workers: Sequence[Failed], failures: Sequence[dict[str, Any]]
+                  ) -> tuple[Any | None, str]:
+    """The worker that failed first and its reported message ("" if none)."""
+    primary = [f for f in primary_reports(failures) if 0 <= f["rank"] < len(workers)]
+    if primary:
+        first = min(primary, key=lambda f: f.get("time", 0.0))
+        return workers[first["rank"]], str(first.get("message", ""))
+    # A rank whose error says another rank caused it is not the cause while another
+    # failed rank made no such claim, e.g. one that called sys.exit(3).
+    secondary = {f.get("rank") for f in failures if f.get("secondary")}
+    failed = [w for w in workers if w.returncode not in (None, 0) and not w.signalled
+              and w.slot.rank not in secondary]
+    if not failed:
+        failed = [w for w in workers if w.returncode not in (None, 0) and not w.signalled]
+    if not failed:
+        failed = [w for w in workers if w.returncode not in (None, 0)]
+    if not failed:
+        return None, ""
+    return min(failed, key=lambda w: (w.exit_time or 0.0, w.slot.rank)), ""
+
+
+def failure_lines(first: Failed, message: str, workers: Sequence[Failed]
+                  ) -> tuple[int, str, list[str]]:
+    """The job's exit code, its one-line cause and the summary lines."""
+    raw = first.returncode if first.returncode is not None else 1
+    code = shell_code(raw) or 1
+    where = f"rank {first.slot.rank} (host {first.slot.host})"
+    if first.signalled and raw < 0:  # it reported an error but did not exit in time
+        code = 1
+        cause = (f"{where} failed first: it reported an error, then ronderun had to stop "
+                 f"it ({describe_status(raw)[4:]})")
+    elif raw < 0:
+        cause = f"{where} failed first: it {describe_status(raw)}"
+    else:
+        cause = f"{where} failed first with {describe_status(raw)}"
+    lines = [f"ronderun: {cause}"]
+    detail = list(first.tail) or (message.splitlines() if message else [])
+    if detail:
+        lines.append(f"ronderun: last stderr lines of rank {first.slot.rank}:")
+        lines.extend(f"    {line}" for line in detail)
+    others = []
+    for w in workers:
+        if w is first or w.returncode in (0, None):
+            continue
+        how = ("stopped by ronderun" if w.signalled
+               else f"failed afterwards ({describe_status(w.returncode)})")
+        others.append(f"{w.slot.rank} {how}")
+    lines.append("ronderun: other ranks: " + ("; ".join(others) if others else
+                                              "none failed or needed stopping"))
+    return code, cause, lines

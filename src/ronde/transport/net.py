@@ -1,0 +1,36 @@
+"""Addresses: which local address reaches a host, and a free port to listen on.
+
+Shared by the launcher (what to tell remote workers), the runtime (what a rank
+advertises to its peers) and the bindings that start a torch.distributed store.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+log = logging.getLogger(__name__)
+
+
+def route_address(host: str) -> str:
+    """The address of this machine that routes to ``host`` (a UDP connect sends nothing)."""
+    try:
+        infos = socket.getaddrinfo(host, 9, socket.AF_INET, socket.SOCK_DGRAM)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(infos[0][4])
+            return str(s.getsockname()[0])
+    except OSError:
+        pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        log.warning("cannot find an address of this machine that %s can reach; "
+                    "using 127.0.0.1 (set RONDE_BIND_ADDR)", host)
+        return "127.0.0.1"
+
+
+def free_port(bind: str = "") -> int:
+    """A TCP port that is free on ``bind`` now (all interfaces when empty or 0.0.0.0)."""
+    with socket.socket() as s:
+        s.bind((bind if bind not in ("", "0.0.0.0") else "", 0))
+        return int(s.getsockname()[1])
