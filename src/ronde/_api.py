@@ -18,7 +18,7 @@ import numpy as np
 
 from ._errors import NotInitializedError, RondeError
 from .collectives.ops import Average, ReduceOp, Sum
-from .core.requests import WIRE_DTYPES, Allocator, Handle, Kind, Request
+from .core.requests import WIRE_DTYPES, Allocator, GroupOfHandles, Handle, Kind, Request
 from .process_sets import ProcessSet, global_process_set
 
 if TYPE_CHECKING:
@@ -245,11 +245,11 @@ def allreduce(tensor: Any, average: bool | None = None, name: str | None = None,
 def grouped_allreduce_async(tensors: Sequence[Any], average: bool | None = None,
                             name: str | None = None, op: Any = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            process_set: ProcessSet | None = None) -> "GroupHandle":
+                            process_set: ProcessSet | None = None) -> GroupOfHandles:
     """Start an allreduce of every tensor in the list (negotiated and fused together)."""
     ps_id = _ps_id(process_set)
     base = name if name is not None else _auto_name("grouped_allreduce", ps_id)
-    return GroupHandle([allreduce_async(t, average, f"{base}.{i}", op, prescale_factor,
+    return GroupOfHandles([allreduce_async(t, average, f"{base}.{i}", op, prescale_factor,
                                         postscale_factor, process_set)
                         for i, t in enumerate(tensors)])
 
@@ -263,17 +263,8 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
                                    postscale_factor, process_set).wait()
 
 
-class GroupHandle:
-    """Handle over several handles; ``wait()`` returns the list of results."""
-
-    def __init__(self, handles: list[Handle]) -> None:
-        self.handles = handles
-
-    def poll(self) -> bool:
-        return all(h.poll() for h in self.handles)
-
-    def wait(self, timeout: float | None = None) -> list[Any]:
-        return [h.wait(timeout) for h in self.handles]
+#: Horovod's name for a handle over several handles (``wait()`` returns the list)
+GroupHandle = GroupOfHandles
 
 
 def allgather_async(tensor: Any, name: str | None = None,
@@ -469,67 +460,9 @@ def stop_timeline() -> None:
         tl.close()
 
 
-# -- build facts (Horovod compatibility) ---------------------------------------------------
-def _importable(module: str) -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def mpi_built() -> bool:
-    """True when mpi4py is installed, so ``RONDE_TRANSPORT=mpi`` can work."""
-    return _importable("mpi4py")
-
-
-def mpi_enabled() -> bool:
-    """True when the global process set moves its bytes through MPI."""
-    return _rt is not None and _rt.transport == "mpi"
-
-
-def gloo_built() -> bool:
-    """True when torch.distributed (Gloo) is installed: ``RONDE_TRANSPORT=gloo``."""
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return False
-    return bool(dist.is_available())
-
-
-def gloo_enabled() -> bool:
-    """True when the global process set moves its bytes through Gloo."""
-    return _rt is not None and _rt.transport == "gloo"
-
-
-def nccl_built() -> bool:
-    return False
-
-
-def cuda_built() -> bool:
-    return False
-
-
-def rocm_built() -> bool:
-    return False
-
-
-def ddl_built() -> bool:
-    return False
-
-
-def ccl_built() -> bool:
-    return False
-
-
-def mpi_threads_supported() -> bool:
-    """True when MPI runs with ``MPI_THREAD_MULTIPLE`` (only meaningful with mpi)."""
-    if not mpi_enabled():
-        return False
-    from mpi4py import MPI
-
-    return bool(MPI.Query_thread() == MPI.THREAD_MULTIPLE)
-
+# -- build facts (Horovod compatibility), in a module of their own ------------------------
+from ._build import (ccl_built, cuda_built, ddl_built, gloo_built,  # noqa: E402,F401
+                     gloo_enabled, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
+                     rocm_built)
 
 Callback = Callable[[Handle], None]

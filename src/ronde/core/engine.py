@@ -28,19 +28,16 @@ import threading
 import time
 from typing import Any, Callable
 
-import numpy as np
 
 from .._config import Config
 from .._errors import (DuplicateNameError, PeerLostError, RondeError,
                        ShutdownError)
 from ..transport import wire
 from ..transport.base import Communicator
-from ..collectives.ops import ReduceOp, reduce_into
-from . import fusion
 from .executor import Executor
 from .negotiation import Negotiator, Response
 from . import rounds
-from .requests import Kind, Request, resolve_dtype
+from .requests import Kind, Request
 from .stall import StallInspector
 from .timeline import Timeline, now_us
 
@@ -395,36 +392,9 @@ class Engine:
                                                   "stall") + responses
         for resp in responses:
             if resp.inline is not None:
-                self._complete_inline(resp)
+                self.executor.run_inline(resp)
             else:
                 self.executor.queue.put(resp)
-
-    def _complete_inline(self, resp: Response) -> None:
-        """Reduce an allreduce whose every contribution came with the negotiation."""
-        req = self.take(resp.names[0])
-        if req is None:  # not a member of this process set
-            return
-        start = now_us() if self.timeline is not None else 0.0
-        try:
-            meta = resp.metas[0][min(resp.metas[0])]
-            dtype = resolve_dtype(meta.dtype)
-            op, post = ReduceOp(meta.op), meta.postscale
-            if op == ReduceOp.AVERAGE:
-                op, post = ReduceOp.SUM, post / len(resp.inline or ())
-            out = req.out if req.out is not None else req.allocate(meta.shape, dtype)
-            flat = out.reshape(-1)
-            parts = resp.inline or []
-            np.copyto(flat, np.frombuffer(parts[0], dtype=dtype))
-            for part in parts[1:]:
-                reduce_into(flat, np.frombuffer(part, dtype=dtype), op)
-            fusion.scale_inplace(flat, post)
-        except BaseException as exc:  # noqa: BLE001 - the caller gets it
-            req.fail(exc if isinstance(exc, RondeError) else RondeError(
-                f"allreduce {req.name!r} failed: {exc!r}"))
-            return
-        if self.timeline is not None:
-            self.timeline.phase(req.name, "INLINE_REDUCE", start, now_us())
-        req.complete(out)
 
     def _exchange(self, frame: bytes, messages: list[dict[str, Any]],
                   blobs: list[bytes]) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 
 from .._errors import (DuplicateNameError, JoinedError, RondeError, ShutdownError, StallError,
                        TensorMismatchError)
-from ..collectives.ops import ReduceOp
+from ..collectives.ops import ReduceOp, reduce_into
 from . import fusion
 from .negotiation import Response
 from .requests import Kind, Meta, Request, resolve_dtype
@@ -139,6 +139,35 @@ class Executor:
                 tl.phase(name, phase, start, end, args)
         for name in resp.names:
             tl.phase(name, resp.kind.name, marks[0][1], marks[-1][1], args)
+
+    def run_inline(self, resp: Response) -> None:
+        """Control thread: reduce an allreduce whose every contribution came with the
+        negotiation, in rank order (no data plane, no hand-off to this thread)."""
+        eng = self.engine
+        req = eng.take(resp.names[0])
+        if req is None:  # not a member of this process set
+            return
+        start = now_us() if eng.timeline is not None else 0.0
+        try:
+            meta = resp.metas[0][min(resp.metas[0])]
+            dtype = resolve_dtype(meta.dtype)
+            op, post = ReduceOp(meta.op), meta.postscale
+            if op == ReduceOp.AVERAGE:
+                op, post = ReduceOp.SUM, post / len(resp.inline or ())
+            out = req.out if req.out is not None else req.allocate(meta.shape, dtype)
+            flat = out.reshape(-1)
+            parts = resp.inline or []
+            np.copyto(flat, np.frombuffer(parts[0], dtype=dtype))
+            for part in parts[1:]:
+                reduce_into(flat, np.frombuffer(part, dtype=dtype), op)
+            fusion.scale_inplace(flat, post)
+        except BaseException as exc:  # noqa: BLE001 - the caller gets it
+            req.fail(exc if isinstance(exc, RondeError) else RondeError(
+                f"allreduce {req.name!r} failed: {exc!r}"))
+            return
+        if eng.timeline is not None:
+            eng.timeline.phase(req.name, "INLINE_REDUCE", start, now_us())
+        req.complete(out)
 
     # -- per kind ------------------------------------------------------------------------
     def _allreduce(self, resp: Response, reqs: list[Request | None], comm: Any,

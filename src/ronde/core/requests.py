@@ -125,6 +125,46 @@ class Handle:
         return f"<Handle {self.name!r} {'done' if self.poll() else 'pending'}>"
 
 
+class GroupOfHandles:
+    """Several runtime handles as one; ``wait()`` returns the list of results."""
+
+    def __init__(self, inners: Sequence[Any]) -> None:
+        self.inners = list(inners)
+
+    def poll(self) -> bool:
+        """True once every handle finished."""
+        return all(h.poll() for h in self.inners)
+
+    def wait(self, timeout: float | None = None) -> list[Any]:
+        """Wait for every handle; the list of their results, in order."""
+        return [h.wait(timeout) for h in self.inners]
+
+    def exception(self) -> BaseException | None:
+        """Wait, then return the first error or None."""
+        for h in self.inners:
+            exc = h.exception()
+            if exc is not None:
+                return exc
+        return None
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        """Call ``fn(self)`` once, when the last handle finished."""
+        remaining = [len(self.inners)]
+        lock = threading.Lock()
+
+        def one(_h: Any) -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                fn(self)
+
+        if not self.inners:
+            fn(self)
+        for h in self.inners:
+            h.add_done_callback(one)
+
+
 class Request:
     """One collective call on one rank, as the engine sees it."""
 

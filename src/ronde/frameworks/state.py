@@ -14,9 +14,9 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 
 class TensorSlot(NamedTuple):
-    """Stands for tensor number ``index`` of the tree while the structure travels."""
+    """Stands for tensor number ``position`` of the tree while the structure travels."""
 
-    index: int
+    position: int
     dtype: str
     shape: tuple[int, ...]
 
@@ -43,11 +43,11 @@ def split_tensors(tree: Any, is_tensor: Callable[[Any], bool],
 
 
 def fill_tensors(skeleton: Any, tensors: Sequence[Any]) -> Any:
-    """Inverse of :func:`split_tensors`: put ``tensors[slot.index]`` back in place."""
+    """Inverse of :func:`split_tensors`: put ``tensors[slot.position]`` back in place."""
 
     def walk(node: Any) -> Any:
         if isinstance(node, TensorSlot):
-            return tensors[node.index]
+            return tensors[node.position]
         if isinstance(node, dict):
             return {k: walk(v) for k, v in node.items()}
         if isinstance(node, list):
@@ -74,7 +74,7 @@ def slots(skeleton: Any) -> list[TensorSlot]:
                 walk(v)
 
     walk(skeleton)
-    return sorted(found, key=lambda s: s.index)
+    return sorted(found, key=lambda s: s.position)
 
 
 def broadcast_state(tree: Any, root_rank: int, is_root: bool, *,

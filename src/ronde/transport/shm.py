@@ -170,8 +170,7 @@ class ShmCommunicator(Communicator):
 
     def _begin(self) -> int:
         """Start a piece: wait until peers finished reading my segment, return its counter."""
-        if not self._unlinked and all(h[ATTACHED] >= 1 for h in self._hdr):
-            self._unlink()  # every member has mapped it: the name is no longer needed
+        self._unlink_once_mapped()
         self._wait_all(DONE, self._t)
         self._t += 1
         return self._t
@@ -186,8 +185,7 @@ class ShmCommunicator(Communicator):
     def staging(self, nbytes: int) -> np.ndarray | None:
         if nbytes > self.segment_bytes or self.size == 1:
             return None
-        if not self._unlinked and all(h[ATTACHED] >= 1 for h in self._hdr):
-            self._unlink()
+        self._unlink_once_mapped()
         if nbytes <= SMALL_BYTES:
             # the next op (counter t+1) uses parity (t+1) % 2; op t-1 used it last
             self._wait_all(DONE, self._t - 1)
@@ -442,6 +440,10 @@ class ShmCommunicator(Communicator):
         self._publish(DONE, t)
 
     # -- lifetime ------------------------------------------------------------------------
+    def _unlink_once_mapped(self) -> None:
+        if not self._unlinked and all(h[ATTACHED] >= 1 for h in self._hdr):
+            self._unlink()  # every member has mapped it: the name is no longer needed
+
     def _unlink(self) -> None:
         self._unlinked = True
         try:
