@@ -4,32 +4,24 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("keras")
 pytest.importorskip("sklearn")
 
+from ronde.testing import rank0_metric, run_script  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run(script: str, *args: str, backend: str = "tensorflow") -> str:
-    env = dict(os.environ, KERAS_BACKEND=backend, CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-m", "ronde.run", "-np", "2", sys.executable,
-                           os.path.join(ROOT, "examples", script), *args],
-                          capture_output=True, text=True, timeout=150, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    return run_script(2, os.path.join(ROOT, "examples", script), *args, timeout_s=150,
+                      env={"KERAS_BACKEND": backend, "CUDA_VISIBLE_DEVICES": ""})
 
 
 def _accuracy(stdout: str) -> float:
-    m = re.search(r"\[0\]<stdout>:.*test accuracy ([0-9.]+)", stdout)
-    assert m, stdout[-2000:]
-    assert "[1]<stdout>:" not in "".join(l for l in stdout.splitlines() if "accuracy" in l)
-    return float(m.group(1))
+    return rank0_metric(stdout, "test accuracy")
 
 
 @pytest.mark.timeout(160)

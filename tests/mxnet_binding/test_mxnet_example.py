@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("mxnet")
 pytest.importorskip("sklearn")
+
+from ronde.testing import rank0_metric, run_script  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -18,13 +17,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.timeout(120)
 def test_mxnet_digits_example_trains_at_np2(tmp_path):
     ckpt = tmp_path / "net.params"
-    proc = subprocess.run(
-        [sys.executable, "-m", "ronde.run", "-np", "2", sys.executable,
-         os.path.join(ROOT, "examples", "mxnet_mnist.py"), "--checkpoint", str(ckpt)],
-        capture_output=True, text=True, timeout=100)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    m = re.search(r"\[0\]<stdout>:test accuracy ([0-9.]+) \(2 ranks", proc.stdout)
-    assert m and float(m.group(1)) >= 0.95, proc.stdout
-    assert "[1]<stdout>:test accuracy" not in proc.stdout  # only rank 0 reports
+    out = run_script(2, os.path.join(ROOT, "examples", "mxnet_mnist.py"),
+                     "--checkpoint", str(ckpt))
+    assert "(2 ranks" in out
+    assert rank0_metric(out, "test accuracy") >= 0.95
     assert ckpt.stat().st_size > 0
     assert not [p for p in os.listdir(tmp_path) if p.startswith("tmp-ckpt-")]
