@@ -78,6 +78,8 @@ class Config:
     inline_bytes: int = 4096
     hierarchical: str = "auto"
     cma: bool = True
+    shm_control: bool = True
+    spin_time_us: float = 200.0
     torch_device_path: str = "auto"
     log_level: str = ""
 
@@ -107,6 +109,8 @@ _ENV: dict[str, tuple[str, tuple[str, ...], Callable[[str], object]]] = {
     "small_allreduce_bytes": ("RONDE_SMALL_ALLREDUCE", (), parse_bytes),
     "inline_bytes": ("RONDE_INLINE_BYTES", (), parse_bytes),
     "cma": ("RONDE_CMA", (), _parse_bool),
+    "shm_control": ("RONDE_SHM_CONTROL", (), _parse_bool),
+    "spin_time_us": ("RONDE_SPIN_TIME", (), float),
     "torch_device_path": ("RONDE_TORCH_DEVICE_PATH", (), str),
     "hierarchical": ("RONDE_HIERARCHICAL_ALLREDUCE", ("HOROVOD_HIERARCHICAL_ALLREDUCE",),
                      lambda v: "auto" if v.lower() == "auto" else ("on" if _parse_bool(v) else "off")),
@@ -155,6 +159,8 @@ def _validate(cfg: Config) -> None:
     for name in ("cycle_time_ms", "start_timeout_s", "peer_timeout_s", "shutdown_timeout_s"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}")
+    if cfg.spin_time_us < 0:
+        raise ConfigError("RONDE_SPIN_TIME must be >= 0 (0: never spin)")
     if cfg.fusion_threshold_bytes < 0:
         raise ConfigError("RONDE_FUSION_THRESHOLD must be >= 0 (0 disables fusion)")
     if cfg.log_level and cfg.log_level.upper() not in (

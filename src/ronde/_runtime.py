@@ -169,6 +169,24 @@ def _choose_transport(cfg: _config.Config, topo: Topology, members: list[int]) -
     return "tcp"
 
 
+def _control_mailboxes(cfg: _config.Config, topo: Topology, rank: int, size: int,
+                       key: str) -> Any:
+    """Shared-memory negotiation mailboxes with the ranks on this host (see
+    ``transport/mailbox.py``), or None (RONDE_SHM_CONTROL=0, not x86-64, no such peer)."""
+    if not cfg.shm_control or size == 1:
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None  # the slots rely on total store order
+    peers = [r for r in range(size) if r != rank and topo.hosts[r] == topo.hosts[rank]]
+    if not peers:
+        return None
+    from .transport.mailbox import Mailboxes
+    from .transport.shm import shm_dir
+
+    return Mailboxes(rank, peers, lambda r: os.path.join(shm_dir(), f"ronde-{key}-ctl-{r}"),
+                     cfg.start_timeout_s)
+
+
 def init(process_sets: list[Any] | None = None) -> Runtime:
     """Build the runtime (see module docstring)."""
     global _generation, _atexit_registered
@@ -282,7 +300,8 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
     assert world is not None
     comms = {0: world}
     engine = Engine(rank, size, cfg, ctl, comms, {0: list(range(size))}, make_comm,
-                    lambda r: f"{r} (host {topo.hosts[r]})")
+                    lambda r: f"{r} (host {topo.hosts[r]})",
+                    _control_mailboxes(cfg, topo, rank, size, f"{key}-g{gen}"))
     holder["engine"] = engine
     if cfg.timeline_path:
         start_timeline(engine, cfg.timeline_path, rank, cfg.timeline_mark_cycles)

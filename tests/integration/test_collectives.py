@@ -14,19 +14,28 @@ from ronde import gloo_built
 TRANSPORTS = ["shm", "tcp"] + (["gloo"] if gloo_built() else [])
 
 
+def _env(transport: str, **extra: str) -> dict[str, str]:
+    """The environment of a transport's run. ``tcp`` stands for ranks on different
+    hosts, so its negotiation goes over the sockets too (no shared-memory mailboxes)."""
+    env = {"RONDE_TRANSPORT": transport, **extra}
+    if transport == "tcp":
+        env["RONDE_SHM_CONTROL"] = "0"
+    return env
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("np_", [2, 3])
 def test_every_collective_matches_numpy(np_, transport):
     assert run_ranks(np_, workers.collectives, timeout_s=150,
-                     env={"RONDE_TRANSPORT": transport}) == ["ok"] * np_
+                     env=_env(transport)) == ["ok"] * np_
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_every_collective_at_np4(transport):
     assert run_ranks(4, workers.collectives, timeout_s=170,
-                     env={"RONDE_TRANSPORT": transport}) == ["ok"] * 4
+                     env=_env(transport)) == ["ok"] * 4
 
 
 @pytest.mark.timeout(60)
@@ -39,21 +48,21 @@ def test_shape_mismatch_fails_every_rank_within_seconds(np_):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_join_with_uneven_batches(transport):
-    last = run_ranks(3, workers.join_uneven, timeout_s=50, env={"RONDE_TRANSPORT": transport})
+    last = run_ranks(3, workers.join_uneven, timeout_s=50, env=_env(transport))
     assert last == [2, 2, 2]
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_process_sets(transport):
-    ids = run_ranks(4, workers.process_sets, timeout_s=50, env={"RONDE_TRANSPORT": transport})
+    ids = run_ranks(4, workers.process_sets, timeout_s=50, env=_env(transport))
     assert all(i == ids[0] for i in ids) and ids[0][0] != ids[0][1]
 
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_shutdown_then_init_again_is_quick(transport):
-    worst = run_ranks(2, workers.reinit, timeout_s=80, env={"RONDE_TRANSPORT": transport})
+    worst = run_ranks(2, workers.reinit, timeout_s=80, env=_env(transport))
     # a Gloo process group takes a few seconds to build; ronde's own transports do not
     assert max(worst) < (15.0 if transport == "gloo" else 5.0)
 
@@ -71,7 +80,7 @@ def test_topology_single_host():
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_misuse_fails_fast_instead_of_hanging(transport):
     assert run_ranks(3, workers.misuse, timeout_s=50,
-                     env={"RONDE_TRANSPORT": transport}) == ["ok"] * 3
+                     env=_env(transport)) == ["ok"] * 3
 
 
 @pytest.mark.timeout(60)
@@ -85,7 +94,7 @@ def test_stall_shutdown_time_zero_means_never():
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("inline", ["4096", "0"])
 def test_steady_state_with_and_without_inline_data(transport, inline):
-    env = {"RONDE_TRANSPORT": transport, "RONDE_INLINE_BYTES": inline}
+    env = _env(transport, RONDE_INLINE_BYTES=inline)
     assert run_ranks(3, workers.steady_state, timeout_s=80, env=env) == ["ok"] * 3
 
 
@@ -93,7 +102,7 @@ def test_steady_state_with_and_without_inline_data(transport, inline):
 @pytest.mark.parametrize("transport,cma", [("shm", "1"), ("shm", "0"), ("tcp", "1")])
 @pytest.mark.parametrize("np_", [2, 3])
 def test_fused_large_tensors(transport, cma, np_):
-    env = {"RONDE_TRANSPORT": transport, "RONDE_CMA": cma}
+    env = _env(transport, RONDE_CMA=cma)
     assert run_ranks(np_, workers.fused_large, timeout_s=100, env=env) == ["ok"] * np_
 
 
@@ -101,3 +110,24 @@ def test_fused_large_tensors(transport, cma, np_):
 def test_single_copy_path_is_agreed_by_every_rank():
     assert run_ranks(3, workers.cma_denied_on_one_rank, timeout_s=50,
                      env={"RONDE_TRANSPORT": "shm"}) == [False, False, False]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_round_frames_larger_than_a_mailbox_slot(np_):
+    assert run_ranks(np_, workers.many_new_names, timeout_s=100) == ["ok"] * np_
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("env", [{}, {"RONDE_SHM_CONTROL": "0"}, {"RONDE_SPIN_TIME": "0"}],
+                         ids=["drive+mailbox", "drive+sockets", "threads-only"])
+def test_several_threads_waiting_at_once(env):
+    assert run_ranks(3, workers.threads_waiting, timeout_s=100, env=env) == ["ok"] * 3
+
+
+@pytest.mark.timeout(180)
+def test_every_collective_without_callers_driving():
+    # RONDE_SPIN_TIME=0: waiting callers block at once and the engine's own threads
+    # negotiate and move every byte (the path asynchronous work always takes)
+    assert run_ranks(3, workers.collectives, timeout_s=150,
+                     env={"RONDE_SPIN_TIME": "0"}) == ["ok"] * 3

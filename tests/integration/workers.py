@@ -384,3 +384,53 @@ def mpi_comm_init() -> list:
     except hvd.RondeError as exc:
         refused = "a subset is not supported" in str(exc)
     return [total, refused, hvd.is_initialized()]
+
+
+def many_new_names() -> str:
+    """One round announcing more than a mailbox slot holds (the frame goes by socket),
+    then the same names again (cached: small frames through the mailbox)."""
+    import ronde as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    prefix = "a-rather-long-gradient-name/" * 8
+    for step in range(3):
+        hs = [hvd.allreduce_async(np.full(3, float(r + i)), op=hvd.Sum, name=f"{prefix}{i}")
+              for i in range(3000)]
+        for i, h in enumerate(hs):
+            got = h.wait()
+            assert got[0] == sum(q + i for q in range(n)), (step, i, got)
+    hvd.shutdown()
+    return "ok"
+
+
+def threads_waiting() -> str:
+    """Several threads submit and wait at once: only one drives a round at a time and
+    every collective still runs in the agreed order."""
+    import threading
+
+    import ronde as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            for i in range(200):
+                size = 70_000 if i % 25 == 0 else 3  # now and then the data plane too
+                got = hvd.allreduce(np.full(size, float(r + t + i), np.float32), op=hvd.Sum,
+                                    name=f"t{t}.{i}")
+                assert got[0] == sum(q + t + i for q in range(n)), (t, i, got[0])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    hvd.shutdown()
+    if errors:
+        raise errors[0]
+    return "ok"

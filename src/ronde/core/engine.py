@@ -32,12 +32,13 @@ from typing import Any, Callable
 from .._config import Config
 from .._errors import (DuplicateNameError, PeerLostError, RondeError,
                        ShutdownError)
-from ..transport import wire
+from ..transport import mailbox
 from ..transport.base import Communicator
+from .exchange import Exchange
 from .executor import Executor
 from .negotiation import Negotiator, Response
 from . import rounds
-from .requests import Kind, Request
+from .requests import WAITERS, Kind, Request
 from .stall import StallInspector
 from .timeline import Timeline, now_us
 
@@ -49,8 +50,10 @@ class Engine:
     def __init__(self, rank: int, size: int, cfg: Config, ctl_socks: dict[int, socket.socket],
                  comms: dict[int, Communicator], process_sets: dict[int, list[int]],
                  make_communicator: Callable[[int, list[int]], Communicator | None],
-                 describe_rank: Callable[[int], str]) -> None:
+                 describe_rank: Callable[[int], str],
+                 mailboxes: "mailbox.Mailboxes | None" = None) -> None:
         self.rank, self.size, self.cfg = rank, size, cfg
+        self._cycle_s = cfg.cycle_time_ms / 1000.0
         self.describe_rank = describe_rank
         self._make_comm = make_communicator
         self._lock = threading.Lock()
@@ -67,12 +70,15 @@ class Engine:
         self._comms = comms
         self.negotiator = Negotiator(size, {k: list(v) for k, v in process_sets.items()},
                                      cfg.fusion_threshold_bytes, cfg.cache_capacity)
-        self._readers = {r: rounds.FrameReader(s) for r, s in ctl_socks.items()}
-        for s in ctl_socks.values():
-            s.setblocking(False)
-        self._gone: set[int] = set()
+        self.exchange = Exchange(rank, ctl_socks, mailboxes, cfg, describe_rank)
         self._wake_r, self._wake_w = os.pipe()
         self._wake_pending = False
+        #: negotiation rounds completed (the same count on every rank)
+        self._rounds = 0
+        self._last_round = 0.0
+        #: held by whichever thread runs a round: the control thread or a waiting caller
+        self._drive = threading.Lock()
+        self._spinners = 0
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.executor = Executor(self)
@@ -90,12 +96,15 @@ class Engine:
     def start(self) -> None:
         self.executor.start()
         self._thread.start()
+        if self.cfg.spin_time_us > 0:
+            WAITERS.attach(self)
 
     def shutdown(self) -> None:
         """Announce shutdown, let pending work finish (bounded), then stop the threads."""
         with self._lock:
             self._shutdown_requested = True
-        self.wake()
+        WAITERS.detach(self)
+        self.wake(force=True)
         self._thread.join(self.cfg.shutdown_timeout_s + 5.0)
         self.executor.stop(5.0)
         self._fail_all(ShutdownError("ronde was shut down while this collective was pending"))
@@ -104,16 +113,19 @@ class Engine:
             self.timeline = None
         for comm in self._comms.values():
             comm.close()
+        self.exchange.close()
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)
             except OSError:
                 pass
 
-    def wake(self) -> None:
-        # one byte in the pipe is enough until the control thread has drained it: skip
-        # the system call (and the thread switch) for every further submission
-        if self._wake_pending:
+    def wake(self, force: bool = False) -> None:
+        """Make the control thread look at the outbox (and the peers) again."""
+        # one byte in the pipe is enough until the control thread has drained it, and a
+        # caller spinning in wait() drives the engine itself: skip the system call (and
+        # the thread switch) then
+        if not force and (self._wake_pending or self._spinners):
             return
         self._wake_pending = True
         try:
@@ -193,22 +205,8 @@ class Engine:
                 self._error = exc
         self._fail_all(self._error or exc)
         if first and isinstance(exc, PeerLostError):
-            self._tell_peers(exc)
-        self.wake()
-
-    def _tell_peers(self, exc: PeerLostError) -> None:
-        """Before leaving, tell every live peer which rank was lost, so that they blame
-        that rank rather than this one when this process exits."""
-        frame = wire.encode_frame(rounds.KIND_ROUND, rounds.pack_round({"f": [exc.rank, str(exc)]}, b""))
-        for r, reader in self._readers.items():
-            if r in self._gone or r == exc.rank:
-                continue
-            try:
-                reader.sock.setblocking(True)
-                reader.sock.settimeout(0.5)
-                reader.sock.sendall(frame)
-            except OSError:
-                pass
+            self.exchange.tell_peers(exc)
+        self.wake(force=True)
 
     def fail_from_executor(self, exc: BaseException, resp: Response) -> None:
         if isinstance(exc, PeerLostError) and self._error is None:
@@ -235,59 +233,64 @@ class Engine:
         try:
             self._control_loop()
         except BaseException as exc:  # noqa: BLE001 - every failure ends in fail()
-            if not isinstance(exc, RondeError):
-                exc = RondeError(f"rank {self.rank}: engine control thread failed: {exc!r}")
-            self.fail(exc)
+            self._driver_failed(exc)
         finally:
-            for r in self._readers.values():
-                try:
-                    r.sock.close()
-                except OSError:
-                    pass
+            self.exchange.close_sockets()
             self._stopped.set()
 
+    def _driver_failed(self, exc: BaseException) -> None:
+        if not isinstance(exc, RondeError):
+            exc = RondeError(f"rank {self.rank}: engine control thread failed: {exc!r}")
+        self.fail(exc)
+
+    def _has_local(self) -> bool:
+        with self._lock:
+            return bool(self._outbox or self._joins or self._ps_requests or self._abort_msg
+                        or self._stack_request or self._send_stack
+                        or (self._shutdown_requested and not self._shutdown_announced))
+
+    def _maybe_round(self, now: float, direct: list[Response] | None) -> tuple[bool, bool]:
+        """Run a round if one is due (hold ``_drive``); returns (ran, have_local).
+
+        Due: a peer started one, or this rank has something to announce and the
+        executor is idle (or ``RONDE_CYCLE_TIME`` passed since the last round, so that
+        tensors arriving while data moves batch into one fused op).
+        """
+        have_local = self._has_local()
+        start_local = have_local and (self.executor.idle()
+                                      or now - self._last_round >= self._cycle_s)
+        if not (start_local or self.exchange.peer_started(self._rounds)):
+            return False, have_local
+        self._round(direct)
+        self._last_round = time.monotonic()
+        return True, have_local
+
     def _control_loop(self) -> None:
-        cycle_s = self.cfg.cycle_time_ms / 1000.0
-        last_round = 0.0
+        ex = self.exchange
         last_stall_check = time.monotonic()
         while True:
             if self._error is not None:
                 return
-            live = {r: rd for r, rd in self._readers.items() if r not in self._gone}
-            buffered = any(rd.buf for rd in live.values())
-            with self._lock:
-                have_local = bool(self._outbox or self._joins or self._ps_requests
-                                  or self._abort_msg or self._stack_request or self._send_stack
-                                  or (self._shutdown_requested and not self._shutdown_announced))
             now = time.monotonic()
-            if have_local and (self.executor.idle() or now - last_round >= cycle_s):
-                timeout: float | None = 0.0
-            elif have_local:
-                timeout = max(0.0, cycle_s - (now - last_round))
-            else:
-                timeout = 1.0 if self.timeline is None else 0.1
-            if buffered:
-                timeout = 0.0
-            fds = [self._wake_r] + [rd.sock for rd in live.values()]
-            readable, _, _ = select.select(fds, [], [], timeout)
-            peer_started = buffered
-            for obj in readable:
-                if obj == self._wake_r:
-                    try:
-                        while os.read(self._wake_r, 4096):
-                            pass
-                    except BlockingIOError:
-                        pass
-                    # cleared before the outbox is read again (next iteration), so a
-                    # submission racing with this still leaves a byte or is seen
-                    self._wake_pending = False
+            with self._drive:
+                ran, have_local = self._maybe_round(now, None)
+            if not ran:
+                if have_local:
+                    timeout = max(0.0, self._cycle_s - (now - self._last_round))
                 else:
-                    peer_started = True
+                    timeout = 1.0 if self.timeline is None else 0.1
+                if ex.before_block(self._rounds) or self._has_local() and self.executor.idle():
+                    timeout = 0.0
+                readable, _, _ = select.select([self._wake_r] + ex.sockets(), [], [], timeout)
+                ex.polling()
+                if readable:
+                    with self._drive:
+                        for obj in readable:
+                            if obj == self._wake_r:
+                                self._drain_wake_pipe()
+                            else:
+                                ex.fill(obj)
             now = time.monotonic()
-            start_local = have_local and (self.executor.idle() or now - last_round >= cycle_s)
-            if peer_started or start_local:
-                self._round()
-                last_round = time.monotonic()
             if self._shutdown_announced:
                 everyone = len(self.negotiator.shutdown) == self.size
                 if everyone or now - self._shutdown_at > self.cfg.shutdown_timeout_s:
@@ -298,6 +301,51 @@ class Engine:
                 self._check_stalls()
             if self.timeline is not None:
                 self.timeline.tick()
+
+    def _drain_wake_pipe(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        # cleared before the outbox is read again (next iteration), so a submission
+        # racing with this still leaves a byte or is seen
+        self._wake_pending = False
+
+    # -- callers that wait drive the engine themselves ---------------------------------------
+    def progress(self) -> bool:
+        """Called by a thread waiting on a handle: run a round if one is due and execute
+        its responses right here when the executor has nothing queued, instead of
+        waking two other threads and being woken back. True if anything ran."""
+        if self._error is not None or not self._drive.acquire(False):
+            return False
+        direct: list[Response] = []
+        try:
+            ran, _ = self._maybe_round(time.monotonic(), direct)
+        except BaseException as exc:  # noqa: BLE001 - the waiting handle gets it
+            self._driver_failed(exc)
+            ran = True
+        finally:
+            self._drive.release()
+        if direct:
+            self.executor.run_claimed(direct)
+        return ran
+
+    def spinner_enter(self) -> None:
+        with self._lock:
+            self._spinners += 1
+        self.exchange.polling()
+
+    def spinner_leave(self) -> None:
+        """A waiter stops polling and blocks: hand anything it would have picked up to
+        the control thread."""
+        with self._lock:
+            self._spinners -= 1
+            if self._spinners:
+                return
+        if self.exchange.before_block(self._rounds) or self._has_local():
+            if not self.progress():
+                self.wake(force=True)
 
     def _drain_for_shutdown(self) -> None:
         # let the executor finish what was agreed before leaving
@@ -359,14 +407,18 @@ class Engine:
             msg["s"] = 1
         return msg, bytes(blob)
 
-    def _round(self) -> None:
+    def _round(self, direct: list[Response] | None) -> None:
+        """One negotiation round (hold ``_drive``). Responses whose data moves go to the
+        executor, or into ``direct`` when the caller may run them itself (see
+        :meth:`Executor.claim`)."""
         msg, blob = self._build_message()
         messages: list[dict[str, Any]] = [{} for _ in range(self.size)]
         blobs: list[bytes] = [b""] * self.size
         messages[self.rank], blobs[self.rank] = msg, blob
-        if self._readers:
-            frame = wire.encode_frame(rounds.KIND_ROUND, rounds.pack_round(msg, blob))
-            self._exchange(frame, messages, blobs)
+        if self.exchange.readers:
+            self.exchange.run(self._rounds + 1, rounds.pack_round(msg, blob), messages,
+                              blobs, self._reraise_error, self.negotiator.shutdown)
+        self._rounds += 1
         responses = self.negotiator.apply_round(messages, blobs)
         tl = self.timeline
         if tl is not None:
@@ -393,78 +445,13 @@ class Engine:
         for resp in responses:
             if resp.inline is not None:
                 self.executor.run_inline(resp)
+            elif direct is not None and (direct or self.executor.claim()):
+                direct.append(resp)
             else:
                 self.executor.queue.put(resp)
 
-    def _exchange(self, frame: bytes, messages: list[dict[str, Any]],
-                  blobs: list[bytes]) -> None:
-        """Send ``frame`` to every live peer and read one frame from each, full duplex."""
-        to_send = {r: memoryview(frame) for r in self._readers if r not in self._gone}
-        to_recv = set(to_send)
-        start = time.monotonic()
-        warned = False
-        while to_send or to_recv:
-            for r in list(to_recv):
-                payload = self._readers[r].pop()
-                if payload is not None:
-                    messages[r], blobs[r] = rounds.unpack_round(payload, r)
-                    to_recv.discard(r)
-                    notice = messages[r].get("f")
-                    if notice:
-                        lost = int(notice[0]) if notice[0] is not None else r
-                        raise PeerLostError(
-                            f"rank {self.describe_rank(lost)} was lost (rank {r} reports: "
-                            f"{notice[1]})", rank=lost)
-            if not (to_send or to_recv):
-                break
-            rlist = [self._readers[r].sock for r in to_recv]
-            wlist = [self._readers[r].sock for r in to_send]
-            readable, writable, _ = select.select(rlist, wlist, [], 0.5)
-            by_sock = {id(self._readers[r].sock): r for r in self._readers}
-            for s in writable:
-                r = by_sock[id(s)]
-                view = to_send[r]
-                try:
-                    n = s.send(view)
-                except BlockingIOError:
-                    continue
-                except OSError:
-                    n = len(view)  # peer gone: reading will tell why
-                    to_send.pop(r)
-                    continue
-                if n >= len(view):
-                    to_send.pop(r)
-                else:
-                    to_send[r] = view[n:]
-            for s in readable:
-                r = by_sock[id(s)]
-                reader = self._readers[r]
-                reader.fill()
-                if reader.eof and not reader.has_frame():
-                    self._peer_closed(r)
-                    to_recv.discard(r)
-                    to_send.pop(r, None)
-            if self._error is not None:
-                raise _reraise(self._error)
-            waited = time.monotonic() - start
-            if not warned and waited > self.cfg.peer_timeout_s and to_recv:
-                warned = True
-                log.warning("rank %d: rank(s) %s have not answered a negotiation round for "
-                            "%.0fs; is their Python process blocked?", self.rank,
-                            sorted(to_recv), waited)
-            limit = self.cfg.stall_shutdown_time_s
-            if to_recv and limit > 0 and waited > limit:
-                r = min(to_recv)
-                raise PeerLostError(f"rank {self.describe_rank(r)} stopped responding for "
-                                    f"{waited:.0f}s", rank=r)
-
-    def _peer_closed(self, r: int) -> None:
-        if r in self.negotiator.shutdown:
-            self._gone.add(r)
-            return
-        raise PeerLostError(
-            f"rank {self.describe_rank(r)} exited or lost its connection without calling "
-            f"shutdown(); see that rank's output for the first failure", rank=r)
+    def _reraise_error(self) -> BaseException | None:
+        return _reraise(self._error) if self._error is not None else None
 
     def _check_stalls(self) -> None:
         if not self.cfg.stall_check_enabled or self.rank != 0:

@@ -53,6 +53,8 @@ class Executor:
         self.engine = engine
         self.queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self.busy = False
+        #: held while a response runs, by this thread or by a caller that claimed it
+        self._running = threading.Lock()
         self._fusion = fusion.FusionBuffer()
         self._thread = threading.Thread(target=self._loop, name="ronde-executor", daemon=True)
         self.on_idle: Callable[[], None] | None = None
@@ -68,20 +70,50 @@ class Executor:
     def idle(self) -> bool:
         return not self.busy and self.queue.empty()
 
+    def claim(self) -> bool:
+        """Let the calling thread (a waiter driving a round) run responses itself.
+
+        Only when nothing is queued or running, so the agreed order holds: anything
+        queued later waits for ``_running``, which the claimer holds until
+        :meth:`run_claimed` is done. Call with the engine's drive lock held.
+        """
+        if self.busy or not self.queue.empty():
+            return False
+        if not self._running.acquire(False):
+            return False
+        self.busy = True
+        return True
+
+    def run_claimed(self, responses: list[Response]) -> None:
+        """Run responses claimed with :meth:`claim` on this thread, then release."""
+        try:
+            for resp in responses:
+                self._run_one(resp)
+        finally:
+            self.busy = False
+            self._running.release()
+            if self.queue.empty() and self.on_idle is not None:
+                self.on_idle()
+
+    def _run_one(self, item: Response) -> None:
+        try:
+            self.execute(item)
+        except BaseException as exc:  # noqa: BLE001 - fail the requests, keep serving
+            self.engine.fail_from_executor(exc, item)
+
     def _loop(self) -> None:
         while True:
             item = self.queue.get()
             if item is _STOP:
                 return
-            self.busy = True
-            try:
-                self.execute(item)
-            except BaseException as exc:  # noqa: BLE001 - fail the requests, keep serving
-                self.engine.fail_from_executor(exc, item)
-            finally:
-                self.busy = False
-                if self.queue.empty() and self.on_idle is not None:
-                    self.on_idle()
+            with self._running:
+                self.busy = True
+                try:
+                    self._run_one(item)
+                finally:
+                    self.busy = False
+            if self.queue.empty() and self.on_idle is not None:
+                self.on_idle()
 
     # -- dispatch ------------------------------------------------------------------------
     def execute(self, resp: Response) -> None:

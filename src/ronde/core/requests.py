@@ -12,7 +12,9 @@ from __future__ import annotations
 import enum
 import functools
 import math
+import os
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -53,6 +55,52 @@ def describe(dtype: str, shape: Sequence[int]) -> str:
     return f"{dtype}[{', '.join(map(str, shape))}]"
 
 
+class Waiters:
+    """Threads of this process blocked on a handle, and the engine they may drive.
+
+    A thread that waits first *drives* for up to ``RONDE_SPIN_TIME``: it runs the
+    engine's next round and executes the agreed collectives itself
+    (``Engine.progress``), polling between tries with the CPU and the GIL yielded,
+    and only then sleeps on the handle's event while the engine's threads finish
+    the work. A synchronous collective then costs no thread wake-ups at all.
+    """
+
+    def __init__(self) -> None:
+        self.engine: Any = None
+
+    def attach(self, engine: Any) -> None:
+        self.engine = engine
+
+    def detach(self, engine: Any) -> None:
+        if self.engine is engine:
+            self.engine = None
+
+    def drive(self, event: threading.Event) -> bool:
+        """Drive the engine until ``event`` is set or the spin time passes; True if set."""
+        eng = self.engine
+        if eng is None:
+            return False
+        spin_s = eng.exchange.spin_s
+        eng.spinner_enter()
+        try:
+            end = time.monotonic() + spin_s
+            while not event.is_set():
+                if eng.progress():
+                    eng.exchange.polling()
+                    end = time.monotonic() + spin_s
+                    continue
+                if time.monotonic() > end:
+                    break
+                os.sched_yield()  # releases the GIL too
+        finally:
+            eng.spinner_leave()
+        return event.is_set()
+
+
+#: the waiters of this process (one engine per process)
+WAITERS = Waiters()
+
+
 class Handle:
     """The pending result of an asynchronous collective.
 
@@ -78,8 +126,10 @@ class Handle:
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until finished; return the result or raise its error."""
-        if not self._event.wait(timeout):
-            raise TimeoutError(f"collective {self.name!r} did not finish within {timeout}s")
+        if not self._event.is_set():
+            if not (WAITERS.drive(self._event) or self._event.wait(timeout)):
+                raise TimeoutError(
+                    f"collective {self.name!r} did not finish within {timeout}s")
         if self._error is not None:
             raise self._error
         return self._result

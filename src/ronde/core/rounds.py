@@ -23,6 +23,9 @@ from ..transport import wire
 from . import fusion
 
 KIND_ROUND = 3
+#: an empty frame that only wakes a peer sleeping in ``select`` (shm mailboxes)
+KIND_DOORBELL = 4
+DOORBELL = wire.encode_frame(KIND_DOORBELL, b"")
 _READ_BYTES = 1 << 16
 
 
@@ -45,13 +48,26 @@ class FrameReader:
             self.eof = True
         self.buf += data
 
+    def _drop_doorbells(self) -> None:
+        while len(self.buf) >= wire.HEADER_BYTES:
+            kind, length = wire.decode_header(bytes(self.buf[: wire.HEADER_BYTES]))
+            if kind != KIND_DOORBELL:
+                return
+            if length:
+                raise ProtocolError(f"doorbell frame with a payload of {length} bytes")
+            del self.buf[: wire.HEADER_BYTES]
+
     def has_frame(self) -> bool:
+        """Whether a complete round frame (not a doorbell) is buffered."""
+        self._drop_doorbells()
         if len(self.buf) < wire.HEADER_BYTES:
             return False
         _, length = wire.decode_header(bytes(self.buf[: wire.HEADER_BYTES]))
         return len(self.buf) >= wire.HEADER_BYTES + length
 
-    def pop(self) -> bytes | None:
+    def peek(self) -> bytes | None:
+        """The next complete round frame's payload, left in the buffer."""
+        self._drop_doorbells()
         if len(self.buf) < wire.HEADER_BYTES:
             return None
         kind, length = wire.decode_header(bytes(self.buf[: wire.HEADER_BYTES]))
@@ -60,8 +76,12 @@ class FrameReader:
         end = wire.HEADER_BYTES + length
         if len(self.buf) < end:
             return None
-        payload = bytes(self.buf[wire.HEADER_BYTES: end])
-        del self.buf[:end]
+        return bytes(self.buf[wire.HEADER_BYTES: end])
+
+    def pop(self) -> bytes | None:
+        payload = self.peek()
+        if payload is not None:
+            del self.buf[: wire.HEADER_BYTES + len(payload)]
         return payload
 
 

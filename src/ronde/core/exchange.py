@@ -1,0 +1,244 @@
+"""Moving one negotiation round's frames between this rank and its peers.
+
+Where it sits in the engine cycle: the thread driving a round (the control thread,
+or a caller waiting on a handle, see ``engine.py``) packs its frame and calls
+:meth:`Exchange.run`, which sends it to every live peer and returns one frame from
+each. Same-host peers exchange through shared-memory mailboxes
+(``transport/mailbox.py``); other peers over their authenticated control socket,
+full duplex. Every peer's socket also carries what the mailboxes cannot: doorbells
+that wake a sleeping peer, frames too large for a slot, failure notices, and EOF
+when the peer dies.
+
+Sleeping and doorbells. A peer posting a frame sends a doorbell only when this process
+looks asleep (its mailbox ``sleeping`` flag). Every thread of this process sets the
+flag, fences and looks at the mailboxes once more before it blocks
+(:meth:`Exchange.before_block`: the Dekker handshake of ``mailbox.py``); a thread
+that starts polling clears it (:meth:`Exchange.polling`). So a post is either seen by
+a thread that is still polling or rung in; at worst a peer rings a process that was
+awake after all, which costs a system call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import socket
+import time
+from typing import Any, Callable
+
+from .._config import Config
+from .._errors import PeerLostError
+from ..transport import mailbox, wire
+from . import rounds
+
+log = logging.getLogger(__name__)
+
+
+class Exchange:
+    """The control sockets and mailboxes of one engine, and who is awake to read them."""
+
+    def __init__(self, rank: int, ctl_socks: dict[int, socket.socket],
+                 mailboxes: "mailbox.Mailboxes | None", cfg: Config,
+                 describe_rank: Callable[[int], str]) -> None:
+        self.rank = rank
+        self.cfg = cfg
+        self.describe_rank = describe_rank
+        self.readers = {r: rounds.FrameReader(s) for r, s in ctl_socks.items()}
+        for s in ctl_socks.values():
+            s.setblocking(False)
+        self.mailboxes = mailboxes
+        self.gone: set[int] = set()
+        self.spin_s = cfg.spin_time_us / 1e6
+
+    # -- state seen by the driver ---------------------------------------------------------
+    def live(self) -> list[int]:
+        return [r for r in self.readers if r not in self.gone]
+
+    def peer_started(self, rounds_done: int) -> bool:
+        """Whether a peer has started the next round (or closed its socket)."""
+        for r in self.live():
+            rd = self.readers[r]
+            if rd.eof or rd.has_frame():
+                return True
+        mb = self.mailboxes
+        return mb is not None and mb.ahead(rounds_done, self.gone)
+
+    def sockets(self) -> list[socket.socket]:
+        return [self.readers[r].sock for r in self.live()]
+
+    def fill(self, sock: Any) -> None:
+        """Read what a socket that ``select`` found readable holds (hold the drive lock)."""
+        for rd in self.readers.values():
+            if rd.sock is sock:
+                rd.fill()
+                return
+
+    # -- sleeping and doorbells -----------------------------------------------------------
+    def polling(self) -> None:
+        """A thread starts polling the mailboxes: peers need not ring."""
+        if self.mailboxes is not None:
+            self.mailboxes.set_sleeping(False)
+
+    def before_block(self, rounds_done: int) -> bool:
+        """A thread is about to block (in ``select`` or on a handle): ask peers to ring,
+        fence, and look once more. True when a same-host peer has already posted a
+        round after ``rounds_done``: the caller must not sleep on it unhandled."""
+        mb = self.mailboxes
+        if mb is None:
+            return False
+        mb.set_sleeping(True)
+        mailbox.fence()
+        return mb.ahead(rounds_done, self.gone)
+
+    # -- one round ------------------------------------------------------------------------
+    def run(self, round_no: int, payload: bytes, messages: list[dict[str, Any]],
+            blobs: list[bytes], failed: Callable[[], BaseException | None],
+            shut_down: set[int]) -> None:
+        """Send ``payload`` as this rank's frame of ``round_no`` to every live peer and
+        read one frame from each into ``messages``/``blobs``."""
+        mb = self.mailboxes
+        live = self.live()
+        local = {r for r in live if mb is not None and r in mb.peers}
+        frame = wire.encode_frame(rounds.KIND_ROUND, payload)
+        to_send = {r: memoryview(frame) for r in live if r not in local}
+        via_socket = set(to_send)  # peers whose frame this round comes over the socket
+        if local:
+            assert mb is not None
+            if mb.post(round_no, payload):
+                mailbox.fence()
+                for r in local.intersection(mb.sleepers()):
+                    to_send[r] = memoryview(rounds.DOORBELL)
+            else:
+                for r in local:
+                    to_send[r] = memoryview(frame)
+        to_recv = set(live)
+        start = time.monotonic()
+        spin_until = start + self.spin_s
+        polls = 0
+        warned = False
+        while to_send or to_recv:
+            for r in list(to_recv):
+                got = self._take(r, round_no, via_socket)
+                if got is not None:
+                    messages[r], blobs[r] = rounds.unpack_round(got, r)
+                    to_recv.discard(r)
+                    self._check_notice(messages[r], r)
+            if not (to_send or to_recv):
+                break
+            polls += 1
+            spinning = time.monotonic() < spin_until
+            if spinning and not to_send and polls % 16:
+                os.sched_yield()  # a same-host peer answers within microseconds
+                continue
+            rlist = [self.readers[r].sock for r in to_recv]
+            wlist = [self.readers[r].sock for r in to_send]
+            timeout = 0.0 if spinning else 0.5
+            if not spinning and to_recv & local and self.before_block(round_no - 1):
+                timeout = 0.0
+            readable, writable, _ = select.select(rlist, wlist, [], timeout)
+            self._send_some(writable, to_send)
+            for s in readable:
+                r = self._rank_of(s)
+                reader = self.readers[r]
+                reader.fill()
+                if reader.eof and not reader.has_frame():
+                    self.peer_closed(r, shut_down)
+                    to_recv.discard(r)
+                    to_send.pop(r, None)
+            err = failed()
+            if err is not None:
+                raise err
+            waited = time.monotonic() - start
+            if not warned and waited > self.cfg.peer_timeout_s and to_recv:
+                warned = True
+                log.warning("rank %d: rank(s) %s have not answered a negotiation round for "
+                            "%.0fs; is their Python process blocked?", self.rank,
+                            sorted(to_recv), waited)
+            limit = self.cfg.stall_shutdown_time_s
+            if to_recv and limit > 0 and waited > limit:
+                r = min(to_recv)
+                raise PeerLostError(f"rank {self.describe_rank(r)} stopped responding for "
+                                    f"{waited:.0f}s", rank=r)
+
+    def _take(self, r: int, round_no: int, via_socket: set[int]) -> bytes | None:
+        """Peer ``r``'s frame for this round if it has arrived."""
+        reader = self.readers[r]
+        if r in via_socket:
+            return reader.pop()
+        early = reader.peek()  # before the mailbox says "on the socket": only a notice
+        if early is not None:
+            self._check_notice(rounds.unpack_round(early, r)[0], r)
+        got = self.mailboxes.take(r, round_no)  # type: ignore[union-attr]
+        if got is None:
+            return None
+        if got == mailbox.ON_SOCKET:
+            via_socket.add(r)
+            return reader.pop()
+        return got  # type: ignore[return-value]
+
+    def _send_some(self, writable: list[Any], to_send: dict[int, memoryview]) -> None:
+        for s in writable:
+            r = self._rank_of(s)
+            view = to_send[r]
+            try:
+                n = s.send(view)
+            except BlockingIOError:
+                continue
+            except OSError:
+                to_send.pop(r)  # peer gone: reading will tell why
+                continue
+            if n >= len(view):
+                to_send.pop(r)
+            else:
+                to_send[r] = view[n:]
+
+    def _rank_of(self, sock: Any) -> int:
+        for r, rd in self.readers.items():
+            if rd.sock is sock:
+                return r
+        raise KeyError(sock)
+
+    def _check_notice(self, msg: dict[str, Any], r: int) -> None:
+        """A peer's failure notice ("rank X was lost") ends this rank the same way."""
+        notice = msg.get("f")
+        if notice:
+            lost = int(notice[0]) if notice[0] is not None else r
+            raise PeerLostError(
+                f"rank {self.describe_rank(lost)} was lost (rank {r} reports: "
+                f"{notice[1]})", rank=lost)
+
+    def peer_closed(self, r: int, shut_down: set[int]) -> None:
+        if r in shut_down:
+            self.gone.add(r)
+            return
+        raise PeerLostError(
+            f"rank {self.describe_rank(r)} exited or lost its connection without calling "
+            f"shutdown(); see that rank's output for the first failure", rank=r)
+
+    # -- failure and the end --------------------------------------------------------------
+    def tell_peers(self, exc: PeerLostError) -> None:
+        """Before leaving, tell every live peer which rank was lost, so that they blame
+        that rank rather than this one when this process exits."""
+        frame = wire.encode_frame(rounds.KIND_ROUND,
+                                  rounds.pack_round({"f": [exc.rank, str(exc)]}, b""))
+        for r, reader in self.readers.items():
+            if r in self.gone or r == exc.rank:
+                continue
+            try:
+                reader.sock.setblocking(True)
+                reader.sock.settimeout(0.5)
+                reader.sock.sendall(frame)
+            except OSError:
+                pass
+
+    def close_sockets(self) -> None:
+        for rd in self.readers.values():
+            try:
+                rd.sock.close()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        if self.mailboxes is not None:
+            self.mailboxes.close()

@@ -1,0 +1,116 @@
+"""Shared-memory negotiation mailboxes and socket doorbells (transport/mailbox.py)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+
+import pytest
+
+from ronde._errors import ProtocolError
+from ronde.core import rounds
+from ronde.transport import mailbox, wire
+from ronde.transport.mailbox import Mailboxes
+
+
+@pytest.fixture
+def pair():
+    d = tempfile.mkdtemp()
+
+    def path(r: int) -> str:
+        return os.path.join(d, f"mb-{r}")
+
+    # both segments must exist before either maps the other's: create 1's file first
+    # by hand the way a concurrently starting peer would
+    a_file = path(1)
+    with open(a_file, "wb") as fh:
+        fh.truncate(mailbox._HEADER_BYTES + 2 * mailbox.SLOT_BYTES)
+    a = Mailboxes(0, [1], path, 5.0)
+    b = Mailboxes(1, [0], path, 5.0)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_frames_alternate_between_two_slots(pair):
+    a, b = pair
+    assert b.take(0, 1) is None  # nothing posted yet
+    assert not b.ahead(0)
+    assert a.post(1, b"round one")
+    assert b.ahead(0) and not b.ahead(1)
+    assert b.take(0, 1) == b"round one"
+    assert a.post(2, b"round two")
+    # round 1's slot is untouched by round 2: a late reader still gets it
+    assert b.take(0, 1) == b"round one"
+    assert b.take(0, 2) == b"round two"
+    assert a.post(3, b"")
+    assert b.take(0, 3) == b""
+
+
+def test_a_frame_larger_than_a_slot_is_marked_for_the_socket(pair):
+    a, b = pair
+    assert not a.post(1, b"x" * (mailbox.SLOT_BYTES + 1))
+    assert b.take(0, 1) == mailbox.ON_SOCKET
+
+
+def test_segments_are_unlinked_once_every_peer_mapped_them(pair):
+    a, b = pair
+    a.post(1, b"x")
+    b.post(1, b"y")
+    assert not os.path.exists(a._path) and not os.path.exists(b._path)
+
+
+def test_sleeping_flag_is_seen_by_the_peer(pair):
+    a, b = pair
+    assert a.sleepers() == []
+    b.set_sleeping(True)
+    assert a.sleepers() == [1]
+    b.set_sleeping(False)
+    assert a.sleepers() == []
+
+
+@pytest.mark.parametrize("length", [-2, mailbox.SLOT_BYTES + 1, 1 << 40])
+def test_a_hostile_length_is_a_protocol_error(pair, length):
+    a, b = pair
+    a.post(1, b"ok")
+    a._my_hdr[mailbox.LEN0 + 1] = length
+    with pytest.raises(ProtocolError):
+        b.take(0, 1)
+
+
+def test_a_peer_two_rounds_ahead_is_a_protocol_error(pair):
+    a, b = pair
+    a._my_hdr[mailbox.SEQ] = 5
+    with pytest.raises(ProtocolError):
+        b.take(0, 1)
+
+
+def test_frame_reader_skips_doorbells():
+    x, y = socket.socketpair()
+    try:
+        reader = rounds.FrameReader(y)
+        frame = wire.encode_frame(rounds.KIND_ROUND, b"payload")
+        x.sendall(rounds.DOORBELL + rounds.DOORBELL + frame + rounds.DOORBELL)
+        reader.fill()
+        assert reader.has_frame()
+        assert reader.peek() == b"payload"
+        assert reader.pop() == b"payload"
+        assert not reader.has_frame() and reader.pop() is None
+        assert reader.buf == bytearray()
+    finally:
+        x.close()
+        y.close()
+
+
+def test_a_doorbell_with_a_payload_is_a_protocol_error():
+    x, y = socket.socketpair()
+    try:
+        reader = rounds.FrameReader(y)
+        x.sendall(wire.encode_frame(rounds.KIND_DOORBELL, b"junk"))
+        reader.fill()
+        with pytest.raises(ProtocolError):
+            reader.has_frame()
+    finally:
+        x.close()
+        y.close()
