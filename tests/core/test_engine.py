@@ -157,3 +157,21 @@ def test_disjoint_process_sets_run_independently(engines):
     hs = [g.engines[r].submit(ar("s", np.full(3, float(r)), ps_id=a)).handle for r in (0, 1)]
     for h in hs:
         np.testing.assert_array_equal(h.wait(10), np.full(3, 1.0))
+
+
+def test_cache_entry_evicted_in_the_round_that_completes_it():
+    # More names in flight than the cache holds: both ranks announce "x" by its cache
+    # id, but in the same round an older entry completes first and its insertion
+    # evicts "x". This used to end every rank with "malformed negotiation message:
+    # KeyError" (a job with more gradients than RONDE_CACHE_CAPACITY could hit it).
+    from ronde.core.negotiation import Negotiator
+
+    neg = Negotiator(2, {0: [0, 1]}, fusion_threshold_bytes=0, cache_capacity=2)
+    for name in ("x", "y"):  # the cache is full: x is the least recently used
+        neg.apply_round([_announce(neg, 0, [name]), _announce(neg, 1, [name])])
+    assert neg.apply_round([_announce(neg, 0, ["w"]), {}]) == []  # w waits for rank 1
+    x0, x1 = _announce(neg, 0, ["x"]), _announce(neg, 1, ["x"])
+    assert x0 == x1 == {"a": [0]}
+    out = neg.apply_round([x0, {"a": _announce(neg, 1, ["w"])["a"] + x1["a"]}])
+    assert [(r.names, r.error) for r in out] == [(["w"], None), (["x"], None)]
+    assert neg.cached_id(0, "x", ar("x", np.ones(3, np.float32)).meta()) is not None

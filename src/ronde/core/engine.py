@@ -44,6 +44,9 @@ from .timeline import Timeline, now_us
 
 log = logging.getLogger(__name__)
 
+#: the control thread polls every RONDE_CYCLE_TIME for this long after the last activity
+_ACTIVE_S = 0.2
+
 class Engine:
     """Background negotiation and execution of collectives for one process."""
 
@@ -79,6 +82,8 @@ class Engine:
         #: held by whichever thread runs a round: the control thread or a waiting caller
         self._drive = threading.Lock()
         self._spinners = 0
+        self._last_activity = 0.0
+        self._ctl_deep_sleep = True
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.executor = Executor(self)
@@ -151,7 +156,13 @@ class Engine:
                 self._joins.append(req.ps_id)
             else:
                 self._outbox.append(req)
-        self.wake()
+            self._last_activity = time.monotonic()
+            deep = self._ctl_deep_sleep
+        # the control thread looks at the outbox every RONDE_CYCLE_TIME while the engine
+        # is active, and a caller that waits drives the round itself: wake it (a system
+        # call and a thread switch, tens of microseconds) only from a long sleep
+        if deep:
+            self.wake()
         return req
 
     def request_process_set(self, action: str, arg: Any, req: Request) -> Request:
@@ -272,24 +283,17 @@ class Engine:
             if self._error is not None:
                 return
             now = time.monotonic()
-            with self._drive:
-                ran, have_local = self._maybe_round(now, None)
-            if not ran:
-                if have_local:
-                    timeout = max(0.0, self._cycle_s - (now - self._last_round))
-                else:
-                    timeout = 1.0 if self.timeline is None else 0.1
-                if ex.before_block(self._rounds) or self._has_local() and self.executor.idle():
-                    timeout = 0.0
-                readable, _, _ = select.select([self._wake_r] + ex.sockets(), [], [], timeout)
-                ex.polling()
-                if readable:
-                    with self._drive:
-                        for obj in readable:
-                            if obj == self._wake_r:
-                                self._drain_wake_pipe()
-                            else:
-                                ex.fill(obj)
+            if self._spinners:
+                # a waiting caller drives (and runs collectives without a hand-off): stay
+                # out of its way, but keep reading the sockets (EOF, remote frames)
+                readable, _, _ = select.select([self._wake_r] + ex.sockets(), [], [],
+                                               self._cycle_s)
+                self._read_ready(readable)
+            else:
+                with self._drive:
+                    ran, have_local = self._maybe_round(now, None)
+                if not ran:
+                    self._sleep(now, have_local)
             now = time.monotonic()
             if self._shutdown_announced:
                 everyone = len(self.negotiator.shutdown) == self.size
@@ -301,6 +305,42 @@ class Engine:
                 self._check_stalls()
             if self.timeline is not None:
                 self.timeline.tick()
+
+    def _sleep(self, now: float, have_local: bool) -> None:
+        """The control thread waits for something to do.
+
+        While the engine is active (a round or a submission in the last
+        ``_ACTIVE_S``) it looks again every ``RONDE_CYCLE_TIME``, so submissions need
+        not wake it; after that it sleeps long, and the next submission wakes it.
+        """
+        ex = self.exchange
+        if have_local:
+            timeout = max(0.0, self._cycle_s - (now - self._last_round))
+        elif now - max(self._last_activity, self._last_round) < _ACTIVE_S:
+            timeout = self._cycle_s
+        else:
+            timeout = 1.0 if self.timeline is None else 0.1
+        deep = timeout > self._cycle_s
+        with self._lock:
+            self._ctl_deep_sleep = deep
+        if ex.before_block(self._rounds) or (deep and self._has_local()):
+            timeout = 0.0
+        try:
+            readable, _, _ = select.select([self._wake_r] + ex.sockets(), [], [], timeout)
+        finally:
+            self._ctl_deep_sleep = False
+        ex.polling()
+        self._read_ready(readable)
+
+    def _read_ready(self, readable: list[Any]) -> None:
+        if not readable:
+            return
+        with self._drive:
+            for obj in readable:
+                if obj == self._wake_r:
+                    self._drain_wake_pipe()
+                else:
+                    self.exchange.fill(obj)
 
     def _drain_wake_pipe(self) -> None:
         try:
@@ -448,7 +488,7 @@ class Engine:
             elif direct is not None and (direct or self.executor.claim()):
                 direct.append(resp)
             else:
-                self.executor.queue.put(resp)
+                self.executor.enqueue(resp)
 
     def _reraise_error(self) -> BaseException | None:
         return _reraise(self._error) if self._error is not None else None

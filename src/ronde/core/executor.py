@@ -52,9 +52,12 @@ class Executor:
     def __init__(self, engine: "Engine") -> None:
         self.engine = engine
         self.queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        #: a response is running (on this thread, or on a caller that claimed it)
         self.busy = False
-        #: held while a response runs, by this thread or by a caller that claimed it
-        self._running = threading.Lock()
+        #: responses queued and not finished yet (changed under ``_count_lock``)
+        self._outstanding = 0
+        self._count_lock = threading.Lock()
+        self._wake_loop = threading.Event()
         self._fusion = fusion.FusionBuffer()
         self._thread = threading.Thread(target=self._loop, name="ronde-executor", daemon=True)
         self.on_idle: Callable[[], None] | None = None
@@ -68,18 +71,23 @@ class Executor:
         self._thread.join(timeout_s)
 
     def idle(self) -> bool:
-        return not self.busy and self.queue.empty()
+        return not self.busy and self._outstanding == 0
+
+    def enqueue(self, resp: Response) -> None:
+        """Queue a response for this thread (the agreed order is the queue order)."""
+        with self._count_lock:
+            self._outstanding += 1
+        self.queue.put(resp)
 
     def claim(self) -> bool:
         """Let the calling thread (a waiter driving a round) run responses itself.
 
-        Only when nothing is queued or running, so the agreed order holds: anything
-        queued later waits for ``_running``, which the claimer holds until
-        :meth:`run_claimed` is done. Call with the engine's drive lock held.
+        Only when nothing is queued or running: every response agreed before has
+        finished, so running these now keeps the agreed order; responses queued after
+        this claim wait in the queue until :meth:`run_claimed` is done (``busy``).
+        Call with the engine's drive lock held (the only place responses are queued).
         """
-        if self.busy or not self.queue.empty():
-            return False
-        if not self._running.acquire(False):
+        if self.busy or self._outstanding:
             return False
         self.busy = True
         return True
@@ -91,8 +99,9 @@ class Executor:
                 self._run_one(resp)
         finally:
             self.busy = False
-            self._running.release()
-            if self.queue.empty() and self.on_idle is not None:
+            if self._outstanding:
+                self._wake_loop.set()
+            elif self.on_idle is not None:
                 self.on_idle()
 
     def _run_one(self, item: Response) -> None:
@@ -106,13 +115,18 @@ class Executor:
             item = self.queue.get()
             if item is _STOP:
                 return
-            with self._running:
-                self.busy = True
-                try:
-                    self._run_one(item)
-                finally:
-                    self.busy = False
-            if self.queue.empty() and self.on_idle is not None:
+            # a caller may be running claimed responses, agreed before this one
+            while self.busy:
+                self._wake_loop.wait(0.001)
+                self._wake_loop.clear()
+            self.busy = True
+            try:
+                self._run_one(item)
+            finally:
+                self.busy = False
+                with self._count_lock:
+                    self._outstanding -= 1
+            if self._outstanding == 0 and self.on_idle is not None:
                 self.on_idle()
 
     # -- dispatch ------------------------------------------------------------------------

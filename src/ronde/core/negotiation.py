@@ -94,8 +94,12 @@ class ResponseCache:
         except KeyError:
             raise ProtocolError(f"rank {rank} referred to unknown cache entry {cid}") from None
 
-    def touch(self, cid: int) -> None:
+    def touch(self, cid: int) -> bool:
+        """Mark ``cid`` recently used; False if it was evicted meanwhile."""
+        if cid not in self._by_id:
+            return False
         self._by_id.move_to_end(cid)
+        return True
 
     def put(self, name: str, metas: dict[int, Meta]) -> None:
         if self.capacity <= 0:
@@ -255,9 +259,12 @@ class Negotiator:
                 continue
             joined_here = frozenset(r for r in members if r not in entry.metas)
             cids = set(entry.cids.values())
-            if len(cids) == 1 and None not in cids and not joined_here:
+            if (len(cids) == 1 and None not in cids and not joined_here
+                    and self.cache.touch(next(iter(cids)))):  # type: ignore[arg-type]
                 # every rank repeated the metadata of an earlier success: valid as it was
-                self.cache.touch(next(iter(cids)))  # type: ignore[arg-type]
+                # (unless the id was evicted while some rank had not announced yet: with
+                # more names in flight than the cache holds; then validate it afresh)
+                pass
             else:
                 error = self._validate(entry, members, joined_here)
                 if error is not None:
