@@ -36,16 +36,15 @@ if TYPE_CHECKING:
     from .shm import ShmCommunicator
 
 
-class _Iovec(ctypes.Structure):
-    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
-
-
 _IOV_MAX = 1024
 _libc: ctypes.CDLL | None = None
+_fn: "ctypes._NamedFuncPointer | None" = None
 
 
 def _readv() -> "ctypes._NamedFuncPointer | None":
-    global _libc
+    global _libc, _fn
+    if _fn is not None:
+        return _fn
     if _libc is None:
         try:
             _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -55,9 +54,16 @@ def _readv() -> "ctypes._NamedFuncPointer | None":
     if fn is None:
         return None
     fn.restype = ctypes.c_ssize_t
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong,
-                   ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]
+    # iovec arrays are passed as addresses of (base, length) uint64 pairs
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong,
+                   ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+    _fn = fn
     return fn
+
+
+def _iovecs(ranges: Sequence[tuple[int, int]]) -> np.ndarray:
+    """``struct iovec[]`` as a numpy array (two 64-bit fields each, as on x86-64)."""
+    return np.array(ranges, dtype=np.uint64).reshape(-1, 2)
 
 
 def supported() -> bool:
@@ -81,27 +87,34 @@ def read_into(pid: int, local: Sequence[tuple[int, int]], remote: Sequence[tuple
     Both lists describe the same number of bytes; partial transfers are resumed.
     Raises ``OSError`` (EPERM, ESRCH, EFAULT...) when the kernel refuses.
     """
-    fn = _readv()
+    fn = _fn or _readv()
     if fn is None:
         raise OSError(errno.ENOSYS, "process_vm_readv is not available")
-    local, remote = list(local), list(remote)
     total = sum(n for _, n in local)
     done = 0
+    if len(local) <= _IOV_MAX and len(remote) <= _IOV_MAX and total:
+        # the common case: one system call
+        lo, re = _iovecs(local), _iovecs(remote)
+        done = _check(fn(pid, lo.ctypes.data, len(lo), re.ctypes.data, len(re), 0), pid)
+    local, remote = list(local), list(remote)
     while done < total:
         lo_iov, lo_n = _slice(local, done, _IOV_MAX)
         re_iov, re_n = _slice(remote, done, _IOV_MAX)
         want = min(lo_n, re_n)
         lo_iov, _ = _slice(local, done, _IOV_MAX, want)
         re_iov, _ = _slice(remote, done, _IOV_MAX, want)
-        larr = (_Iovec * len(lo_iov))(*[_Iovec(a, n) for a, n in lo_iov])
-        rarr = (_Iovec * len(re_iov))(*[_Iovec(a, n) for a, n in re_iov])
-        got = fn(pid, larr, len(lo_iov), rarr, len(re_iov), 0)
-        if got < 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"process_vm_readv from pid {pid}: {os.strerror(err)}")
-        if got == 0:
-            raise OSError(errno.EFAULT, f"process_vm_readv from pid {pid} made no progress")
-        done += got
+        larr, rarr = _iovecs(lo_iov), _iovecs(re_iov)
+        done += _check(fn(pid, larr.ctypes.data, len(larr), rarr.ctypes.data, len(rarr), 0),
+                       pid)
+
+
+def _check(got: int, pid: int) -> int:
+    if got < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"process_vm_readv from pid {pid}: {os.strerror(err)}")
+    if got == 0:
+        raise OSError(errno.EFAULT, f"process_vm_readv from pid {pid} made no progress")
+    return got
 
 
 def _slice(ranges: Sequence[tuple[int, int]], skip: int, max_iov: int,
@@ -202,6 +215,7 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
     if comm._cma_scratch.nbytes < chunk * item:
         comm._cma_scratch = np.empty(chunk * item, dtype=np.uint8)
     scratch = comm._cma_scratch[: chunk * item].view(dtype)
+    scratch_at = scratch.ctypes.data
     lo, hi = blocks[comm.rank]
     try:
         for a in range(lo, hi, chunk):
@@ -211,8 +225,8 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
             for j in range(comm.size):
                 if j == comm.rank:
                     continue
-                read_into(pids[j], [(tmp.ctypes.data, tmp.nbytes)],
-                              layouts[j].ranges(a * item, b * item))
+                read_into(pids[j], [(scratch_at, (b - a) * item)],
+                          layouts[j].ranges(a * item, b * item))
                 off = 0
                 for v in views:
                     reduce_into(v, tmp[off: off + v.size], op)
@@ -228,7 +242,7 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
                 continue
             comm._wait_all_one(j, REDUCED, t)
             read_into(pids[j], mine.ranges(jlo * item, jhi * item),
-                          layouts[j].ranges(jlo * item, jhi * item))
+                      layouts[j].ranges(jlo * item, jhi * item))
     except OSError as exc:
         from .._errors import PeerLostError
 
