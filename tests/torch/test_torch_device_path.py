@@ -38,3 +38,10 @@ def test_training_equivalence_on_the_device_path():
     for diffs in run_ranks(2, workers.equivalence, configs, timeout_s=100, env=DEVICE):
         for cfg, diff in zip(configs, diffs):
             assert diff <= tolerance[cfg], (cfg, diff)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_device_path_on_a_process_set(np_):
+    assert run_ranks(np_, workers.device_path_process_set, timeout_s=100,
+                     env=DEVICE) == ["ok"] * np_

@@ -553,3 +553,37 @@ def device_path() -> str:
     assert torch.distributed.is_initialized()  # the device path really ran
     hvd.shutdown()
     return "ok"
+
+
+def device_path_process_set() -> str:
+    """Device collectives on a process set: a members-only process group (Gloo here)."""
+    import torch
+
+    import ronde.torch as hvd
+    from ronde.torch._device import BACKEND
+
+    torch.set_num_threads(1)
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    evens = hvd.add_process_set([q for q in range(n) if q % 2 == 0])
+    members = [q for q in range(n) if q % 2 == 0]
+    for step in range(3):
+        if r in members:
+            got = hvd.allreduce(torch.full((5,), r + 1.0), op=hvd.Sum, name="ps.a",
+                                process_set=evens)
+            assert torch.equal(got, torch.full((5,), float(sum(q + 1 for q in members)))), got
+            avg = hvd.allreduce(torch.full((4,), float(r)), name="ps.avg", process_set=evens,
+                                postscale_factor=2.0)
+            assert torch.allclose(avg, torch.full((4,), 2.0 * sum(members) / len(members)))
+            b = torch.full((3,), float(r))
+            hvd.broadcast_(b, root_rank=members[-1], name="ps.b", process_set=evens)
+            assert (b == members[-1]).all(), b
+            hs = [hvd.allreduce_async(torch.full((s,), float(r)), op=hvd.Max, name=f"ps.f{s}",
+                                      process_set=evens) for s in (1, 7, 50_000)]
+            for h in hs:
+                assert (hvd.synchronize(h) == members[-1]).all()
+        # the global set keeps working beside it
+        assert hvd.allreduce(torch.ones(2), op=hvd.Sum, name="g").tolist() == [float(n)] * 2
+    assert (evens.process_set_id in BACKEND._sets) == (r in members)
+    hvd.shutdown()
+    return "ok"

@@ -16,8 +16,9 @@ A Horovod PyTorch script runs with only its import changed::
         F.cross_entropy(model(x), y).backward()
         opt.step()
 
-CPU tensors are exchanged without copies; CUDA tensors go through host memory for
-now (a warning says so once). See docs/pytorch.md for what differs from Horovod.
+CPU tensors are exchanged without copies; CUDA allreduces and broadcasts stay on the
+GPU (NCCL, see ``_device.py``), other CUDA collectives go through host memory (a
+warning says so once). See docs/pytorch.md for what differs from Horovod.
 """
 
 from __future__ import annotations

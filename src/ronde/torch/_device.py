@@ -11,9 +11,15 @@ The process group is created lazily, on every rank at its first device collectiv
 rank 0 picks a port, :func:`ronde.broadcast_object` gives it to the others, and a
 ``TCPStore`` at rank 0's address starts ``init_process_group("nccl")``; if
 torch.distributed is already initialised (``RONDE_TRANSPORT=gloo``), a NCCL group is
-added with ``new_group`` instead. Device collectives run on the global process set;
-on other process sets, and for the other collectives, CUDA tensors take a host round
-trip. ``RONDE_TORCH_DEVICE_PATH=always`` sends CPU tensors through this same path with
+added with ``new_group`` instead.
+
+Other process sets get their own process group, made by the set's members only (at
+their first device collective on it; non-members never take part, as ronde's process
+sets require): the set's first rank offers a ``TCPStore`` through
+``broadcast_object(process_set=...)`` and every member builds a
+``ProcessGroupNCCL`` (``ProcessGroupGloo`` for CPU tensors) on it directly, without
+touching torch's default group. The other collectives (allgather, alltoall,
+reducescatter) take a host round trip for CUDA tensors. ``RONDE_TORCH_DEVICE_PATH=always`` sends CPU tensors through this same path with
 Gloo (which is how it is tested on machines without GPUs); ``never`` disables it.
 
 Streams: the executor thread issues the NCCL call on the device's current stream, so it
@@ -48,8 +54,7 @@ def _mode() -> str:
 def wants_device_path(tensor: torch.Tensor, process_set: Any) -> bool:
     """Whether a collective on ``tensor`` should stay on its device."""
     mode = _mode()
-    if mode == "never" or (process_set is not None and process_set.process_set_id not in (
-            None, 0)):
+    if mode == "never":
         return False
     if not torch.distributed.is_available():
         return False
@@ -66,9 +71,15 @@ class TorchDeviceBackend:
         self._group: Any = None
         self._device: torch.device | None = None
         self._generation = -1
+        #: process set id -> (its own process group, generation)
+        self._sets: dict[int, tuple[Any, int]] = {}
 
     # -- set-up (caller's thread, at the first device collective of a generation) ---------
-    def ensure(self, sample: torch.Tensor) -> None:
+    def ensure(self, sample: torch.Tensor, process_set: Any = None) -> None:
+        ps_id = getattr(process_set, "process_set_id", None) or 0
+        if ps_id:
+            self._ensure_set(sample, process_set, ps_id)
+            return
         rt = _api._runtime_or_raise()
         if self._group is not None and self._generation == rt.generation:
             return
@@ -94,6 +105,55 @@ class TorchDeviceBackend:
             logger.info("ronde.torch: %s tensors reduce through a %s process group",
                         sample.device.type, backend)
 
+    def _ensure_set(self, sample: torch.Tensor, process_set: Any, ps_id: int) -> None:
+        """The members-only process group of a process set (see module doc)."""
+        rt = _api._runtime_or_raise()
+        have = self._sets.get(ps_id)
+        if have is not None and have[1] == rt.generation:
+            return
+        with self._lock:
+            have = self._sets.get(ps_id)
+            if have is not None and have[1] == rt.generation:
+                return
+            dist = torch.distributed
+            members = sorted(int(r) for r in process_set.ranks)
+            me = members.index(rt.topo.rank)
+            timeout = datetime.timedelta(seconds=max(60.0, rt.cfg.start_timeout_s))
+            offer = _store_address(rt) if me == 0 else None
+            addr, port = _api.broadcast_object(offer, members[0],
+                                               name=f"ronde.torch.device.store.ps{ps_id}",
+                                               process_set=process_set)
+            store = dist.TCPStore(addr, port, len(members), is_master=me == 0,
+                                  timeout=timeout)
+            store = dist.PrefixStore(f"ronde/ps{ps_id}/g{rt.generation}", store)
+            if sample.is_cuda:
+                group = dist.ProcessGroupNCCL(store, me, len(members))
+            else:
+                group = dist.ProcessGroupGloo(store, me, len(members), timeout)
+            self._device = self._device or sample.device
+            self._sets[ps_id] = (group, rt.generation)
+            logger.info("ronde.torch: process set %d (ranks %s) reduces %s tensors through "
+                        "its own %s process group", ps_id, members, sample.device.type,
+                        "NCCL" if sample.is_cuda else "Gloo")
+
+    def _all_reduce(self, buf: torch.Tensor, op: ReduceOp, ps_id: int) -> None:
+        if not ps_id:
+            torch.distributed.all_reduce(buf, op=_OPS[op], group=self._group)
+            return
+        opts = torch.distributed.AllreduceOptions()
+        opts.reduceOp = _OPS[op]
+        self._sets[ps_id][0].allreduce([buf], opts).wait()
+
+    def _broadcast(self, buf: torch.Tensor, root: int, members: Sequence[int],
+                   ps_id: int) -> None:
+        if not ps_id:
+            torch.distributed.broadcast(buf, src=root, group=self._group)
+            return
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank = sorted(members).index(root)
+        opts.rootTensor = 0
+        self._sets[ps_id][0].broadcast([buf], opts).wait()
+
     # -- DeviceBackend -----------------------------------------------------------------------
     def allreduce(self, ps_id: int, members: Sequence[int], tensors: Sequence[Any | None],
                   shapes: Sequence[tuple[int, ...]], dtype: str, op: ReduceOp,
@@ -105,7 +165,7 @@ class TorchDeviceBackend:
                      for t, s in zip(tensors, shapes)]
             buf = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
             _scale(buf, prescale)
-            torch.distributed.all_reduce(buf, op=_OPS[op], group=self._group)
+            self._all_reduce(buf, op, ps_id)
             _scale(buf, postscale)
             results, off = [], 0
             for shape, out in zip(shapes, outs):
@@ -127,7 +187,7 @@ class TorchDeviceBackend:
                     buf.copy_(tensor)
             else:
                 buf = tensor.clone()
-            torch.distributed.broadcast(buf, src=root, group=self._group)
+            self._broadcast(buf, root, members, ps_id)
             if out is not None and buf is not out:
                 out.copy_(buf)
                 return out
@@ -187,7 +247,7 @@ def submit_allreduce(tensor: torch.Tensor, average: bool | None, name: str | Non
     t = tensor.detach()
     if not t.is_contiguous():
         t = t.contiguous()
-    BACKEND.ensure(t)
+    BACKEND.ensure(t, process_set)
     resolved = _api._resolve_op(op, average)
     return _api.submit(Kind.ALLREDUCE, None, name, process_set, op=resolved,
                        prescale=prescale, postscale=postscale, device=t,
@@ -203,7 +263,7 @@ def submit_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, pro
     t = tensor.detach()
     if not t.is_contiguous():
         t = t.contiguous()
-    BACKEND.ensure(t)
+    BACKEND.ensure(t, process_set)
     return _api.submit(Kind.BROADCAST, None, name, process_set, root=int(root_rank), device=t,
                        device_meta=(dtype_name(t.dtype), tuple(t.shape)),
                        out=tensor.detach() if inplace else None)

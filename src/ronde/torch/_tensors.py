@@ -5,8 +5,9 @@ memory, and outputs are allocated as torch tensors whose numpy view the engine
 fills (``alloc=``/``out=`` of the runtime API), so the result *is* a torch tensor.
 bfloat16 has no numpy dtype in torch: its int16 view is reinterpreted as
 ``ml_dtypes.bfloat16`` (same bits). Non-contiguous tensors are copied to a
-contiguous one first. CUDA tensors take a host round trip (copy to CPU, reduce,
-copy back) until the NCCL path exists; a warning says so once.
+contiguous one first. CUDA tensors that the device path (``_device.py``) does not
+take, i.e. allgather, alltoall and reducescatter, make a host round trip (copy to
+CPU, reduce, copy back); a warning says so once.
 """
 
 from __future__ import annotations
