@@ -114,3 +114,30 @@ def test_a_doorbell_with_a_payload_is_a_protocol_error():
     finally:
         x.close()
         y.close()
+
+
+def test_sleeping_flag_stays_up_while_any_thread_sleeps(pair):
+    # Two threads of one process may sleep in select at once (the control thread and a
+    # caller driving a round). The flag must stay up until the last one wakes: when the
+    # first waker lowered it, the other lost its doorbell and slept its full timeout
+    # (training steps stalled for 500 ms now and then).
+    from ronde._config import load
+    from ronde.core.exchange import Exchange
+
+    a, b = pair
+    x, y = socket.socketpair()
+    try:
+        ex = Exchange(0, {1: x}, a, load({}), str)
+        assert not ex.before_block(0)  # the control thread goes to sleep
+        assert b.sleepers() == [0]
+        assert not ex.before_block(0)  # a driver waits for a frame too
+        ex.after_block()  # the control thread wakes first
+        assert b.sleepers() == [0]  # the driver still sleeps: peers must still ring
+        ex.after_block()
+        assert b.sleepers() == []
+        b.post(1, b"frame")
+        assert ex.before_block(0)  # a post already there: do not sleep on it
+        ex.after_block()
+    finally:
+        x.close()
+        y.close()

@@ -329,7 +329,7 @@ class Engine:
             readable, _, _ = select.select([self._wake_r] + ex.sockets(), [], [], timeout)
         finally:
             self._ctl_deep_sleep = False
-        ex.polling()
+            ex.after_block()
         self._read_ready(readable)
 
     def _read_ready(self, readable: list[Any]) -> None:
@@ -372,9 +372,11 @@ class Engine:
         return ran
 
     def spinner_enter(self) -> None:
+        # the mailbox "sleeping" flag is left alone (see exchange.py): a spinner that
+        # cleared it while another thread slept in select, holding the drive lock,
+        # would lose that thread its doorbell
         with self._lock:
             self._spinners += 1
-        self.exchange.polling()
 
     def spinner_leave(self) -> None:
         """A waiter stops polling and blocks: hand anything it would have picked up to
@@ -383,7 +385,8 @@ class Engine:
             self._spinners -= 1
             if self._spinners:
                 return
-        if self.exchange.before_block(self._rounds) or self._has_local():
+        mb = self.exchange.mailboxes
+        if (mb is not None and mb.ahead(self._rounds, self.exchange.gone)) or self._has_local():
             if not self.progress():
                 self.wake(force=True)
 

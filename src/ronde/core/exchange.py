@@ -10,12 +10,15 @@ that wake a sleeping peer, frames too large for a slot, failure notices, and EOF
 when the peer dies.
 
 Sleeping and doorbells. A peer posting a frame sends a doorbell only when this process
-looks asleep (its mailbox ``sleeping`` flag). Every thread of this process sets the
-flag, fences and looks at the mailboxes once more before it blocks
-(:meth:`Exchange.before_block`: the Dekker handshake of ``mailbox.py``); a thread
-that starts polling clears it (:meth:`Exchange.polling`). So a post is either seen by
-a thread that is still polling or rung in; at worst a peer rings a process that was
-awake after all, which costs a system call.
+looks asleep (its mailbox ``sleeping`` flag). The flag is up while at least one thread
+sleeps in ``select`` on the control sockets, ready to handle a post: the control thread
+in its normal sleep, or a round's driver waiting for a frame. Such a thread raises
+it, fences and looks at the mailboxes once more before it sleeps
+(:meth:`Exchange.before_block`, the Dekker handshake of ``mailbox.py``) and lowers it
+when the last sleeper wakes (:meth:`Exchange.after_block`). Threads that merely poll
+(callers spinning in ``wait()``) never touch it, so they are not rung while they poll;
+the control thread stays out of their way meanwhile and looks every
+``RONDE_CYCLE_TIME``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import logging
 import os
 import select
 import socket
+import threading
 import time
 from typing import Any, Callable
 
@@ -50,6 +54,8 @@ class Exchange:
         self.mailboxes = mailboxes
         self.gone: set[int] = set()
         self.spin_s = cfg.spin_time_us / 1e6
+        self._sleep_lock = threading.Lock()
+        self._sleepers = 0
 
     # -- state seen by the driver ---------------------------------------------------------
     def live(self) -> list[int]:
@@ -75,21 +81,28 @@ class Exchange:
                 return
 
     # -- sleeping and doorbells -----------------------------------------------------------
-    def polling(self) -> None:
-        """A thread starts polling the mailboxes: peers need not ring."""
-        if self.mailboxes is not None:
-            self.mailboxes.set_sleeping(False)
-
     def before_block(self, rounds_done: int) -> bool:
-        """A thread is about to block (in ``select`` or on a handle): ask peers to ring,
-        fence, and look once more. True when a same-host peer has already posted a
-        round after ``rounds_done``: the caller must not sleep on it unhandled."""
+        """A thread is about to sleep in ``select`` on the control sockets: count it as
+        a sleeper (peers ring while there is one), fence, and look once more. True
+        when a same-host peer has already posted a round after ``rounds_done``: the
+        caller must not sleep on it. Pair with :meth:`after_block`."""
         mb = self.mailboxes
         if mb is None:
             return False
-        mb.set_sleeping(True)
+        with self._sleep_lock:
+            self._sleepers += 1
+            mb.set_sleeping(True)
         mailbox.fence()
         return mb.ahead(rounds_done, self.gone)
+
+    def after_block(self) -> None:
+        mb = self.mailboxes
+        if mb is None:
+            return
+        with self._sleep_lock:
+            self._sleepers -= 1
+            if not self._sleepers:
+                mb.set_sleeping(False)
 
     # -- one round ------------------------------------------------------------------------
     def run(self, round_no: int, payload: bytes, messages: list[dict[str, Any]],
@@ -134,9 +147,14 @@ class Exchange:
             rlist = [self.readers[r].sock for r in to_recv]
             wlist = [self.readers[r].sock for r in to_send]
             timeout = 0.0 if spinning else 0.5
-            if not spinning and to_recv & local and self.before_block(round_no - 1):
+            sleeping = not spinning and bool(to_recv & local)
+            if sleeping and self.before_block(round_no - 1):
                 timeout = 0.0
-            readable, writable, _ = select.select(rlist, wlist, [], timeout)
+            try:
+                readable, writable, _ = select.select(rlist, wlist, [], timeout)
+            finally:
+                if sleeping:
+                    self.after_block()
             self._send_some(writable, to_send)
             for s in readable:
                 r = self._rank_of(s)

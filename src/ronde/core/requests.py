@@ -62,7 +62,9 @@ class Waiters:
     engine's next round and executes the agreed collectives itself
     (``Engine.progress``), polling between tries with the CPU and the GIL yielded,
     and only then sleeps on the handle's event while the engine's threads finish
-    the work. A synchronous collective then costs no thread wake-ups at all.
+    the work. A synchronous collective then costs no thread wake-ups at all. It does
+    not poll while the executor thread is moving data (queued before it waited):
+    that would take CPU and the GIL from the thread it is waiting for.
     """
 
     def __init__(self) -> None:
@@ -86,9 +88,12 @@ class Waiters:
             end = time.monotonic() + spin_s
             while not event.is_set():
                 if eng.progress():
-                    eng.exchange.polling()
                     end = time.monotonic() + spin_s
                     continue
+                if not eng.executor.idle():
+                    # the executor thread is moving data: spinning beside it would take
+                    # CPU (and the GIL) from it; sleep until it completes the handle
+                    break
                 if time.monotonic() > end:
                     break
                 os.sched_yield()  # releases the GIL too
