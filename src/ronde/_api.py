@@ -18,7 +18,8 @@ import numpy as np
 
 from ._errors import NotInitializedError, RondeError
 from .collectives.ops import Average, ReduceOp, Sum
-from .core.requests import WIRE_DTYPES, Allocator, GroupOfHandles, Handle, Kind, Request
+from .core.requests import (WIRE_DTYPES, Allocator, GroupOfHandles, Handle, Kind, Request,
+                            dtype_name)
 from .process_sets import ProcessSet, global_process_set
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ def as_array(tensor: Any, what: str) -> np.ndarray:
     if arr.dtype == object:
         raise TypeError(f"{what}: cannot send an object array; use broadcast_object/"
                         "allgather_object for Python objects")
-    if str(arr.dtype) not in WIRE_DTYPES:
+    if dtype_name(arr.dtype) not in WIRE_DTYPES:
         raise TypeError(f"{what}: dtype {arr.dtype} is not supported; use a numeric dtype "
                         f"({', '.join(sorted(WIRE_DTYPES))})")
     if not arr.flags.c_contiguous:
