@@ -131,3 +131,11 @@ def test_every_collective_without_callers_driving():
     # negotiate and move every byte (the path asynchronous work always takes)
     assert run_ranks(3, workers.collectives, timeout_s=150,
                      env={"RONDE_SPIN_TIME": "0"}) == ["ok"] * 3
+
+
+@pytest.mark.timeout(180)
+def test_every_collective_through_shared_segments_only():
+    # RONDE_CMA=0 (or a container without ptrace rights): large allreduce, allgather
+    # and broadcast go through the shared segments instead of single-copy reads
+    assert run_ranks(3, workers.collectives, timeout_s=150,
+                     env={"RONDE_TRANSPORT": "shm", "RONDE_CMA": "0"}) == ["ok"] * 3

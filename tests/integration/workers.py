@@ -63,12 +63,21 @@ def collectives() -> str:
     assert g.shape == (n * (n + 1) // 2, 3)
     np.testing.assert_array_equal(g[:, 0], np.concatenate([np.full(i + 1, i) for i in range(n)]))
     assert hvd.allgather(np.zeros((0, 2)) if r == 0 else np.ones((1, 2))).shape == (n - 1, 2)
+    # large and ragged (the single-copy path on shm), one rank with nothing to send
+    rows = 0 if r == 1 else 30_001 * (r + 1)
+    big_g = hvd.allgather(np.arange(rows * 3, dtype=np.float32).reshape(rows, 3) + r)
+    want = [np.arange((0 if q == 1 else 30_001 * (q + 1)) * 3, dtype=np.float32) + q
+            for q in range(n)]
+    np.testing.assert_array_equal(big_g.reshape(-1), np.concatenate(want))
     # broadcast from every root
     for root in range(n):
         b = hvd.broadcast(np.arange(10) * (r + 1), root_rank=root)
         np.testing.assert_array_equal(b, np.arange(10) * (root + 1))
     bb = hvd.broadcast(np.full(2_000_003, float(r)), root_rank=n - 1)
     assert (bb == n - 1).all()
+    inplace = np.full(300_001, float(r), dtype=np.float32)
+    hvd.broadcast_async(inplace, root_rank=0, name="bcast.inplace", out=inplace).wait()
+    assert (inplace == 0).all()
     # alltoall, equal and explicit splits
     a = hvd.alltoall(np.arange(2 * n) + 100 * r)
     np.testing.assert_array_equal(a, np.concatenate([np.arange(2 * r, 2 * r + 2) + 100 * j

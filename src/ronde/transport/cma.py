@@ -251,3 +251,70 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
     comm._publish(DONE, t)
     # peers read my tensors until they are DONE: only then may the caller reuse them
     comm._wait_all(DONE, t)
+
+
+def _peer_read(comm: "ShmCommunicator", j: int, local: Sequence[tuple[int, int]],
+               remote: Sequence[tuple[int, int]]) -> None:
+    from .shm import PID
+
+    try:
+        read_into(int(comm._hdr[j][PID]), local, remote)
+    except OSError as exc:
+        from .._errors import PeerLostError
+
+        raise PeerLostError(f"single-copy read from rank {comm.members[j]} on this host "
+                            f"failed ({exc}); it probably exited",
+                            rank=comm.members[j]) from None
+
+
+def _published(comm: "ShmCommunicator", j: int, nbytes: int) -> int:
+    """The address member ``j`` published for a buffer of ``nbytes`` (checked)."""
+    from .._errors import ProtocolError
+
+    addr, n = int(comm._table[j][0]), int(comm._table[j][1])
+    if n != nbytes:
+        raise ProtocolError(f"rank {comm.members[j]} published a {n}-byte buffer where "
+                            f"{nbytes} bytes were agreed")
+    return addr
+
+
+def broadcast(comm: "ShmCommunicator", buf: np.ndarray, root: int) -> None:
+    """Every member reads the root's buffer straight into its own: one copy."""
+    from .shm import DONE, WRITTEN
+
+    t = comm._begin()
+    if comm.rank == root:
+        comm._table[root][0:2] = (buf.ctypes.data, buf.nbytes)
+    comm._publish(WRITTEN, t)
+    if comm.rank != root and buf.nbytes:
+        comm._wait_all_one(root, WRITTEN, t)
+        addr = _published(comm, root, buf.nbytes)
+        _peer_read(comm, root, [(buf.ctypes.data, buf.nbytes)], [(addr, buf.nbytes)])
+    comm._publish(DONE, t)
+    if comm.rank == root:
+        comm._wait_all(DONE, t)  # the caller may change its buffer once every peer read it
+
+
+def allgatherv(comm: "ShmCommunicator", send: np.ndarray, recv: np.ndarray,
+               counts: list[int]) -> None:
+    """Every member reads every other member's input straight into its output."""
+    from .shm import DONE, WRITTEN
+
+    item = send.dtype.itemsize
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    t = comm._begin()
+    comm._table[comm.rank][0:2] = (send.ctypes.data, send.nbytes)
+    comm._publish(WRITTEN, t)
+    me = comm.rank
+    recv[starts[me]: starts[me + 1]] = send
+    base = recv.ctypes.data
+    for j in range(comm.size):
+        if j == me or not counts[j]:
+            continue
+        comm._wait_all_one(j, WRITTEN, t)
+        n = counts[j] * item
+        _peer_read(comm, j, [(base + starts[j] * item, n)], [(_published(comm, j, n), n)])
+    comm._publish(DONE, t)
+    comm._wait_all(DONE, t)  # peers read my input until they are DONE

@@ -382,7 +382,21 @@ class ShmCommunicator(Communicator):
             self._publish(DONE, t)
         return out
 
+    def _single_copy(self, nbytes: int) -> bool:
+        """Whether a collective of ``nbytes`` (the same on every member) reads peers'
+        buffers directly (see cma.py); agreed by every member at the first such op."""
+        if self._cma is False or nbytes < CMA_MIN_BYTES or self.size < 2:
+            return False
+        if self._cma is None:
+            self._cma = self._agree_on_cma()
+        return self._cma
+
     def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None:
+        if self._single_copy(sum(counts) * send.dtype.itemsize):
+            from . import cma
+
+            cma.allgatherv(self, send, recv, counts)
+            return
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
         step = self._piece_elems(send.dtype)
         for off in range(0, max(max(counts), 1), step):
@@ -403,6 +417,11 @@ class ShmCommunicator(Communicator):
             self._publish(DONE, t)
 
     def broadcast(self, buf: np.ndarray, root: int) -> None:
+        if self._single_copy(buf.nbytes):
+            from . import cma
+
+            cma.broadcast(self, buf, root)
+            return
         step = self._piece_elems(buf.dtype)
         for s in range(0, max(buf.size, 1), step):
             m = min(step, buf.size - s)
