@@ -8,6 +8,13 @@ time and share the memory bus). Prints one JSON line per measurement, then a tab
 
 GB/s here is the size of the destination over the time (1e9 B/s): a copy moves twice
 that (read + write), an add three times (two reads, one write).
+
+Then (Linux) the cross-process read ronde's single-copy collectives make: a child
+process holds a buffer and the parent reads it with ``process_vm_readv`` into a
+cache-sized scratch buffer, 1 MiB at a time, as ``transport/cma.py`` does; once with
+the child's buffer on transparent huge pages (``madvise(MADV_HUGEPAGE)``, what numpy
+asks for from 4 MiB on) and once on 4 KiB pages (``MADV_NOHUGEPAGE``). The kernel pins
+the source pages one by one, so the page size sets the rate.
 """
 
 from __future__ import annotations
@@ -64,6 +71,54 @@ def measure(nbytes: int, repeats: int, procs: int) -> list[dict[str, float]]:
     return got
 
 
+def _holder(nbytes: int, huge: bool, conn: Any) -> None:
+    """Child: a buffer on the requested page size; send its address, wait to be told."""
+    import ctypes
+    import mmap
+
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = np.frombuffer(mm, dtype=np.uint8)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise(buf.ctypes.data, nbytes, 14 if huge else 15)  # MADV_(NO)HUGEPAGE
+    buf[:] = 1  # fault every page in now
+    conn.send(int(buf.ctypes.data))
+    conn.recv()
+    del buf
+
+
+def cross_process_read(nbytes: int, repeats: int) -> list[dict[str, Any]]:
+    """GB/s of chunked ``process_vm_readv`` from a huge-page and a 4 KiB-page buffer."""
+    from ..transport import cma
+
+    if not cma.supported():
+        return []
+    chunk = 1 << 20
+    scratch = np.empty(chunk, dtype=np.uint8)
+    out = []
+    ctx = mp.get_context("fork")
+    for huge in (True, False):
+        mine, theirs = ctx.Pipe()
+        child = ctx.Process(target=_holder, args=(nbytes, huge, theirs))
+        child.start()
+        try:
+            addr = mine.recv()
+            times = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                for off in range(0, nbytes, chunk):
+                    n = min(chunk, nbytes - off)
+                    cma.read_into(child.pid, [(scratch.ctypes.data, n)], [(addr + off, n)])
+                times.append(time.perf_counter() - t)
+            s = median(times)
+            out.append({"op": "process_vm_readv", "pages": "2 MiB (THP)" if huge else "4 KiB",
+                        "bytes": nbytes, "median_s": s, "GBps": nbytes / s / 1e9})
+        finally:
+            mine.send(1)
+            child.join(30)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ronde.bench._membw", description=__doc__)
     p.add_argument("--mib", type=int, default=64, help="buffer size in MiB (default 64)")
@@ -88,6 +143,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         what = "np.copyto(dst, src)" if d["op"] == "copy" else "np.add(a, b, out=c)"
         print(f"| {what} | {d['procs']} | {d['median_s'] * 1e3:.1f} ms | {d['GBps']:.2f} | "
               f"{d['traffic_GBps']:.2f} |")
+    reads = cross_process_read(nbytes, max(3, args.repeats // 4))
+    if reads:
+        print(f"\n| process_vm_readv of {args.mib} MiB, 1 MiB at a time | source pages | time "
+              "| GB/s |\n|---|---|---|---|")
+        for d in reads:
+            print(json.dumps(d), file=sys.stderr)
+            print(f"| from another process | {d['pages']} | {d['median_s'] * 1e3:.1f} ms | "
+                  f"{d['GBps']:.2f} |")
     return 0
 
 

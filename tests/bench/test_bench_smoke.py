@@ -1,0 +1,40 @@
+"""The benchmark commands run end to end (numbers are not checked: no timing asserts)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.timeout(180)
+def test_allreduce_and_latency_cases_run_through_ronderun():
+    out = subprocess.run(
+        [sys.executable, "-m", "ronde.bench", "allreduce,latency,fusion", "--sizes",
+         "4B,1MiB", "--rounds", "1", "--transports", "shm", "--peers", "none",
+         "--target-s", "0.05", "--latency-ops", "200"],
+        capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stderr[-2000:]
+    points = _json_lines(out.stdout)
+    cases = {(p["case"], p["bytes"]) for p in points}
+    assert ("allreduce", 4) in cases and ("allreduce", 1 << 20) in cases
+    assert any(p["case"] == "latency" for p in points)
+    assert {p["case"] for p in points if p["case"].startswith("fusion")} == {
+        "fusion.single", "fusion.tensors"}
+    assert all(p["median_s"] > 0 for p in points)
+
+
+@pytest.mark.timeout(120)
+def test_memory_bandwidth_context_runs():
+    out = subprocess.run([sys.executable, "-m", "ronde.bench._membw", "--mib", "8",
+                          "--repeats", "4"], capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ops = {p["op"] for p in _json_lines(out.stdout) + _json_lines(out.stderr)}
+    assert {"copy", "add"} <= ops
+    assert "process_vm_readv" in out.stdout  # the page-size table (Linux)
