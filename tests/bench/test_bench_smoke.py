@@ -26,7 +26,7 @@ def test_allreduce_and_latency_cases_run_through_ronderun():
     assert ("allreduce", 4) in cases and ("allreduce", 1 << 20) in cases
     assert any(p["case"] == "latency" for p in points)
     assert {p["case"] for p in points if p["case"].startswith("fusion")} == {
-        "fusion.single", "fusion.tensors"}
+        "fusion.single", "fusion.tensors", "fusion.views"}
     assert all(p["median_s"] > 0 for p in points)
 
 

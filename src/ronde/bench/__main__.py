@@ -148,7 +148,7 @@ def _points(contenders: Sequence[Contender], cases: Sequence[str], np_: int,
             if case != "fusion":
                 points.extend(combine(case, c.impl, c.transport, np_, per_round))
                 continue
-            for variant in ("single", "tensors"):
+            for variant in ("single", "tensors", "views"):
                 points.extend(combine(f"fusion.{variant}", c.impl, c.transport, np_,
                                       [[s for s in summaries if s.get("variant") == variant]
                                        for summaries in per_round]))

@@ -162,22 +162,27 @@ def print_tables(points: Sequence[Point], ronde_impls: Sequence[str],
 
     fused = {p.impl: p for p in points if p.case == "fusion.tensors"}
     single = {p.impl: p for p in points if p.case == "fusion.single"}
+    views = {p.impl: p for p in points if p.case == "fusion.views"}
     if fused or single:
         nbytes = next(iter((fused or single).values())).bytes
         print(f"\nfusion, np={np_}: ResNet-50's 161 gradient tensors ({format_bytes(nbytes)} "
               "of float32 in all) as 161 allreduces (ronde: all submitted with "
               "allreduce_async, then waited; peers: blocking calls in a row) against one "
               f"allreduce of a single buffer of that size; median over {rounds} round(s); "
-              "ratio = 161-tensor time / single time (target for ronde: <= 1.2)\n", file=out)
-        header = ["impl", "161 tensors", "single buffer", "tensors/single",
-                  "tensors busbw", "single busbw"]
+              "ratio = 161-tensor time / single time (target for ronde: <= 1.2); 'views' = "
+              "the same 161 calls on views of one buffer (memory laid out like the single "
+              "buffer)\n", file=out)
+        header = ["impl", "161 tensors", "161 views", "single buffer", "tensors/single",
+                  "views/single", "tensors busbw", "single busbw"]
         rows = []
         for i in impls:
-            f, s1 = fused.get(i), single.get(i)
+            f, s1, v = fused.get(i), single.get(i), views.get(i)
             if f is None and s1 is None:
                 continue
-            rows.append([i, _time(f.median_s if f else None), _time(s1.median_s if s1 else None),
+            rows.append([i, _time(f.median_s if f else None), _time(v.median_s if v else None),
+                         _time(s1.median_s if s1 else None),
                          f"{f.median_s / s1.median_s:.2f}" if f and s1 else "-",
+                         f"{v.median_s / s1.median_s:.2f}" if v and s1 else "-",
                          f"{f.busbw_GBps:.3g}" if f else "-",
                          f"{s1.busbw_GBps:.3g}" if s1 else "-"])
         _table(header, rows, out)
