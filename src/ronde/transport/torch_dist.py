@@ -13,6 +13,7 @@ rank's block (twice the traffic of a true reduce-scatter); both are documented.
 from __future__ import annotations
 
 import datetime
+import logging
 from typing import Any
 
 import numpy as np
@@ -61,7 +62,12 @@ def destroy_world(healthy: bool = True) -> None:
         return
     try:
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=10))
-    except Exception:  # noqa: BLE001 - a peer is gone: leave the groups to exit
+    except Exception as exc:  # noqa: BLE001 - a peer is gone: leave the groups to exit
+        # Gloo may abort this process at exit then ("terminate called without an active
+        # exception"): say why, so that such an abort can be traced to this
+        logging.getLogger(__name__).warning(
+            "ronde: the Gloo process group is left to process exit: the closing barrier "
+            "failed (%s)", exc)
         return
     dist.destroy_process_group()
 
