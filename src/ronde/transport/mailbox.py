@@ -33,14 +33,14 @@ the frame goes through the same parser as a socket frame.
 from __future__ import annotations
 
 import mmap
-import os
 import threading
 import time
 from typing import Callable
 
 import numpy as np
 
-from .._errors import ProtocolError, RendezvousError
+from .._errors import ProtocolError
+from .shm import OwnedSegment, close_maps, create_segment, open_segment
 
 SEQ, SLEEPING, ATTACHED, LEN0, LEN1 = 0, 1, 2, 3, 4
 _HEADER_BYTES = 4096
@@ -59,7 +59,7 @@ def fence() -> None:
     _fence_lock.release()
 
 
-class Mailboxes:
+class Mailboxes(OwnedSegment):
     """This rank's outgoing slot pair and its view of every same-host peer's."""
 
     def __init__(self, rank: int, peers: list[int], path_of: Callable[[int], str],
@@ -68,19 +68,13 @@ class Mailboxes:
         self.peers = list(peers)
         total = _HEADER_BYTES + 2 * SLOT_BYTES
         self._path = path_of(rank)
-        fd = os.open(self._path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
-        try:
-            os.ftruncate(fd, total)
-            self._mine = mmap.mmap(fd, total)
-        finally:
-            os.close(fd)
-        self._unlinked = False
+        self._mine = create_segment(self._path, total)
         self._maps: dict[int, mmap.mmap] = {}
         self._hdr: dict[int, np.ndarray] = {}
         self._my_hdr = np.frombuffer(self._mine, dtype=np.int64, count=8)
         deadline = time.monotonic() + timeout_s
         for r in self.peers:
-            mm = _open(path_of(r), total, deadline)
+            mm = open_segment(path_of(r), total, deadline)
             self._maps[r] = mm
             self._hdr[r] = np.frombuffer(mm, dtype=np.int64, count=8)
         self._my_hdr[ATTACHED] = 1
@@ -134,41 +128,13 @@ class Mailboxes:
 
     # -- lifetime ------------------------------------------------------------------------
     def _unlink_once_mapped(self) -> None:
-        if not self._unlinked and all(h[ATTACHED] >= 1 for h in self._hdr.values()):
-            self._unlink()
-
-    def _unlink(self) -> None:
-        self._unlinked = True
-        try:
-            os.unlink(self._path)
-        except FileNotFoundError:
-            pass
+        self._unlink_if(not self._unlinked
+                        and all(h[ATTACHED] >= 1 for h in self._hdr.values()))
 
     def close(self) -> None:
-        if not self._unlinked:
-            self._unlink()
+        self._unlink_if(True)
         self._hdr.clear()
         self._my_hdr = None  # type: ignore[assignment]
-        for mm in [self._mine, *self._maps.values()]:
-            try:
-                mm.close()
-            except (BufferError, ValueError):
-                pass
+        close_maps([self._mine, *self._maps.values()])
         self._maps.clear()
 
-
-def _open(path: str, total: int, deadline: float) -> mmap.mmap:
-    while True:
-        try:
-            fd = os.open(path, os.O_RDWR)
-            try:
-                if os.fstat(fd).st_size >= total:
-                    return mmap.mmap(fd, total)
-            finally:
-                os.close(fd)
-        except FileNotFoundError:
-            pass
-        if time.monotonic() > deadline:
-            raise RendezvousError(f"control segment {path} did not appear; a peer on this "
-                                  "host failed during start-up")
-        time.sleep(0.002)

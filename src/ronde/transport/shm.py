@@ -56,6 +56,62 @@ def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+def create_segment(path: str, total: int) -> mmap.mmap:
+    """Create (or truncate) this rank's segment file, mode 0600, and map it."""
+    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
+    try:
+        os.ftruncate(fd, total)
+        return mmap.mmap(fd, total)
+    finally:
+        os.close(fd)
+
+
+def open_segment(path: str, total: int, deadline: float) -> mmap.mmap:
+    """Map a peer's segment once it exists at full size; RendezvousError after
+    ``deadline`` (the peer failed during start-up)."""
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                if os.fstat(fd).st_size >= total:
+                    return mmap.mmap(fd, total)
+            finally:
+                os.close(fd)
+        except FileNotFoundError:
+            pass
+        if time.monotonic() > deadline:
+            raise RendezvousError(f"shared-memory segment {path} did not appear; a peer "
+                                  "on this host failed during start-up")
+        time.sleep(0.002)
+
+
+class OwnedSegment:
+    """The name of this rank's segment file, removed once every peer has mapped it
+    (or at close), so that a crash leaves nothing in /dev/shm."""
+
+    _path: str
+    _unlinked: bool = False
+
+    def _unlink_if(self, everyone_attached: bool) -> None:
+        if everyone_attached and not self._unlinked:
+            self._unlink()
+
+    def _unlink(self) -> None:
+        self._unlinked = True
+        try:
+            os.unlink(self._path)
+        except FileNotFoundError:
+            pass
+
+
+def close_maps(maps: "list[mmap.mmap]") -> None:
+    for mm in maps:
+        try:
+            mm.close()
+        except (BufferError, ValueError):
+            pass  # a view is still alive somewhere; the mapping goes with the process
+
+
 def job_key(job_id: str) -> str:
     """The file-name-safe form of a job id used in segment names."""
     return "".join(c if c.isalnum() else "_" for c in job_id)
@@ -85,7 +141,7 @@ def blocks(m: int, n: int) -> list[tuple[int, int]]:
     return out
 
 
-class ShmCommunicator(Communicator):
+class ShmCommunicator(Communicator, OwnedSegment):
     """Collectives among the members of one process set that share a host."""
 
     name = "shm"
@@ -105,12 +161,7 @@ class ShmCommunicator(Communicator):
         self._unlinked = False
         total = _HEADER_BYTES + segment_bytes + 2 * SMALL_BYTES
         self._path = os.path.join(shm_dir(), f"ronde-{key}-{rank}")
-        fd = os.open(self._path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
-        try:
-            os.ftruncate(fd, total)
-            self._mine = mmap.mmap(fd, total)
-        finally:
-            os.close(fd)
+        self._mine = create_segment(self._path, total)
         self._maps: list[mmap.mmap] = []
         self._hdr: list[np.ndarray] = []
         self._data: list[np.ndarray] = []
@@ -118,7 +169,7 @@ class ShmCommunicator(Communicator):
         self._table: list[np.ndarray] = []
         deadline = time.monotonic() + timeout_s
         for g in members:
-            mm = self._mine if g == rank else self._open_peer(
+            mm = self._mine if g == rank else open_segment(
                 os.path.join(shm_dir(), f"ronde-{key}-{g}"), total, deadline)
             self._maps.append(mm)
             self._hdr.append(np.frombuffer(mm, dtype=np.int64, count=_SLOTS, offset=0))
@@ -138,23 +189,6 @@ class ShmCommunicator(Communicator):
         self._publish(PID, os.getpid())
         self._publish(PROBE, int(self._probe.ctypes.data))
         self._publish(ATTACHED, 1)  # I have mapped every peer's segment
-
-    @staticmethod
-    def _open_peer(path: str, total: int, deadline: float) -> mmap.mmap:
-        while True:
-            try:
-                fd = os.open(path, os.O_RDWR)
-                try:
-                    if os.fstat(fd).st_size >= total:
-                        return mmap.mmap(fd, total)
-                finally:
-                    os.close(fd)
-            except FileNotFoundError:
-                pass
-            if time.monotonic() > deadline:
-                raise RendezvousError(f"shared-memory segment {path} did not appear; a peer "
-                                      "on this host failed during start-up")
-            time.sleep(0.002)
 
     # -- synchronisation -----------------------------------------------------------------
     def _wait_all(self, idx: int, t: int) -> None:
@@ -470,25 +504,12 @@ class ShmCommunicator(Communicator):
 
     # -- lifetime ------------------------------------------------------------------------
     def _unlink_once_mapped(self) -> None:
-        if not self._unlinked and all(h[ATTACHED] >= 1 for h in self._hdr):
-            self._unlink()  # every member has mapped it: the name is no longer needed
-
-    def _unlink(self) -> None:
-        self._unlinked = True
-        try:
-            os.unlink(self._path)
-        except FileNotFoundError:
-            pass
+        self._unlink_if(not self._unlinked and all(h[ATTACHED] >= 1 for h in self._hdr))
 
     def close(self) -> None:
-        if not self._unlinked:
-            self._unlink()
+        self._unlink_if(True)
         self._hdr.clear()
         self._data.clear()
         self._my_hdr = None  # type: ignore[assignment]
-        for mm in self._maps:
-            try:
-                mm.close()
-            except (BufferError, ValueError):
-                pass  # a view is still alive somewhere; the mapping goes with the process
+        close_maps(self._maps)
         self._maps.clear()
