@@ -181,7 +181,7 @@ def _control_mailboxes(cfg: _config.Config, topo: Topology, rank: int, size: int
     if not peers:
         return None
     from .transport.mailbox import Mailboxes
-    from .transport.shm import shm_dir
+    from .transport.segments import shm_dir
 
     return Mailboxes(rank, peers, lambda r: os.path.join(shm_dir(), f"ronde-{key}-ctl-{r}"),
                      cfg.start_timeout_s)
@@ -240,7 +240,7 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
         eng = holder.get("engine")
         return eng.aborted() if eng is not None else None
 
-    from .transport.shm import job_key
+    from .transport.segments import job_key
 
     key = job_key(wenv.job_id or f"pid{os.getppid()}")
     transports: dict[int, str] = {}

@@ -21,7 +21,7 @@ def doctor() -> int:
     import numpy as np
 
     from . import __version__
-    from .transport.shm import shm_dir
+    from .transport.segments import shm_dir
 
     lines = [f"ronde {__version__}, Python {platform.python_version()}, numpy {np.__version__},"
              f" {platform.system()} {platform.machine()}"]

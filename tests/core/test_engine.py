@@ -175,3 +175,16 @@ def test_cache_entry_evicted_in_the_round_that_completes_it():
     out = neg.apply_round([x0, {"a": _announce(neg, 1, ["w"])["a"] + x1["a"]}])
     assert [(r.names, r.error) for r in out] == [(["w"], None), (["x"], None)]
     assert neg.cached_id(0, "x", ar("x", np.ones(3, np.float32)).meta()) is not None
+
+
+def test_stall_stack_shows_the_users_frames_when_the_main_thread_drives():
+    # a waiting caller may be the thread building the round message that carries its
+    # own stack: the engine's innermost frames are left out of the report
+    from ronde.core import rounds
+
+    def users_training_step() -> str:
+        return rounds.main_thread_stack()
+
+    stack = users_training_step()
+    assert "users_training_step" in stack.splitlines()[-2]
+    assert "rounds.py" not in stack

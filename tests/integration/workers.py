@@ -202,7 +202,7 @@ def misuse() -> str:
     import pytest
 
     import ronde as hvd
-    from ronde.transport.shm import job_key, shm_dir
+    from ronde.transport.segments import job_key, shm_dir
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()

@@ -12,7 +12,8 @@ import pytest
 
 from ronde import PeerLostError
 from ronde.collectives.ops import ReduceOp
-from ronde.transport.shm import ShmCommunicator, remove_job_segments
+from ronde.transport.segments import remove_job_segments
+from ronde.transport.shm import ShmCommunicator
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -417,25 +417,9 @@ class Engine:
                 r.t_announce = stamp
                 tl.phase(r.name, "QUEUE", r.t_submit or stamp, stamp)
         if reqs:
-            neg = self.negotiator
-            inline_left = self.cfg.inline_bytes and rounds.INLINE_ROUND_BYTES
-            announcements: list[Any] = []
-            for r in reqs:
-                raw = r.meta()
-                cid = neg.cached_id(self.rank, r.name, raw)
-                if cid is None:
-                    announcements.append([r.name, raw])
-                    continue
-                arr = r.array
-                if (r.kind == Kind.ALLREDUCE and arr is not None
-                        and arr.nbytes <= min(self.cfg.inline_bytes, inline_left)):
-                    data = rounds.prescaled_bytes(arr, r.prescale)
-                    announcements.append([cid, len(blob), len(data)])
-                    blob += data
-                    inline_left -= len(data)
-                else:
-                    announcements.append(cid)
-            msg["a"] = announcements
+            cached = self.negotiator.cached_id
+            msg["a"], blob = rounds.announcements(
+                reqs, lambda name, raw: cached(self.rank, name, raw), self.cfg.inline_bytes)
         if joins:
             msg["j"] = joins
         if ps_reqs:

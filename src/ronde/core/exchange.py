@@ -75,10 +75,7 @@ class Exchange:
 
     def fill(self, sock: Any) -> None:
         """Read what a socket that ``select`` found readable holds (hold the drive lock)."""
-        for rd in self.readers.values():
-            if rd.sock is sock:
-                rd.fill()
-                return
+        self.readers[self._rank_of(sock)].fill()
 
     # -- sleeping and doorbells -----------------------------------------------------------
     def before_block(self, rounds_done: int) -> bool:
@@ -113,9 +110,12 @@ class Exchange:
         mb = self.mailboxes
         live = self.live()
         local = {r for r in live if mb is not None and r in mb.peers}
-        frame = wire.encode_frame(rounds.KIND_ROUND, payload)
-        to_send = {r: memoryview(frame) for r in live if r not in local}
-        via_socket = set(to_send)  # peers whose frame this round comes over the socket
+        remote = [r for r in live if r not in local]
+        # the socket frame (a copy of the payload) only when some peer needs it
+        frame = (wire.encode_frame(rounds.KIND_ROUND, payload)
+                 if remote or (local and len(payload) > mailbox.SLOT_BYTES) else b"")
+        to_send = {r: memoryview(frame) for r in remote}
+        via_socket = set(remote)  # peers whose frame this round comes over the socket
         if local:
             assert mb is not None
             if mb.post(round_no, payload):

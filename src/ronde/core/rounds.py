@@ -9,6 +9,7 @@ allocated).
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import sys
@@ -21,6 +22,7 @@ import numpy as np
 from .._errors import ProtocolError
 from ..transport import wire
 from . import fusion
+from .requests import Kind
 
 KIND_ROUND = 3
 #: an empty frame that only wakes a peer sleeping in ``select`` (shm mailboxes)
@@ -90,11 +92,51 @@ def ranks_text(ranks: list[int]) -> str:
 
 
 def main_thread_stack() -> str:
-    """The main thread's current Python stack (what a stalled rank is doing)."""
+    """The main thread's current Python stack (what a stalled rank is doing).
+
+    The main thread may be the one building this very message (a waiting caller drives
+    the engine): the engine's own innermost frames are left out, so the user's code
+    that waits is what shows.
+    """
     frame = sys._current_frames().get(threading.main_thread().ident or 0)
     if frame is None:
         return "(main thread not found)"
-    return "".join(traceback.format_stack(frame)[-12:])
+    frames = traceback.extract_stack(frame)
+    here = os.path.dirname(os.path.abspath(__file__))
+    while len(frames) > 1 and os.path.dirname(os.path.abspath(frames[-1].filename)) == here:
+        frames.pop()
+    return "".join(traceback.format_list(frames[-12:]))
+
+
+def announcements(reqs: list[Any], cached_id: Any, inline_bytes: int
+                  ) -> tuple[list[Any], bytearray]:
+    """The ``"a"`` entries of a round message for ``reqs`` and its binary part.
+
+    A request whose name and metadata are in the response cache (``cached_id(name,
+    meta)`` is not None) goes as its id; a small cached allreduce also carries its
+    (prescaled) bytes, ``[id, offset, length]`` into the binary part, up to
+    ``inline_bytes`` each and ``INLINE_ROUND_BYTES`` per round. Anything else goes as
+    ``[name, meta]``.
+    """
+    out: list[Any] = []
+    blob = bytearray()
+    left = inline_bytes and INLINE_ROUND_BYTES
+    for r in reqs:
+        raw = r.meta()
+        cid = cached_id(r.name, raw)
+        if cid is None:
+            out.append([r.name, raw])
+            continue
+        arr = r.array
+        if r.kind == Kind.ALLREDUCE and arr is not None and arr.nbytes <= min(inline_bytes,
+                                                                              left):
+            data = prescaled_bytes(arr, r.prescale)
+            out.append([cid, len(blob), len(data)])
+            blob += data
+            left -= len(data)
+        else:
+            out.append(cid)
+    return out, blob
 
 
 _JSON_LEN = struct.Struct("!I")

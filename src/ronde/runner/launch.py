@@ -427,6 +427,6 @@ def run(command: Sequence[str], np: int | None, hosts: str | None = None,
     finally:
         server.close()
         # segments are unlinked once mapped; this catches a crash during start-up
-        from ..transport.shm import remove_job_segments
+        from ..transport.segments import remove_job_segments
 
         remove_job_segments(job_id)

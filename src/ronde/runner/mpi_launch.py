@@ -99,7 +99,7 @@ def run_mpi(command: Sequence[str], np: int | None, hosts: str | None, hostfile:
         return 130
     finally:
         server.close()
-        from ..transport.shm import remove_job_segments
+        from ..transport.segments import remove_job_segments
 
         remove_job_segments(job_id)
     if code != 0 and server.failures:

@@ -40,7 +40,7 @@ from typing import Callable
 import numpy as np
 
 from .._errors import ProtocolError
-from .shm import OwnedSegment, close_maps, create_segment, open_segment
+from .segments import OwnedSegment, close_maps, create_segment, open_segment
 
 SEQ, SLEEPING, ATTACHED, LEN0, LEN1 = 0, 1, 2, 3, 4
 _HEADER_BYTES = 4096
@@ -100,9 +100,6 @@ class Mailboxes(OwnedSegment):
         self._my_hdr[SLEEPING] = 1 if flag else 0
 
     # -- reader --------------------------------------------------------------------------
-    def seq(self, r: int) -> int:
-        return int(self._hdr[r][SEQ])
-
     def ahead(self, round_no: int, gone: "set[int] | frozenset[int]" = frozenset()) -> bool:
         """Whether some peer has posted a round after ``round_no`` (it started one)."""
         return any(self._hdr[r][SEQ] > round_no for r in self.peers if r not in gone)

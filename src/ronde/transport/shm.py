@@ -26,15 +26,14 @@ from __future__ import annotations
 
 import mmap
 import os
-import tempfile
 import time
 from typing import Callable
 
 import numpy as np
 
-from .._errors import RendezvousError
 from ..collectives.ops import ReduceOp, reduce_into
 from .base import Communicator
+from .segments import OwnedSegment, close_maps, create_segment, open_segment, shm_dir
 
 #: counters, then a table of (address, length) pairs for single-copy allreduces
 _HEADER_BYTES = 64 * 1024
@@ -50,85 +49,6 @@ SMALL_BYTES = 64 * 1024
 #: how long a wait polls (yielding) before it starts to sleep
 _YIELD_S = 0.002
 WRITTEN, REDUCED, DONE, ATTACHED, PID, PROBE, CMA_OK, NSEG = 0, 1, 2, 3, 4, 5, 6, 7
-
-
-def shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
-def create_segment(path: str, total: int) -> mmap.mmap:
-    """Create (or truncate) this rank's segment file, mode 0600, and map it."""
-    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
-    try:
-        os.ftruncate(fd, total)
-        return mmap.mmap(fd, total)
-    finally:
-        os.close(fd)
-
-
-def open_segment(path: str, total: int, deadline: float) -> mmap.mmap:
-    """Map a peer's segment once it exists at full size; RendezvousError after
-    ``deadline`` (the peer failed during start-up)."""
-    while True:
-        try:
-            fd = os.open(path, os.O_RDWR)
-            try:
-                if os.fstat(fd).st_size >= total:
-                    return mmap.mmap(fd, total)
-            finally:
-                os.close(fd)
-        except FileNotFoundError:
-            pass
-        if time.monotonic() > deadline:
-            raise RendezvousError(f"shared-memory segment {path} did not appear; a peer "
-                                  "on this host failed during start-up")
-        time.sleep(0.002)
-
-
-class OwnedSegment:
-    """The name of this rank's segment file, removed once every peer has mapped it
-    (or at close), so that a crash leaves nothing in /dev/shm."""
-
-    _path: str
-    _unlinked: bool = False
-
-    def _unlink_if(self, everyone_attached: bool) -> None:
-        if everyone_attached and not self._unlinked:
-            self._unlink()
-
-    def _unlink(self) -> None:
-        self._unlinked = True
-        try:
-            os.unlink(self._path)
-        except FileNotFoundError:
-            pass
-
-
-def close_maps(maps: "list[mmap.mmap]") -> None:
-    for mm in maps:
-        try:
-            mm.close()
-        except (BufferError, ValueError):
-            pass  # a view is still alive somewhere; the mapping goes with the process
-
-
-def job_key(job_id: str) -> str:
-    """The file-name-safe form of a job id used in segment names."""
-    return "".join(c if c.isalnum() else "_" for c in job_id)
-
-
-def remove_job_segments(job_id: str) -> int:
-    """Unlink any segment a job left behind (launcher clean-up after a crash)."""
-    import glob
-
-    removed = 0
-    for path in glob.glob(os.path.join(shm_dir(), f"ronde-{job_key(job_id)}-*")):
-        try:
-            os.unlink(path)
-            removed += 1
-        except OSError:
-            pass
-    return removed
 
 
 def blocks(m: int, n: int) -> list[tuple[int, int]]:
