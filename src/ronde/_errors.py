@@ -63,3 +63,15 @@ class JoinedError(RondeError, ValueError):
 for _cls in list(globals().values()):
     if isinstance(_cls, type) and issubclass(_cls, RondeError):
         _cls.__module__ = "ronde"  # tracebacks say ronde.PeerLostError, the public name
+
+
+def fresh_copy(exc: BaseException) -> BaseException:
+    """A new exception of the same type and message, so that every caller that raises a
+    recorded failure gets its own traceback (a ``PeerLostError`` keeps its rank)."""
+    try:
+        new = type(exc)(*exc.args)
+        if isinstance(exc, PeerLostError):
+            new.rank = exc.rank
+        return new
+    except Exception:  # noqa: BLE001 - an exception type with another signature
+        return exc

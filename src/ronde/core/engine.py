@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 
 from .._config import Config
-from .._errors import (DuplicateNameError, PeerLostError, RondeError,
+from .._errors import (DuplicateNameError, PeerLostError, RondeError, fresh_copy,
                        ShutdownError)
 from ..transport import mailbox
 from ..transport.base import Communicator
@@ -142,7 +142,7 @@ class Engine:
     def submit(self, req: Request) -> Request:
         with self._lock:
             if self._error is not None:
-                raise _reraise(self._error)
+                raise fresh_copy(self._error)
             if self._shutdown_requested:
                 raise ShutdownError(f"cannot submit {req.name!r}: ronde is shutting down")
             if req.name in self._pending:
@@ -168,7 +168,7 @@ class Engine:
     def request_process_set(self, action: str, arg: Any, req: Request) -> Request:
         with self._lock:
             if self._error is not None:
-                raise _reraise(self._error)
+                raise fresh_copy(self._error)
             if req.name in self._pending:
                 raise DuplicateNameError(f"{req.name!r} is already pending")
             self._pending[req.name] = req
@@ -237,7 +237,7 @@ class Engine:
             self._pending.clear()
             self._outbox.clear()
         for req in reqs:
-            req.fail(_reraise(exc))
+            req.fail(fresh_copy(exc))
 
     # -- the control thread ----------------------------------------------------------------
     def _control_main(self) -> None:
@@ -478,7 +478,7 @@ class Engine:
                 self.executor.enqueue(resp)
 
     def _reraise_error(self) -> BaseException | None:
-        return _reraise(self._error) if self._error is not None else None
+        return fresh_copy(self._error) if self._error is not None else None
 
     def _check_stalls(self) -> None:
         if not self.cfg.stall_check_enabled or self.rank != 0:
@@ -492,13 +492,3 @@ class Engine:
                     self._abort_msg = abort
             self.wake()
 
-
-def _reraise(exc: BaseException) -> BaseException:
-    """A fresh exception of the same type and message (each caller gets its own traceback)."""
-    try:
-        new = type(exc)(*exc.args)
-        if isinstance(exc, PeerLostError):
-            new.rank = exc.rank  # type: ignore[attr-defined]
-        return new
-    except Exception:  # noqa: BLE001
-        return exc
