@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 from . import _config
 from ._errors import ConfigError, PeerLostError, RendezvousError, ShutdownError, StallError
@@ -40,6 +40,7 @@ _rank0_server: rendezvous.RendezvousServer | None = None
 _rank0_file: str | None = None
 _atexit_registered = False
 _dying = False
+_reports: list[threading.Thread] = []  # lost-peer reports still being sent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,6 +304,8 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
                     lambda r: f"{r} (host {topo.hosts[r]})",
                     _control_mailboxes(cfg, topo, rank, size, f"{key}-g{gen}"))
     holder["engine"] = engine
+    if wenv.rendezvous_mode == "server" and wenv.rendezvous and wenv.secret:
+        engine.on_failure = _lost_peer_reporter(wenv)
     if cfg.timeline_path:
         start_timeline(engine, cfg.timeline_path, rank, cfg.timeline_mark_cycles)
     engine.start()
@@ -335,10 +338,34 @@ def start_timeline(engine: Engine, path: str, rank: int, mark_cycles: bool) -> N
         old.close()
 
 
+def _lost_peer_reporter(wenv: Any) -> Callable[[BaseException], None]:
+    """Tell the launcher which rank this one lost, so it can lead with that rank.
+
+    The launcher otherwise orders failures by the exit times it observes, and a
+    survivor that catches ``PeerLostError`` and exits may be seen to exit before the
+    lost rank's process is reaped. Sent from a thread (the engine's threads must not
+    block on the launcher); :func:`shutdown` gives it a moment to finish.
+    """
+    def report(exc: BaseException) -> None:
+        lost = getattr(exc, "rank", None)
+        if not isinstance(exc, PeerLostError) or lost is None:
+            return
+        t = threading.Thread(target=rendezvous.report_failure, daemon=True,
+                             name="ronde-report-lost",
+                             args=(wenv.rendezvous, wenv.secret, wenv.rank, str(exc)),
+                             kwargs={"secondary": True, "lost": int(lost)})
+        _reports.append(t)
+        t.start()
+
+    return report
+
+
 def shutdown(rt: Runtime) -> None:
     if _dying:
         rt.engine.cfg = dataclasses.replace(rt.engine.cfg, shutdown_timeout_s=0.5)
     rt.engine.shutdown()
+    for t in _reports:
+        t.join(timeout=1.0)
     if rt.mesh is not None:
         rt.mesh.close()
     if rt.cfg.transport == "gloo" and rt.topo.size > 1:

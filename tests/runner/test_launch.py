@@ -146,6 +146,32 @@ def test_reported_failure_wins_over_earlier_exit() -> None:
     assert r.stderr.endswith("ronderun: other ranks: 1 failed afterwards (exit code 5)\n")
 
 
+# ranks 0 and 2 report that they lost rank 1 and exit at once; rank 1's process is
+# seen to end later (a big process takes a while to die): rank 1 is still the cause
+LOST = """
+import os, signal, time
+from ronde.runner.rendezvous import report_failure
+r = int(os.environ['RONDE_RANK'])
+if r == 1:
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGKILL)
+addr = (os.environ['RONDE_RENDEZVOUS_ADDR'], int(os.environ['RONDE_RENDEZVOUS_PORT']))
+report_failure(addr, bytes.fromhex(os.environ['RONDE_SECRET']), r, 'lost rank 1',
+               secondary=True, lost=1)
+raise SystemExit(5)
+"""
+
+
+@pytest.mark.timeout(30)
+def test_rank_reported_lost_is_the_cause_though_seen_to_exit_last() -> None:
+    r = ronderun("-np", "3", PY, "-c", LOST)
+    assert r.returncode == 128 + signal.SIGKILL, r.stderr
+    assert "rank 1 (host localhost) failed first: it was killed by signal SIGKILL" \
+        in r.stderr
+    assert r.stderr.endswith("ronderun: other ranks: 0 failed afterwards (exit code 5); "
+                             "2 failed afterwards (exit code 5)\n")
+
+
 @pytest.mark.timeout(30)
 def test_reported_failure_that_hangs_is_killed_after_grace() -> None:
     r = ronderun("-np", "2", PY, "-c", REPORTED, "60")

@@ -69,6 +69,7 @@ class Engine:
         self._shutdown_announced = False
         self._shutdown_at = 0.0
         self._error: BaseException | None = None
+        self.on_failure: Callable[[BaseException], None] | None = None  # first one only
         self._ps_members: dict[int, list[int]] = {k: list(v) for k, v in process_sets.items()}
         self._comms = comms
         self.negotiator = Negotiator(size, {k: list(v) for k, v in process_sets.items()},
@@ -217,6 +218,8 @@ class Engine:
         self._fail_all(self._error or exc)
         if first and isinstance(exc, PeerLostError):
             self.exchange.tell_peers(exc)
+        if first and self.on_failure is not None:
+            self.on_failure(exc)
         self.wake(force=True)
 
     def fail_from_executor(self, exc: BaseException, resp: Response) -> None:

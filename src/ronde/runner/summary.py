@@ -55,6 +55,15 @@ def first_failure(workers: Sequence[Failed], failures: Sequence[dict[str, Any]]
     if primary:
         first = min(primary, key=lambda f: f.get("time", 0.0))
         return workers[first["rank"]], str(first.get("message", ""))
+    # A rank that others reported losing, and that failed without ronderun's help, is
+    # the cause: the exit times ronderun sees can put a survivor that caught the
+    # PeerLostError and exited ahead of the lost rank's own (slower) death.
+    lost = [f for f in failures if isinstance(f.get("lost"), int)
+            and 0 <= f["lost"] < len(workers)
+            and workers[f["lost"]].returncode not in (None, 0)
+            and not workers[f["lost"]].signalled]
+    if lost:
+        return workers[min(lost, key=lambda f: f.get("time", 0.0))["lost"]], ""
     # A rank whose error says another rank caused it is not the cause while another
     # failed rank made no such claim, e.g. one that called sys.exit(3).
     secondary = {f.get("rank") for f in failures if f.get("secondary")}
