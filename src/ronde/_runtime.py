@@ -30,7 +30,7 @@ from .core.engine import Engine
 from .runner import env as worker_env
 from .runner import rendezvous
 from .transport import mesh as mesh_mod
-from .transport.net import free_port, route_address
+from .transport.net import route_address
 from .transport.base import Communicator, P2PCommunicator, SelfCommunicator
 
 log = logging.getLogger("ronde")
@@ -213,8 +213,12 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
         advertised = bind if bind not in ("0.0.0.0", "") else route_address(rdv_host)
         info = {"rank": rank, "size": size, "generation": gen, "host": wenv.host,
                 "addr": advertised, "port": listener.getsockname()[1]}
+        store = None
         if cfg.transport == "gloo" and rank == 0:
-            info["store_port"] = free_port(bind)
+            from .transport import torch_dist
+
+            store = torch_dist.master_store(bind, cfg.start_timeout_s)
+            info["store_port"] = store.port
         try:
             peers, secret = _rendezvous(wenv, cfg, info)
         except BaseException:
@@ -228,7 +232,7 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
             from .transport import torch_dist
 
             torch_dist.init_world(rank, size, str(peers[0]["addr"]),
-                                  int(peers[0]["store_port"]), cfg.start_timeout_s)
+                                  int(peers[0]["store_port"]), cfg.start_timeout_s, store)
     topo = Topology.build(rank, hosts)
     holder: dict[str, Engine] = {}
     mpi_world = None
@@ -366,12 +370,14 @@ def shutdown(rt: Runtime) -> None:
     rt.engine.shutdown()
     for t in _reports:
         t.join(timeout=1.0)
-    if rt.mesh is not None:
-        rt.mesh.close()
     if rt.cfg.transport == "gloo" and rt.topo.size > 1:
         from .transport import torch_dist
 
-        torch_dist.destroy_world(healthy=rt.engine.failed is None)
+        mesh = rt.mesh
+        healthy = rt.engine.failed is None and mesh is not None
+        torch_dist.destroy_world((lambda: mesh.barrier(10.0)) if healthy else None)
+    if rt.mesh is not None:
+        rt.mesh.close()
 
 
 def _atexit_shutdown() -> None:

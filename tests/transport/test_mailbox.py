@@ -141,3 +141,30 @@ def test_sleeping_flag_stays_up_while_any_thread_sleeps(pair):
     finally:
         x.close()
         y.close()
+
+
+def test_a_peer_that_posts_its_last_round_and_exits_is_not_lost(pair, monkeypatch):
+    # A peer posts its shutdown round to the mailbox, then exits. When this rank saw
+    # the socket's EOF before the post, it called the peer lost ("exited without calling
+    # shutdown()") and the job failed at a clean shutdown: its last frame comes first.
+    from ronde._config import load
+    from ronde.core.exchange import Exchange
+
+    a, b = pair
+    x, y = socket.socketpair()
+    real_take, calls = a.take, []
+
+    def late_take(r, round_no):  # the post lands just after this rank first looked
+        calls.append(r)
+        return None if len(calls) == 1 else real_take(r, round_no)
+
+    monkeypatch.setattr(a, "take", late_take)
+    try:
+        ex = Exchange(0, {1: x}, a, load({"RONDE_SPIN_TIME": "0"}), str)
+        b.post(1, rounds.pack_round({"s": 1}, b"tail"))
+        y.close()
+        messages, blobs = [{}, {}], [b"", b""]
+        ex.run(1, rounds.pack_round({}, b""), messages, blobs, lambda: None, set())
+        assert messages[1] == {"s": 1} and blobs[1] == b"tail"
+    finally:
+        x.close()

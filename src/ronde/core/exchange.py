@@ -161,6 +161,8 @@ class Exchange:
                 reader = self.readers[r]
                 reader.fill()
                 if reader.eof and not reader.has_frame():
+                    if self._posted(r, round_no, via_socket):
+                        continue  # its last frame (say, its shutdown) is taken first
                     self.peer_closed(r, shut_down)
                     to_recv.discard(r)
                     to_send.pop(r, None)
@@ -194,6 +196,13 @@ class Exchange:
             via_socket.add(r)
             return reader.pop()
         return got  # type: ignore[return-value]
+
+    def _posted(self, r: int, round_no: int, via_socket: set[int]) -> bool:
+        """Whether peer ``r``'s frame for this round waits in its mailbox: a peer posts
+        its last round, then exits, and its socket's EOF can be seen first."""
+        mb = self.mailboxes
+        return (r not in via_socket and mb is not None and r in mb.peers
+                and mb.take(r, round_no) is not None)
 
     def _send_some(self, writable: list[Any], to_send: dict[int, memoryview]) -> None:
         for s in writable:

@@ -21,6 +21,7 @@ from . import wire
 log = logging.getLogger(__name__)
 
 KIND_HELLO = 2
+KIND_BARRIER = 3
 CHANNELS = ("ctl", "data")
 _SOCK_BUF_BYTES = 4 * 1024 * 1024
 
@@ -143,6 +144,24 @@ class Mesh:
             expected.discard(key)
             _tune(conn, key[1])
             (self.ctl if key[1] == "ctl" else self.data)[key[0]] = conn
+
+    def barrier(self, timeout_s: float) -> None:
+        """Meet every peer on the (otherwise idle) data sockets; raise on failure.
+
+        Used when ronde's own transports are not: a rank leaves only after every peer
+        has entered, which is what tearing down another library's connections needs.
+        """
+        deadline = time.monotonic() + timeout_s
+        payload = wire.dumps({"rank": self.rank, "gen": self.generation})
+        for sock in self.data.values():
+            wire.send_frame(sock, KIND_BARRIER, payload)
+        for peer, sock in self.data.items():
+            kind, got = wire.recv_frame(sock, deadline, 1024)
+            hello = wire.loads(got)
+            if kind != KIND_BARRIER or hello.get("rank") != peer:
+                raise ProtocolError(f"unexpected frame from rank {peer} in the closing barrier")
+        for sock in self.data.values():
+            sock.settimeout(None)
 
     def close(self) -> None:
         for table in (self.ctl, self.data):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -35,33 +35,46 @@ def _torch() -> Any:
     return torch
 
 
-def init_world(rank: int, size: int, store_addr: str, store_port: int, timeout_s: float) -> None:
-    """Create the default Gloo process group (every rank, once per ``ronde.init``)."""
+def master_store(host: str, timeout_s: float) -> Any:
+    """Rank 0's ``TCPStore``, listening on a port the kernel picks before any peer
+    learns it (a port picked by binding and closing could be taken in between)."""
+    dist = _torch().distributed
+    return dist.TCPStore(host, 0, None, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def init_world(rank: int, size: int, store_addr: str, store_port: int, timeout_s: float,
+               store: Any = None) -> None:
+    """Create the default Gloo process group (every rank, once per ``ronde.init``);
+    rank 0 passes its :func:`master_store`."""
     torch = _torch()
     dist = torch.distributed
     if dist.is_initialized():
         dist.destroy_process_group()
-    store = dist.TCPStore(store_addr, store_port, size, is_master=rank == 0,
-                          timeout=datetime.timedelta(seconds=timeout_s))
+    if store is None:
+        store = dist.TCPStore(store_addr, store_port, size, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=max(timeout_s, 60.0)))
 
 
-def destroy_world(healthy: bool = True) -> None:
+def destroy_world(barrier: Callable[[], None] | None) -> None:
     """Tear the Gloo groups down (so ``init`` can build new ones).
 
-    All ranks first meet in a barrier, so that no rank destroys its group while a
-    peer's Gloo threads still talk to it (which makes Gloo abort the process). After
-    a failure the groups are left to the process's exit instead.
+    No rank may destroy its groups while a peer still waits for a message on them: a
+    rank closes its pairs and that message is lost, and the peer waits for ever (or
+    Gloo aborts the process). ``barrier`` is a meeting over ronde's own sockets, after
+    every rank's engine has drained, so when it returns no Gloo operation is in flight
+    anywhere. (``monitored_barrier`` cannot do this job: its rank 0 returns before its
+    replies are sent, and destroying the group then can lose them.) Without a barrier,
+    or when it fails (a peer is gone), the groups are left to the process's exit.
     """
     torch = _torch()
     dist = torch.distributed
-    if not dist.is_initialized():
-        return
-    if not healthy:
+    if not dist.is_initialized() or barrier is None:
         return
     try:
-        dist.monitored_barrier(timeout=datetime.timedelta(seconds=10))
+        barrier()
     except Exception as exc:  # noqa: BLE001 - a peer is gone: leave the groups to exit
         # Gloo may abort this process at exit then ("terminate called without an active
         # exception"): say why, so that such an abort can be traced to this
