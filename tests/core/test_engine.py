@@ -188,3 +188,42 @@ def test_stall_stack_shows_the_users_frames_when_the_main_thread_drives():
     stack = users_training_step()
     assert "users_training_step" in stack.splitlines()[-2]
     assert "rounds.py" not in stack
+
+
+def test_steady_round_gives_what_the_general_path_gives():
+    # Every rank announcing the same cached ids in the same order takes a shortcut
+    # (_steady_round); it must agree with the general path on every rank: names,
+    # order, fusion, inline bytes and the cache's LRU order.
+    from ronde.core import rounds
+    from ronde.core.negotiation import Negotiator
+
+    def run(fast: bool):
+        neg = Negotiator(2, {0: [0, 1]}, fusion_threshold_bytes=64, cache_capacity=8)
+        steady = neg._steady_round
+        taken = []
+
+        def counted(*a):
+            out = steady(*a) if fast else None
+            taken.append(out is not None)
+            return out
+
+        neg._steady_round = counted
+        names = [f"t{i}" for i in range(6)]
+        reqs = {r: [ar(n, np.full(4 + (i % 3), r + 1.0, np.float32)) for i, n in
+                    enumerate(names)] for r in range(2)}
+        seen = []
+        for step in range(3):  # first full metadata, then cache ids (some inline)
+            msgs, blobs = [], []
+            for r in range(2):
+                ann, blob = rounds.announcements(
+                    reqs[r], lambda n, raw, r=r: neg.cached_id(r, n, raw), 16)
+                msgs.append({"a": ann})
+                blobs.append(bytes(blob))
+            out = neg.apply_round(msgs, blobs)
+            seen.append([(r.names, r.inline) for r in out])
+        return seen, list(neg.cache._by_id), taken
+
+    fast, slow = run(True), run(False)
+    assert fast[:2] == slow[:2]
+    assert fast[2] == [False, True, True]  # the shortcut ran once the ids were cached
+    assert any(inline for step in fast[0] for _, inline in step)  # inline data was used

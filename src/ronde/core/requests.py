@@ -79,8 +79,8 @@ class Waiters:
         if self.engine is engine:
             self.engine = None
 
-    def drive(self, event: threading.Event) -> bool:
-        """Drive the engine until ``event`` is set or the spin time passes; True if set."""
+    def drive(self, handle: "Handle") -> bool:
+        """Drive the engine until ``handle`` is done or the spin time passes; True if done."""
         eng = self.engine
         if eng is None:
             return False
@@ -88,7 +88,7 @@ class Waiters:
         eng.spinner_enter()
         try:
             end = time.monotonic() + spin_s
-            while not event.is_set():
+            while not handle._done:
                 if eng.progress():
                     end = time.monotonic() + spin_s
                     continue
@@ -101,40 +101,55 @@ class Waiters:
                 os.sched_yield()  # releases the GIL too
         finally:
             eng.spinner_leave()
-        return event.is_set()
+        return handle._done
 
 
 #: the waiters of this process (one engine per process)
 WAITERS = Waiters()
 
 
+#: guards every handle's completion against a waiter creating its event meanwhile
+_DONE_LOCK = threading.Lock()
+
+
 class Handle:
     """The pending result of an asynchronous collective.
 
     ``poll()`` says whether it finished; ``wait()`` blocks until it did and returns
-    the result (or raises the error every rank saw).
+    the result (or raises the error every rank saw). The event a thread sleeps on is
+    made only when one has to sleep: most waits end while the caller drives.
     """
 
-    __slots__ = ("_event", "_result", "_error", "name", "_callbacks")
+    __slots__ = ("_done", "_event", "_result", "_error", "name", "_callbacks")
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._event = threading.Event()
+        self._done = False
+        self._event: threading.Event | None = None
         self._result: Any = None
         self._error: BaseException | None = None
         self._callbacks: list[Callable[["Handle"], None]] | None = None
 
     def poll(self) -> bool:
         """True once the operation finished (successfully or not)."""
-        return self._event.is_set()
+        return self._done
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._done
+
+    def _sleep(self, timeout: float | None) -> bool:
+        with _DONE_LOCK:
+            if self._done:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout)
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until finished; return the result or raise its error."""
-        if not self._event.is_set():
-            if not (WAITERS.drive(self._event) or self._event.wait(timeout)):
+        if not self._done:
+            if not (WAITERS.drive(self) or self._sleep(timeout)):
                 raise TimeoutError(
                     f"collective {self.name!r} did not finish within {timeout}s")
         if self._error is not None:
@@ -142,34 +157,15 @@ class Handle:
         return self._result
 
     def exception(self) -> BaseException | None:
-        self._event.wait()
+        self._sleep(None)
         return self._error
 
-    def _set_result(self, value: Any) -> None:
-        self._result = value
-        self._event.set()
-        self._run_callbacks()
-
-    def _set_error(self, error: BaseException) -> None:
-        if self._event.is_set():
-            return
-        self._error = error
-        self._event.set()
-        self._run_callbacks()
-
-    def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
-        """Call ``fn(handle)`` when finished (from the engine thread; keep it short)."""
-        if self._event.is_set():
-            fn(self)
-            return
-        if self._callbacks is None:
-            self._callbacks = []
-        self._callbacks.append(fn)
-        if self._event.is_set() and self._callbacks:  # finished meanwhile
-            self._run_callbacks()
-
-    def _run_callbacks(self) -> None:
-        callbacks, self._callbacks = self._callbacks, None
+    def _finish(self) -> None:
+        with _DONE_LOCK:
+            self._done = True
+            event, callbacks, self._callbacks = self._event, self._callbacks, None
+        if event is not None:
+            event.set()
         for fn in callbacks or ():
             try:
                 fn(self)
@@ -177,6 +173,27 @@ class Handle:
                 import logging
 
                 logging.getLogger(__name__).exception("done-callback of %r failed", self.name)
+
+    def _set_result(self, value: Any) -> None:
+        self._result = value
+        self._finish()
+
+    def _set_error(self, error: BaseException) -> None:
+        with _DONE_LOCK:
+            if self._done or self._error is not None:
+                return
+            self._error = error
+        self._finish()
+
+    def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
+        """Call ``fn(handle)`` when finished (from the engine thread; keep it short)."""
+        with _DONE_LOCK:
+            if not self._done:
+                if self._callbacks is None:
+                    self._callbacks = []
+                self._callbacks.append(fn)
+                return
+        fn(self)
 
     def __repr__(self) -> str:
         return f"<Handle {self.name!r} {'done' if self.poll() else 'pending'}>"

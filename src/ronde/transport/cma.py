@@ -169,6 +169,40 @@ class Layout:
         return out
 
 
+def coalesce(bufs: list[np.ndarray]) -> list[np.ndarray]:
+    """Merge flat buffers that follow each other in memory (views of one allocation,
+    e.g. gradients laid out in one bucket) into one: fewer reads and reductions."""
+    out: list[np.ndarray] = []
+    end = -1
+    for b in bufs:
+        if not b.size:
+            continue
+        at = b.ctypes.data
+        if at == end:
+            last = out[-1]
+            out[-1] = np.lib.stride_tricks.as_strided(
+                last, shape=(last.size + b.size,), strides=(b.itemsize,))
+        else:
+            out.append(b)
+        end = at + b.nbytes
+    return out or bufs[:1]
+
+
+def _layout(comm: "ShmCommunicator", j: int, nseg_slot: int) -> Layout:
+    """Member ``j``'s published segment table (checked: it is read from shared memory)."""
+    from .._errors import ProtocolError
+    from .shm import TABLE_ENTRIES
+
+    n = int(comm._hdr[j][nseg_slot])
+    if not 0 < n <= TABLE_ENTRIES:
+        raise ProtocolError(f"rank {comm.members[j]} published {n} single-copy segments")
+    tab = comm._table[j]
+    lengths = tab[1:2 * n:2].tolist()
+    if min(lengths) < 0:
+        raise ProtocolError(f"rank {comm.members[j]} published a negative segment length")
+    return Layout(tab[0:2 * n:2].tolist(), lengths)
+
+
 def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "ReduceOp",
                        postscale: float) -> None:
     """The single-copy allreduce (see the module docstring), driven by ``comm``'s counters.
@@ -182,6 +216,7 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
 
     dtype = bufs[0].dtype
     item = dtype.itemsize
+    bufs = coalesce(bufs)  # each rank alone: peers go by the table it publishes
     t = comm._begin()
     table = comm._table[comm.rank]
     for i, arr in enumerate(bufs):
@@ -191,9 +226,14 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
     comm._publish(WRITTEN, t)
     comm._wait_all(WRITTEN, t)
     n = len(bufs)
-    layouts = [Layout(comm._table[j][0:2 * n:2].tolist(),
-                      comm._table[j][1:2 * n:2].tolist()) for j in range(comm.size)]
+    layouts = [_layout(comm, j, NSEG) for j in range(comm.size)]
     mine = layouts[comm.rank]
+    for j, lay in enumerate(layouts):
+        if lay.nbytes != mine.nbytes:
+            from .._errors import ProtocolError
+
+            raise ProtocolError(f"rank {comm.members[j]} published {lay.nbytes} bytes for a "
+                                f"single-copy allreduce of {mine.nbytes} bytes")
     elem_starts = [s // item for s in mine.starts]
     total = mine.nbytes // item
     blocks = _blocks(total, comm.size)
