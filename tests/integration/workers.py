@@ -260,6 +260,19 @@ def steady_state() -> str:
               for i in range(8)]
         for i, h in enumerate(hs):
             np.testing.assert_allclose(hvd.synchronize(h), np.full(2, float(sum(range(n)) + n * i)))
+        # a run of small ones in one round, reduced together where dtype and op agree
+        kinds = [("float32", hvd.Sum), ("float32", hvd.Sum), ("int32", hvd.Sum),
+                 ("int32", hvd.Max), ("float64", hvd.Average), ("float32", hvd.Average),
+                 ("float32", hvd.Average)]
+        hs = [hvd.allreduce_async((np.arange(3 + i) * (r + 1) + i).astype(dt), op=op,
+                                  name=f"mix{i}") for i, (dt, op) in enumerate(kinds)]
+        for i, ((dt, op), h) in enumerate(zip(kinds, hs)):
+            each = [(np.arange(3 + i) * (q + 1) + i).astype(np.float64) for q in range(n)]
+            ref = (np.maximum.reduce(each) if op == hvd.Max else
+                   sum(each) / (n if op == hvd.Average else 1))
+            got = hvd.synchronize(h)
+            assert got.dtype == np.dtype(dt) and got.shape == (3 + i,)
+            np.testing.assert_allclose(got.astype(np.float64), ref, rtol=1e-6)
     # uneven data after the cache is warm: joined ranks contribute zeros
     for step in range(r + 1):
         got = hvd.allreduce(np.ones(2), op=hvd.Sum, name="uneven")
@@ -344,6 +357,9 @@ def fused_large() -> str:
     for step in range(3):
         for dt in ("float32", "float64", "int64"):
             ts = [(np.arange(s) % 5 + r + step).astype(dt) for s in sizes]
+            if (r + step) % 2:  # views of one buffer here, separate arrays on the next
+                # rank: the single-copy path merges adjacent tensors on this rank only
+                ts = np.split(np.concatenate(ts), np.cumsum(sizes)[:-1])
             hs = [hvd.allreduce_async(t, op=hvd.Sum, name=f"f{i}.{dt}", out=t)
                   for i, t in enumerate(ts)]
             for h in hs:

@@ -39,3 +39,16 @@ def test_bad_address_is_an_oserror_not_a_crash():
     out = np.zeros(8, dtype=np.uint8)
     with pytest.raises(OSError):
         cma.read_into(os.getpid(), [(out.ctypes.data, 8)], [(8, 8)])
+
+
+def test_coalesce_merges_only_buffers_adjacent_in_memory():
+    from ronde.transport.cma import coalesce
+
+    flat = np.arange(100, dtype=np.float32)
+    other = np.ones(5, np.float32)
+    parts = [flat[0:10], flat[10:30], flat[30:30], flat[30:60], other, flat[60:100]]
+    merged = coalesce(parts)
+    assert [m.size for m in merged] == [60, 5, 40]
+    assert merged[0].ctypes.data == flat.ctypes.data and merged[1] is other
+    merged[0][:] = -1  # a merged buffer writes through to the tensors it stands for
+    assert (flat[:60] == -1).all() and flat[60] == 60

@@ -472,13 +472,7 @@ class Engine:
                 x = m["x"]
                 responses = self.negotiator.abort(x.get("names", []), str(x.get("message")),
                                                   "stall") + responses
-        for resp in responses:
-            if resp.inline is not None:
-                self.executor.run_inline(resp)
-            elif direct is not None and (direct or self.executor.claim()):
-                direct.append(resp)
-            else:
-                self.executor.enqueue(resp)
+        self.executor.dispatch(responses, direct)
 
     def _reraise_error(self) -> BaseException | None:
         return fresh_copy(self._error) if self._error is not None else None

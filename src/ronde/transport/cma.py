@@ -172,20 +172,22 @@ class Layout:
 def coalesce(bufs: list[np.ndarray]) -> list[np.ndarray]:
     """Merge flat buffers that follow each other in memory (views of one allocation,
     e.g. gradients laid out in one bucket) into one: fewer reads and reductions."""
-    out: list[np.ndarray] = []
+    runs: list[list[np.ndarray]] = []
     end = -1
     for b in bufs:
         if not b.size:
             continue
         at = b.ctypes.data
         if at == end:
-            last = out[-1]
-            out[-1] = np.lib.stride_tricks.as_strided(
-                last, shape=(last.size + b.size,), strides=(b.itemsize,))
+            runs[-1].append(b)
         else:
-            out.append(b)
+            runs.append([b])
         end = at + b.nbytes
-    return out or bufs[:1]
+    if not runs:
+        return bufs[:1]
+    return [run[0] if len(run) == 1 else np.lib.stride_tricks.as_strided(
+        run[0], shape=(sum(b.size for b in run),), strides=(run[0].itemsize,))
+        for run in runs]
 
 
 def _layout(comm: "ShmCommunicator", j: int, nseg_slot: int) -> Layout:
