@@ -111,9 +111,12 @@ def _ddp_worker(spec: str, model_name: str, batch: int, steps: int, warmup: int)
                             world_size=world)
     rate = _train("ddp", model_name, batch, steps, warmup, rank, world)
     dist.barrier()
-    dist.destroy_process_group()
     print(rate, flush=True)
-    del torch
+    # no destroy_process_group() and no interpreter teardown: Gloo may abort a process
+    # whose peer tore its pairs down first ("terminate called without an active
+    # exception"), which would lose a finished measurement
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _run_single(model_name: str, batch: int, steps: int, warmup: int, timeout_s: float) -> float:
