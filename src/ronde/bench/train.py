@@ -103,7 +103,6 @@ def _run_ddp(np_: int, model_name: str, batch: int, steps: int, warmup: int,
 
 
 def _ddp_worker(spec: str, model_name: str, batch: int, steps: int, warmup: int) -> None:
-    import torch
     import torch.distributed as dist
 
     rank, world, port = (int(v) for v in spec.split(","))
