@@ -412,7 +412,7 @@ class Engine:
                 self._shutdown_announced = True
                 self._shutdown_at = time.monotonic()
         msg: dict[str, Any] = {}
-        blob = bytearray()
+        blob = b""
         tl = self.timeline
         if tl is not None:
             stamp = now_us()
@@ -420,9 +420,9 @@ class Engine:
                 r.t_announce = stamp
                 tl.phase(r.name, "QUEUE", r.t_submit or stamp, stamp)
         if reqs:
-            cached = self.negotiator.cached_id
+            lookup, rank = self.negotiator.cache.lookup, self.rank
             msg["a"], blob = rounds.announcements(
-                reqs, lambda name, raw: cached(self.rank, name, raw), self.cfg.inline_bytes)
+                reqs, lambda name, raw: lookup(name, rank, raw), self.cfg.inline_bytes)
         if joins:
             msg["j"] = joins
         if ps_reqs:
@@ -435,7 +435,7 @@ class Engine:
             msg["st"] = rounds.main_thread_stack()
         if shut:
             msg["s"] = 1
-        return msg, bytes(blob)
+        return msg, blob
 
     def _round(self, direct: list[Response] | None) -> None:
         """One negotiation round (hold ``_drive``). Responses whose data moves go to the

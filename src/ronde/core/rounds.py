@@ -109,7 +109,7 @@ def main_thread_stack() -> str:
 
 
 def announcements(reqs: list[Any], cached_id: Any, inline_bytes: int
-                  ) -> tuple[list[Any], bytearray]:
+                  ) -> tuple[list[Any], bytes]:
     """The ``"a"`` entries of a round message for ``reqs`` and its binary part.
 
     A request whose name and metadata are in the response cache (``cached_id(name,
@@ -119,8 +119,10 @@ def announcements(reqs: list[Any], cached_id: Any, inline_bytes: int
     ``[name, meta]``.
     """
     out: list[Any] = []
-    blob = bytearray()
+    parts: list[bytes] = []
+    used = 0
     left = inline_bytes and INLINE_ROUND_BYTES
+    allreduce = Kind.ALLREDUCE
     for r in reqs:
         raw = r.meta()
         cid = cached_id(r.name, raw)
@@ -128,15 +130,17 @@ def announcements(reqs: list[Any], cached_id: Any, inline_bytes: int
             out.append([r.name, raw])
             continue
         arr = r.array
-        if r.kind == Kind.ALLREDUCE and arr is not None and arr.nbytes <= min(inline_bytes,
-                                                                              left):
-            data = prescaled_bytes(arr, r.prescale)
-            out.append([cid, len(blob), len(data)])
-            blob += data
-            left -= len(data)
+        if r.kind == allreduce and arr is not None and arr.nbytes <= inline_bytes \
+                and arr.nbytes <= left:
+            data = arr.tobytes() if r.prescale == 1.0 else prescaled_bytes(arr, r.prescale)
+            n = len(data)
+            out.append([cid, used, n])
+            parts.append(data)
+            used += n
+            left -= n
         else:
             out.append(cid)
-    return out, blob
+    return out, b"".join(parts)
 
 
 _JSON_LEN = struct.Struct("!I")
