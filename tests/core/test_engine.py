@@ -37,6 +37,17 @@ def test_small_tensors_are_fused(engines):
             np.testing.assert_array_equal(h.wait(10), np.full(3, 2.0, np.float32))
 
 
+def test_fused_groups_of_one_round_all_complete(engines):
+    # several fused groups agreed in one round follow the first one (Executor._parts):
+    # without the single-copy allreduce each still runs on its own, none is lost
+    g = engines(2, cycle_time_ms=50.0, fusion_threshold_bytes=40)
+    hs = [[eng.submit(ar(f"g{i}", np.full(3, r + 1.0, np.float32))).handle for i in range(30)]
+          for r, eng in enumerate(g.engines)]
+    for per_rank in hs:
+        for h in per_rank:
+            np.testing.assert_array_equal(h.wait(10), np.full(3, 3.0, np.float32))
+
+
 def _announce(neg, rank, names, nbytes_each=12, op=ReduceOp.SUM):
     return {"a": [neg.encode_announcement(rank, n, ar(n, np.ones(nbytes_each // 4, np.float32),
                                                        op).meta()) for n in names]}

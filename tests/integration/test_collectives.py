@@ -101,8 +101,9 @@ def test_steady_state_with_and_without_inline_data(transport, inline):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport,cma", [("shm", "1"), ("shm", "0"), ("tcp", "1")])
 @pytest.mark.parametrize("np_", [2, 3])
-def test_fused_large_tensors(transport, cma, np_):
-    env = _env(transport, RONDE_CMA=cma)
+@pytest.mark.parametrize("threshold", ["64MiB", "300KiB"])  # one fused group, or several
+def test_fused_large_tensors(transport, cma, np_, threshold):
+    env = _env(transport, RONDE_CMA=cma, RONDE_FUSION_THRESHOLD=threshold)
     assert run_ranks(np_, workers.fused_large, timeout_s=100, env=env) == ["ok"] * np_
 
 

@@ -20,8 +20,9 @@ import numpy as np
 
 from .._errors import (DuplicateNameError, JoinedError, RondeError, ShutdownError, StallError,
                        TensorMismatchError)
-from ..collectives.ops import ReduceOp, reduce_into
+from ..collectives.ops import ReduceOp
 from . import fusion
+from . import inline as inline_mod
 from .negotiation import Response
 from .requests import Kind, Meta, Request, resolve_dtype
 from .timeline import now_us
@@ -105,10 +106,31 @@ class Executor:
                 self.on_idle()
 
     def _run_one(self, item: Response) -> None:
-        try:
-            self.execute(item)
-        except BaseException as exc:  # noqa: BLE001 - fail the requests, keep serving
-            self.engine.fail_from_executor(exc, item)
+        for part in self._parts(item):
+            try:
+                self.execute(part)
+            except BaseException as exc:  # noqa: BLE001 - fail the requests, keep serving
+                self.engine.fail_from_executor(exc, part)
+
+    def _parts(self, item: Response) -> list[Response]:
+        """What to run for ``item``: itself, and the fused groups that follow it (see
+        :meth:`dispatch`) either one by one or, when the single-copy allreduce will
+        take them, as one operation (no fusion buffer is involved there, so the fusion
+        threshold has nothing to bound: one operation saves a synchronisation and a
+        table exchange per group). Decided here, in the agreed order of execution,
+        from state that every rank has at this same point: the same on every rank."""
+        followers = item.followers
+        if not followers:
+            return [item]
+        item.followers = None
+        group = [item, *followers]
+        comm = self.engine._comms.get(item.ps_id)
+        tensors = sum(len(r.names) for r in group)
+        if (comm is not None and comm.name == "shm" and getattr(comm, "_cma", None) is True
+                and comm.cma_eligible(sum(_nbytes(r) for r in group), tensors)):
+            return [Response(item.kind, item.ps_id, [n for r in group for n in r.names],
+                             [m for r in group for m in r.metas])]
+        return group
 
     def _loop(self) -> None:
         while True:
@@ -186,106 +208,42 @@ class Executor:
         for name in resp.names:
             tl.phase(name, resp.kind.name, marks[0][1], marks[-1][1], args)
 
-    def run_inline(self, resp: Response) -> None:
-        """Control thread: reduce an allreduce whose every contribution came with the
-        negotiation, in rank order (no data plane, no hand-off to this thread)."""
-        eng = self.engine
-        req = eng.take(resp.names[0])
-        if req is None:  # not a member of this process set
-            return
-        start = now_us() if eng.timeline is not None else 0.0
-        try:
-            meta = resp.metas[0][min(resp.metas[0])]
-            dtype = resolve_dtype(meta.dtype)
-            op, post = ReduceOp(meta.op), meta.postscale
-            if op == ReduceOp.AVERAGE:
-                op, post = ReduceOp.SUM, post / len(resp.inline or ())
-            out = req.out if req.out is not None else req.allocate(meta.shape, dtype)
-            flat = out.reshape(-1)
-            parts = resp.inline or []
-            np.copyto(flat, np.frombuffer(parts[0], dtype=dtype))
-            for part in parts[1:]:
-                reduce_into(flat, np.frombuffer(part, dtype=dtype), op)
-            fusion.scale_inplace(flat, post)
-        except BaseException as exc:  # noqa: BLE001 - the caller gets it
-            req.fail(exc if isinstance(exc, RondeError) else RondeError(
-                f"allreduce {req.name!r} failed: {exc!r}"))
-            return
-        if eng.timeline is not None:
-            eng.timeline.phase(req.name, "INLINE_REDUCE", start, now_us())
-        req.complete(out)
-
     def dispatch(self, responses: list[Response], direct: list[Response] | None) -> None:
         """Hand out one round's responses, in order: inline ones run here and now (a
         run of them together), the rest go to the queue, or into ``direct`` when the
-        driving caller may run them itself (see :meth:`claim`)."""
-        inline: list[Response] = []
+        driving caller may run them itself (see :meth:`claim`). A fused allreduce that
+        can run with the one before it (same process set, dtype, op and scales, with
+        only inline ones between) rides along as that one's follower (:meth:`_parts`);
+        followers are attached before anything is handed out."""
+        plan: list[Response] = []
+        lead: Response | None = None
+        lead_key: tuple[Any, ...] | None = None
         for resp in responses:
+            if resp.inline is not None:
+                plan.append(resp)
+                continue
+            key = _follow_key(resp)
+            if lead is not None and key is not None and key == lead_key:
+                if lead.followers is None:
+                    lead.followers = []
+                lead.followers.append(resp)
+                continue
+            lead, lead_key = (resp, key) if key is not None else (None, None)
+            plan.append(resp)
+        inline: list[Response] = []
+        for resp in plan:
             if resp.inline is not None:
                 inline.append(resp)
                 continue
             if inline:
-                self.run_inline_batch(inline)
+                inline_mod.run_batch(self.engine, inline)
                 inline = []
             if direct is not None and (direct or self.claim()):
                 direct.append(resp)
             else:
                 self.enqueue(resp)
         if inline:
-            self.run_inline_batch(inline)
-
-    def run_inline_batch(self, resps: list[Response]) -> None:
-        """Control thread: :meth:`run_inline` for consecutive inline responses. Those
-        with the same dtype, op and scale are reduced as one vector (each rank's bytes
-        joined in the agreed order: per element, the same additions in the same order
-        as one at a time), then copied out: a few numpy calls per tensor fewer."""
-        if self.engine.timeline is not None:
-            for resp in resps:
-                self.run_inline(resp)
-            return
-        i = 0
-        while i < len(resps):
-            key = _inline_key(resps[i])
-            j = i + 1
-            while j < len(resps) and _inline_key(resps[j]) == key:
-                j += 1
-            if j - i == 1:
-                self.run_inline(resps[i])
-            else:
-                self._inline_group(resps[i:j])
-            i = j
-
-    def _inline_group(self, group: list[Response]) -> None:
-        eng = self.engine
-        reqs = [eng.take(resp.names[0]) for resp in group]
-        meta = _any_meta(group[0].metas[0])
-        dtype = resolve_dtype(meta.dtype)
-        op, post = ReduceOp(meta.op), meta.postscale
-        parts = len(group[0].inline or ())
-        if op == ReduceOp.AVERAGE:
-            op, post = ReduceOp.SUM, post / parts
-        try:
-            acc = np.frombuffer(b"".join([r.inline[0] for r in group]),  # type: ignore[index]
-                                dtype=dtype).copy()
-            for k in range(1, parts):
-                reduce_into(acc, np.frombuffer(b"".join([r.inline[k] for r in group]),  # type: ignore[index]
-                                               dtype=dtype), op)
-            fusion.scale_inplace(acc, post)
-        except BaseException as exc:  # noqa: BLE001 - the callers get it
-            for req in reqs:
-                if req is not None:
-                    req.fail(exc if isinstance(exc, RondeError) else RondeError(
-                        f"allreduce {req.name!r} failed: {exc!r}"))
-            return
-        off = 0
-        for resp, req in zip(group, reqs):
-            m = _any_meta(resp.metas[0])
-            n = _numel(m.shape)
-            if req is not None:
-                out = req.out if req.out is not None else req.allocate(m.shape, dtype)
-                np.copyto(out.reshape(-1), acc[off: off + n])
-                req.complete(out)
-            off += n
+            inline_mod.run_batch(self.engine, inline)
 
     # -- per kind ------------------------------------------------------------------------
     def _allreduce(self, resp: Response, reqs: list[Request | None], comm: Any,
@@ -468,9 +426,18 @@ def _device_backend(resp: Response) -> Any:
     return found
 
 
-def _inline_key(resp: Response) -> tuple[Any, ...]:
+def _nbytes(resp: Response) -> int:
+    return sum(_any_meta(m).nbytes for m in resp.metas)
+
+
+def _follow_key(resp: Response) -> tuple[Any, ...] | None:
+    """What makes two fused allreduces of one round candidates to run as one."""
+    if resp.kind != Kind.ALLREDUCE or resp.error or resp.joined or not resp.metas:
+        return None
     meta = _any_meta(resp.metas[0])
-    return (meta.dtype, meta.op, meta.postscale, len(resp.inline or ()))
+    if meta.device:
+        return None
+    return (resp.ps_id, meta.dtype, meta.op, meta.prescale, meta.postscale)
 
 
 def _any_meta(metas: dict[int, Meta]) -> Meta:

@@ -35,7 +35,7 @@ class Response:
     """One unit of work for the executor: a (possibly fused) collective, or an error."""
 
     __slots__ = ("kind", "ps_id", "names", "metas", "joined", "error", "error_type", "value",
-                 "inline")
+                 "inline", "followers")
 
     def __init__(self, kind: Kind, ps_id: int, names: list[str], metas: list[dict[int, Meta]],
                  joined: frozenset[int] = frozenset(), error: str | None = None,
@@ -51,6 +51,8 @@ class Response:
         self.error = error
         self.error_type = error_type
         self.value = value
+        #: fused groups agreed right after this one, that may run with it (executor)
+        self.followers: list[Response] | None = None
 
     def __repr__(self) -> str:
         return f"<Response {KIND_NAMES[self.kind]} ps={self.ps_id} {self.names[:3]}{'...' if len(self.names) > 3 else ''}{' ERROR' if self.error else ''}>"
