@@ -238,3 +238,47 @@ def test_steady_round_gives_what_the_general_path_gives():
     assert fast[:2] == slow[:2]
     assert fast[2] == [False, True, True]  # the shortcut ran once the ids were cached
     assert any(inline for step in fast[0] for _, inline in step)  # inline data was used
+
+
+def test_fused_groups_run_as_one_only_on_the_single_copy_path_and_with_fusion_on():
+    # Executor.dispatch attaches a round's later fused groups to the first; _parts runs
+    # them as one operation only where the single-copy allreduce is in use, and
+    # RONDE_FUSION_THRESHOLD=0 ("no fusion") must keep every allreduce on its own.
+    from ronde._config import load
+    from ronde.core.executor import Executor
+    from ronde.core.negotiation import Response
+    from ronde.core.requests import Meta
+
+    class Comm:
+        name, _cma = "shm", True
+
+        def cma_eligible(self, nbytes, n):
+            return True
+
+    class Eng:
+        timeline = None
+
+        def __init__(self, threshold):
+            self.cfg = load({"RONDE_FUSION_THRESHOLD": threshold})
+            self._comms = {0: Comm()}
+
+    meta = Meta(ar("x", np.ones(1 << 16, np.float32)).meta())
+
+    def responses():
+        return [Response(Kind.ALLREDUCE, 0, [n], [{0: meta, 1: meta}]) for n in "abc"]
+
+    ex = Executor(Eng("64MiB"))
+    ex.dispatch(responses(), None)
+    lead = ex.queue.get_nowait()
+    assert ex.queue.empty() and [r.names for r in lead.followers] == [["b"], ["c"]]
+    assert [p.names for p in ex._parts(lead)] == [["a", "b", "c"]]
+    ex.dispatch(responses(), None)
+    lead = ex.queue.get_nowait()
+    Comm._cma = None  # single-copy not agreed (yet): one after the other
+    assert [p.names for p in ex._parts(lead)] == [["a"], ["b"], ["c"]]
+    Comm._cma = True
+    ex = Executor(Eng("0"))
+    ex.dispatch(responses(), None)
+    got = [ex.queue.get_nowait() for _ in range(3)]
+    assert [r.names for r in got] == [["a"], ["b"], ["c"]]
+    assert all(r.followers is None for r in got)

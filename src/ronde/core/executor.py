@@ -218,11 +218,12 @@ class Executor:
         plan: list[Response] = []
         lead: Response | None = None
         lead_key: tuple[Any, ...] | None = None
+        fusing = self.engine.cfg.fusion_threshold_bytes > 0  # 0: no fusion at all
         for resp in responses:
             if resp.inline is not None:
                 plan.append(resp)
                 continue
-            key = _follow_key(resp)
+            key = _follow_key(resp) if fusing else None
             if lead is not None and key is not None and key == lead_key:
                 if lead.followers is None:
                     lead.followers = []
