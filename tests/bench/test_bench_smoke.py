@@ -38,3 +38,4 @@ def test_memory_bandwidth_context_runs():
     ops = {p["op"] for p in _json_lines(out.stdout) + _json_lines(out.stderr)}
     assert {"copy", "add"} <= ops
     assert "process_vm_readv" in out.stdout  # the page-size table (Linux)
+    assert "process_vm_writev" in out.stdout

@@ -87,8 +87,23 @@ def _holder(nbytes: int, huge: bool, conn: Any) -> None:
     del buf
 
 
+def _write_into(pid: int, local: int, remote: int, n: int) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.process_vm_writev
+    fn.restype = ctypes.c_ssize_t
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
+                   ctypes.c_ulong, ctypes.c_ulong]
+    lo = np.array([local, n], dtype=np.uint64)
+    re = np.array([remote, n], dtype=np.uint64)
+    if fn(pid, lo.ctypes.data, 1, re.ctypes.data, 1, 0) != n:
+        raise OSError(ctypes.get_errno(), "process_vm_writev failed")
+
+
 def cross_process_read(nbytes: int, repeats: int) -> list[dict[str, Any]]:
-    """GB/s of chunked ``process_vm_readv`` from a huge-page and a 4 KiB-page buffer."""
+    """GB/s of chunked ``process_vm_readv`` from, and ``process_vm_writev`` into, a
+    huge-page and a 4 KiB-page buffer of another process."""
     from ..transport import cma
 
     if not cma.supported():
@@ -112,6 +127,17 @@ def cross_process_read(nbytes: int, repeats: int) -> list[dict[str, Any]]:
                 times.append(time.perf_counter() - t)
             s = median(times)
             out.append({"op": "process_vm_readv", "pages": "2 MiB (THP)" if huge else "4 KiB",
+                        "bytes": nbytes, "median_s": s, "GBps": nbytes / s / 1e9})
+            # the other direction: the remote side's pages set the pace here too
+            times = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                for off in range(0, nbytes, chunk):
+                    n = min(chunk, nbytes - off)
+                    _write_into(child.pid, scratch.ctypes.data, addr + off, n)
+                times.append(time.perf_counter() - t)
+            s = median(times)
+            out.append({"op": "process_vm_writev", "pages": "2 MiB (THP)" if huge else "4 KiB",
                         "bytes": nbytes, "median_s": s, "GBps": nbytes / s / 1e9})
         finally:
             mine.send(1)
@@ -145,11 +171,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{d['traffic_GBps']:.2f} |")
     reads = cross_process_read(nbytes, max(3, args.repeats // 4))
     if reads:
-        print(f"\n| process_vm_readv of {args.mib} MiB, 1 MiB at a time | source pages | time "
-              "| GB/s |\n|---|---|---|---|")
+        print(f"\n| {args.mib} MiB across processes, 1 MiB at a time | the other process's "
+              "pages | time | GB/s |\n|---|---|---|---|")
         for d in reads:
             print(json.dumps(d), file=sys.stderr)
-            print(f"| from another process | {d['pages']} | {d['median_s'] * 1e3:.1f} ms | "
+            print(f"| {d['op']} | {d['pages']} | {d['median_s'] * 1e3:.1f} ms | "
                   f"{d['GBps']:.2f} |")
     return 0
 
