@@ -33,14 +33,18 @@ _TORCH["bfloat16"] = torch.bfloat16
 _warned_device = threading.Event()
 
 
+#: torch dtype -> wire name, looked up on every collective (``str(np.dtype)`` is slow)
+_NAMES: dict[torch.dtype, str] = {k: str(np.dtype(v)) for k, v in _NUMPY.items()}
+_NAMES[torch.bfloat16] = "bfloat16"
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The numpy-style name of a torch dtype (``float32``, ``bfloat16``...)."""
-    if dtype == torch.bfloat16:
-        return "bfloat16"
-    if dtype not in _NUMPY:
+    name = _NAMES.get(dtype)
+    if name is None:
         raise TypeError(f"ronde cannot send torch tensors of dtype {dtype}; supported: "
                         f"{', '.join(sorted(_TORCH))} (cast first, e.g. bool -> uint8)")
-    return str(np.dtype(_NUMPY[dtype]))
+    return name
 
 
 def torch_dtype(dtype: Any) -> torch.dtype:
