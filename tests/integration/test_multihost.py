@@ -17,7 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.mark.timeout(120)
-def test_two_hosts_two_ranks_each(tmp_path):
+@pytest.mark.parametrize("cma", ["1", "0"])
+def test_two_hosts_two_ranks_each(tmp_path, cma):
     script = tmp_path / "job.py"
     script.write_text(
         "import json, sys\n"
@@ -28,7 +29,8 @@ def test_two_hosts_two_ranks_each(tmp_path):
         proc = subprocess.run(
             [sys.executable, "-m", "ronde.run", "-H", hosts.spec(2), "--start-timeout", "30",
              sys.executable, str(script)],
-            capture_output=True, text=True, timeout=100, env=hosts.env(), cwd=ROOT)
+            capture_output=True, text=True, timeout=100,
+            env={**hosts.env(), "RONDE_CMA": cma}, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = {}
     for line in proc.stdout.splitlines():
@@ -40,3 +42,5 @@ def test_two_hosts_two_ranks_each(tmp_path):
     assert [results[r][:4] for r in range(4)] == [[0, 2, 0, 2], [1, 2, 0, 2], [0, 2, 1, 2],
                                                   [1, 2, 1, 2]]
     assert {results[r][4] for r in range(4)} == {"hierarchical"}
+    if cma == "0":
+        assert {results[r][5] for r in range(4)} == {False}

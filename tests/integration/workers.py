@@ -296,8 +296,10 @@ def multihost() -> tuple:
     assert g.shape == (n * (n + 1) // 2, 2)
     b = hvd.broadcast(np.arange(5) + r, root_rank=n - 1)
     np.testing.assert_array_equal(b, np.arange(5) + n - 1)
+    # the shared-memory part reads peers in place unless RONDE_CMA=0 (once ignored here)
+    cma_used = hvd._api._rt.engine.communicator(0).local._cma
     out = (hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size(),
-           hvd.active_transport())
+           hvd.active_transport(), cma_used)
     hvd.shutdown()
     return out
 
