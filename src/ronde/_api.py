@@ -198,6 +198,8 @@ def submit(kind: Kind, array: np.ndarray | None, name: str | None, process_set: 
 
 
 def _resolve_op(op: Any, average: bool | None) -> ReduceOp:
+    if average is None and type(op) is ReduceOp:
+        return op
     if average is not None and op is not None:
         raise ValueError("pass either op= or the deprecated average=, not both")
     if average is not None:

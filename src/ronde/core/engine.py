@@ -181,6 +181,11 @@ class Engine:
         with self._lock:
             return self._pending.pop(name, None)
 
+    def take_many(self, names: list[str]) -> list[Request | None]:
+        with self._lock:
+            pop = self._pending.pop
+            return [pop(name, None) for name in names]
+
     def process_set_members(self, ps_id: int) -> list[int]:
         return self._ps_members.get(ps_id, [])
 

@@ -177,7 +177,7 @@ class Executor:
         if eng.rank not in members:
             return
         comm = eng.communicator(resp.ps_id)
-        reqs = [eng.take(name) for name in resp.names]
+        reqs = eng.take_many(resp.names)
         self._marks = [] if eng.timeline is not None else None
         try:
             handler = _HANDLERS[resp.kind]

@@ -50,6 +50,7 @@ def run_one(eng: "Engine", resp: Response) -> None:
         eng.timeline.phase(req.name, "INLINE_REDUCE", start, now_us())
     req.complete(out)
 
+
 def run_batch(eng: "Engine", resps: list[Response]) -> None:
     """Control thread: :func:`run_one` for consecutive inline responses. Those
     with the same dtype, op and scale are reduced as one vector (each rank's bytes
@@ -59,21 +60,23 @@ def run_batch(eng: "Engine", resps: list[Response]) -> None:
         for resp in resps:
             run_one(eng, resp)
         return
+    metas = [_any_meta(r.metas[0]) for r in resps]
+    keys = [(m.dtype, m.op, m.postscale, len(r.inline or ())) for m, r in zip(metas, resps)]
     i = 0
     while i < len(resps):
-        key = _inline_key(resps[i])
         j = i + 1
-        while j < len(resps) and _inline_key(resps[j]) == key:
+        while j < len(resps) and keys[j] == keys[i]:
             j += 1
         if j - i == 1:
             run_one(eng, resps[i])
         else:
-            _group(eng, resps[i:j])
+            _group(eng, resps[i:j], metas[i:j])
         i = j
 
-def _group(eng: "Engine", group: list[Response]) -> None:
-    reqs = [eng.take(resp.names[0]) for resp in group]
-    meta = _any_meta(group[0].metas[0])
+
+def _group(eng: "Engine", group: list[Response], metas: list[Any]) -> None:
+    reqs = eng.take_many([resp.names[0] for resp in group])
+    meta = metas[0]
     dtype = resolve_dtype(meta.dtype)
     op, post = ReduceOp(meta.op), meta.postscale
     parts = len(group[0].inline or ())
@@ -93,18 +96,13 @@ def _group(eng: "Engine", group: list[Response]) -> None:
                     f"allreduce {req.name!r} failed: {exc!r}"))
         return
     off = 0
-    for resp, req in zip(group, reqs):
-        m = _any_meta(resp.metas[0])
+    for m, req in zip(metas, reqs):
         n = _numel(m.shape)
         if req is not None:
             out = req.out if req.out is not None else req.allocate(m.shape, dtype)
             np.copyto(out.reshape(-1), acc[off: off + n])
             req.complete(out)
         off += n
-
-def _inline_key(resp: Response) -> tuple[Any, ...]:
-    meta = _any_meta(resp.metas[0])
-    return (meta.dtype, meta.op, meta.postscale, len(resp.inline or ()))
 
 
 def _any_meta(metas: dict[int, Any]) -> Any:

@@ -284,7 +284,7 @@ class Request:
         self.device = device
         if array is not None:
             self.dtype = dtype_name(array.dtype)
-            self.shape = tuple(int(d) for d in array.shape)
+            self.shape = array.shape  # a tuple of Python ints already
         elif device_meta is not None:
             self.dtype, self.shape = device_meta[0], tuple(int(d) for d in device_meta[1])
         else:
