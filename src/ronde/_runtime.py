@@ -370,9 +370,9 @@ def shutdown(rt: Runtime) -> None:
     rt.engine.shutdown()
     for t in _reports:
         t.join(timeout=1.0)
-    if rt.cfg.transport == "gloo" and rt.topo.size > 1:
-        from .transport import torch_dist
+    from .transport import torch_dist  # torch itself is imported only if it was used
 
+    if torch_dist.holds_groups() and rt.topo.size > 1:  # Gloo transport, torch device path
         mesh = rt.mesh
         healthy = rt.engine.failed is None and mesh is not None
         torch_dist.destroy_world((lambda: mesh.barrier(10.0)) if healthy else None)

@@ -552,6 +552,12 @@ def device_path() -> str:
     assert all(np.allclose(ws[0], other) for other in ws)
     assert torch.distributed.is_initialized()  # the device path really ran
     hvd.shutdown()
+    # torn down after a barrier, not left to exit, where Gloo could abort the process
+    # ("terminate called without an active exception" failed a CI run once)
+    assert not torch.distributed.is_initialized()
+    hvd.init()  # and built again by the next generation
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum, name="again").tolist() == [float(n)] * 2
+    hvd.shutdown()
     return "ok"
 
 
@@ -586,4 +592,5 @@ def device_path_process_set() -> str:
         assert hvd.allreduce(torch.ones(2), op=hvd.Sum, name="g").tolist() == [float(n)] * 2
     assert (evens.process_set_id in BACKEND._sets) == (r in members)
     hvd.shutdown()
+    assert not BACKEND._sets  # the members-only groups were dropped at shutdown
     return "ok"

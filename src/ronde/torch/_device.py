@@ -40,6 +40,7 @@ import torch
 from .. import _api
 from .._ops import ReduceOp
 from ..core import device as device_mod
+from ..transport import torch_dist
 from ..transport.net import free_port
 from ._tensors import dtype_name, torch_dtype
 
@@ -74,6 +75,13 @@ class TorchDeviceBackend:
         #: process set id -> (its own process group, generation)
         self._sets: dict[int, tuple[Any, int]] = {}
 
+    def close(self) -> None:
+        """Drop every process group (``ronde.shutdown()``, once all ranks are idle)."""
+        with self._lock:
+            self._group = None
+            self._sets.clear()
+            self._generation = -1
+
     # -- set-up (caller's thread, at the first device collective of a generation) ---------
     def ensure(self, sample: torch.Tensor, process_set: Any = None) -> None:
         ps_id = getattr(process_set, "process_set_id", None) or 0
@@ -99,6 +107,7 @@ class TorchDeviceBackend:
                 dist.init_process_group(backend, store=store, rank=rt.topo.rank,
                                         world_size=rt.topo.size, timeout=timeout)
                 group = dist.group.WORLD
+                torch_dist.adopt(self.close, world=True)  # destroyed at ronde.shutdown()
             self._device = sample.device
             self._group = group
             self._generation = rt.generation
@@ -132,6 +141,7 @@ class TorchDeviceBackend:
                 group = dist.ProcessGroupGloo(store, me, len(members), timeout)
             self._device = self._device or sample.device
             self._sets[ps_id] = (group, rt.generation)
+            torch_dist.adopt(self.close)  # dropped at ronde.shutdown(), after a barrier
             logger.info("ronde.torch: process set %d (ranks %s) reduces %s tensors through "
                         "its own %s process group", ps_id, members, sample.device.type,
                         "NCCL" if sample.is_cuda else "Gloo")

@@ -56,10 +56,31 @@ def init_world(rank: int, size: int, store_addr: str, store_port: int, timeout_s
                               timeout=datetime.timedelta(seconds=timeout_s))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=max(timeout_s, 60.0)))
+    adopt(world=True)
+
+
+#: torch.distributed state ronde created and must tear down at shutdown (see below)
+_owned_world = False
+_cleanups: list[Callable[[], None]] = []
+
+
+def adopt(cleanup: Callable[[], None] | None = None, world: bool = False) -> None:
+    """Record process groups ronde made: the default group (``world``) and others that
+    ``cleanup`` drops; :func:`destroy_world` tears them down at ``shutdown()``."""
+    global _owned_world
+    _owned_world = _owned_world or world
+    if cleanup is not None and cleanup not in _cleanups:
+        _cleanups.append(cleanup)
+
+
+def holds_groups() -> bool:
+    return _owned_world or bool(_cleanups)
 
 
 def destroy_world(barrier: Callable[[], None] | None) -> None:
-    """Tear the Gloo groups down (so ``init`` can build new ones).
+    """Tear down the process groups ronde made (so ``init`` can build new ones, and so
+    that none is left to the process's exit, where Gloo may abort the process with
+    "terminate called without an active exception").
 
     No rank may destroy its groups while a peer still waits for a message on them: a
     rank closes its pairs and that message is lost, and the peer waits for ever (or
@@ -69,9 +90,8 @@ def destroy_world(barrier: Callable[[], None] | None) -> None:
     replies are sent, and destroying the group then can lose them.) Without a barrier,
     or when it fails (a peer is gone), the groups are left to the process's exit.
     """
-    torch = _torch()
-    dist = torch.distributed
-    if not dist.is_initialized() or barrier is None:
+    global _owned_world
+    if not holds_groups() or barrier is None:
         return
     try:
         barrier()
@@ -82,7 +102,13 @@ def destroy_world(barrier: Callable[[], None] | None) -> None:
             "ronde: the Gloo process group is left to process exit: the closing barrier "
             "failed (%s)", exc)
         return
-    dist.destroy_process_group()
+    for cleanup in _cleanups:
+        cleanup()
+    _cleanups.clear()
+    dist = _torch().distributed
+    if _owned_world and dist.is_initialized():
+        dist.destroy_process_group()
+    _owned_world = False
 
 
 def new_group(members: list[int], size: int) -> Any:
