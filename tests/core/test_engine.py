@@ -252,15 +252,25 @@ def test_fused_groups_run_as_one_only_on_the_single_copy_path_and_with_fusion_on
     class Comm:
         name, _cma = "shm", True
 
+        @property
+        def single_copy_agreed(self):
+            return self._cma is True
+
         def cma_eligible(self, nbytes, n):
             return True
 
     class Eng:
-        timeline = None
+        timeline, rank = None, 0
 
         def __init__(self, threshold):
             self.cfg = load({"RONDE_FUSION_THRESHOLD": threshold})
             self._comms = {0: Comm()}
+
+        def process_set_members(self, ps_id):
+            return [0, 1]
+
+        def communicator(self, ps_id):
+            return self._comms[ps_id]
 
     meta = Meta(ar("x", np.ones(1 << 16, np.float32)).meta())
 

@@ -425,9 +425,9 @@ class Engine:
                 r.t_announce = stamp
                 tl.phase(r.name, "QUEUE", r.t_submit or stamp, stamp)
         if reqs:
-            lookup, rank = self.negotiator.cache.lookup, self.rank
+            cached, rank = self.negotiator.cached_id, self.rank
             msg["a"], blob = rounds.announcements(
-                reqs, lambda name, raw: lookup(name, rank, raw), self.cfg.inline_bytes)
+                reqs, lambda name, raw: cached(rank, name, raw), self.cfg.inline_bytes)
         if joins:
             msg["j"] = joins
         if ps_reqs:

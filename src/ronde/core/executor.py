@@ -23,7 +23,7 @@ from .._errors import (DuplicateNameError, JoinedError, RondeError, ShutdownErro
 from ..collectives.ops import ReduceOp
 from . import fusion
 from . import inline as inline_mod
-from .negotiation import Response
+from .negotiation import Response, any_meta, fusion_key
 from .requests import Kind, Meta, Request, resolve_dtype
 from .timeline import now_us
 
@@ -124,9 +124,11 @@ class Executor:
             return [item]
         item.followers = None
         group = [item, *followers]
-        comm = self.engine._comms.get(item.ps_id)
+        eng = self.engine
+        comm = (eng.communicator(item.ps_id)
+                if eng.rank in eng.process_set_members(item.ps_id) else None)
         tensors = sum(len(r.names) for r in group)
-        if (comm is not None and comm.name == "shm" and getattr(comm, "_cma", None) is True
+        if (comm is not None and getattr(comm, "single_copy_agreed", False)
                 and comm.cma_eligible(sum(_nbytes(r) for r in group), tensors)):
             return [Response(item.kind, item.ps_id, [n for r in group for n in r.names],
                              [m for r in group for m in r.metas])]
@@ -249,7 +251,7 @@ class Executor:
     # -- per kind ------------------------------------------------------------------------
     def _allreduce(self, resp: Response, reqs: list[Request | None], comm: Any,
                    members: list[int]) -> None:
-        meta0 = _any_meta(resp.metas[0])
+        meta0 = any_meta(resp.metas[0])
         dtype = resolve_dtype(meta0.dtype)
         op = ReduceOp(meta0.op)
         contributors = len(members) - len(resp.joined)
@@ -258,7 +260,7 @@ class Executor:
             op, post = ReduceOp.SUM, post / contributors
         elif op == ReduceOp.ADASUM:
             op = ReduceOp.SUM  # Adasum degenerates to a sum here; documented limitation
-        shapes = [_any_meta(m).shape for m in resp.metas]
+        shapes = [any_meta(m).shape for m in resp.metas]
         if meta0.device:
             self._mark("TRANSFER")
             outs_dev = _device_backend(resp).allreduce(
@@ -428,21 +430,15 @@ def _device_backend(resp: Response) -> Any:
 
 
 def _nbytes(resp: Response) -> int:
-    return sum(_any_meta(m).nbytes for m in resp.metas)
+    return sum(any_meta(m).nbytes for m in resp.metas)
 
 
 def _follow_key(resp: Response) -> tuple[Any, ...] | None:
     """What makes two fused allreduces of one round candidates to run as one."""
     if resp.kind != Kind.ALLREDUCE or resp.error or resp.joined or not resp.metas:
         return None
-    meta = _any_meta(resp.metas[0])
-    if meta.device:
-        return None
-    return (resp.ps_id, meta.dtype, meta.op, meta.prescale, meta.postscale)
-
-
-def _any_meta(metas: dict[int, Meta]) -> Meta:
-    return metas[min(metas)]
+    meta = any_meta(resp.metas[0])
+    return None if meta.device else fusion_key(resp.ps_id, meta)
 
 
 _HANDLERS: dict[Kind, Callable[..., None]] = {

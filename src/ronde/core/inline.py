@@ -7,6 +7,7 @@ the thread that ran the round: no data plane, no hand-off to the executor.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -14,7 +15,7 @@ import numpy as np
 from .._errors import RondeError
 from ..collectives.ops import ReduceOp, reduce_into
 from . import fusion
-from .negotiation import Response
+from .negotiation import Response, any_meta
 from .requests import resolve_dtype
 from .timeline import now_us
 
@@ -22,60 +23,27 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 
-def run_one(eng: "Engine", resp: Response) -> None:
-    """Control thread: reduce an allreduce whose every contribution came with the
-    negotiation, in rank order (no data plane, no hand-off to this thread)."""
-    req = eng.take(resp.names[0])
-    if req is None:  # not a member of this process set
-        return
-    start = now_us() if eng.timeline is not None else 0.0
-    try:
-        meta = resp.metas[0][min(resp.metas[0])]
-        dtype = resolve_dtype(meta.dtype)
-        op, post = ReduceOp(meta.op), meta.postscale
-        if op == ReduceOp.AVERAGE:
-            op, post = ReduceOp.SUM, post / len(resp.inline or ())
-        out = req.out if req.out is not None else req.allocate(meta.shape, dtype)
-        flat = out.reshape(-1)
-        parts = resp.inline or []
-        np.copyto(flat, np.frombuffer(parts[0], dtype=dtype))
-        for part in parts[1:]:
-            reduce_into(flat, np.frombuffer(part, dtype=dtype), op)
-        fusion.scale_inplace(flat, post)
-    except BaseException as exc:  # noqa: BLE001 - the caller gets it
-        req.fail(exc if isinstance(exc, RondeError) else RondeError(
-            f"allreduce {req.name!r} failed: {exc!r}"))
-        return
-    if eng.timeline is not None:
-        eng.timeline.phase(req.name, "INLINE_REDUCE", start, now_us())
-    req.complete(out)
-
-
 def run_batch(eng: "Engine", resps: list[Response]) -> None:
-    """Control thread: :func:`run_one` for consecutive inline responses. Those
-    with the same dtype, op and scale are reduced as one vector (each rank's bytes
-    joined in the agreed order: per element, the same additions in the same order
-    as one at a time), then copied out: a few numpy calls per tensor fewer."""
-    if eng.timeline is not None:
-        for resp in resps:
-            run_one(eng, resp)
-        return
-    metas = [_any_meta(r.metas[0]) for r in resps]
+    """Reduce a round's consecutive inline responses (on the thread that ran the round).
+    Those with the same dtype, op and scale are reduced as one vector: each rank's bytes
+    joined in the agreed order, so per element the same additions in the same order as
+    one at a time, then copied out."""
+    metas = [any_meta(r.metas[0]) for r in resps]
     keys = [(m.dtype, m.op, m.postscale, len(r.inline or ())) for m, r in zip(metas, resps)]
     i = 0
     while i < len(resps):
         j = i + 1
         while j < len(resps) and keys[j] == keys[i]:
             j += 1
-        if j - i == 1:
-            run_one(eng, resps[i])
-        else:
-            _group(eng, resps[i:j], metas[i:j])
+        _group(eng, resps[i:j], metas[i:j])
         i = j
 
 
 def _group(eng: "Engine", group: list[Response], metas: list[Any]) -> None:
-    reqs = eng.take_many([resp.names[0] for resp in group])
+    reqs = eng.take_many([resp.names[0] for resp in group])  # None: not a member
+    if not any(reqs):
+        return
+    start = now_us() if eng.timeline is not None else 0.0
     meta = metas[0]
     dtype = resolve_dtype(meta.dtype)
     op, post = ReduceOp(meta.op), meta.postscale
@@ -95,22 +63,14 @@ def _group(eng: "Engine", group: list[Response], metas: list[Any]) -> None:
                 req.fail(exc if isinstance(exc, RondeError) else RondeError(
                     f"allreduce {req.name!r} failed: {exc!r}"))
         return
+    end = now_us() if eng.timeline is not None else 0.0
     off = 0
     for m, req in zip(metas, reqs):
-        n = _numel(m.shape)
+        n = math.prod(m.shape)
         if req is not None:
             out = req.out if req.out is not None else req.allocate(m.shape, dtype)
             np.copyto(out.reshape(-1), acc[off: off + n])
+            if eng.timeline is not None:
+                eng.timeline.phase(req.name, "INLINE_REDUCE", start, end)
             req.complete(out)
         off += n
-
-
-def _any_meta(metas: dict[int, Any]) -> Any:
-    return metas[min(metas)]
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

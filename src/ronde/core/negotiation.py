@@ -31,6 +31,17 @@ from .requests import KIND_NAMES, Kind, Meta, describe
 log = logging.getLogger(__name__)
 
 
+def any_meta(metas: dict[int, Meta]) -> Meta:
+    """One rank's metadata of a response's tensor (they agree on what matters)."""
+    return metas[min(metas)]
+
+
+def fusion_key(ps_id: int, meta: Meta, joined: frozenset[int] = frozenset()
+               ) -> tuple[Any, ...]:
+    """Allreduces with equal keys may be reduced together."""
+    return (ps_id, meta.dtype, meta.op, meta.prescale, meta.postscale, joined, meta.device)
+
+
 class Response:
     """One unit of work for the executor: a (possibly fused) collective, or an error."""
 
@@ -247,8 +258,7 @@ class Negotiator:
             return None
         key = None
         if meta.kind == Kind.ALLREDUCE:
-            key = (meta.ps_id, meta.dtype, meta.op, meta.prescale, meta.postscale,
-                   frozenset(), meta.device)
+            key = fusion_key(meta.ps_id, meta)
         return meta.kind, meta.ps_id, key, meta.nbytes
 
     def abort(self, names: Iterable[str], message: str, error_type: str) -> list[Response]:
@@ -391,8 +401,7 @@ class Negotiator:
                 out.append(resp)
                 continue
             meta = next(iter(resp.metas[0].values()))
-            key = (resp.ps_id, meta.dtype, meta.op, meta.prescale, meta.postscale, resp.joined,
-                   meta.device)
+            key = fusion_key(resp.ps_id, meta, resp.joined)
             nbytes = meta.nbytes
             group = open_groups.get(key)
             if group is not None and sizes[key] + nbytes <= self.fusion_threshold_bytes:

@@ -132,7 +132,7 @@ def announcements(reqs: list[Any], cached_id: Any, inline_bytes: int
         arr = r.array
         if r.kind == allreduce and arr is not None and arr.nbytes <= inline_bytes \
                 and arr.nbytes <= left:
-            data = arr.tobytes() if r.prescale == 1.0 else prescaled_bytes(arr, r.prescale)
+            data = prescaled_bytes(arr, r.prescale)
             n = len(data)
             out.append([cid, used, n])
             parts.append(data)

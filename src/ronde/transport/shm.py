@@ -308,12 +308,22 @@ class ShmCommunicator(Communicator, OwnedSegment):
         """
         from . import cma
 
-        if self._cma is None:
-            self._cma = self._agree_on_cma()
-        if not self._cma:
+        if not self._agreed():
             return False
         cma.allreduce_in_place(self, bufs, op, postscale)
         return True
+
+    def _agreed(self) -> bool:
+        """Whether single-copy reads work between every member: agreed by all of them
+        at the first collective that could use them, then remembered."""
+        if self._cma is None:
+            self._cma = self._agree_on_cma()
+        return self._cma
+
+    @property
+    def single_copy_agreed(self) -> bool:
+        """True once every member agreed that single-copy reads work (never guessed)."""
+        return self._cma is True
 
     def reducescatter(self, buf: np.ndarray, counts: list[int], op: ReduceOp) -> np.ndarray:
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
@@ -341,9 +351,7 @@ class ShmCommunicator(Communicator, OwnedSegment):
         buffers directly (see cma.py); agreed by every member at the first such op."""
         if self._cma is False or nbytes < CMA_MIN_BYTES or self.size < 2:
             return False
-        if self._cma is None:
-            self._cma = self._agree_on_cma()
-        return self._cma
+        return self._agreed()
 
     def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None:
         if self._single_copy(sum(counts) * send.dtype.itemsize):
