@@ -44,3 +44,31 @@ def test_two_hosts_two_ranks_each(tmp_path, cma):
     assert {results[r][4] for r in range(4)} == {"hierarchical"}
     if cma == "0":
         assert {results[r][5] for r in range(4)} == {False}
+
+
+@pytest.mark.timeout(120)
+def test_torch_device_path_process_set_on_the_second_host(tmp_path):
+    # A process set's own process group is served by its first member, which here is on
+    # the second host: the store must be offered at that rank's address (it was offered
+    # at rank 0's, where nothing listened)
+    pytest.importorskip("torch")
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import torch\n"
+        "import ronde.torch as hvd\n"
+        "hvd.init()\n"
+        "r = hvd.rank()\n"
+        "second = hvd.add_process_set([2, 3])\n"
+        "if r in (2, 3):\n"
+        "    got = hvd.allreduce(torch.full((4,), float(r)), op=hvd.Sum, process_set=second)\n"
+        "    assert got.tolist() == [5.0] * 4, got\n"
+        "hvd.shutdown()\n"
+        "print('OK', flush=True)\n")
+    with netns.SimulatedHosts(2) as hosts:
+        proc = subprocess.run(
+            [sys.executable, "-m", "ronde.run", "-H", hosts.spec(2), "--start-timeout", "30",
+             sys.executable, str(script)],
+            capture_output=True, text=True, timeout=100,
+            env={**hosts.env(), "RONDE_TORCH_DEVICE_PATH": "always"}, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("<stdout>:OK") == 4

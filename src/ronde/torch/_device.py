@@ -41,7 +41,6 @@ from .. import _api
 from .._ops import ReduceOp
 from ..core import device as device_mod
 from ..transport import torch_dist
-from ..transport.net import free_port
 from ._tensors import dtype_name, torch_dtype
 
 logger = logging.getLogger(__name__)
@@ -100,10 +99,8 @@ class TorchDeviceBackend:
             if dist.is_initialized():
                 group = dist.new_group(backend=backend, timeout=timeout)
             else:
-                offer = _store_address(rt) if rt.topo.rank == 0 else None
-                addr, port = _api.broadcast_object(offer, 0, name="ronde.torch.device.store")
-                store = dist.TCPStore(addr, port, rt.topo.size, is_master=rt.topo.rank == 0,
-                                      timeout=timeout)
+                store = _store(rt, list(range(rt.topo.size)), "ronde.torch.device.store",
+                               None, timeout)
                 dist.init_process_group(backend, store=store, rank=rt.topo.rank,
                                         world_size=rt.topo.size, timeout=timeout)
                 group = dist.group.WORLD
@@ -128,12 +125,8 @@ class TorchDeviceBackend:
             members = sorted(int(r) for r in process_set.ranks)
             me = members.index(rt.topo.rank)
             timeout = datetime.timedelta(seconds=max(60.0, rt.cfg.start_timeout_s))
-            offer = _store_address(rt) if me == 0 else None
-            addr, port = _api.broadcast_object(offer, members[0],
-                                               name=f"ronde.torch.device.store.ps{ps_id}",
-                                               process_set=process_set)
-            store = dist.TCPStore(addr, port, len(members), is_master=me == 0,
-                                  timeout=timeout)
+            store = _store(rt, members, f"ronde.torch.device.store.ps{ps_id}", process_set,
+                           timeout)
             store = dist.PrefixStore(f"ronde/ps{ps_id}/g{rt.generation}", store)
             if sample.is_cuda:
                 group = dist.ProcessGroupNCCL(store, me, len(members))
@@ -229,12 +222,24 @@ def _scale(buf: torch.Tensor, factor: float) -> None:
         buf.copy_((buf.to(torch.float64) * factor).to(buf.dtype))
 
 
-def _store_address(rt: Any) -> tuple[str, int]:
-    host = "127.0.0.1"
-    mesh = rt.mesh
-    if mesh is not None and mesh._peers:
-        host = str(mesh._peers[0]["addr"])
-    return host, free_port("" if host != "127.0.0.1" else host)
+def _store(rt: Any, members: list[int], name: str, process_set: Any,
+           timeout: datetime.timedelta) -> Any:
+    """A ``TCPStore`` for ``members``: the first one serves it on a port the kernel
+    picks (no window in which another process could take the port) at its own address,
+    and offers that address to the others with ``broadcast_object``."""
+    first = rt.topo.rank == members[0]
+    offer = store = None
+    if first:
+        mesh = rt.mesh
+        host = str(mesh._peers[rt.topo.rank]["addr"]) if mesh is not None and mesh._peers \
+            else "127.0.0.1"
+        store = torch_dist.master_store(host, timeout.total_seconds())
+        offer = (host, int(store.port))
+    addr, port = _api.broadcast_object(offer, members[0], name=name, process_set=process_set)
+    if store is None:
+        store = torch.distributed.TCPStore(addr, port, len(members), is_master=False,
+                                           timeout=timeout)
+    return store
 
 
 _OPS = {

@@ -36,7 +36,7 @@ def _torch() -> Any:
 
 
 def master_store(host: str, timeout_s: float) -> Any:
-    """Rank 0's ``TCPStore``, listening on a port the kernel picks before any peer
+    """A serving ``TCPStore``, listening on a port the kernel picks before any peer
     learns it (a port picked by binding and closing could be taken in between)."""
     dist = _torch().distributed
     return dist.TCPStore(host, 0, None, is_master=True, wait_for_workers=False,
