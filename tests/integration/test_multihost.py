@@ -16,6 +16,15 @@ pytestmark = pytest.mark.skipif(not netns.available(), reason="needs root and ip
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _on_two_hosts(script, **env: str) -> subprocess.CompletedProcess:
+    """Run ``script`` with ronderun on two simulated hosts, two ranks each."""
+    with netns.SimulatedHosts(2) as hosts:
+        return subprocess.run(
+            [sys.executable, "-m", "ronde.run", "-H", hosts.spec(2), "--start-timeout", "30",
+             sys.executable, str(script)],
+            capture_output=True, text=True, timeout=100, env={**hosts.env(), **env}, cwd=ROOT)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("cma", ["1", "0"])
 def test_two_hosts_two_ranks_each(tmp_path, cma):
@@ -25,12 +34,7 @@ def test_two_hosts_two_ranks_each(tmp_path, cma):
         f"sys.path.insert(0, {ROOT!r})\n"
         "from tests.integration import workers\n"
         "print('RESULT', json.dumps(workers.multihost()), flush=True)\n")
-    with netns.SimulatedHosts(2) as hosts:
-        proc = subprocess.run(
-            [sys.executable, "-m", "ronde.run", "-H", hosts.spec(2), "--start-timeout", "30",
-             sys.executable, str(script)],
-            capture_output=True, text=True, timeout=100,
-            env={**hosts.env(), "RONDE_CMA": cma}, cwd=ROOT)
+    proc = _on_two_hosts(script, RONDE_CMA=cma)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = {}
     for line in proc.stdout.splitlines():
@@ -64,11 +68,6 @@ def test_torch_device_path_process_set_on_the_second_host(tmp_path):
         "    assert got.tolist() == [5.0] * 4, got\n"
         "hvd.shutdown()\n"
         "print('OK', flush=True)\n")
-    with netns.SimulatedHosts(2) as hosts:
-        proc = subprocess.run(
-            [sys.executable, "-m", "ronde.run", "-H", hosts.spec(2), "--start-timeout", "30",
-             sys.executable, str(script)],
-            capture_output=True, text=True, timeout=100,
-            env={**hosts.env(), "RONDE_TORCH_DEVICE_PATH": "always"}, cwd=ROOT)
+    proc = _on_two_hosts(script, RONDE_TORCH_DEVICE_PATH="always")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("<stdout>:OK") == 4
