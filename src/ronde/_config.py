@@ -78,6 +78,7 @@ class Config:
     inline_bytes: int = 4096
     hierarchical: str = "auto"
     cma: bool = True
+    hugepages: bool = True
     shm_control: bool = True
     spin_time_us: float = 200.0
     torch_device_path: str = "auto"
@@ -109,6 +110,7 @@ _ENV: dict[str, tuple[str, tuple[str, ...], Callable[[str], object]]] = {
     "small_allreduce_bytes": ("RONDE_SMALL_ALLREDUCE", (), parse_bytes),
     "inline_bytes": ("RONDE_INLINE_BYTES", (), parse_bytes),
     "cma": ("RONDE_CMA", (), _parse_bool),
+    "hugepages": ("RONDE_HUGEPAGES", (), _parse_bool),
     "shm_control": ("RONDE_SHM_CONTROL", (), _parse_bool),
     "spin_time_us": ("RONDE_SPIN_TIME", (), float),
     "torch_device_path": ("RONDE_TORCH_DEVICE_PATH", (), str),

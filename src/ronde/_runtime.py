@@ -276,7 +276,7 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
 
             return ShmCommunicator(rank, members, f"{key}-g{gen}-ps{ps_id}",
                                    cfg.shm_segment_bytes, aborted, cfg.start_timeout_s,
-                                   cfg.stall_shutdown_time_s, cfg.cma)
+                                   cfg.stall_shutdown_time_s, cfg.cma, cfg.hugepages)
         from .transport.tcp import SocketP2P
 
         assert mesh is not None
@@ -297,7 +297,7 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
                      for h in hosts_in_order]
             shm = ShmCommunicator(rank, local, f"{key}-g{gen}-ps{ps_id}-local",
                                   cfg.shm_segment_bytes, aborted, cfg.start_timeout_s,
-                                  cfg.stall_shutdown_time_s, cfg.cma)
+                                  cfg.stall_shutdown_time_s, cfg.cma, cfg.hugepages)
             return HierarchicalCommunicator(shm, tcp(cross), tcp(members))
         return tcp(members)
 

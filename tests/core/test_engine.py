@@ -209,7 +209,7 @@ def test_steady_round_gives_what_the_general_path_gives():
     from ronde.core.negotiation import Negotiator
 
     def run(fast: bool):
-        neg = Negotiator(2, {0: [0, 1]}, fusion_threshold_bytes=64, cache_capacity=8)
+        neg = Negotiator(2, {0: [0, 1]}, fusion_threshold_bytes=100, cache_capacity=8)
         steady = neg._steady_round
         taken = []
 
@@ -220,8 +220,10 @@ def test_steady_round_gives_what_the_general_path_gives():
 
         neg._steady_round = counted
         names = [f"t{i}" for i in range(6)]
-        reqs = {r: [ar(n, np.full(4 + (i % 3), r + 1.0, np.float32)) for i, n in
-                    enumerate(names)] for r in range(2)}
+        # 16-byte float32 ones ride inline; the larger float64 ones (another reduction,
+        # so they do not absorb the small ones) fuse in the data path
+        reqs = {r: [ar(n, np.full(4 + (i % 3), r + 1.0, np.float64 if i % 3 else np.float32))
+                    for i, n in enumerate(names)] for r in range(2)}
         seen = []
         for step in range(3):  # first full metadata, then cache ids (some inline)
             msgs, blobs = [], []
@@ -238,6 +240,40 @@ def test_steady_round_gives_what_the_general_path_gives():
     assert fast[:2] == slow[:2]
     assert fast[2] == [False, True, True]  # the shortcut ran once the ids were cached
     assert any(inline for step in fast[0] for _, inline in step)  # inline data was used
+    assert any(len(names) > 1 for step in fast[0] for names, _ in step)  # and fusion
+
+
+def test_small_allreduces_fuse_into_a_larger_one_of_their_message_instead_of_inline():
+    # Inline data is for rounds of small tensors only: beside a larger allreduce of the
+    # same reduction, a small one joins its fused data-path transfer (ResNet-50's small
+    # gradients beside the large ones); a different reduction still rides inline.
+    from ronde.core import rounds
+    from ronde.core.negotiation import Negotiator
+
+    neg = Negotiator(2, {0: [0, 1]}, fusion_threshold_bytes=1 << 20, cache_capacity=16)
+    small = [ar(f"s{i}", np.full(4, 1.0, np.float32)) for i in range(3)]
+    other = ar("i", np.full(4, 1, np.int32))
+    big = ar("big", np.full(64, 1.0, np.float32))
+
+    def cached(n, raw):
+        return neg.cached_id(0, n, raw)
+
+    # make every name known to the cache (inline data rides only with cached ids)
+    msgs = [{"a": rounds.announcements(small + [other, big], cached, 16)[0]}] * 2
+    assert len(neg.apply_round(msgs, [b"", b""])) >= 1
+    alone, blob = rounds.announcements(small, cached, 16)
+    assert all(isinstance(a, list) for a in alone) and len(blob) == 48  # inline
+    mixed, blob = rounds.announcements(small + [other, big], cached, 16)
+    assert all(isinstance(a, int) for a in mixed[:3])  # fused with "big" instead
+    assert isinstance(mixed[3], list) and len(blob) == 16  # the int32 one is inline
+    assert isinstance(mixed[4], int)
+
+    # ranks that decided differently (their messages differed) still agree on the result:
+    # the tensors move through the data path, fused, with no inline data
+    inline_msg, inline_blob = rounds.announcements(small, cached, 16)
+    plain = [neg.cached_id(1, r.name, r.meta()) for r in small]
+    out = neg.apply_round([{"a": inline_msg}, {"a": plain}], [inline_blob, b""])
+    assert [r.inline for r in out] == [None] and out[0].names == ["s0", "s1", "s2"]
 
 
 def test_fused_groups_run_as_one_only_on_the_single_copy_path_and_with_fusion_on():

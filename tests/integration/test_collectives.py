@@ -108,6 +108,19 @@ def test_fused_large_tensors(transport, cma, np_, threshold):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("hugepages", ["1", "0"])
+def test_tensors_read_in_place_move_onto_huge_pages_values_exact(hugepages):
+    from ronde.transport.hugepages import HugePages
+
+    got = run_ranks(3, workers.hugepages_steady, timeout_s=50,
+                    env={"RONDE_TRANSPORT": "shm", "RONDE_HUGEPAGES": hugepages})
+    if hugepages == "0" or not HugePages(True).active:
+        assert [tuple(g) for g in got] == [(False, 0)] * 3
+    else:
+        assert all(active and collapsed > 0 for active, collapsed in got)
+
+
+@pytest.mark.timeout(60)
 def test_single_copy_path_is_agreed_by_every_rank():
     assert run_ranks(3, workers.cma_denied_on_one_rank, timeout_s=50,
                      env={"RONDE_TRANSPORT": "shm"}) == [False, False, False]

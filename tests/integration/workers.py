@@ -260,6 +260,17 @@ def steady_state() -> str:
               for i in range(8)]
         for i, h in enumerate(hs):
             np.testing.assert_allclose(hvd.synchronize(h), np.full(2, float(sum(range(n)) + n * i)))
+        # small ones beside a large one of the same reduction fuse into its transfer
+        # (not inline); a small one of another dtype beside them rides inline
+        parts = [np.full(k, float(r + k), np.float32) for k in (3, 70_000, 5, 1)]
+        parts.append(np.full(4, r + 1, np.int32))
+        hs = [hvd.allreduce_async(p, op=hvd.Sum, name=f"side{i}") for i, p in enumerate(parts)]
+        for p, h in zip(parts, hs):
+            want = (sum(range(n)) + n * p.size if p.dtype == np.float32
+                    else n * (n + 1) // 2)
+            got = hvd.synchronize(h)
+            assert got.dtype == p.dtype and got.shape == p.shape
+            np.testing.assert_array_equal(got, np.full(p.size, want, p.dtype))
         # a run of small ones in one round, reduced together where dtype and op agree
         kinds = [("float32", hvd.Sum), ("float32", hvd.Sum), ("int32", hvd.Sum),
                  ("int32", hvd.Max), ("float64", hvd.Average), ("float32", hvd.Average),
@@ -376,6 +387,30 @@ def fused_large() -> str:
             np.testing.assert_allclose(hvd.synchronize(h), (n - 1) / 4)
     hvd.shutdown()
     return "ok"
+
+
+def hugepages_steady() -> tuple:
+    """Separately allocated tensors allreduced step after step over single-copy reads:
+    from the second step each rank moves them onto huge pages (transport/hugepages.py)
+    while peers keep reading them; every step's values stay exact."""
+    import ronde as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    ts = [np.empty(s, np.float32) for s in (700_000, 3, 1_500_000, 5_000)]
+    for step in range(4):
+        for i, t in enumerate(ts):
+            t[:] = np.arange(t.size) % 7 + r + step + i
+        hs = [hvd.allreduce_async(t, op=hvd.Sum, name=f"hp{i}", out=t) for i, t in enumerate(ts)]
+        for h in hs:
+            hvd.synchronize(h)
+        for i, t in enumerate(ts):
+            want = n * (np.arange(t.size) % 7 + step + i) + n * (n - 1) // 2
+            np.testing.assert_array_equal(t, want.astype(np.float32))
+    comm = hvd._api._rt.engine.communicator(0)
+    out = (comm.hugepages.active, comm.hugepages.collapsed_bytes)
+    hvd.shutdown()
+    return out
 
 
 def cma_denied_on_one_rank() -> bool:

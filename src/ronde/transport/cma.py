@@ -220,6 +220,7 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
     item = dtype.itemsize
     bufs = coalesce(bufs)  # each rank alone: peers go by the table it publishes
     t = comm._begin()
+    comm.hugepages.prepare([(b.ctypes.data, b.nbytes) for b in bufs])
     table = comm._table[comm.rank]
     for i, arr in enumerate(bufs):
         table[2 * i] = arr.ctypes.data
@@ -326,6 +327,7 @@ def broadcast(comm: "ShmCommunicator", buf: np.ndarray, root: int) -> None:
 
     t = comm._begin()
     if comm.rank == root:
+        comm.hugepages.prepare([(buf.ctypes.data, buf.nbytes)])
         comm._table[root][0:2] = (buf.ctypes.data, buf.nbytes)
     comm._publish(WRITTEN, t)
     if comm.rank != root and buf.nbytes:
@@ -347,6 +349,7 @@ def allgatherv(comm: "ShmCommunicator", send: np.ndarray, recv: np.ndarray,
     for c in counts:
         starts.append(starts[-1] + c)
     t = comm._begin()
+    comm.hugepages.prepare([(send.ctypes.data, send.nbytes)])
     comm._table[comm.rank][0:2] = (send.ctypes.data, send.nbytes)
     comm._publish(WRITTEN, t)
     me = comm.rank

@@ -33,6 +33,7 @@ import numpy as np
 
 from ..collectives.ops import ReduceOp, reduce_into
 from .base import Communicator
+from .hugepages import HugePages
 from .segments import OwnedSegment, close_maps, create_segment, open_segment, shm_dir
 
 #: counters, then a table of (address, length) pairs for single-copy allreduces
@@ -68,7 +69,8 @@ class ShmCommunicator(Communicator, OwnedSegment):
 
     def __init__(self, rank: int, members: list[int], key: str, segment_bytes: int,
                  aborted: Callable[[], BaseException | None], timeout_s: float = 30.0,
-                 progress_timeout_s: float = 0.0, cma: bool = True) -> None:
+                 progress_timeout_s: float = 0.0, cma: bool = True,
+                 hugepages: bool = True) -> None:
         self.members = members
         self.rank = members.index(rank)
         self.size = len(members)
@@ -106,6 +108,8 @@ class ShmCommunicator(Communicator, OwnedSegment):
         self._probe = np.array([0x726F6E6465], dtype=np.int64)
         self._cma: bool | None = None if cma else False
         self._cma_scratch = np.empty(0, dtype=np.uint8)
+        #: moves memory that peers read onto huge pages (see hugepages.py)
+        self.hugepages = HugePages(hugepages and cma)
         self._publish(PID, os.getpid())
         self._publish(PROBE, int(self._probe.ctypes.data))
         self._publish(ATTACHED, 1)  # I have mapped every peer's segment

@@ -1,0 +1,139 @@
+"""Back the memory that peers read across processes with 2 MiB pages (Linux THP).
+
+Single-copy collectives (``cma.py``) have peers copy a rank's tensors out of its
+memory with ``process_vm_readv``, and the kernel pins the source pages one by one:
+from 4 KiB pages it copies at about 6 GB/s here, from 2 MiB (transparent huge) pages
+at about 20 GB/s (``python -m ronde.bench._membw``). numpy asks for huge pages only
+for the inside of arrays of 4 MiB or more (the edges, and every smaller array, stay
+on 4 KiB pages), torch's CPU allocator not at all: ResNet-50's 161 gradients,
+allocated separately by numpy, sit 45 % on huge pages, by torch 0 %, and their fused
+allreduce took 1.8-2.2x the time of one buffer of the same size, against 1.3-1.4x
+once their memory was on huge pages.
+
+So the owner of the memory moves it onto huge pages itself, once: each 2 MiB-aligned
+block of address space that holds memory a peer will read is collapsed with
+``madvise(MADV_COLLAPSE)`` (Linux 6.1; the kernel copies the block into one huge page,
+in place, the contents unchanged), after ``MADV_HUGEPAGE`` when the block straddles
+mappings of different flags (numpy marks its arrays from a 4 KiB boundary). Policy:
+
+- a block is collapsed the second time it is seen (memory used once, a freshly
+  allocated output, is not worth a copy at 4 GB/s); after that attempt, whatever its
+  outcome, it is never tried again, so the steady state costs one set lookup per
+  buffer;
+- a block is whole 2 MiB of address space: memory around a small tensor (its
+  allocator's neighbours) moves onto the same huge page, its contents unchanged; a
+  block not entirely mapped, or shared with a file mapping, is refused by the kernel
+  and left alone;
+- nothing is done where the kernel has no ``MADV_COLLAPSE``, where the system's THP
+  setting is ``never``, under ``prctl(PR_SET_THP_DISABLE)``, or with
+  ``RONDE_HUGEPAGES=0`` (the way to keep memory you marked ``MADV_NOHUGEPAGE`` so:
+  the retry with ``MADV_HUGEPAGE`` would lift that mark on the blocks it touches).
+
+What it can cost: resident memory grows by the unpopulated part of each collapsed
+block (at most 2 MiB per block, in practice the edges of the buffers); memory that is
+unmapped and mapped again at the same address after its block was collapsed is
+simply read at the 4 KiB rate (the record says "done"), never wrongly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+from typing import Iterable
+
+BLOCK = 2 << 20
+_MADV_HUGEPAGE = 14
+_MADV_COLLAPSE = 25
+#: forget the record past this many blocks or ranges (a few MiB of Python sets; blocks
+#: forgotten are tried again, a no-op for those already on huge pages)
+_MAX_RECORDED = 1 << 16
+_SYSFS = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def _thp_allowed(path: str = _SYSFS) -> bool:
+    """False when the administrator turned THP off (``[never]``), or there is none."""
+    try:
+        with open(path) as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def _madvise() -> "ctypes._NamedFuncPointer | None":
+    """libc's ``madvise``, or None where it is missing or lacks ``MADV_COLLAPSE``."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    # an empty range: 0 where the advice is known, EINVAL where the kernel predates it
+    if fn(None, 0, _MADV_COLLAPSE) != 0:
+        return None
+    return fn
+
+
+class HugePages:
+    """Per-communicator record of the blocks seen, and the collapses made."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self._fn = _madvise() if enabled and _thp_allowed() else None
+        self._seen: set[int] = set()
+        self._tried: set[int] = set()
+        self._settled: set[tuple[int, int]] = set()
+        #: bytes moved onto huge pages, and blocks the kernel refused (for tests, logs)
+        self.collapsed_bytes = 0
+        self.refused = 0
+
+    @property
+    def active(self) -> bool:
+        return self._fn is not None
+
+    def prepare(self, ranges: Iterable[tuple[int, int]]) -> None:
+        """Called with the (address, length) ranges of this rank's memory that peers
+        are about to read; collapses the blocks seen before (see the module doc)."""
+        if self._fn is None:
+            return
+        settled = self._settled
+        for addr, n in ranges:
+            if n <= 0 or (addr, n) in settled:
+                continue
+            if self._visit(addr, n):
+                if len(settled) >= _MAX_RECORDED:
+                    settled.clear()
+                settled.add((addr, n))
+
+    def _visit(self, addr: int, n: int) -> bool:
+        """Collapse the blocks of one range seen before; True when all were tried."""
+        seen, tried = self._seen, self._tried
+        if len(seen) + len(tried) >= _MAX_RECORDED:
+            seen.clear()
+            tried.clear()
+        all_tried = True
+        for b in range(addr & ~(BLOCK - 1), addr + n, BLOCK):
+            if b in tried:
+                continue
+            if b not in seen:
+                seen.add(b)
+                all_tried = False
+                continue
+            seen.discard(b)
+            tried.add(b)
+            self._collapse(b)
+        return all_tried
+
+    def _collapse(self, block: int) -> None:
+        fn = self._fn
+        assert fn is not None
+        if fn(block, BLOCK, _MADV_COLLAPSE) == 0:
+            self.collapsed_bytes += BLOCK
+            return
+        if ctypes.get_errno() == errno.EINVAL:
+            # the block straddles mappings whose flags differ: make them alike, retry
+            fn(block, BLOCK, _MADV_HUGEPAGE)
+            if fn(block, BLOCK, _MADV_COLLAPSE) == 0:
+                self.collapsed_bytes += BLOCK
+                return
+        self.refused += 1

@@ -1,0 +1,94 @@
+"""Moving memory that peers read onto huge pages (transport/hugepages.py), for real."""
+
+from __future__ import annotations
+
+import mmap
+import tempfile
+
+import numpy as np
+import pytest
+
+from ronde.transport import hugepages
+from ronde.transport.hugepages import BLOCK, HugePages
+
+needs_collapse = pytest.mark.skipif(not HugePages(True).active,
+                                    reason="no MADV_COLLAPSE (Linux < 6.1) or THP off here")
+
+
+def _anon(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
+    """Private anonymous memory (what malloc hands out), a block-aligned view of it."""
+    m = mmap.mmap(-1, nbytes + BLOCK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = np.frombuffer(m, dtype=np.uint8)
+    skip = (-raw.ctypes.data) % BLOCK
+    return m, raw[skip: skip + nbytes]
+
+
+def _huge_bytes(lo: int, hi: int) -> int:
+    """AnonHugePages of the mappings overlapping [lo, hi), from /proc/self/smaps."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and not head[0].endswith(":"):
+                a, b = (int(x, 16) for x in head[0].split("-"))
+                inside = a < hi and b > lo
+            elif inside and head[0] == "AnonHugePages:":
+                total += int(head[1]) * 1024
+    return total
+
+
+@needs_collapse
+def test_a_block_seen_twice_moves_onto_a_huge_page_contents_unchanged():
+    m, buf = _anon(3 * BLOCK)
+    buf[:] = np.arange(buf.size) % 251
+    addr = buf.ctypes.data
+    # a tensor that starts and ends inside blocks: its edges' blocks go too
+    ranges = [(addr + 4096, 2 * BLOCK + 8192)]
+    hp = HugePages(True)
+    hp.prepare(ranges)
+    assert hp.collapsed_bytes == 0  # seen once: memory used once is not worth a copy
+    hp.prepare(ranges)
+    assert hp.collapsed_bytes == 3 * BLOCK and hp.refused == 0
+    assert _huge_bytes(addr, addr + 3 * BLOCK) >= 3 * BLOCK
+    assert (buf == np.arange(buf.size) % 251).all()
+
+    calls = []
+    fn = hp._fn
+    hp._fn = lambda *a: calls.append(a) or fn(*a)
+    for _ in range(3):
+        hp.prepare(ranges)
+    assert calls == []  # settled: the steady state makes no system call
+    del buf
+    m.close()
+
+
+@needs_collapse
+def test_memory_the_kernel_refuses_is_left_alone():
+    hp = HugePages(True)
+    # an unmapped block
+    m, buf = _anon(BLOCK)
+    gone = buf.ctypes.data
+    del buf
+    m.close()
+    # a file mapping (page cache, not anonymous memory)
+    with tempfile.TemporaryFile() as fh:
+        fh.truncate(2 * BLOCK)
+        fm = mmap.mmap(fh.fileno(), 2 * BLOCK)
+        view = np.frombuffer(fm, dtype=np.uint8)
+        at = view.ctypes.data
+        for _ in range(2):
+            hp.prepare([(gone, BLOCK), (at, 2 * BLOCK)])
+        assert hp.collapsed_bytes == 0 and hp.refused >= 2
+        del view
+        fm.close()
+
+
+def test_nothing_is_done_when_disabled_or_where_thp_is_off(tmp_path):
+    assert not HugePages(False).active
+    HugePages(False).prepare([(0, BLOCK)])  # a no-op, even for a nonsense address
+    never = tmp_path / "enabled"
+    never.write_text("always madvise [never]\n")
+    assert not hugepages._thp_allowed(str(never))
+    never.write_text("always [madvise] never\n")
+    assert hugepages._thp_allowed(str(never))
+    assert not hugepages._thp_allowed(str(tmp_path / "missing"))
