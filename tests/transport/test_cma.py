@@ -47,8 +47,9 @@ def test_coalesce_merges_only_buffers_adjacent_in_memory():
     flat = np.arange(100, dtype=np.float32)
     other = np.ones(5, np.float32)
     parts = [flat[0:10], flat[10:30], flat[30:30], flat[30:60], other, flat[60:100]]
-    merged = coalesce(parts)
+    merged, addrs = coalesce(parts)
     assert [m.size for m in merged] == [60, 5, 40]
+    assert addrs == [m.ctypes.data for m in merged]
     assert merged[0].ctypes.data == flat.ctypes.data and merged[1] is other
     merged[0][:] = -1  # a merged buffer writes through to the tensors it stands for
     assert (flat[:60] == -1).all() and flat[60] == 60

@@ -169,10 +169,14 @@ class Layout:
         return out
 
 
-def coalesce(bufs: list[np.ndarray]) -> list[np.ndarray]:
+def coalesce(bufs: list[np.ndarray]) -> tuple[list[np.ndarray], list[int]]:
     """Merge flat buffers that follow each other in memory (views of one allocation,
-    e.g. gradients laid out in one bucket) into one: fewer reads and reductions."""
+    e.g. gradients laid out in one bucket) into one: fewer reads and reductions.
+
+    Returns the merged buffers and their addresses (``ctypes.data`` costs about a
+    microsecond a call: ResNet-50's 161 tensors are asked once, here)."""
     runs: list[list[np.ndarray]] = []
+    starts: list[int] = []
     end = -1
     for b in bufs:
         if not b.size:
@@ -182,12 +186,13 @@ def coalesce(bufs: list[np.ndarray]) -> list[np.ndarray]:
             runs[-1].append(b)
         else:
             runs.append([b])
+            starts.append(at)
         end = at + b.nbytes
     if not runs:
-        return bufs[:1]
+        return bufs[:1], [b.ctypes.data for b in bufs[:1]]
     return [run[0] if len(run) == 1 else np.lib.stride_tricks.as_strided(
         run[0], shape=(sum(b.size for b in run),), strides=(run[0].itemsize,))
-        for run in runs]
+        for run in runs], starts
 
 
 def _layout(comm: "ShmCommunicator", j: int, nseg_slot: int) -> Layout:
@@ -218,13 +223,11 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
 
     dtype = bufs[0].dtype
     item = dtype.itemsize
-    bufs = coalesce(bufs)  # each rank alone: peers go by the table it publishes
+    bufs, addrs = coalesce(bufs)  # each rank alone: peers go by the table it publishes
     t = comm._begin()
-    comm.hugepages.prepare([(b.ctypes.data, b.nbytes) for b in bufs])
-    table = comm._table[comm.rank]
-    for i, arr in enumerate(bufs):
-        table[2 * i] = arr.ctypes.data
-        table[2 * i + 1] = arr.nbytes
+    mine_ranges = [(at, b.nbytes) for at, b in zip(addrs, bufs)]
+    comm.hugepages.prepare(mine_ranges)
+    comm._table[comm.rank][: 2 * len(bufs)] = np.array(mine_ranges, dtype=np.int64).ravel()
     comm._publish(NSEG, len(bufs))
     comm._publish(WRITTEN, t)
     comm._wait_all(WRITTEN, t)
