@@ -121,6 +121,13 @@ def test_tensors_read_in_place_move_onto_huge_pages_values_exact(hugepages):
 
 
 @pytest.mark.timeout(60)
+def test_a_slow_owners_block_is_gathered_chunk_by_chunk_never_early():
+    got = run_ranks(2, workers.slow_owner_progressive, timeout_s=50,
+                    env={"RONDE_TRANSPORT": "shm"})
+    assert got[0] >= 2, got  # rank 0 read rank 1's block in pieces, as they were ready
+
+
+@pytest.mark.timeout(60)
 def test_single_copy_path_is_agreed_by_every_rank():
     assert run_ranks(3, workers.cma_denied_on_one_rank, timeout_s=50,
                      env={"RONDE_TRANSPORT": "shm"}) == [False, False, False]

@@ -413,6 +413,48 @@ def hugepages_steady() -> tuple:
     return out
 
 
+def slow_owner_progressive() -> int:
+    """Single-copy allreduce with rank 1 slow to reduce its block: rank 0 gathers rank
+    1's block chunk by chunk as it is reported reduced, and never reads a chunk early.
+    Returns how many reads rank 0 made in the allgather phase."""
+    import time
+
+    import ronde as hvd
+    from ronde.collectives import ops
+    from ronde.transport import cma, shm
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    if r == 1:
+        fast = ops.reduce_into
+
+        def slow(dst, src, op):
+            time.sleep(0.02)
+            fast(dst, src, op)
+
+        ops.reduce_into = slow
+    gathers = [0]
+    if r == 0:
+        real_read, real_publish = cma.read_into, shm.ShmCommunicator._publish
+        phase = [""]
+
+        def publish(self, idx, t):
+            if idx == shm.REDUCED:
+                phase[0] = "gather"
+            real_publish(self, idx, t)
+
+        def read(pid, local, remote):
+            gathers[0] += phase[0] == "gather"
+            real_read(pid, local, remote)
+
+        cma.read_into, shm.ShmCommunicator._publish = read, publish
+    x = np.arange(2 << 20, dtype=np.float32) % 1000 + r  # 8 MiB: 4 chunks per block
+    hvd.allreduce_async(x, op=hvd.Sum, name="x", out=x).wait()
+    np.testing.assert_array_equal(x, (np.arange(2 << 20) % 1000) * n + n * (n - 1) // 2)
+    hvd.shutdown()
+    return gathers[0]
+
+
 def cma_denied_on_one_rank() -> bool:
     """If one rank cannot read its peers' memory, every rank takes the shm path alike."""
     import ronde as hvd

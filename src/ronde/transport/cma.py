@@ -13,7 +13,9 @@ provides the synchronisation counters):
 2. reduce-scatter: for its block (N/n bytes), read each peer's part in cache-sized
    chunks into a small scratch buffer and reduce into its own tensors, then apply
    the post-scale while the chunk is still in cache;
-3. allgather: read every other block directly from its owner's tensors into its own.
+3. allgather: read every other block directly from its owner's tensors into its own,
+   chunk by chunk as its owner reports them reduced (a ``PROGRESS`` counter), so a rank
+   that finished its own block early does not wait for a slower one's whole block.
 
 That is (n-1)/n·N read across processes for the reduction, (n-1)/n·N for the gather,
 and one in-cache reduce: about one pass over the data plus half a reduction,
@@ -219,7 +221,8 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
     """
     from ..collectives.ops import reduce_into
     from ..core.fusion import scale_inplace
-    from .shm import CMA_CHUNK_BYTES, DONE, NSEG, PID, REDUCED, WRITTEN, blocks as _blocks
+    from .shm import CMA_CHUNK_BYTES, DONE, NSEG, PID, PROGRESS, REDUCED, WRITTEN
+    from .shm import blocks as _blocks
 
     dtype = bufs[0].dtype
     item = dtype.itemsize
@@ -229,6 +232,7 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
     comm.hugepages.prepare(mine_ranges)
     comm._table[comm.rank][: 2 * len(bufs)] = np.array(mine_ranges, dtype=np.int64).ravel()
     comm._publish(NSEG, len(bufs))
+    comm._publish(PROGRESS, 0)  # peers see it reset once they see WRITTEN (stores in order)
     comm._publish(WRITTEN, t)
     comm._wait_all(WRITTEN, t)
     n = len(bufs)
@@ -279,16 +283,21 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
                     off += v.size
             for v in views:
                 scale_inplace(v, postscale)
+            comm._publish(PROGRESS, b - lo)
         comm._publish(REDUCED, t)
-        for j in range(comm.size):
-            if j == comm.rank:
-                continue
+        # gather each peer's block as far as it is reduced: a rank whose block took less
+        # work (fewer, larger tensors; a quieter core) reads the others' chunks as they
+        # finish instead of waiting for their whole block
+        for k in range(1, comm.size):
+            j = (comm.rank + k) % comm.size
             jlo, jhi = blocks[j]
-            if jlo == jhi:
-                continue
-            comm._wait_all_one(j, REDUCED, t)
-            read_into(pids[j], mine.ranges(jlo * item, jhi * item),
-                      layouts[j].ranges(jlo * item, jhi * item))
+            size, done = jhi - jlo, 0
+            while done < size:
+                comm._wait_all_one(j, PROGRESS, done + 1)
+                upto = min(int(comm._hdr[j][PROGRESS]), size)  # shared memory: clamp
+                read_into(pids[j], mine.ranges((jlo + done) * item, (jlo + upto) * item),
+                          layouts[j].ranges((jlo + done) * item, (jlo + upto) * item))
+                done = upto
     except OSError as exc:
         from .._errors import PeerLostError
 

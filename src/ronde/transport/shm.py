@@ -50,6 +50,8 @@ SMALL_BYTES = 64 * 1024
 #: how long a wait polls (yielding) before it starts to sleep
 _YIELD_S = 0.002
 WRITTEN, REDUCED, DONE, ATTACHED, PID, PROBE, CMA_OK, NSEG = 0, 1, 2, 3, 4, 5, 6, 7
+#: single-copy allreduce: elements of the owner's block reduced so far in this op
+PROGRESS = 8
 
 
 def blocks(m: int, n: int) -> list[tuple[int, int]]:
