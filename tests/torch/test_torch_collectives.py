@@ -36,3 +36,22 @@ def test_import_ronde_imports_no_framework():
 
     code = "import ronde, sys; ronde.Average; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_staging_a_cpu_tensor_calls_no_torch_operator_unless_needed():
+    # torch lets go of the GIL around every operator call (detach, contiguous...), and
+    # a control thread waiting for it then runs first: submitting ResNet-50's 161
+    # gradients took 2.2 ms instead of 1.1. A gradient (no grad of its own, contiguous)
+    # is used as it is; only what needs it is detached or made contiguous.
+    import torch
+
+    from ronde.torch._tensors import host
+
+    g = torch.ones(3, 4)
+    assert host(g, "allreduce") is g
+    w = torch.ones(3, 4, requires_grad=True)
+    got = host(w, "allreduce")
+    assert not got.requires_grad and got.data_ptr() == w.data_ptr()
+    t = torch.ones(4, 3).t()
+    got = host(t, "allreduce")
+    assert got.is_contiguous() and torch.equal(got, t)
