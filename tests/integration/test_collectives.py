@@ -128,9 +128,18 @@ def test_a_slow_owners_block_is_gathered_chunk_by_chunk_never_early():
 
 
 @pytest.mark.timeout(60)
+def test_a_rank_done_early_pushes_its_block_into_a_slow_reader_values_exact():
+    got = run_ranks(2, workers.slow_reader_push, timeout_s=50, env={"RONDE_TRANSPORT": "shm"})
+    assert got[1] >= 1, got  # rank 1 wrote part of its block into rank 0
+
+
+@pytest.mark.timeout(60)
 def test_single_copy_path_is_agreed_by_every_rank():
     assert run_ranks(3, workers.cma_denied_on_one_rank, timeout_s=50,
                      env={"RONDE_TRANSPORT": "shm"}) == [False, False, False]
+    got = run_ranks(3, workers.cma_write_denied_on_one_rank, timeout_s=50,
+                    env={"RONDE_TRANSPORT": "shm"})
+    assert [tuple(g) for g in got] == [(True, False)] * 3  # reads in place, nobody pushes
 
 
 @pytest.mark.timeout(120)

@@ -455,6 +455,73 @@ def slow_owner_progressive() -> int:
     return gathers[0]
 
 
+def slow_reader_push() -> int:
+    """Single-copy allreduce with rank 0 slow to gather: rank 1, done early, writes its
+    reduced block into rank 0 from the end until they meet; every value stays exact.
+    Returns how many writes this rank made into its peer."""
+    import time
+
+    import ronde as hvd
+    from ronde.transport import cma, shm
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    writes = [0]
+    real_write = cma.write_into
+
+    def write(pid, local, remote):
+        writes[0] += 1
+        real_write(pid, local, remote)
+
+    cma.write_into = write
+    if r == 0:
+        real_read, real_publish = cma.read_into, shm.ShmCommunicator._publish
+        phase = [""]
+
+        def publish(self, idx, t):
+            if idx == shm.REDUCED:
+                phase[0] = "gather"
+            elif idx == shm.WRITTEN:
+                phase[0] = ""
+            real_publish(self, idx, t)
+
+        def read(pid, local, remote):
+            if phase[0] == "gather":
+                time.sleep(0.03)
+            real_read(pid, local, remote)
+
+        cma.read_into, shm.ShmCommunicator._publish = read, publish
+    for step in range(2):
+        x = np.arange(2 << 20, dtype=np.float32) % 1000 + r + step  # 8 MiB: 4 chunks a block
+        hvd.allreduce_async(x, op=hvd.Sum, name="x", out=x).wait()
+        want = (np.arange(2 << 20) % 1000 + step) * n + n * (n - 1) // 2
+        np.testing.assert_array_equal(x, want)
+    hvd.shutdown()
+    return writes[0]
+
+
+def cma_write_denied_on_one_rank() -> tuple:
+    """If one rank may read its peers but not write into them, every rank reads in
+    place and nobody pushes."""
+    import ronde as hvd
+    from ronde.transport import cma
+
+    if int(__import__("os").environ["RONDE_RANK"]) == 1:
+        def refused(pid, local, remote):
+            raise PermissionError(1, "process_vm_writev refused")
+
+        cma.write_into = refused
+    hvd.init()
+    x = np.full(300_000, hvd.rank() + 1.0, np.float32)
+    for _ in range(3):
+        np.testing.assert_allclose(hvd.allreduce(x, op=hvd.Sum, name="x"),
+                                   hvd.size() * (hvd.size() + 1) / 2)
+    comm = hvd._api._rt.engine.communicator(0)
+    out = (comm._cma, comm.push_agreed)
+    hvd.shutdown()
+    return out
+
+
 def cma_denied_on_one_rank() -> bool:
     """If one rank cannot read its peers' memory, every rank takes the shm path alike."""
     import ronde as hvd

@@ -87,20 +87,6 @@ def _holder(nbytes: int, huge: bool, conn: Any) -> None:
     del buf
 
 
-def _write_into(pid: int, local: int, remote: int, n: int) -> None:
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    fn = libc.process_vm_writev
-    fn.restype = ctypes.c_ssize_t
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
-                   ctypes.c_ulong, ctypes.c_ulong]
-    lo = np.array([local, n], dtype=np.uint64)
-    re = np.array([remote, n], dtype=np.uint64)
-    if fn(pid, lo.ctypes.data, 1, re.ctypes.data, 1, 0) != n:
-        raise OSError(ctypes.get_errno(), "process_vm_writev failed")
-
-
 def cross_process_read(nbytes: int, repeats: int) -> list[dict[str, Any]]:
     """GB/s of chunked ``process_vm_readv`` from, and ``process_vm_writev`` into, a
     huge-page and a 4 KiB-page buffer of another process."""
@@ -134,7 +120,7 @@ def cross_process_read(nbytes: int, repeats: int) -> list[dict[str, Any]]:
                 t = time.perf_counter()
                 for off in range(0, nbytes, chunk):
                     n = min(chunk, nbytes - off)
-                    _write_into(child.pid, scratch.ctypes.data, addr + off, n)
+                    cma.write_into(child.pid, [(scratch.ctypes.data, n)], [(addr + off, n)])
                 times.append(time.perf_counter() - t)
             s = median(times)
             out.append({"op": "process_vm_writev", "pages": "2 MiB (THP)" if huge else "4 KiB",

@@ -14,8 +14,14 @@ provides the synchronisation counters):
    chunks into a small scratch buffer and reduce into its own tensors, then apply
    the post-scale while the chunk is still in cache;
 3. allgather: read every other block directly from its owner's tensors into its own,
-   chunk by chunk as its owner reports them reduced (a ``PROGRESS`` counter), so a rank
-   that finished its own block early does not wait for a slower one's whole block.
+   front to back, chunk by chunk as its owner reports them reduced (a ``PROGRESS``
+   counter), so a rank that finished its own block early does not wait for a slower
+   one's whole block; then, where every rank may also write into the others
+   (``process_vm_writev``, agreed at the first op), write its own block into each peer
+   back to front until it meets what that peer read (``PULLED``/``PUSHED`` marks): the
+   rank that is ahead does a slower one's share instead of waiting for it (a busier
+   core, a block of many small tensors, pages that read slowly). Where the two meet they
+   may both copy one chunk: the same bytes, and nobody returns before every peer is done.
 
 That is (n-1)/n·N read across processes for the reduction, (n-1)/n·N for the gather,
 and one in-cache reduce: about one pass over the data plus half a reduction,
@@ -25,10 +31,6 @@ against the two copies plus a reduction of the shared-segment path.
 from __future__ import annotations
 
 import bisect
-import ctypes
-import ctypes.util
-import errno
-import os
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -38,108 +40,7 @@ if TYPE_CHECKING:
     from .shm import ShmCommunicator
 
 
-_IOV_MAX = 1024
-_libc: ctypes.CDLL | None = None
-_fn: "ctypes._NamedFuncPointer | None" = None
-
-
-def _readv() -> "ctypes._NamedFuncPointer | None":
-    global _libc, _fn
-    if _fn is not None:
-        return _fn
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        except OSError:
-            return None
-    fn = getattr(_libc, "process_vm_readv", None)
-    if fn is None:
-        return None
-    fn.restype = ctypes.c_ssize_t
-    # iovec arrays are passed as addresses of (base, length) uint64 pairs
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong,
-                   ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
-    _fn = fn
-    return fn
-
-
-def _iovecs(ranges: Sequence[tuple[int, int]]) -> np.ndarray:
-    """``struct iovec[]`` as a numpy array (two 64-bit fields each, as on x86-64)."""
-    return np.array(ranges, dtype=np.uint64).reshape(-1, 2)
-
-
-def supported() -> bool:
-    """True when this process can call ``process_vm_readv`` (on itself, as a probe)."""
-    fn = _readv()
-    if fn is None:
-        return False
-    src = np.arange(4, dtype=np.int64)
-    dst = np.zeros(4, dtype=np.int64)
-    try:
-        read_into(os.getpid(), [(dst.ctypes.data, dst.nbytes)], [(src.ctypes.data, src.nbytes)])
-    except OSError:
-        return False
-    return bool((dst == src).all())
-
-
-def read_into(pid: int, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]]
-              ) -> None:
-    """Copy the ``remote`` (address, length) ranges of ``pid`` into the ``local`` ones.
-
-    Both lists describe the same number of bytes; partial transfers are resumed.
-    Raises ``OSError`` (EPERM, ESRCH, EFAULT...) when the kernel refuses.
-    """
-    fn = _fn or _readv()
-    if fn is None:
-        raise OSError(errno.ENOSYS, "process_vm_readv is not available")
-    total = sum(n for _, n in local)
-    done = 0
-    if len(local) <= _IOV_MAX and len(remote) <= _IOV_MAX and total:
-        # the common case: one system call
-        lo, re = _iovecs(local), _iovecs(remote)
-        done = _check(fn(pid, lo.ctypes.data, len(lo), re.ctypes.data, len(re), 0), pid)
-    local, remote = list(local), list(remote)
-    while done < total:
-        lo_iov, lo_n = _slice(local, done, _IOV_MAX)
-        re_iov, re_n = _slice(remote, done, _IOV_MAX)
-        want = min(lo_n, re_n)
-        lo_iov, _ = _slice(local, done, _IOV_MAX, want)
-        re_iov, _ = _slice(remote, done, _IOV_MAX, want)
-        larr, rarr = _iovecs(lo_iov), _iovecs(re_iov)
-        done += _check(fn(pid, larr.ctypes.data, len(larr), rarr.ctypes.data, len(rarr), 0),
-                       pid)
-
-
-def _check(got: int, pid: int) -> int:
-    if got < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"process_vm_readv from pid {pid}: {os.strerror(err)}")
-    if got == 0:
-        raise OSError(errno.EFAULT, f"process_vm_readv from pid {pid} made no progress")
-    return got
-
-
-def _slice(ranges: Sequence[tuple[int, int]], skip: int, max_iov: int,
-           limit: int | None = None) -> tuple[list[tuple[int, int]], int]:
-    """The (address, length) ranges after skipping ``skip`` bytes, at most ``max_iov``
-    of them and ``limit`` bytes; returns them and their byte count."""
-    out: list[tuple[int, int]] = []
-    count = 0
-    for addr, n in ranges:
-        if skip >= n:
-            skip -= n
-            continue
-        addr, n = addr + skip, n - skip
-        skip = 0
-        if limit is not None:
-            n = min(n, limit - count)
-        if n <= 0:
-            break
-        out.append((addr, n))
-        count += n
-        if len(out) >= max_iov or (limit is not None and count >= limit):
-            break
-    return out, count
+from .vm import read_into, supported, write_into  # noqa: F401 - re-exported
 
 
 class Layout:
@@ -221,8 +122,8 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
     """
     from ..collectives.ops import reduce_into
     from ..core.fusion import scale_inplace
-    from .shm import CMA_CHUNK_BYTES, DONE, NSEG, PID, PROGRESS, REDUCED, WRITTEN
-    from .shm import blocks as _blocks
+    from .shm import CMA_CHUNK_BYTES, DONE, NSEG, PID, PROGRESS, PULLED, PUSHED, REDUCED
+    from .shm import WRITTEN, blocks as _blocks
 
     dtype = bufs[0].dtype
     item = dtype.itemsize
@@ -232,7 +133,13 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
     comm.hugepages.prepare(mine_ranges)
     comm._table[comm.rank][: 2 * len(bufs)] = np.array(mine_ranges, dtype=np.int64).ravel()
     comm._publish(NSEG, len(bufs))
-    comm._publish(PROGRESS, 0)  # peers see it reset once they see WRITTEN (stores in order)
+    # marks peers read in this op: reset before WRITTEN, which they wait for first (x86
+    # stores are seen in order); nobody reads them after the last op's DONE
+    comm._publish(PROGRESS, 0)
+    push = comm.push_agreed
+    if push:
+        comm._my_hdr[PULLED: PULLED + comm.size] = 0
+        comm._my_hdr[PUSHED: PUSHED + comm.size] = -1
     comm._publish(WRITTEN, t)
     comm._wait_all(WRITTEN, t)
     n = len(bufs)
@@ -285,19 +192,15 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
                 scale_inplace(v, postscale)
             comm._publish(PROGRESS, b - lo)
         comm._publish(REDUCED, t)
-        # gather each peer's block as far as it is reduced: a rank whose block took less
-        # work (fewer, larger tensors; a quieter core) reads the others' chunks as they
-        # finish instead of waiting for their whole block
+        # gather: pull every other block forward, as far as its owner reduced it; then
+        # push my block, from its end, into every peer still pulling it
         for k in range(1, comm.size):
             j = (comm.rank + k) % comm.size
-            jlo, jhi = blocks[j]
-            size, done = jhi - jlo, 0
-            while done < size:
-                comm._wait_all_one(j, PROGRESS, done + 1)
-                upto = min(int(comm._hdr[j][PROGRESS]), size)  # shared memory: clamp
-                read_into(pids[j], mine.ranges((jlo + done) * item, (jlo + upto) * item),
-                          layouts[j].ranges((jlo + done) * item, (jlo + upto) * item))
-                done = upto
+            _pull(comm, j, blocks[j], item, chunk, pids[j], mine, layouts[j], push)
+        if push:
+            for k in range(1, comm.size):
+                j = (comm.rank + k) % comm.size
+                _push(comm, j, blocks[comm.rank], item, chunk, pids[j], mine, layouts[j])
     except OSError as exc:
         from .._errors import PeerLostError
 
@@ -306,6 +209,57 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
     comm._publish(DONE, t)
     # peers read my tensors until they are DONE: only then may the caller reuse them
     comm._wait_all(DONE, t)
+
+
+def _pull(comm: "ShmCommunicator", j: int, block: tuple[int, int], item: int, step: int,
+          pid: int, mine: Layout, theirs: Layout, push: bool) -> None:
+    """Read member ``j``'s reduced block into my tensors, front to back, chunk by chunk
+    as ``j`` reports it reduced (``PROGRESS``), so a rank that finished its own block
+    early does not wait for a slower one's whole block. With ``push``, stop where ``j``
+    has written the rest into me (``PUSHED``), publishing how far I got (``PULLED``)."""
+    from .shm import PROGRESS, PULLED, PUSHED
+
+    lo, hi = block
+    size, done = hi - lo, 0
+    hdr, me = comm._hdr[j], comm.rank
+    while True:
+        limit = size
+        if push:
+            mark = int(hdr[PUSHED + me])
+            if mark >= 0:
+                limit = min(mark, size)  # shared memory: clamp
+        if done >= limit:
+            return
+        if int(hdr[PROGRESS]) <= done:
+            comm._wait_all_one(j, PROGRESS, done + 1)  # j pushes only once all is reduced
+        upto = min(int(hdr[PROGRESS]), limit, done + step if push else size)
+        a, b = (lo + done) * item, (lo + upto) * item
+        read_into(pid, mine.ranges(a, b), theirs.ranges(a, b))
+        done = upto
+        if push:
+            comm._publish(PULLED + j, done)
+
+
+def _push(comm: "ShmCommunicator", k: int, block: tuple[int, int], item: int, step: int,
+          pid: int, mine: Layout, theirs: Layout) -> None:
+    """Write my reduced block into member ``k``'s tensors, back to front, until it
+    meets what ``k`` pulled (``PULLED``): the rank that is ahead does the slower one's
+    share. Where both copy the same chunk at once, they write the same bytes; ``k``
+    returns only after my ``DONE``, so no write of mine lands after it."""
+    from .shm import PULLED, PUSHED
+
+    lo, hi = block
+    size = mark = hi - lo
+    hdr, me = comm._hdr[k], comm.rank
+    while True:
+        pulled = min(max(int(hdr[PULLED + me]), 0), size)  # shared memory: clamp
+        if mark <= pulled:
+            return
+        start = max(pulled, mark - step)
+        a, b = (lo + start) * item, (lo + mark) * item
+        write_into(pid, mine.ranges(a, b), theirs.ranges(a, b))
+        mark = start
+        comm._publish(PUSHED + k, mark)
 
 
 def _peer_read(comm: "ShmCommunicator", j: int, local: Sequence[tuple[int, int]],

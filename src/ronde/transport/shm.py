@@ -38,7 +38,12 @@ from .segments import OwnedSegment, close_maps, create_segment, open_segment, sh
 
 #: counters, then a table of (address, length) pairs for single-copy allreduces
 _HEADER_BYTES = 64 * 1024
-_SLOTS = 16
+#: single-copy allreduce marks, one per member: PULLED + j (in a reader's header: how
+#: far it read member j's block) and PUSHED + k (in an owner's header: from where on it
+#: wrote its block into member k); up to MARKED_MEMBERS members per host use them
+MARKED_MEMBERS = 64
+PULLED, PUSHED = 16, 16 + MARKED_MEMBERS
+_SLOTS = 16 + 2 * MARKED_MEMBERS
 _TABLE_OFFSET = _SLOTS * 8
 TABLE_ENTRIES = (_HEADER_BYTES - _TABLE_OFFSET) // 16
 #: allreduces of at least this size use cross-memory attach when every rank can
@@ -109,6 +114,9 @@ class ShmCommunicator(Communicator, OwnedSegment):
         # single-copy reads need to know who we are; the probe lets peers test them
         self._probe = np.array([0x726F6E6465], dtype=np.int64)
         self._cma: bool | None = None if cma else False
+        #: every member may also write into the others (process_vm_writev): agreed
+        #: with ``_cma``; lets a rank that finished early push its block to a slower one
+        self.push_agreed = False
         self._cma_scratch = np.empty(0, dtype=np.uint8)
         #: moves memory that peers read onto huge pages (see hugepages.py)
         self.hugepages = HugePages(hugepages and cma)
@@ -301,9 +309,26 @@ class ShmCommunicator(Communicator, OwnedSegment):
                     ok = False
                     break
                 ok = ok and int(got[0]) == 0x726F6E6465
-        self._publish(CMA_OK, 1 if ok else 2)
+        write = ok and self._can_write(cma)
+        self._publish(CMA_OK, 1 if write else (3 if ok else 2))  # read+write, read, none
         self._wait_all(CMA_OK, 1)
-        return all(int(h[CMA_OK]) == 1 for h in self._hdr)
+        agreed = [int(h[CMA_OK]) for h in self._hdr]
+        self.push_agreed = all(v == 1 for v in agreed) and self.size <= MARKED_MEMBERS
+        return all(v in (1, 3) for v in agreed)
+
+    def _can_write(self, cma: object) -> bool:
+        """Whether this rank may write into every peer: writes each one's probe value
+        back where it read it (the same 8 bytes, so racing with nothing)."""
+        for j in range(self.size):
+            if j == self.rank:
+                continue
+            same = np.array([0x726F6E6465], dtype=np.int64)
+            try:
+                cma.write_into(int(self._hdr[j][PID]), [(same.ctypes.data, 8)],  # type: ignore[attr-defined]
+                               [(int(self._hdr[j][PROBE]), 8)])
+            except OSError:
+                return False
+        return True
 
     def allreduce_scattered(self, bufs: list[np.ndarray], op: ReduceOp, postscale: float
                             ) -> bool:

@@ -1,0 +1,131 @@
+"""Cross-memory attach: copy bytes between this process and another (Linux).
+
+``process_vm_readv`` copies ranges of another process's memory into this one's,
+``process_vm_writev`` the other way, given its pid and addresses, when both run as
+the same user (the check ``ptrace`` would make). ``cma.py`` builds the single-copy
+collectives on them; this module only moves bytes, with ctypes (no compiled code).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+from typing import Sequence
+
+import numpy as np
+
+_IOV_MAX = 1024
+_libc: ctypes.CDLL | None = None
+_fns: dict[str, "ctypes._NamedFuncPointer | None"] = {}
+
+
+def _syscall(name: str) -> "ctypes._NamedFuncPointer | None":
+    """libc's ``process_vm_readv`` or ``process_vm_writev``, or None without it."""
+    global _libc
+    if name in _fns:
+        return _fns[name]
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        except OSError:
+            return None
+    fn = getattr(_libc, name, None)
+    if fn is not None:
+        fn.restype = ctypes.c_ssize_t
+        # iovec arrays are passed as addresses of (base, length) uint64 pairs
+        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong,
+                       ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+    _fns[name] = fn
+    return fn
+
+
+def _iovecs(ranges: Sequence[tuple[int, int]]) -> np.ndarray:
+    """``struct iovec[]`` as a numpy array (two 64-bit fields each, as on x86-64)."""
+    return np.array(ranges, dtype=np.uint64).reshape(-1, 2)
+
+
+def supported() -> bool:
+    """True when this process can call ``process_vm_readv`` (on itself, as a probe)."""
+    if _syscall("process_vm_readv") is None:
+        return False
+    src = np.arange(4, dtype=np.int64)
+    dst = np.zeros(4, dtype=np.int64)
+    try:
+        read_into(os.getpid(), [(dst.ctypes.data, dst.nbytes)], [(src.ctypes.data, src.nbytes)])
+    except OSError:
+        return False
+    return bool((dst == src).all())
+
+
+def read_into(pid: int, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]]
+              ) -> None:
+    """Copy the ``remote`` (address, length) ranges of ``pid`` into the ``local`` ones.
+
+    Both lists describe the same number of bytes; partial transfers are resumed.
+    Raises ``OSError`` (EPERM, ESRCH, EFAULT...) when the kernel refuses.
+    """
+    _transfer("process_vm_readv", pid, local, remote)
+
+
+def write_into(pid: int, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]]
+               ) -> None:
+    """Copy the ``local`` ranges into the ``remote`` ones of ``pid`` (as :func:`read_into`,
+    the other way)."""
+    _transfer("process_vm_writev", pid, local, remote)
+
+
+def _transfer(name: str, pid: int, local: Sequence[tuple[int, int]],
+              remote: Sequence[tuple[int, int]]) -> None:
+    fn = _fns.get(name) or _syscall(name)
+    if fn is None:
+        raise OSError(errno.ENOSYS, f"{name} is not available")
+    total = sum(n for _, n in local)
+    done = 0
+    if len(local) <= _IOV_MAX and len(remote) <= _IOV_MAX and total:
+        # the common case: one system call
+        lo, re = _iovecs(local), _iovecs(remote)
+        done = _check(fn(pid, lo.ctypes.data, len(lo), re.ctypes.data, len(re), 0), name, pid)
+    local, remote = list(local), list(remote)
+    while done < total:
+        lo_iov, lo_n = _slice(local, done, _IOV_MAX)
+        re_iov, re_n = _slice(remote, done, _IOV_MAX)
+        want = min(lo_n, re_n)
+        lo_iov, _ = _slice(local, done, _IOV_MAX, want)
+        re_iov, _ = _slice(remote, done, _IOV_MAX, want)
+        larr, rarr = _iovecs(lo_iov), _iovecs(re_iov)
+        done += _check(fn(pid, larr.ctypes.data, len(larr), rarr.ctypes.data, len(rarr), 0),
+                       name, pid)
+
+
+def _check(got: int, name: str, pid: int) -> int:
+    if got < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{name} with pid {pid}: {os.strerror(err)}")
+    if got == 0:
+        raise OSError(errno.EFAULT, f"{name} with pid {pid} made no progress")
+    return got
+
+
+def _slice(ranges: Sequence[tuple[int, int]], skip: int, max_iov: int,
+           limit: int | None = None) -> tuple[list[tuple[int, int]], int]:
+    """The (address, length) ranges after skipping ``skip`` bytes, at most ``max_iov``
+    of them and ``limit`` bytes; returns them and their byte count."""
+    out: list[tuple[int, int]] = []
+    count = 0
+    for addr, n in ranges:
+        if skip >= n:
+            skip -= n
+            continue
+        addr, n = addr + skip, n - skip
+        skip = 0
+        if limit is not None:
+            n = min(n, limit - count)
+        if n <= 0:
+            break
+        out.append((addr, n))
+        count += n
+        if len(out) >= max_iov or (limit is not None and count >= limit):
+            break
+    return out, count
