@@ -39,3 +39,17 @@ def test_memory_bandwidth_context_runs():
     assert {"copy", "add"} <= ops
     assert "process_vm_readv" in out.stdout  # the page-size table (Linux)
     assert "process_vm_writev" in out.stdout
+
+
+@pytest.mark.timeout(120)
+def test_torch_fusion_runs_through_ronderun():
+    pytest.importorskip("torch")
+    import os
+
+    ronderun = os.path.join(os.path.dirname(sys.executable), "ronderun")
+    out = subprocess.run([ronderun, "-np", "2", sys.executable, "-m", "ronde.bench.torch_fusion",
+                          "--iters", "2"], capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line.split(":", 1)[1] for line in out.stdout.splitlines() if '"torch_fusion"' in line]
+    point = json.loads(lines[0])
+    assert point["tensors"] == 161 and point["single_ms"] > 0 and point["tensors_ms"] > 0
