@@ -413,6 +413,29 @@ def hugepages_steady() -> tuple:
     return out
 
 
+def _before_gather_reads(action) -> None:
+    """Call ``action()`` before each single-copy read of the gather phase (after this
+    rank published REDUCED, until its next op starts)."""
+    from ronde.transport import cma, shm
+
+    real_read, real_publish = cma.read_into, shm.ShmCommunicator._publish
+    phase = [""]
+
+    def publish(self, idx, t):
+        if idx == shm.REDUCED:
+            phase[0] = "gather"
+        elif idx == shm.WRITTEN:
+            phase[0] = ""
+        real_publish(self, idx, t)
+
+    def read(pid, local, remote):
+        if phase[0] == "gather":
+            action()
+        real_read(pid, local, remote)
+
+    cma.read_into, shm.ShmCommunicator._publish = read, publish
+
+
 def slow_owner_progressive() -> int:
     """Single-copy allreduce with rank 1 slow to reduce its block: rank 0 gathers rank
     1's block chunk by chunk as it is reported reduced, and never reads a chunk early.
@@ -421,7 +444,6 @@ def slow_owner_progressive() -> int:
 
     import ronde as hvd
     from ronde.collectives import ops
-    from ronde.transport import cma, shm
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()
@@ -435,19 +457,7 @@ def slow_owner_progressive() -> int:
         ops.reduce_into = slow
     gathers = [0]
     if r == 0:
-        real_read, real_publish = cma.read_into, shm.ShmCommunicator._publish
-        phase = [""]
-
-        def publish(self, idx, t):
-            if idx == shm.REDUCED:
-                phase[0] = "gather"
-            real_publish(self, idx, t)
-
-        def read(pid, local, remote):
-            gathers[0] += phase[0] == "gather"
-            real_read(pid, local, remote)
-
-        cma.read_into, shm.ShmCommunicator._publish = read, publish
+        _before_gather_reads(lambda: gathers.__setitem__(0, gathers[0] + 1))
     x = np.arange(2 << 20, dtype=np.float32) % 1000 + r  # 8 MiB: 4 chunks per block
     hvd.allreduce_async(x, op=hvd.Sum, name="x", out=x).wait()
     np.testing.assert_array_equal(x, (np.arange(2 << 20) % 1000) * n + n * (n - 1) // 2)
@@ -462,7 +472,7 @@ def slow_reader_push() -> int:
     import time
 
     import ronde as hvd
-    from ronde.transport import cma, shm
+    from ronde.transport import cma
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()
@@ -475,22 +485,7 @@ def slow_reader_push() -> int:
 
     cma.write_into = write
     if r == 0:
-        real_read, real_publish = cma.read_into, shm.ShmCommunicator._publish
-        phase = [""]
-
-        def publish(self, idx, t):
-            if idx == shm.REDUCED:
-                phase[0] = "gather"
-            elif idx == shm.WRITTEN:
-                phase[0] = ""
-            real_publish(self, idx, t)
-
-        def read(pid, local, remote):
-            if phase[0] == "gather":
-                time.sleep(0.03)
-            real_read(pid, local, remote)
-
-        cma.read_into, shm.ShmCommunicator._publish = read, publish
+        _before_gather_reads(lambda: time.sleep(0.03))
     for step in range(2):
         x = np.arange(2 << 20, dtype=np.float32) % 1000 + r + step  # 8 MiB: 4 chunks a block
         hvd.allreduce_async(x, op=hvd.Sum, name="x", out=x).wait()
