@@ -63,6 +63,27 @@ def test_a_block_seen_twice_moves_onto_a_huge_page_contents_unchanged():
 
 
 @needs_collapse
+def test_a_block_mostly_untouched_is_left_alone():
+    # collapsing fills a block's holes: memory next to a tensor may be a large
+    # allocation nobody touched, which must not become resident because of ronde
+    m, buf = _anon(2 * BLOCK)
+    addr = buf.ctypes.data
+    buf[: BLOCK // 4] = 1  # the first block a quarter resident
+    buf[BLOCK:] = 1  # the second one all
+    hp = HugePages(True)
+    for _ in range(2):
+        hp.prepare([(addr, 2 * BLOCK)])
+    assert hp.collapsed_bytes == BLOCK and hp.refused == 1
+    _, mincore = hugepages._libc_calls()
+    resident = np.zeros(BLOCK // mmap.PAGESIZE, dtype=np.uint8)
+    assert mincore(addr, BLOCK, resident.ctypes.data) == 0
+    assert int(np.count_nonzero(resident & 1)) == resident.size // 4  # no page added
+    assert int(buf[: BLOCK // 4].sum()) == BLOCK // 4 and not buf[BLOCK // 4: BLOCK].any()
+    del buf
+    m.close()
+
+
+@needs_collapse
 def test_memory_the_kernel_refuses_is_left_alone():
     hp = HugePages(True)
     # an unmapped block
