@@ -113,3 +113,25 @@ def test_nothing_is_done_when_disabled_or_where_thp_is_off(tmp_path):
     never.write_text("always [madvise] never\n")
     assert hugepages._thp_allowed(str(never))
     assert not hugepages._thp_allowed(str(tmp_path / "missing"))
+
+
+def test_only_private_anonymous_memory_is_marked_for_huge_pages(tmp_path):
+    # a block that straddles mappings gets MADV_HUGEPAGE only when every one of them is
+    # private anonymous memory (or the heap): never a file, the stack or shared memory
+    b = 64 * BLOCK
+    maps = tmp_path / "maps"
+
+    def line(lo, hi, perms="rw-p", name=""):
+        return f"{lo:x}-{hi:x} {perms} 00000000 00:00 0          {name}\n"
+
+    half = b + BLOCK // 2
+    maps.write_text(line(b - 4096, half) + line(half, b + BLOCK, name="[heap]"))
+    assert hugepages._anonymous_only(b, str(maps))
+    maps.write_text(line(b, half) + line(half, b + BLOCK, "r--p", "/usr/lib/libc.so.6"))
+    assert not hugepages._anonymous_only(b, str(maps))
+    maps.write_text(line(b, half) + line(half, b + BLOCK, "rw-s", "/dev/shm/x"))
+    assert not hugepages._anonymous_only(b, str(maps))
+    maps.write_text(line(b, half))  # the rest unmapped
+    assert not hugepages._anonymous_only(b, str(maps))
+    maps.write_text(line(b, b + BLOCK, name="[stack]"))
+    assert not hugepages._anonymous_only(b, str(maps))

@@ -161,10 +161,32 @@ class HugePages:
         if fn(block, BLOCK, _MADV_COLLAPSE) == 0:
             self.collapsed_bytes += BLOCK
             return
-        if ctypes.get_errno() == errno.EINVAL:
-            # the block straddles mappings whose flags differ: make them alike, retry
+        if ctypes.get_errno() == errno.EINVAL and _anonymous_only(block):
+            # the block straddles anonymous mappings whose flags differ (numpy marks its
+            # arrays from a page boundary inside them): make them alike, retry
             fn(block, BLOCK, _MADV_HUGEPAGE)
             if fn(block, BLOCK, _MADV_COLLAPSE) == 0:
                 self.collapsed_bytes += BLOCK
                 return
         self.refused += 1
+
+
+def _anonymous_only(block: int, maps: str = "/proc/self/maps") -> bool:
+    """Whether [block, block + BLOCK) lies entirely in private anonymous mappings (the
+    heap included; no file, stack or shared memory): only those get ``MADV_HUGEPAGE``
+    from ronde. Read once per refused block, so the cost does not recur."""
+    end, covered = block + BLOCK, 0
+    try:
+        with open(maps) as f:
+            for line in f:
+                fields = line.split(None, 5)
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                if hi <= block or lo >= end:
+                    continue
+                name = fields[5].strip() if len(fields) > 5 else ""
+                if fields[1][3] != "p" or name not in ("", "[heap]"):
+                    return False
+                covered += min(hi, end) - max(lo, block)
+    except (OSError, ValueError, IndexError):
+        return False
+    return covered == BLOCK
