@@ -23,7 +23,8 @@ mappings of different flags (numpy marks its arrays from a 4 KiB boundary). Poli
 - a block is whole 2 MiB of address space: memory around a small tensor (its
   allocator's neighbours) moves onto the same huge page, its contents unchanged; a
   block not entirely mapped, or shared with a file mapping, is refused by the kernel
-  and left alone;
+  and left alone, and ``MADV_HUGEPAGE`` goes only to blocks made entirely of private
+  anonymous memory (``/proc/self/maps``);
 - nothing is done where the kernel has no ``MADV_COLLAPSE``, where the system's THP
   setting is ``never``, under ``prctl(PR_SET_THP_DISABLE)``, or with
   ``RONDE_HUGEPAGES=0`` (the way to keep memory you marked ``MADV_NOHUGEPAGE`` so:
