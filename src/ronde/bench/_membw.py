@@ -104,27 +104,19 @@ def cross_process_read(nbytes: int, repeats: int) -> list[dict[str, Any]]:
         child.start()
         try:
             addr = mine.recv()
-            times = []
-            for _ in range(repeats):
-                t = time.perf_counter()
-                for off in range(0, nbytes, chunk):
-                    n = min(chunk, nbytes - off)
-                    cma.read_into(child.pid, [(scratch.ctypes.data, n)], [(addr + off, n)])
-                times.append(time.perf_counter() - t)
-            s = median(times)
-            out.append({"op": "process_vm_readv", "pages": "2 MiB (THP)" if huge else "4 KiB",
-                        "bytes": nbytes, "median_s": s, "GBps": nbytes / s / 1e9})
-            # the other direction: the remote side's pages set the pace here too
-            times = []
-            for _ in range(repeats):
-                t = time.perf_counter()
-                for off in range(0, nbytes, chunk):
-                    n = min(chunk, nbytes - off)
-                    cma.write_into(child.pid, [(scratch.ctypes.data, n)], [(addr + off, n)])
-                times.append(time.perf_counter() - t)
-            s = median(times)
-            out.append({"op": "process_vm_writev", "pages": "2 MiB (THP)" if huge else "4 KiB",
-                        "bytes": nbytes, "median_s": s, "GBps": nbytes / s / 1e9})
+            # both directions: the remote side's pages set the pace either way
+            for op, copy in (("process_vm_readv", cma.read_into),
+                             ("process_vm_writev", cma.write_into)):
+                times = []
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    for off in range(0, nbytes, chunk):
+                        n = min(chunk, nbytes - off)
+                        copy(child.pid, [(scratch.ctypes.data, n)], [(addr + off, n)])
+                    times.append(time.perf_counter() - t)
+                secs = median(times)
+                out.append({"op": op, "pages": "2 MiB (THP)" if huge else "4 KiB",
+                            "bytes": nbytes, "median_s": secs, "GBps": nbytes / secs / 1e9})
         finally:
             mine.send(1)
             child.join(30)

@@ -142,8 +142,7 @@ def announcements(reqs: list[Any], cached_id: Any, inline_bytes: int
             continue
         arr = r.array
         if r.kind == allreduce and arr is not None and arr.nbytes <= inline_bytes \
-                and arr.nbytes <= left and not (
-                    moving and (r.ps_id, r.dtype, r.op, r.prescale, r.postscale) in moving):
+                and arr.nbytes <= left and not (moving and _reduction(r) in moving):
             data = prescaled_bytes(arr, r.prescale)
             n = len(data)
             out.append([cid, used, n])
@@ -159,8 +158,13 @@ def _data_path_reductions(reqs: list[Any], inline_bytes: int) -> set[tuple[Any, 
     """The reductions (process set, dtype, op, scales) of the host allreduces in ``reqs``
     too large to ride inline."""
     allreduce = Kind.ALLREDUCE
-    return {(r.ps_id, r.dtype, r.op, r.prescale, r.postscale) for r in reqs
+    return {_reduction(r) for r in reqs
             if r.kind == allreduce and r.array is not None and r.array.nbytes > inline_bytes}
+
+
+def _reduction(r: Any) -> tuple[Any, ...]:
+    """What allreduces must share to be reduced together: process set, dtype, op, scales."""
+    return (r.ps_id, r.dtype, r.op, r.prescale, r.postscale)
 
 
 _JSON_LEN = struct.Struct("!I")

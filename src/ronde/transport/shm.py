@@ -57,6 +57,8 @@ _YIELD_S = 0.002
 WRITTEN, REDUCED, DONE, ATTACHED, PID, PROBE, CMA_OK, NSEG = 0, 1, 2, 3, 4, 5, 6, 7
 #: single-copy allreduce: elements of the owner's block reduced so far in this op
 PROGRESS = 8
+#: what every member's probe word holds (peers read it, and write it back, to test)
+_PROBE_VALUE = 0x726F6E6465
 
 
 def blocks(m: int, n: int) -> list[tuple[int, int]]:
@@ -112,7 +114,7 @@ class ShmCommunicator(Communicator, OwnedSegment):
         self._scratch = np.empty(SMALL_BYTES, dtype=np.uint8)
         self._my_hdr = self._hdr[self.rank]
         # single-copy reads need to know who we are; the probe lets peers test them
-        self._probe = np.array([0x726F6E6465], dtype=np.int64)
+        self._probe = np.array([_PROBE_VALUE], dtype=np.int64)
         self._cma: bool | None = None if cma else False
         #: every member may also write into the others (process_vm_writev): agreed
         #: with ``_cma``; lets a rank that finished early push its block to a slower one
@@ -294,41 +296,33 @@ class ShmCommunicator(Communicator, OwnedSegment):
                 and 0 < n_tensors <= TABLE_ENTRIES and self.size > 1)
 
     def _agree_on_cma(self) -> bool:
+        """Probe every peer's memory (read its probe value, then write the same bytes
+        back), publish the outcome, and agree: single-copy reads where every member
+        can read, pushes (``push_agreed``) where every member can also write."""
         from . import cma
 
-        ok = cma.supported()
-        if ok:
-            for j in range(self.size):
-                if j == self.rank:
-                    continue
-                got = np.zeros(1, dtype=np.int64)
+        read = write = cma.supported()
+        for j in range(self.size):
+            if j == self.rank or not read:
+                continue
+            at = [(int(self._hdr[j][PROBE]), 8)]
+            got = np.zeros(1, dtype=np.int64)
+            try:
+                cma.read_into(int(self._hdr[j][PID]), [(got.ctypes.data, 8)], at)
+            except OSError:
+                read = write = False
+                break
+            read = int(got[0]) == _PROBE_VALUE
+            if write:
                 try:
-                    cma.read_into(int(self._hdr[j][PID]), [(got.ctypes.data, 8)],
-                                  [(int(self._hdr[j][PROBE]), 8)])
+                    cma.write_into(int(self._hdr[j][PID]), [(got.ctypes.data, 8)], at)
                 except OSError:
-                    ok = False
-                    break
-                ok = ok and int(got[0]) == 0x726F6E6465
-        write = ok and self._can_write(cma)
-        self._publish(CMA_OK, 1 if write else (3 if ok else 2))  # read+write, read, none
+                    write = False
+        self._publish(CMA_OK, 1 if read and write else (3 if read else 2))
         self._wait_all(CMA_OK, 1)
-        agreed = [int(h[CMA_OK]) for h in self._hdr]
+        agreed = [int(h[CMA_OK]) for h in self._hdr]  # 1 read+write, 3 read only, 2 none
         self.push_agreed = all(v == 1 for v in agreed) and self.size <= MARKED_MEMBERS
         return all(v in (1, 3) for v in agreed)
-
-    def _can_write(self, cma: object) -> bool:
-        """Whether this rank may write into every peer: writes each one's probe value
-        back where it read it (the same 8 bytes, so racing with nothing)."""
-        for j in range(self.size):
-            if j == self.rank:
-                continue
-            same = np.array([0x726F6E6465], dtype=np.int64)
-            try:
-                cma.write_into(int(self._hdr[j][PID]), [(same.ctypes.data, 8)],  # type: ignore[attr-defined]
-                               [(int(self._hdr[j][PROBE]), 8)])
-            except OSError:
-                return False
-        return True
 
     def allreduce_scattered(self, bufs: list[np.ndarray], op: ReduceOp, postscale: float
                             ) -> bool:
