@@ -128,9 +128,16 @@ def test_a_slow_owners_block_is_gathered_chunk_by_chunk_never_early():
 
 
 @pytest.mark.timeout(60)
-def test_a_rank_done_early_pushes_its_block_into_a_slow_reader_values_exact():
-    got = run_ranks(2, workers.slow_reader_push, timeout_s=50, env={"RONDE_TRANSPORT": "shm"})
-    assert got[1] >= 1, got  # rank 1 wrote part of its block into rank 0
+@pytest.mark.parametrize("np_", [2, 3])
+def test_owners_write_reduced_chunks_into_every_peer_and_nobody_reads_them_back(np_):
+    got = run_ranks(np_, workers.owners_push_reduced_chunks, timeout_s=50,
+                    env={"RONDE_TRANSPORT": "shm", "RONDE_FUSION_THRESHOLD": "64MiB"})
+    for reads, writes in got:
+        # one fused op of 7 MiB: a block of 7/n MiB is 2-4 chunks of 1 MiB; each chunk is
+        # read from every peer (reduce-scatter) and written into every peer (gather)
+        assert reads == writes, got
+        chunks = reads // (np_ - 1)
+        assert chunks * (np_ - 1) == reads and 2 <= chunks <= 4, got
 
 
 @pytest.mark.timeout(60)

@@ -436,15 +436,27 @@ def _before_gather_reads(action) -> None:
     cma.read_into, shm.ShmCommunicator._publish = read, publish
 
 
+def _refuse_writes() -> None:
+    """Make single-copy writes fail here, as where ``process_vm_writev`` is refused."""
+    from ronde.transport import cma
+
+    def refused(pid, local, remote):
+        raise PermissionError(1, "process_vm_writev refused")
+
+    cma.write_into = refused
+
+
 def slow_owner_progressive() -> int:
-    """Single-copy allreduce with rank 1 slow to reduce its block: rank 0 gathers rank
-    1's block chunk by chunk as it is reported reduced, and never reads a chunk early.
-    Returns how many reads rank 0 made in the allgather phase."""
+    """Single-copy allreduce where writes are refused (the pull gather) and rank 1 is
+    slow to reduce its block: rank 0 gathers rank 1's block chunk by chunk as it is
+    reported reduced, and never reads a chunk early. Returns how many reads rank 0
+    made in the allgather phase."""
     import time
 
     import ronde as hvd
     from ronde.collectives import ops
 
+    _refuse_writes()
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     if r == 1:
@@ -461,51 +473,54 @@ def slow_owner_progressive() -> int:
     x = np.arange(2 << 20, dtype=np.float32) % 1000 + r  # 8 MiB: 4 chunks per block
     hvd.allreduce_async(x, op=hvd.Sum, name="x", out=x).wait()
     np.testing.assert_array_equal(x, (np.arange(2 << 20) % 1000) * n + n * (n - 1) // 2)
+    assert not hvd._api._rt.engine.communicator(0).push_agreed
     hvd.shutdown()
     return gathers[0]
 
 
-def slow_reader_push() -> int:
-    """Single-copy allreduce with rank 0 slow to gather: rank 1, done early, writes its
-    reduced block into rank 0 from the end until they meet; every value stays exact.
-    Returns how many writes this rank made into its peer."""
-    import time
-
+def owners_push_reduced_chunks() -> tuple:
+    """Single-copy allreduce where writes work: every owner writes each reduced chunk
+    of its block into every peer, and nobody reads a reduced block back; values exact,
+    also for a vector of several tensors whose chunks straddle them.
+    Returns (reads, writes) this rank made in the op."""
     import ronde as hvd
     from ronde.transport import cma
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()
-    writes = [0]
-    real_write = cma.write_into
+    counts = {"read": 0, "write": 0}
+    real_read, real_write = cma.read_into, cma.write_into
+
+    def read(pid, local, remote):
+        counts["read"] += 1
+        real_read(pid, local, remote)
 
     def write(pid, local, remote):
-        writes[0] += 1
+        counts["write"] += 1
         real_write(pid, local, remote)
 
-    cma.write_into = write
-    if r == 0:
-        _before_gather_reads(lambda: time.sleep(0.03))
-    for step in range(2):
-        x = np.arange(2 << 20, dtype=np.float32) % 1000 + r + step  # 8 MiB: 4 chunks a block
-        hvd.allreduce_async(x, op=hvd.Sum, name="x", out=x).wait()
-        want = (np.arange(2 << 20) % 1000 + step) * n + n * (n - 1) // 2
-        np.testing.assert_array_equal(x, want)
+    hvd.allreduce(np.ones(1 << 20, np.float32), name="warm")  # agree on the path first
+    cma.read_into, cma.write_into = read, write
+    # 3 x 2 MiB plus odd sizes: 7 MiB in all, so that each block spans 2-4 chunks
+    xs = [np.arange(k, dtype=np.float32) % 977 + r for k in (1 << 19, 333_333, 1 << 19,
+                                                                 1 << 19, 131_071)]
+    hs = [hvd.allreduce_async(x, op=hvd.Sum, name=f"x{i}", out=x) for i, x in enumerate(xs)]
+    for h in hs:
+        h.wait()
+    for x in xs:
+        np.testing.assert_array_equal(x, (np.arange(x.size) % 977) * n + n * (n - 1) // 2)
+    assert hvd._api._rt.engine.communicator(0).push_agreed
     hvd.shutdown()
-    return writes[0]
+    return counts["read"], counts["write"]
 
 
 def cma_write_denied_on_one_rank() -> tuple:
     """If one rank may read its peers but not write into them, every rank reads in
     place and nobody pushes."""
     import ronde as hvd
-    from ronde.transport import cma
 
     if int(__import__("os").environ["RONDE_RANK"]) == 1:
-        def refused(pid, local, remote):
-            raise PermissionError(1, "process_vm_writev refused")
-
-        cma.write_into = refused
+        _refuse_writes()
     hvd.init()
     x = np.full(300_000, hvd.rank() + 1.0, np.float32)
     for _ in range(3):

@@ -38,12 +38,7 @@ from .segments import OwnedSegment, close_maps, create_segment, open_segment, sh
 
 #: counters, then a table of (address, length) pairs for single-copy allreduces
 _HEADER_BYTES = 64 * 1024
-#: single-copy allreduce marks, one per member: PULLED + j (in a reader's header: how
-#: far it read member j's block) and PUSHED + k (in an owner's header: from where on it
-#: wrote its block into member k); up to MARKED_MEMBERS members per host use them
-MARKED_MEMBERS = 64
-PULLED, PUSHED = 16, 16 + MARKED_MEMBERS
-_SLOTS = 16 + 2 * MARKED_MEMBERS
+_SLOTS = 16
 _TABLE_OFFSET = _SLOTS * 8
 TABLE_ENTRIES = (_HEADER_BYTES - _TABLE_OFFSET) // 16
 #: allreduces of at least this size use cross-memory attach when every rank can
@@ -117,7 +112,7 @@ class ShmCommunicator(Communicator, OwnedSegment):
         self._probe = np.array([_PROBE_VALUE], dtype=np.int64)
         self._cma: bool | None = None if cma else False
         #: every member may also write into the others (process_vm_writev): agreed
-        #: with ``_cma``; lets a rank that finished early push its block to a slower one
+        #: with ``_cma``; owners then write their reduced blocks into every peer
         self.push_agreed = False
         self._cma_scratch = np.empty(0, dtype=np.uint8)
         #: moves memory that peers read onto huge pages (see hugepages.py)
@@ -321,7 +316,7 @@ class ShmCommunicator(Communicator, OwnedSegment):
         self._publish(CMA_OK, 1 if read and write else (3 if read else 2))
         self._wait_all(CMA_OK, 1)
         agreed = [int(h[CMA_OK]) for h in self._hdr]  # 1 read+write, 3 read only, 2 none
-        self.push_agreed = all(v == 1 for v in agreed) and self.size <= MARKED_MEMBERS
+        self.push_agreed = all(v == 1 for v in agreed)
         return all(v in (1, 3) for v in agreed)
 
     def allreduce_scattered(self, bufs: list[np.ndarray], op: ReduceOp, postscale: float
