@@ -141,6 +141,15 @@ def test_owners_write_reduced_chunks_into_every_peer_and_nobody_reads_them_back(
 
 
 @pytest.mark.timeout(60)
+def test_a_slow_owners_block_shrinks_on_every_rank_alike_values_exact():
+    got = run_ranks(3, workers.slow_owner_block_shrinks, timeout_s=50,
+                    env={"RONDE_TRANSPORT": "shm"})
+    assert got[0] == got[1] == got[2], got
+    sizes = got[0]
+    assert sum(sizes) == 3 << 20 and sizes[1] < 0.75 * min(sizes[0], sizes[2]), sizes
+
+
+@pytest.mark.timeout(60)
 def test_single_copy_path_is_agreed_by_every_rank():
     assert run_ranks(3, workers.cma_denied_on_one_rank, timeout_s=50,
                      env={"RONDE_TRANSPORT": "shm"}) == [False, False, False]

@@ -514,6 +514,37 @@ def owners_push_reduced_chunks() -> tuple:
     return counts["read"], counts["write"]
 
 
+def slow_owner_block_shrinks() -> list:
+    """Single-copy allreduces where rank 1 reduces slowly: the blocks move so that its
+    own shrinks, the same on every rank; every value stays exact meanwhile.
+    Returns the block sizes (in elements) of the last op."""
+    import time
+
+    import ronde as hvd
+    from ronde.collectives import ops
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    if r == 1:
+        fast = ops.reduce_into
+
+        def slow(dst, src, op):
+            time.sleep(0.004)
+            fast(dst, src, op)
+
+        ops.reduce_into = slow
+    comm = hvd._api._rt.engine.communicator(0)
+    for step in range(6):
+        x = np.arange(3 << 20, dtype=np.float32) % 1000 + r + step  # 12 MiB
+        hvd.allreduce_async(x, op=hvd.Sum, name="x", out=x).wait()
+        want = (np.arange(3 << 20) % 1000 + step) * n + n * (n - 1) // 2
+        np.testing.assert_array_equal(x, want)
+    (key,) = comm.split._shares
+    blocks = comm.split.blocks(key, 3 << 20, 4)
+    hvd.shutdown()
+    return [hi - lo for lo, hi in blocks]
+
+
 def cma_write_denied_on_one_rank() -> tuple:
     """If one rank may read its peers but not write into them, every rank reads in
     place and nobody pushes."""

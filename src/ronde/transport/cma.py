@@ -33,6 +33,7 @@ against the two copies plus a reduction of the shared-segment path.
 from __future__ import annotations
 
 import bisect
+import time
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -124,11 +125,11 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
     """
     from ..collectives.ops import reduce_into
     from ..core.fusion import scale_inplace
-    from .shm import CMA_CHUNK_BYTES, DONE, NSEG, PID, PROGRESS, REDUCED
-    from .shm import WRITTEN, blocks as _blocks
+    from .shm import BUSY, CMA_CHUNK_BYTES, DONE, NSEG, PID, PROGRESS, REDUCED, WRITTEN
 
     dtype = bufs[0].dtype
     item = dtype.itemsize
+    key = (len(bufs), dtype.str)  # completed below, from what every rank published
     bufs, addrs = coalesce(bufs)  # each rank alone: peers go by the table it publishes
     t = comm._begin()
     mine_ranges = [(at, b.nbytes) for at, b in zip(addrs, bufs)]
@@ -153,7 +154,8 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
                                 f"single-copy allreduce of {mine.nbytes} bytes")
     elem_starts = [s // item for s in mine.starts]
     total = mine.nbytes // item
-    blocks = _blocks(total, comm.size)
+    key += (total, tuple(len(lay.addrs) for lay in layouts))  # the same on every rank
+    blocks = comm.split.blocks(key, total, item)
     pids = [int(h[PID]) for h in comm._hdr]
 
     def my_views(lo: int, hi: int) -> list[np.ndarray]:
@@ -175,6 +177,7 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
     scratch_at = scratch.ctypes.data
     lo, hi = blocks[comm.rank]
     others = [(comm.rank + k) % comm.size for k in range(1, comm.size)]
+    started = time.perf_counter_ns()
     try:
         for a in range(lo, hi, chunk):
             b = min(a + chunk, hi)
@@ -196,6 +199,7 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
                     write_into(pids[j], src, layouts[j].ranges(a * item, b * item))
             else:
                 comm._publish(PROGRESS, b - lo)
+        comm._publish(BUSY, time.perf_counter_ns() - started)
         if not push:
             comm._publish(REDUCED, t)
             for j in others:
@@ -208,6 +212,10 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
     comm._publish(DONE, t)
     # peers read my tensors until they are DONE: only then may the caller reuse them
     comm._wait_all(DONE, t)
+    # every BUSY was published before its DONE, and none changes before my next op
+    # starts: every rank reads the same times here (clamped: shared memory)
+    comm.split.update(key, total, blocks,
+                      [min(max(int(h[BUSY]), 0), 10**12) * 1e-9 for h in comm._hdr])
 
 
 def _pull(comm: "ShmCommunicator", j: int, block: tuple[int, int], item: int, step: int,

@@ -32,6 +32,7 @@ from typing import Callable
 import numpy as np
 
 from ..collectives.ops import ReduceOp, reduce_into
+from .balance import BlockSplit, even
 from .base import Communicator
 from .hugepages import HugePages
 from .segments import OwnedSegment, close_maps, create_segment, open_segment, shm_dir
@@ -52,18 +53,13 @@ _YIELD_S = 0.002
 WRITTEN, REDUCED, DONE, ATTACHED, PID, PROBE, CMA_OK, NSEG = 0, 1, 2, 3, 4, 5, 6, 7
 #: single-copy allreduce: elements of the owner's block reduced so far in this op
 PROGRESS = 8
+#: single-copy allreduce: nanoseconds this rank took over its block in this op
+BUSY = 9
 #: what every member's probe word holds (peers read it, and write it back, to test)
 _PROBE_VALUE = 0x726F6E6465
 
 
-def blocks(m: int, n: int) -> list[tuple[int, int]]:
-    base, extra = divmod(m, n)
-    out, lo = [], 0
-    for i in range(n):
-        hi = lo + base + (1 if i < extra else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
+blocks = even  # equal blocks (the segment path; the single-copy one balances them)
 
 
 class ShmCommunicator(Communicator, OwnedSegment):
@@ -115,6 +111,8 @@ class ShmCommunicator(Communicator, OwnedSegment):
         #: with ``_cma``; owners then write their reduced blocks into every peer
         self.push_agreed = False
         self._cma_scratch = np.empty(0, dtype=np.uint8)
+        #: single-copy allreduce blocks, sized by each owner's measured speed
+        self.split = BlockSplit(self.size)
         #: moves memory that peers read onto huge pages (see hugepages.py)
         self.hugepages = HugePages(hugepages and cma)
         self._publish(PID, os.getpid())
