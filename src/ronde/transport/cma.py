@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from .shm import ShmCommunicator
 
 
-from .vm import read_into, supported, write_into  # noqa: F401 - re-exported
+from .vm import address, read_into, supported, write_into  # noqa: F401 - re-exported
 
 
 class Layout:
@@ -79,15 +79,15 @@ def coalesce(bufs: list[np.ndarray]) -> tuple[list[np.ndarray], list[int]]:
     """Merge flat buffers that follow each other in memory (views of one allocation,
     e.g. gradients laid out in one bucket) into one: fewer reads and reductions.
 
-    Returns the merged buffers and their addresses (``ctypes.data`` costs about a
-    microsecond a call: ResNet-50's 161 tensors are asked once, here)."""
+    Returns the merged buffers and their addresses (asked once, here: ResNet-50 has
+    161 tensors)."""
     runs: list[list[np.ndarray]] = []
     starts: list[int] = []
     end = -1
     for b in bufs:
         if not b.size:
             continue
-        at = b.ctypes.data
+        at = address(b)
         if at == end:
             runs[-1].append(b)
         else:
@@ -95,7 +95,7 @@ def coalesce(bufs: list[np.ndarray]) -> tuple[list[np.ndarray], list[int]]:
             starts.append(at)
         end = at + b.nbytes
     if not runs:
-        return bufs[:1], [b.ctypes.data for b in bufs[:1]]
+        return bufs[:1], [address(b) for b in bufs[:1]]
     return [run[0] if len(run) == 1 else np.lib.stride_tricks.as_strided(
         run[0], shape=(sum(b.size for b in run),), strides=(run[0].itemsize,))
         for run in runs], starts

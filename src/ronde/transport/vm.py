@@ -8,9 +8,11 @@ collectives on them; this module only moves bytes, with ctypes (no compiled code
 
 from __future__ import annotations
 
+import array
 import ctypes
 import ctypes.util
 import errno
+import itertools
 import os
 from typing import Sequence
 
@@ -41,9 +43,23 @@ def _syscall(name: str) -> "ctypes._NamedFuncPointer | None":
     return fn
 
 
-def _iovecs(ranges: Sequence[tuple[int, int]]) -> np.ndarray:
-    """``struct iovec[]`` as a numpy array (two 64-bit fields each, as on x86-64)."""
-    return np.array(ranges, dtype=np.uint64).reshape(-1, 2)
+def _iovecs(ranges: Sequence[tuple[int, int]]) -> "array.array[int]":
+    """``struct iovec[]`` (two 64-bit fields each, as on x86-64); ``buffer_info()[0]``
+    is its address. ``array.array`` builds one and gives its address in a quarter of
+    a microsecond, a numpy array and its ``ctypes.data`` in 1.5."""
+    return array.array("Q", _chain(ranges))
+
+
+def address(arr: np.ndarray) -> int:
+    """The address of a C-contiguous array's first byte (0.2 µs; ``ctypes.data`` 0.8)."""
+    try:
+        return ctypes.addressof(_BYTE.from_buffer(arr))
+    except (TypeError, ValueError):  # read-only or empty: the slower, general way
+        return arr.ctypes.data
+
+
+_BYTE = ctypes.c_byte
+_chain = itertools.chain.from_iterable
 
 
 def supported() -> bool:
@@ -86,7 +102,8 @@ def _transfer(name: str, pid: int, local: Sequence[tuple[int, int]],
     if len(local) <= _IOV_MAX and len(remote) <= _IOV_MAX and total:
         # the common case: one system call
         lo, re = _iovecs(local), _iovecs(remote)
-        done = _check(fn(pid, lo.ctypes.data, len(lo), re.ctypes.data, len(re), 0), name, pid)
+        done = _check(fn(pid, lo.buffer_info()[0], len(local), re.buffer_info()[0],
+                         len(remote), 0), name, pid)
     local, remote = list(local), list(remote)
     while done < total:
         lo_iov, lo_n = _slice(local, done, _IOV_MAX)
@@ -94,9 +111,9 @@ def _transfer(name: str, pid: int, local: Sequence[tuple[int, int]],
         want = min(lo_n, re_n)
         lo_iov, _ = _slice(local, done, _IOV_MAX, want)
         re_iov, _ = _slice(remote, done, _IOV_MAX, want)
-        larr, rarr = _iovecs(lo_iov), _iovecs(re_iov)
-        done += _check(fn(pid, larr.ctypes.data, len(larr), rarr.ctypes.data, len(rarr), 0),
-                       name, pid)
+        lo, re = _iovecs(lo_iov), _iovecs(re_iov)
+        done += _check(fn(pid, lo.buffer_info()[0], len(lo_iov), re.buffer_info()[0],
+                          len(re_iov), 0), name, pid)
 
 
 def _check(got: int, name: str, pid: int) -> int:
