@@ -33,6 +33,7 @@ against the two copies plus a reduction of the shared-segment path.
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from typing import TYPE_CHECKING, Sequence
 
@@ -43,7 +44,13 @@ if TYPE_CHECKING:
     from .shm import ShmCommunicator
 
 
+from .._errors import PeerLostError, ProtocolError
+from ..collectives import ops as _ops
+from ..core import fusion as _fusion
+from . import shm
 from .vm import address, read_into, supported, write_into  # noqa: F401 - re-exported
+
+_chain = itertools.chain.from_iterable
 
 
 class Layout:
@@ -103,17 +110,28 @@ def coalesce(bufs: list[np.ndarray]) -> tuple[list[np.ndarray], list[int]]:
 
 def _layout(comm: "ShmCommunicator", j: int, nseg_slot: int) -> Layout:
     """Member ``j``'s published segment table (checked: it is read from shared memory)."""
-    from .._errors import ProtocolError
-    from .shm import TABLE_ENTRIES
-
     n = int(comm._hdr[j][nseg_slot])
-    if not 0 < n <= TABLE_ENTRIES:
+    if not 0 < n <= shm.TABLE_ENTRIES:
         raise ProtocolError(f"rank {comm.members[j]} published {n} single-copy segments")
-    tab = comm._table[j]
-    lengths = tab[1:2 * n:2].tolist()
+    flat = tuple(comm._table[j][: 2 * n].tolist())
+    known = comm._layouts.get(j)
+    if known is not None and known[0] == flat:
+        return known[1]  # the same tensors as last time (training's steady state)
+    lengths = flat[1::2]
     if min(lengths) < 0:
         raise ProtocolError(f"rank {comm.members[j]} published a negative segment length")
-    return Layout(tab[0:2 * n:2].tolist(), lengths)
+    layout = Layout(flat[0::2], lengths)
+    comm._layouts[j] = (flat, layout)
+    return layout
+
+
+def _publish_table(comm: "ShmCommunicator", ranges: list[tuple[int, int]]) -> None:
+    tab = comm._table[comm.rank]
+    if len(ranges) == 1:  # the common case: two stores, not an array
+        tab[0], tab[1] = ranges[0]
+    else:
+        tab[: 2 * len(ranges)] = list(_chain(ranges))
+    comm._publish(shm.NSEG, len(ranges))
 
 
 def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "ReduceOp",
@@ -123,10 +141,7 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
     ``bufs`` is the logical vector (same shapes and order on every rank); the result
     replaces it in place, post-scaled.
     """
-    from ..collectives.ops import reduce_into
-    from ..core.fusion import scale_inplace
-    from .shm import BUSY, CMA_CHUNK_BYTES, DONE, NSEG, PID, PROGRESS, REDUCED, WRITTEN
-
+    reduce_into, scale_inplace = _ops.reduce_into, _fusion.scale_inplace  # (tests patch them)
     dtype = bufs[0].dtype
     item = dtype.itemsize
     key = (len(bufs), dtype.str)  # completed below, from what every rank published
@@ -134,29 +149,31 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
     t = comm._begin()
     mine_ranges = [(at, b.nbytes) for at, b in zip(addrs, bufs)]
     comm.hugepages.prepare(mine_ranges)
-    comm._table[comm.rank][: 2 * len(bufs)] = np.array(mine_ranges, dtype=np.int64).ravel()
-    comm._publish(NSEG, len(bufs))
+    _publish_table(comm, mine_ranges)
     push = comm.push_agreed
     if not push:
         # peers read it in this op: reset before WRITTEN, which they wait for first (x86
         # stores are seen in order); nobody reads it after the last op's DONE
-        comm._publish(PROGRESS, 0)
-    comm._publish(WRITTEN, t)
-    comm._wait_all(WRITTEN, t)
+        comm._publish(shm.PROGRESS, 0)
+    comm._publish(shm.WRITTEN, t)
+    comm._wait_all(shm.WRITTEN, t)
     n = len(bufs)
-    layouts = [_layout(comm, j, NSEG) for j in range(comm.size)]
+    layouts = [_layout(comm, j, shm.NSEG) for j in range(comm.size)]
     mine = layouts[comm.rank]
     for j, lay in enumerate(layouts):
         if lay.nbytes != mine.nbytes:
-            from .._errors import ProtocolError
-
             raise ProtocolError(f"rank {comm.members[j]} published {lay.nbytes} bytes for a "
                                 f"single-copy allreduce of {mine.nbytes} bytes")
     elem_starts = [s // item for s in mine.starts]
     total = mine.nbytes // item
-    key += (total, tuple(len(lay.addrs) for lay in layouts))  # the same on every rank
-    blocks = comm.split.blocks(key, total, item)
-    pids = [int(h[PID]) for h in comm._hdr]
+    # blocks sized by measured times where each is worth it (two chunks or more)
+    balanced = total * item >= 2 * comm.size * shm.CMA_CHUNK_BYTES
+    if balanced:
+        key += (total, tuple(len(lay.addrs) for lay in layouts))  # the same on every rank
+        blocks = comm.split.blocks(key, total, item)
+    else:
+        blocks = shm.blocks(total, comm.size)
+    pids = comm.pids
 
     def my_views(lo: int, hi: int) -> list[np.ndarray]:
         out = []
@@ -170,11 +187,12 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
             i += 1
         return out
 
-    chunk = max(1, CMA_CHUNK_BYTES // item)
+    chunk = max(1, shm.CMA_CHUNK_BYTES // item)
     if comm._cma_scratch.nbytes < chunk * item:
         comm._cma_scratch = np.empty(chunk * item, dtype=np.uint8)
+        comm._cma_scratch_at = address(comm._cma_scratch)
     scratch = comm._cma_scratch[: chunk * item].view(dtype)
-    scratch_at = scratch.ctypes.data
+    scratch_at = comm._cma_scratch_at
     lo, hi = blocks[comm.rank]
     others = [(comm.rank + k) % comm.size for k in range(1, comm.size)]
     started = time.perf_counter_ns()
@@ -198,24 +216,24 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
                 for j in others:
                     write_into(pids[j], src, layouts[j].ranges(a * item, b * item))
             else:
-                comm._publish(PROGRESS, b - lo)
-        comm._publish(BUSY, time.perf_counter_ns() - started)
+                comm._publish(shm.PROGRESS, b - lo)
+        comm._publish(shm.BUSY, time.perf_counter_ns() - started)
         if not push:
-            comm._publish(REDUCED, t)
+            comm._publish(shm.REDUCED, t)
             for j in others:
                 _pull(comm, j, blocks[j], item, chunk, pids[j], mine, layouts[j])
     except OSError as exc:
-        from .._errors import PeerLostError
-
         raise PeerLostError(f"single-copy copy to or from a peer on this host failed "
                             f"({exc}); it probably exited", rank=None) from None
-    comm._publish(DONE, t)
+    comm._publish(shm.DONE, t)
     # peers read my tensors until they are DONE: only then may the caller reuse them
-    comm._wait_all(DONE, t)
-    # every BUSY was published before its DONE, and none changes before my next op
-    # starts: every rank reads the same times here (clamped: shared memory)
-    comm.split.update(key, total, blocks,
-                      [min(max(int(h[BUSY]), 0), 10**12) * 1e-9 for h in comm._hdr])
+    comm._wait_all(shm.DONE, t)
+    if balanced:
+        # every BUSY was published before its DONE, and none changes before my next op
+        # starts: every rank reads the same times here (clamped: shared memory)
+        busy = shm.BUSY
+        comm.split.update(key, total, blocks,
+                          [min(max(int(h[busy]), 0), 10**12) * 1e-9 for h in comm._hdr])
 
 
 def _pull(comm: "ShmCommunicator", j: int, block: tuple[int, int], item: int, step: int,
@@ -223,8 +241,7 @@ def _pull(comm: "ShmCommunicator", j: int, block: tuple[int, int], item: int, st
     """Read member ``j``'s reduced block into my tensors, front to back, as far as ``j``
     reports it reduced (``PROGRESS``), so a rank that finished its own block early does
     not wait for a slower one's whole block."""
-    from .shm import PROGRESS
-
+    PROGRESS = shm.PROGRESS
     lo, hi = block
     size, done = hi - lo, 0
     hdr = comm._hdr[j]
@@ -239,13 +256,9 @@ def _pull(comm: "ShmCommunicator", j: int, block: tuple[int, int], item: int, st
 
 def _peer_read(comm: "ShmCommunicator", j: int, local: Sequence[tuple[int, int]],
                remote: Sequence[tuple[int, int]]) -> None:
-    from .shm import PID
-
     try:
-        read_into(int(comm._hdr[j][PID]), local, remote)
+        read_into(comm.pids[j], local, remote)
     except OSError as exc:
-        from .._errors import PeerLostError
-
         raise PeerLostError(f"single-copy read from rank {comm.members[j]} on this host "
                             f"failed ({exc}); it probably exited",
                             rank=comm.members[j]) from None
@@ -253,8 +266,6 @@ def _peer_read(comm: "ShmCommunicator", j: int, local: Sequence[tuple[int, int]]
 
 def _published(comm: "ShmCommunicator", j: int, nbytes: int) -> int:
     """The address member ``j`` published for a buffer of ``nbytes`` (checked)."""
-    from .._errors import ProtocolError
-
     addr, n = int(comm._table[j][0]), int(comm._table[j][1])
     if n != nbytes:
         raise ProtocolError(f"rank {comm.members[j]} published a {n}-byte buffer where "
@@ -264,8 +275,7 @@ def _published(comm: "ShmCommunicator", j: int, nbytes: int) -> int:
 
 def broadcast(comm: "ShmCommunicator", buf: np.ndarray, root: int) -> None:
     """Every member reads the root's buffer straight into its own: one copy."""
-    from .shm import DONE, WRITTEN
-
+    DONE, WRITTEN = shm.DONE, shm.WRITTEN
     t = comm._begin()
     if comm.rank == root:
         comm.hugepages.prepare([(buf.ctypes.data, buf.nbytes)])
@@ -283,8 +293,7 @@ def broadcast(comm: "ShmCommunicator", buf: np.ndarray, root: int) -> None:
 def allgatherv(comm: "ShmCommunicator", send: np.ndarray, recv: np.ndarray,
                counts: list[int]) -> None:
     """Every member reads every other member's input straight into its output."""
-    from .shm import DONE, WRITTEN
-
+    DONE, WRITTEN = shm.DONE, shm.WRITTEN
     item = send.dtype.itemsize
     starts = [0]
     for c in counts:

@@ -111,6 +111,11 @@ class ShmCommunicator(Communicator, OwnedSegment):
         #: with ``_cma``; owners then write their reduced blocks into every peer
         self.push_agreed = False
         self._cma_scratch = np.empty(0, dtype=np.uint8)
+        self._cma_scratch_at = 0
+        #: member -> (its last published single-copy table, its Layout); see cma._layout
+        self._layouts: dict = {}
+        #: every member's process id (single-copy reads and writes address them)
+        self.pids: list[int] = []
         #: single-copy allreduce blocks, sized by each owner's measured speed
         self.split = BlockSplit(self.size)
         #: moves memory that peers read onto huge pages (see hugepages.py)
@@ -295,6 +300,7 @@ class ShmCommunicator(Communicator, OwnedSegment):
         from . import cma
 
         read = write = cma.supported()
+        self.pids = [int(h[PID]) for h in self._hdr]
         for j in range(self.size):
             if j == self.rank or not read:
                 continue
