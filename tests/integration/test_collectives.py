@@ -150,6 +150,14 @@ def test_a_slow_owners_block_shrinks_on_every_rank_alike_values_exact():
 
 
 @pytest.mark.timeout(60)
+def test_large_alltoall_reducescatter_allgather_broadcast_read_peers_in_place():
+    got = run_ranks(3, workers.single_copy_collectives_taken, timeout_s=50,
+                    env={"RONDE_TRANSPORT": "shm"})
+    want = {"alltoallv": 1, "reducescatter": 1, "allgatherv": 1, "broadcast": 1}
+    assert got == [want] * 3, got
+
+
+@pytest.mark.timeout(60)
 def test_single_copy_path_is_agreed_by_every_rank():
     assert run_ranks(3, workers.cma_denied_on_one_rank, timeout_s=50,
                      env={"RONDE_TRANSPORT": "shm"}) == [False, False, False]

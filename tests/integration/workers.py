@@ -100,6 +100,24 @@ def collectives() -> str:
     np.testing.assert_allclose(rsum, ref * n * (n + 1) / 2)
     ravg = hvd.reducescatter(np.ones((n, 3)) * r)
     np.testing.assert_allclose(ravg, np.full((1, 3), (n - 1) / 2))
+    # large (the single-copy paths on shm): ragged alltoall with an empty slot,
+    # reducescatter of odd rows with Sum and Average
+    bsplits = [0 if (r + j) % 3 == 0 else 20_011 * ((r + j) % 3) + j for j in range(n)]
+    bdata = np.concatenate([np.arange(c, dtype=np.int64) * n + 1000 * r + j
+                            for j, c in enumerate(bsplits)])
+    bout, brs = hvd.alltoall(bdata, splits=bsplits)
+    bexp = [0 if (q + r) % 3 == 0 else 20_011 * ((q + r) % 3) + r for q in range(n)]
+    assert list(brs) == bexp
+    np.testing.assert_array_equal(bout, np.concatenate(
+        [np.arange(c, dtype=np.int64) * n + 1000 * q + r for q, c in enumerate(bexp)]))
+    rows = 70_001
+    x = (np.arange(rows * 3, dtype=np.float32).reshape(rows, 3) % 1001) * (r + 1)
+    base, extra = divmod(rows, n)
+    start, mine = r * base + min(r, extra), base + (1 if r < extra else 0)
+    ref = (np.arange(rows * 3, dtype=np.float32).reshape(rows, 3) % 1001)[start:start + mine]
+    np.testing.assert_array_equal(hvd.reducescatter(x, op=hvd.Sum), ref * (n * (n + 1) // 2))
+    np.testing.assert_allclose(hvd.reducescatter(x.astype(np.float64), op=hvd.Average),
+                               ref * (n + 1) / 2)
     # objects, async forms, barrier
     assert hvd.broadcast_object({"from": r}, root_rank=0) == {"from": 0}
     assert hvd.allgather_object(("r", r)) == [("r", i) for i in range(n)]
@@ -543,6 +561,34 @@ def slow_owner_block_shrinks() -> list:
     blocks = comm.split.blocks(key, 3 << 20, 4)
     hvd.shutdown()
     return [hi - lo for lo, hi in blocks]
+
+
+def single_copy_collectives_taken() -> dict:
+    """Which large collectives took the single-copy path (counted), values checked."""
+    import ronde as hvd
+    from ronde.transport import single_copy
+
+    counts: dict = {}
+    for name in ("alltoallv", "reducescatter", "allgatherv", "broadcast"):
+        real = getattr(single_copy, name)
+
+        def counted(*a, _real=real, _name=name, **k):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _real(*a, **k)
+
+        setattr(single_copy, name, counted)
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    x = np.arange(n * 40_000, dtype=np.float32) + r
+    got = hvd.alltoall(x)
+    np.testing.assert_array_equal(got, np.concatenate(
+        [np.arange(r * 40_000, (r + 1) * 40_000, dtype=np.float32) + q for q in range(n)]))
+    np.testing.assert_array_equal(hvd.reducescatter(x, op=hvd.Sum),
+                                  np.arange(r * 40_000, (r + 1) * 40_000) * n + n * (n - 1) / 2)
+    hvd.allgather(x)
+    hvd.broadcast(x, root_rank=0)
+    hvd.shutdown()
+    return counts
 
 
 def cma_write_denied_on_one_rank() -> tuple:

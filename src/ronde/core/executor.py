@@ -405,9 +405,16 @@ class Executor:
             src = scaled
         elif comm.name != "shm":
             src = src.copy()  # p2p reducescatter works in place
-        block = comm.reducescatter(src, [r * row for r in rows], op)
         out = req.allocate((rows[comm.rank],) + meta.shape[1:], dtype)  # type: ignore[union-attr]
-        fusion.scaled_copy(out.reshape(-1), block, post)
+        flat = out.reshape(-1)
+        if comm.name == "shm":  # may reduce straight into the output
+            block = comm.reducescatter(src, [r * row for r in rows], op, out=flat)
+        else:
+            block = comm.reducescatter(src, [r * row for r in rows], op)
+        if block is flat:
+            fusion.scale_inplace(flat, post)
+        else:
+            fusion.scaled_copy(flat, block, post)
         req.complete(out)  # type: ignore[union-attr]
 
     def _barrier(self, resp: Response, reqs: list[Request | None], comm: Any,

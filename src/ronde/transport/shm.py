@@ -349,7 +349,13 @@ class ShmCommunicator(Communicator, OwnedSegment):
         """True once every member agreed that single-copy reads work (never guessed)."""
         return self._cma is True
 
-    def reducescatter(self, buf: np.ndarray, counts: list[int], op: ReduceOp) -> np.ndarray:
+    def reducescatter(self, buf: np.ndarray, counts: list[int], op: ReduceOp,
+                      out: np.ndarray | None = None) -> np.ndarray:
+        """The reduced block of this rank (into ``out`` where that path allows)."""
+        if self._single_copy(buf.nbytes):
+            from . import single_copy
+
+            return single_copy.reducescatter(self, buf, counts, op, out)
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
         my_lo, my_hi = int(starts[self.rank]), int(starts[self.rank + 1])
         out = np.empty(my_hi - my_lo, dtype=buf.dtype)
@@ -379,9 +385,9 @@ class ShmCommunicator(Communicator, OwnedSegment):
 
     def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None:
         if self._single_copy(sum(counts) * send.dtype.itemsize):
-            from . import cma
+            from . import single_copy
 
-            cma.allgatherv(self, send, recv, counts)
+            single_copy.allgatherv(self, send, recv, counts)
             return
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
         step = self._piece_elems(send.dtype)
@@ -404,9 +410,9 @@ class ShmCommunicator(Communicator, OwnedSegment):
 
     def broadcast(self, buf: np.ndarray, root: int) -> None:
         if self._single_copy(buf.nbytes):
-            from . import cma
+            from . import single_copy
 
-            cma.broadcast(self, buf, root)
+            single_copy.broadcast(self, buf, root)
             return
         step = self._piece_elems(buf.dtype)
         for s in range(0, max(buf.size, 1), step):
@@ -425,6 +431,11 @@ class ShmCommunicator(Communicator, OwnedSegment):
                   recv_counts: list[int], max_count: int | None = None) -> None:
         if max_count is None:
             raise ValueError("shm alltoallv needs the largest block size of any rank")
+        if self._single_copy(max_count * self.size * send.dtype.itemsize):
+            from . import single_copy
+
+            single_copy.alltoallv(self, send, send_counts, recv, recv_counts)
+            return
         sstarts = np.concatenate([[0], np.cumsum(send_counts)]).astype(int)
         rstarts = np.concatenate([[0], np.cumsum(recv_counts)]).astype(int)
         per_dest = max(1, self._piece_elems(send.dtype) // self.size)

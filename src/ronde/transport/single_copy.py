@@ -1,0 +1,169 @@
+"""Single-copy broadcast, allgather, alltoall and reducescatter between processes of
+one host (cross-memory attach; the allreduce is in ``cma.py``).
+
+Each rank publishes the addresses of what its peers need (its input, or for an
+alltoall the slot of each destination) in its segment's table, then every rank copies
+what it needs straight out of the peers' memory into its output (``process_vm_readv``),
+and waits until every peer is ``DONE`` before it returns: peers read its input until
+then. One copy of each byte that crosses between processes, against two through the
+shared segment (copy in, copy out), and no piece-by-piece synchronisation.
+
+Used when every rank agreed that single-copy reads work (``ShmCommunicator._agreed``)
+and the collective is large enough (``CMA_MIN_BYTES``), decided from sizes every rank
+knows alike. Everything read from the shared table is checked before use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from .._errors import PeerLostError, ProtocolError
+from ..collectives import ops as _ops
+from . import shm
+from .vm import address, read_into
+
+if TYPE_CHECKING:
+    from .._ops import ReduceOp
+    from .shm import ShmCommunicator
+
+
+def _peer_read(comm: "ShmCommunicator", j: int, local: Sequence[tuple[int, int]],
+               remote: Sequence[tuple[int, int]]) -> None:
+    try:
+        read_into(comm.pids[j], local, remote)
+    except OSError as exc:
+        raise PeerLostError(f"single-copy read from rank {comm.members[j]} on this host "
+                            f"failed ({exc}); it probably exited",
+                            rank=comm.members[j]) from None
+
+
+def _published(comm: "ShmCommunicator", j: int, nbytes: int, entry: int = 0) -> int:
+    """The address member ``j`` published in table ``entry`` for ``nbytes`` (checked)."""
+    tab = comm._table[j]
+    addr, n = int(tab[2 * entry]), int(tab[2 * entry + 1])
+    if n != nbytes:
+        raise ProtocolError(f"rank {comm.members[j]} published a {n}-byte buffer where "
+                            f"{nbytes} bytes were agreed")
+    return addr
+
+
+def _publish_input(comm: "ShmCommunicator", buf: np.ndarray) -> int:
+    at = address(buf)
+    comm.hugepages.prepare([(at, buf.nbytes)])
+    tab = comm._table[comm.rank]
+    tab[0], tab[1] = at, buf.nbytes
+    return at
+
+
+def broadcast(comm: "ShmCommunicator", buf: np.ndarray, root: int) -> None:
+    """Every member reads the root's buffer straight into its own: one copy."""
+    t = comm._begin()
+    if comm.rank == root:
+        _publish_input(comm, buf)
+    comm._publish(shm.WRITTEN, t)
+    if comm.rank != root and buf.nbytes:
+        comm._wait_all_one(root, shm.WRITTEN, t)
+        addr = _published(comm, root, buf.nbytes)
+        _peer_read(comm, root, [(address(buf), buf.nbytes)], [(addr, buf.nbytes)])
+    comm._publish(shm.DONE, t)
+    if comm.rank == root:
+        comm._wait_all(shm.DONE, t)  # the caller may change its buffer once every peer read it
+
+
+def allgatherv(comm: "ShmCommunicator", send: np.ndarray, recv: np.ndarray,
+               counts: list[int]) -> None:
+    """Every member reads every other member's input straight into its output."""
+    item = send.dtype.itemsize
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    t = comm._begin()
+    _publish_input(comm, send)
+    comm._publish(shm.WRITTEN, t)
+    me = comm.rank
+    recv[starts[me]: starts[me + 1]] = send
+    base = address(recv)
+    for j in range(comm.size):
+        if j == me or not counts[j]:
+            continue
+        comm._wait_all_one(j, shm.WRITTEN, t)
+        n = counts[j] * item
+        _peer_read(comm, j, [(base + starts[j] * item, n)], [(_published(comm, j, n), n)])
+    comm._publish(shm.DONE, t)
+    comm._wait_all(shm.DONE, t)  # peers read my input until they are DONE
+
+
+def alltoallv(comm: "ShmCommunicator", send: np.ndarray, send_counts: list[int],
+              recv: np.ndarray, recv_counts: list[int]) -> None:
+    """Every member publishes where each destination's slot of its input lies, and
+    reads its own slot from every peer's input straight into its output."""
+    item = send.dtype.itemsize
+    size, me = comm.size, comm.rank
+    if size > shm.TABLE_ENTRIES:
+        raise ProtocolError(f"a single-copy alltoall of {size} ranks does not fit the table")
+    sbase, rbase = address(send), address(recv)
+    t = comm._begin()
+    tab = comm._table[me]
+    off = 0
+    for i, c in enumerate(send_counts):
+        tab[2 * i], tab[2 * i + 1] = sbase + off * item, c * item
+        off += c
+    comm.hugepages.prepare([(sbase, send.nbytes)])
+    comm._publish(shm.WRITTEN, t)
+    sstart = sum(send_counts[:me])
+    rstart = sum(recv_counts[:me])
+    recv[rstart: rstart + recv_counts[me]] = send[sstart: sstart + send_counts[me]]
+    rstarts = [0]
+    for c in recv_counts:
+        rstarts.append(rstarts[-1] + c)
+    for k in range(1, size):
+        j = (me + k) % size  # peers in a different order on each rank: no hot spot
+        n = recv_counts[j] * item
+        if not n:
+            continue
+        comm._wait_all_one(j, shm.WRITTEN, t)
+        _peer_read(comm, j, [(rbase + rstarts[j] * item, n)],
+                   [(_published(comm, j, n, entry=me), n)])
+    comm._publish(shm.DONE, t)
+    comm._wait_all(shm.DONE, t)  # peers read my input until they are DONE
+
+
+def reducescatter(comm: "ShmCommunicator", src: np.ndarray, counts: list[int],
+                  op: "ReduceOp", out: np.ndarray | None = None) -> np.ndarray:
+    """Every member reduces its block: its own part with each peer's, read straight from
+    the peer's input in cache-sized chunks. Returns the block (``out`` if given)."""
+    item = src.dtype.itemsize
+    me = comm.rank
+    lo = sum(counts[:me])
+    hi = lo + counts[me]
+    if out is None:
+        out = np.empty(hi - lo, dtype=src.dtype)
+    t = comm._begin()
+    _publish_input(comm, src)
+    comm._publish(shm.WRITTEN, t)
+    chunk = max(1, shm.CMA_CHUNK_BYTES // item)
+    if comm._cma_scratch.nbytes < chunk * item:
+        comm._cma_scratch = np.empty(chunk * item, dtype=np.uint8)
+        comm._cma_scratch_at = address(comm._cma_scratch)
+    scratch = comm._cma_scratch[: chunk * item].view(src.dtype)
+    reduce_pair = _ops.reduce_pair
+    bases = {}
+    for a in range(lo, hi, chunk):
+        b = min(a + chunk, hi)
+        tmp, acc = scratch[: b - a], out[a - lo: b - lo]
+        for k in range(1, comm.size):
+            j = (me + k) % comm.size
+            if j not in bases:
+                comm._wait_all_one(j, shm.WRITTEN, t)
+                bases[j] = _published(comm, j, src.nbytes)
+            _peer_read(comm, j, [(comm._cma_scratch_at, (b - a) * item)],
+                       [(bases[j] + a * item, (b - a) * item)])
+            # the first peer's part meets mine: no separate copy of my part into out
+            reduce_pair(src[a:b] if k == 1 else acc, tmp, acc, op)
+    if comm.size == 1:
+        np.copyto(out, src[lo:hi])
+    comm._publish(shm.DONE, t)
+    comm._wait_all(shm.DONE, t)  # peers read my input until they are DONE
+    return out
