@@ -464,27 +464,32 @@ def _refuse_writes() -> None:
     cma.write_into = refused
 
 
+def _slow_reductions(seconds: float) -> None:
+    """Make every reduction of this process sleep first (a slow owner)."""
+    from ronde.collectives import ops
+
+    fast = ops.reduce_into
+
+    def slow(dst, src, op):
+        time.sleep(seconds)
+        fast(dst, src, op)
+
+    ops.reduce_into = slow
+
+
 def slow_owner_progressive() -> int:
     """Single-copy allreduce where writes are refused (the pull gather) and rank 1 is
     slow to reduce its block: rank 0 gathers rank 1's block chunk by chunk as it is
     reported reduced, and never reads a chunk early. Returns how many reads rank 0
     made in the allgather phase."""
-    import time
 
     import ronde as hvd
-    from ronde.collectives import ops
 
     _refuse_writes()
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     if r == 1:
-        fast = ops.reduce_into
-
-        def slow(dst, src, op):
-            time.sleep(0.02)
-            fast(dst, src, op)
-
-        ops.reduce_into = slow
+        _slow_reductions(0.02)
     gathers = [0]
     if r == 0:
         _before_gather_reads(lambda: gathers.__setitem__(0, gathers[0] + 1))
@@ -536,21 +541,13 @@ def slow_owner_block_shrinks() -> list:
     """Single-copy allreduces where rank 1 reduces slowly: the blocks move so that its
     own shrinks, the same on every rank; every value stays exact meanwhile.
     Returns the block sizes (in elements) of the last op."""
-    import time
 
     import ronde as hvd
-    from ronde.collectives import ops
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     if r == 1:
-        fast = ops.reduce_into
-
-        def slow(dst, src, op):
-            time.sleep(0.004)
-            fast(dst, src, op)
-
-        ops.reduce_into = slow
+        _slow_reductions(0.004)
     comm = hvd._api._rt.engine.communicator(0)
     for step in range(6):
         x = np.arange(3 << 20, dtype=np.float32) % 1000 + r + step  # 12 MiB
