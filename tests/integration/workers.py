@@ -566,6 +566,13 @@ def single_copy_collectives_taken() -> dict:
     from ronde.transport import single_copy
 
     counts: dict = {}
+    real_write = single_copy.write_into
+
+    def write(pid, local, remote):
+        counts["writes"] = counts.get("writes", 0) + 1
+        real_write(pid, local, remote)
+
+    single_copy.write_into = write
     for name in ("alltoallv", "reducescatter", "allgatherv", "broadcast"):
         real = getattr(single_copy, name)
 
@@ -582,7 +589,9 @@ def single_copy_collectives_taken() -> dict:
         [np.arange(r * 40_000, (r + 1) * 40_000, dtype=np.float32) + q for q in range(n)]))
     np.testing.assert_array_equal(hvd.reducescatter(x, op=hvd.Sum),
                                   np.arange(r * 40_000, (r + 1) * 40_000) * n + n * (n - 1) / 2)
-    hvd.allgather(x)
+    np.testing.assert_array_equal(  # each rank writes its input into its peers' outputs
+        hvd.allgather(x), np.concatenate([np.arange(n * 40_000, dtype=np.float32) + q
+                                          for q in range(n)]))
     hvd.broadcast(x, root_rank=0)
     hvd.shutdown()
     return counts
@@ -600,6 +609,8 @@ def cma_write_denied_on_one_rank() -> tuple:
     for _ in range(3):
         np.testing.assert_allclose(hvd.allreduce(x, op=hvd.Sum, name="x"),
                                    hvd.size() * (hvd.size() + 1) / 2)
+    n = hvd.size()
+    np.testing.assert_array_equal(hvd.allgather(x), np.repeat(np.arange(1.0, n + 1), x.size))
     comm = hvd._api._rt.engine.communicator(0)
     out = (comm._cma, comm.push_agreed)
     hvd.shutdown()
