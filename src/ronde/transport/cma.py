@@ -39,16 +39,15 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .._ops import ReduceOp
-    from .shm import ShmCommunicator
-
-
 from .._errors import PeerLostError, ProtocolError
 from ..collectives import ops as _ops
 from ..core import fusion as _fusion
 from . import shm
 from .vm import address, read_into, supported, write_into  # noqa: F401 - re-exported
+
+if TYPE_CHECKING:
+    from .._ops import ReduceOp
+    from .shm import ShmCommunicator
 
 _chain = itertools.chain.from_iterable
 
