@@ -16,6 +16,22 @@ def _has(module: str) -> bool:
         return False
 
 
+def _single_copy_text() -> str:
+    """Whether ranks on this host can copy straight between each other's memory."""
+    from .transport import vm
+
+    if not vm.supported():
+        return "single-copy collectives: no, process_vm_readv is refused here (seccomp?)"
+    scope = vm.ptrace_scope()
+    if scope in (None, 0):
+        return "single-copy collectives: yes"
+    if scope == 1:
+        return ("single-copy collectives: yes (Yama ptrace_scope 1: each rank allows its "
+                "peers with prctl(PR_SET_PTRACER))")
+    return (f"single-copy collectives: no, Yama ptrace_scope is {scope} (needs "
+            "CAP_SYS_PTRACE); collectives copy through shared memory twice")
+
+
 def doctor() -> int:
     """Print which transports and frameworks are usable here, and why not the others."""
     import numpy as np
@@ -30,7 +46,7 @@ def doctor() -> int:
     lines.append("transports:")
     lines.append("  tcp     available")
     if x86 and os.access(shm, os.W_OK):
-        lines.append(f"  shm     available (segments in {shm})")
+        lines.append(f"  shm     available (segments in {shm}; {_single_copy_text()})")
     else:
         why = "needs x86-64 memory ordering" if not x86 else f"{shm} is not writable"
         lines.append(f"  shm     not available: {why}")

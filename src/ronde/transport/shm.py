@@ -106,6 +106,10 @@ class ShmCommunicator(Communicator, OwnedSegment):
         self._my_hdr = self._hdr[self.rank]
         # single-copy reads need to know who we are; the probe lets peers test them
         self._probe = np.array([_PROBE_VALUE], dtype=np.int64)
+        if cma:  # before ATTACHED: peers probe this process only after seeing it
+            from .vm import allow_peers
+
+            allow_peers()
         self._cma: bool | None = None if cma else False
         #: every member may also write into the others (process_vm_writev): agreed
         #: with ``_cma``; owners then write their reduced blocks into every peer

@@ -25,15 +25,12 @@ _fns: dict[str, "ctypes._NamedFuncPointer | None"] = {}
 
 def _syscall(name: str) -> "ctypes._NamedFuncPointer | None":
     """libc's ``process_vm_readv`` or ``process_vm_writev``, or None without it."""
-    global _libc
     if name in _fns:
         return _fns[name]
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        except OSError:
-            return None
-    fn = getattr(_libc, name, None)
+    libc = _libc_handle()
+    if libc is None:
+        return None
+    fn = getattr(libc, name, None)
     if fn is not None:
         fn.restype = ctypes.c_ssize_t
         # iovec arrays are passed as addresses of (base, length) uint64 pairs
@@ -60,6 +57,56 @@ def address(arr: np.ndarray) -> int:
 
 _BYTE = ctypes.c_byte
 _chain = itertools.chain.from_iterable
+
+
+#: Yama's ptrace policy (absent without the Yama security module)
+_PTRACE_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
+_PR_SET_PTRACER = 0x59616D61
+_PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
+
+
+def ptrace_scope() -> int | None:
+    """Yama's ptrace scope (0 classic, 1 descendants only, 2 admin only, 3 none), or None
+    where the kernel has no Yama."""
+    try:
+        with open(_PTRACE_SCOPE) as f:
+            return int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return None
+
+
+def allow_peers() -> bool:
+    """Let processes of this user read and write this one's memory although Yama
+    restricts it to descendants (``ptrace_scope`` 1, Ubuntu's default): ranks on one
+    host are siblings, so without this every single-copy read between them is refused
+    and collectives fall back to two copies through shared memory. Open MPI's
+    cross-memory-attach component does the same. It only lifts Yama's extra rule for
+    this process (``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)``): the kernel still
+    requires the same user (or CAP_SYS_PTRACE), as it does without Yama. Returns True
+    when single-copy access is not blocked by Yama (now or before)."""
+    scope = ptrace_scope()
+    if scope is None or scope == 0:
+        return True
+    if scope != 1:
+        return False  # 2: CAP_SYS_PTRACE only, 3: never; a process cannot lift them
+    libc = _libc_handle()
+    if libc is None:
+        return False
+    fn = libc.prctl
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
+                   ctypes.c_ulong]
+    return fn(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0) == 0
+
+
+def _libc_handle() -> "ctypes.CDLL | None":
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        except OSError:
+            return None
+    return _libc
 
 
 def supported() -> bool:
