@@ -187,11 +187,7 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
         return out
 
     chunk = max(1, shm.CMA_CHUNK_BYTES // item)
-    if comm._cma_scratch.nbytes < chunk * item:
-        comm._cma_scratch = np.empty(chunk * item, dtype=np.uint8)
-        comm._cma_scratch_at = address(comm._cma_scratch)
-    scratch = comm._cma_scratch[: chunk * item].view(dtype)
-    scratch_at = comm._cma_scratch_at
+    scratch, scratch_at = comm.cma_scratch(chunk, dtype)
     lo, hi = blocks[comm.rank]
     others = [(comm.rank + k) % comm.size for k in range(1, comm.size)]
     started = time.perf_counter_ns()

@@ -297,6 +297,16 @@ class ShmCommunicator(Communicator, OwnedSegment):
         return (self._cma is not False and nbytes >= CMA_MIN_BYTES
                 and 0 < n_tensors <= TABLE_ENTRIES and self.size > 1)
 
+    def cma_scratch(self, count: int, dtype: np.dtype) -> tuple[np.ndarray, int]:
+        """A reused buffer of ``count`` elements for single-copy reads, and its address."""
+        nbytes = count * np.dtype(dtype).itemsize
+        if self._cma_scratch.nbytes < nbytes:
+            from .vm import address
+
+            self._cma_scratch = np.empty(nbytes, dtype=np.uint8)
+            self._cma_scratch_at = address(self._cma_scratch)
+        return self._cma_scratch[:nbytes].view(dtype), self._cma_scratch_at
+
     def _agree_on_cma(self) -> bool:
         """Probe every peer's memory (read its probe value, then write the same bytes
         back), publish the outcome, and agree: single-copy reads where every member

@@ -157,10 +157,7 @@ def reducescatter(comm: "ShmCommunicator", src: np.ndarray, counts: list[int],
     _publish_input(comm, src)
     comm._publish(shm.WRITTEN, t)
     chunk = max(1, shm.CMA_CHUNK_BYTES // item)
-    if comm._cma_scratch.nbytes < chunk * item:
-        comm._cma_scratch = np.empty(chunk * item, dtype=np.uint8)
-        comm._cma_scratch_at = address(comm._cma_scratch)
-    scratch = comm._cma_scratch[: chunk * item].view(src.dtype)
+    scratch, scratch_at = comm.cma_scratch(chunk, src.dtype)
     reduce_pair = _ops.reduce_pair
     bases = {}
     for a in range(lo, hi, chunk):
@@ -171,12 +168,10 @@ def reducescatter(comm: "ShmCommunicator", src: np.ndarray, counts: list[int],
             if j not in bases:
                 comm._wait_all_one(j, shm.WRITTEN, t)
                 bases[j] = _published(comm, j, src.nbytes)
-            _peer_copy(comm, j, [(comm._cma_scratch_at, (b - a) * item)],
+            _peer_copy(comm, j, [(scratch_at, (b - a) * item)],
                        [(bases[j] + a * item, (b - a) * item)])
             # the first peer's part meets mine: no separate copy of my part into out
             reduce_pair(src[a:b] if k == 1 else acc, tmp, acc, op)
-    if comm.size == 1:
-        np.copyto(out, src[lo:hi])
     comm._publish(shm.DONE, t)
     comm._wait_all(shm.DONE, t)  # peers read my input until they are DONE
     return out
