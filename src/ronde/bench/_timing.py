@@ -208,6 +208,10 @@ def measure_latency(comm: Comm, settings: Settings) -> dict[str, Any]:
             "min_s": min(slowest)}
 
 
+#: untimed passes of every fusion variant before the two that estimate its time
+FUSION_WARMUP = 4
+
+
 def measure_fusion(comm: Comm, settings: Settings) -> list[dict[str, Any]]:
     """ResNet-50's 161 gradient tensors as separate allreduces vs one buffer of their size.
 
@@ -239,8 +243,13 @@ def measure_fusion(comm: Comm, settings: Settings) -> list[dict[str, Any]]:
         ("single", lambda: comm.allreduce_sum(single)),
         ("tensors", lambda: comm.allreduce_many(tensors)),
         ("views", lambda: comm.allreduce_many(views))]
-    # warm up both, agree on one iteration count, then alternate the two variants
-    # iteration by iteration so that a burst of machine noise hits both alike
+    # warm up to the steady state of a training run (ronde moves memory its peers read
+    # onto huge pages the second time it sees it and sizes its blocks over the first
+    # few ops; every contender gets the same passes), estimate the time of a pass from
+    # two more, agree on one iteration count, then alternate the variants iteration by
+    # iteration so that a burst of machine noise hits them alike
+    for _, once in variants * FUSION_WARMUP:
+        once()
     t0 = time.perf_counter()
     for _, once in variants * 2:
         once()
@@ -259,7 +268,8 @@ def measure_fusion(comm: Comm, settings: Settings) -> list[dict[str, Any]]:
     for v, (variant, _) in enumerate(variants):
         row = slowest[v].tolist()
         out.append({"bytes": total * 4, "variant": variant, "tensors": 1 if v == 0 else
-                    len(shapes), "iters": iters, "warmup": 2, "median_s": median(row),
+                    len(shapes), "iters": iters, "warmup": FUSION_WARMUP + 2,
+                    "median_s": median(row),
                     "p90_s": percentile(row, 90.0), "min_s": min(row)})
     return out
 
