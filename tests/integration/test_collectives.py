@@ -159,6 +159,13 @@ def test_large_alltoall_reducescatter_allgather_broadcast_copy_between_peers_in_
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("np_", [3, 4])
+def test_single_copy_allreduce_sums_in_rank_order_bit_for_bit(np_):
+    env = {"RONDE_TRANSPORT": "shm", "RONDE_FUSION_THRESHOLD": "64MiB"}
+    assert run_ranks(np_, workers.rank_order_sums, timeout_s=50, env=env) == ["ok"] * np_
+
+
+@pytest.mark.timeout(60)
 def test_single_copy_path_is_agreed_by_every_rank():
     assert run_ranks(3, workers.cma_denied_on_one_rank, timeout_s=50,
                      env={"RONDE_TRANSPORT": "shm"}) == [False, False, False]

@@ -35,7 +35,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
@@ -187,22 +187,37 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
         return out
 
     chunk = max(1, shm.CMA_CHUNK_BYTES // item)
-    scratch, scratch_at = comm.cma_scratch(chunk, dtype)
-    lo, hi = blocks[comm.rank]
-    others = [(comm.rank + k) % comm.size for k in range(1, comm.size)]
+    me = comm.rank
+    # the lower ranks' sum and the part being read: two chunks of scratch where a rank
+    # needs both (a rank above 1, or rank 1 of three or more), else one
+    both = me >= 2 or 0 < me < comm.size - 1
+    scratch, scratch_at = comm.cma_scratch((2 if both else 1) * chunk, dtype)
+    lower, lower_at = scratch[:chunk], scratch_at
+    part, part_at = (scratch[chunk:], scratch_at + chunk * item) if both else (lower, lower_at)
+    lo, hi = blocks[me]
+    others = [(me + k) % comm.size for k in range(1, comm.size)]
     started = time.perf_counter_ns()
     try:
         for a in range(lo, hi, chunk):
             b = min(a + chunk, hi)
             views = my_views(a, b)
-            tmp = scratch[: b - a]
-            for j in others:
-                read_into(pids[j], [(scratch_at, (b - a) * item)],
+            n_el = (b - a) * item
+            # every element is reduced in rank order, ((x0 + x1) + x2) + ..., whoever
+            # owns it: the result does not depend on where the blocks fall (they move,
+            # see balance.py) nor on how the tensors were fused. The ranks below me are
+            # summed in scratch first, then added into my tensors (a + b == b + a,
+            # exactly), then the ranks above me, one by one; as many reads and
+            # reductions as any other order.
+            for j in range(me):
+                read_into(pids[j], [(lower_at if j == 0 else part_at, n_el)],
                           layouts[j].ranges(a * item, b * item))
-                off = 0
-                for v in views:
-                    reduce_into(v, tmp[off: off + v.size], op)
-                    off += v.size
+                if j:
+                    reduce_into(lower[: b - a], part[: b - a], op)
+            if me:
+                _reduce_views(views, lower, reduce_into, op)
+            for j in range(me + 1, comm.size):
+                read_into(pids[j], [(part_at, n_el)], layouts[j].ranges(a * item, b * item))
+                _reduce_views(views, part, reduce_into, op)
             for v in views:
                 scale_inplace(v, postscale)
             if push:
@@ -229,6 +244,16 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
         busy = shm.BUSY
         comm.split.update(key, total, blocks,
                           [min(max(int(h[busy]), 0), 10**12) * 1e-9 for h in comm._hdr])
+
+
+def _reduce_views(views: list[np.ndarray], src: np.ndarray,
+                  reduce_into: Callable[[np.ndarray, np.ndarray, "ReduceOp"], None],
+                  op: "ReduceOp") -> None:
+    """``views[i] (op)= `` the matching consecutive slice of ``src``."""
+    off = 0
+    for v in views:
+        reduce_into(v, src[off: off + v.size], op)
+        off += v.size
 
 
 def _pull(comm: "ShmCommunicator", j: int, block: tuple[int, int], item: int, step: int,
