@@ -601,7 +601,7 @@ def rank_order_sums() -> str:
     """A single-copy allreduce sums every element in rank order, ((x0 + x1) + x2) + ...,
     whichever rank owns it, so the result does not depend on the blocks or the fusion:
     checked bit for bit against numpy, for one tensor and for the same values split
-    into several tensors fused in one op."""
+    into several tensors fused in one op; and the reducescatter alike."""
     import ronde as hvd
 
     hvd.init()
@@ -625,6 +625,10 @@ def rank_order_sums() -> str:
     for h in hs:
         h.wait()
     np.testing.assert_array_equal(np.concatenate(parts), want)
+    base, extra = divmod(count, n)  # the reducescatter sums in rank order too
+    start, mine = r * base + min(r, extra), base + (1 if r < extra else 0)
+    np.testing.assert_array_equal(hvd.reducescatter(values(r), op=hvd.Sum),
+                                  want[start:start + mine])
     hvd.shutdown()
     return "ok"
 

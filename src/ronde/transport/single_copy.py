@@ -145,8 +145,10 @@ def alltoallv(comm: "ShmCommunicator", send: np.ndarray, send_counts: list[int],
 
 def reducescatter(comm: "ShmCommunicator", src: np.ndarray, counts: list[int],
                   op: "ReduceOp", out: np.ndarray | None = None) -> np.ndarray:
-    """Every member reduces its block: its own part with each peer's, read straight from
-    the peer's input in cache-sized chunks. Returns the block (``out`` if given)."""
+    """Every member reduces its block from its own part and each peer's, read straight
+    from the peer's input in cache-sized chunks, in rank order (((x0 + x1) + x2) + ...,
+    as the allreduce does: the bits do not depend on who reduces). Returns the block
+    (``out`` if given)."""
     item = src.dtype.itemsize
     me = comm.rank
     lo = sum(counts[:me])
@@ -158,20 +160,31 @@ def reducescatter(comm: "ShmCommunicator", src: np.ndarray, counts: list[int],
     comm._publish(shm.WRITTEN, t)
     chunk = max(1, shm.CMA_CHUNK_BYTES // item)
     scratch, scratch_at = comm.cma_scratch(chunk, src.dtype)
-    reduce_pair = _ops.reduce_pair
-    bases = {}
+    reduce_into, reduce_pair = _ops.reduce_into, _ops.reduce_pair
+    bases: dict[int, int] = {}
+
+    def base(j: int) -> int:
+        if j not in bases:
+            comm._wait_all_one(j, shm.WRITTEN, t)
+            bases[j] = _published(comm, j, src.nbytes)
+        return bases[j]
+
     for a in range(lo, hi, chunk):
         b = min(a + chunk, hi)
-        tmp, acc = scratch[: b - a], out[a - lo: b - lo]
-        for k in range(1, comm.size):
-            j = (me + k) % comm.size
-            if j not in bases:
-                comm._wait_all_one(j, shm.WRITTEN, t)
-                bases[j] = _published(comm, j, src.nbytes)
-            _peer_copy(comm, j, [(scratch_at, (b - a) * item)],
-                       [(bases[j] + a * item, (b - a) * item)])
-            # the first peer's part meets mine: no separate copy of my part into out
-            reduce_pair(src[a:b] if k == 1 else acc, tmp, acc, op)
+        acc, n = out[a - lo: b - lo], (b - a) * item
+        for j in range(comm.size):
+            if j == me:
+                if j:
+                    reduce_into(acc, src[a:b], op)  # mine joins the sum of those below
+                continue
+            if j == 0:  # rank 0's part straight into the output: no copy
+                _peer_copy(comm, j, [(address(acc), n)], [(base(j) + a * item, n)])
+                continue
+            _peer_copy(comm, j, [(scratch_at, n)], [(base(j) + a * item, n)])
+            if j == 1 and me == 0:
+                reduce_pair(src[a:b], scratch[: b - a], acc, op)
+            else:
+                reduce_into(acc, scratch[: b - a], op)
     comm._publish(shm.DONE, t)
     comm._wait_all(shm.DONE, t)  # peers read my input until they are DONE
     return out
