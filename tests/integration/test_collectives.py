@@ -160,8 +160,9 @@ def test_large_alltoall_reducescatter_allgather_broadcast_copy_between_peers_in_
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("np_", [3, 4])
-def test_single_copy_allreduce_sums_in_rank_order_bit_for_bit(np_):
-    env = {"RONDE_TRANSPORT": "shm", "RONDE_FUSION_THRESHOLD": "64MiB"}
+@pytest.mark.parametrize("cma", ["1", "0"], ids=["single-copy", "segments"])
+def test_shm_allreduce_sums_in_rank_order_bit_for_bit(np_, cma):
+    env = {"RONDE_TRANSPORT": "shm", "RONDE_FUSION_THRESHOLD": "64MiB", "RONDE_CMA": cma}
     assert run_ranks(np_, workers.rank_order_sums, timeout_s=50, env=env) == ["ok"] * np_
 
 

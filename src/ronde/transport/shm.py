@@ -31,8 +31,9 @@ from typing import Callable
 
 import numpy as np
 
-from ..collectives.ops import ReduceOp, reduce_into
-from .balance import BlockSplit, even
+from ..collectives.ops import ReduceOp, reduce_into, reduce_pair
+from .balance import BlockSplit
+from .balance import even as blocks  # the segment path's; the single-copy one balances
 from .base import Communicator
 from .hugepages import HugePages
 from .segments import OwnedSegment, close_maps, create_segment, open_segment, shm_dir
@@ -57,9 +58,6 @@ PROGRESS = 8
 BUSY = 9
 #: what every member's probe word holds (peers read it, and write it back, to test)
 _PROBE_VALUE = 0x726F6E6465
-
-
-blocks = even  # equal blocks (the segment path; the single-copy one balances them)
 
 
 class ShmCommunicator(Communicator, OwnedSegment):
@@ -232,10 +230,18 @@ class ShmCommunicator(Communicator, OwnedSegment):
         self._publish(WRITTEN, t)
         lo, hi = blocks(m, self.size)[self.rank]
         self._wait_all(WRITTEN, t)
-        acc = mine[lo:hi]
-        for j in range(self.size):
-            if j != self.rank:
-                reduce_into(acc, views[j][lo:hi], op)
+        acc, me = mine[lo:hi], self.rank
+        # rank order, ((x0 + x1) + x2) + ...: those below me summed first (see cma.py)
+        if me == 1:
+            reduce_into(acc, views[0][lo:hi], op)
+        elif me >= 2:
+            low = self.cma_scratch(hi - lo, dtype)[0]
+            reduce_pair(views[0][lo:hi], views[1][lo:hi], low, op)
+            for j in range(2, me):
+                reduce_into(low, views[j][lo:hi], op)
+            reduce_into(acc, low, op)
+        for j in range(me + 1, self.size):
+            reduce_into(acc, views[j][lo:hi], op)
         self._publish(REDUCED, t)
         return t
 
