@@ -24,12 +24,23 @@ def _single_copy_text() -> str:
         return "single-copy collectives: no, process_vm_readv is refused here (seccomp?)"
     scope = vm.ptrace_scope()
     if scope in (None, 0):
-        return "single-copy collectives: yes"
+        return f"single-copy collectives: yes; {_huge_pages_text()}"
     if scope == 1:
         return ("single-copy collectives: yes (Yama ptrace_scope 1: each rank allows its "
-                "peers with prctl(PR_SET_PTRACER))")
+                f"peers with prctl(PR_SET_PTRACER)); {_huge_pages_text()}")
     return (f"single-copy collectives: no, Yama ptrace_scope is {scope} (needs "
             "CAP_SYS_PTRACE); collectives copy through shared memory twice")
+
+
+def _huge_pages_text() -> str:
+    """Whether memory that peers read can be moved onto huge pages (RONDE_HUGEPAGES)."""
+    from .transport import hugepages
+
+    if hugepages.HugePages(True).active:
+        return "huge pages for it: yes (MADV_COLLAPSE)"
+    if not hugepages._thp_allowed():
+        return "huge pages for it: no, transparent huge pages are off ([never])"
+    return "huge pages for it: no, the kernel lacks MADV_COLLAPSE (Linux 6.1+): reads slower"
 
 
 def doctor() -> int:
