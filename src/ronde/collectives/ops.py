@@ -9,13 +9,14 @@ ops below.
 
 from __future__ import annotations
 
-import numpy as np
+from typing import Callable, Sequence
 
+import numpy as np
 
 from .._ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 
 __all__ = ['ReduceOp', 'Average', 'Sum', 'Adasum', 'Min', 'Max', 'Product', 'reduce_into',
-           'reduce_pair']
+           'reduce_pair', 'reduce_in_rank_order']
 
 _UFUNCS = {
     ReduceOp.SUM: np.add,
@@ -34,3 +35,58 @@ def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
 def reduce_pair(a: np.ndarray, b: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
     """``out = a (op) b``; ``out`` may alias ``a`` or ``b``."""
     _UFUNCS[op](a, b, out=out)
+
+
+def reduce_in_rank_order(me: int, n: int, fetch: Callable[[int, np.ndarray], np.ndarray],
+                         out: Sequence[np.ndarray], op: ReduceOp, low: np.ndarray,
+                         part: np.ndarray | None = None,
+                         mine: np.ndarray | None = None) -> None:
+    """Reduce one piece of ``n`` ranks' values into ``out`` in rank order,
+    ``((x0 (op) x1) (op) x2) ...``, whichever rank (``me``) does it: the bits then do not
+    depend on how a vector was split among ranks or fused. The ranks below ``me`` are
+    combined in scratch, ``me``'s values join them (``a (op) b == b (op) a`` exactly),
+    then the ranks above, one by one: as many reads and reductions as any other order.
+
+    ``out``: consecutive 1-D views, as long as the piece together; they hold ``me``'s
+    values, unless ``mine`` (one array of the piece's length) does. ``fetch(j, buf)``:
+    rank ``j``'s values, either copied into ``buf`` and ``buf`` returned, or an array
+    that already holds them. ``low`` and ``part``: scratch of the piece's length for the
+    ranks below ``me``; ``part`` (default ``low``) must differ from ``low`` where
+    ``fetch`` copies and ``me >= 2``.
+    """
+    part = low if part is None else part
+    acc: np.ndarray | None = None  # x0 (op) ... (op) x(me-1), not yet in out
+    if me:
+        acc = fetch(0, low)
+        for j in range(1, me):
+            x = fetch(j, part)
+            if acc is low:
+                reduce_into(low, x, op)
+            else:
+                reduce_pair(acc, x, low, op)
+                acc = low
+    first = me + 1
+    if mine is not None:
+        if acc is None and first < n:  # rank 0 with its own values apart
+            acc, first = fetch(first, low), first + 1
+        _each(out, mine if acc is None else acc, mine, op)
+    elif acc is not None:
+        _each(out, acc, None, op)
+    for j in range(first, n):
+        _each(out, fetch(j, low), None, op)  # low is free again: acc is in out
+
+
+def _each(out: Sequence[np.ndarray], a: np.ndarray, b: np.ndarray | None,
+          op: ReduceOp) -> None:
+    """``out[i] = out[i] (op) a[...]``, or with ``b``: ``out[i] = a[...] (op) b[...]``,
+    over the consecutive slices of ``a`` (and ``b``) that match the views of ``out``."""
+    off = 0
+    for v in out:
+        k = off + v.size
+        if b is None:
+            reduce_into(v, a[off:k], op)
+        elif a is b:
+            np.copyto(v, a[off:k])  # a single rank: its own values
+        else:
+            reduce_pair(a[off:k], b[off:k], v, op)
+        off = k

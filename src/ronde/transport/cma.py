@@ -35,12 +35,12 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from .._errors import PeerLostError, ProtocolError
-from ..collectives import ops as _ops
+from ..collectives.ops import reduce_in_rank_order
 from ..core import fusion as _fusion
 from . import shm
 from .vm import address, read_into, supported, write_into  # noqa: F401 - re-exported
@@ -133,6 +133,15 @@ def _publish_table(comm: "ShmCommunicator", ranges: list[tuple[int, int]]) -> No
     comm._publish(shm.NSEG, len(ranges))
 
 
+def order_scratch(comm: "ShmCommunicator", count: int, dtype: np.dtype
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Scratch for ``reduce_in_rank_order`` when reading chunks of up to ``count``
+    elements from peers: ``(low, part)``, the same memory unless this rank sums two or
+    more ranks below it."""
+    scratch = comm.cma_scratch((2 if comm.rank >= 2 else 1) * count, dtype)[0]
+    return scratch[:count], scratch[-count:]
+
+
 def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "ReduceOp",
                        postscale: float) -> None:
     """The single-copy allreduce (see the module docstring), driven by ``comm``'s counters.
@@ -140,7 +149,7 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
     ``bufs`` is the logical vector (same shapes and order on every rank); the result
     replaces it in place, post-scaled.
     """
-    reduce_into, scale_inplace = _ops.reduce_into, _fusion.scale_inplace  # (tests patch them)
+    scale_inplace = _fusion.scale_inplace
     dtype = bufs[0].dtype
     item = dtype.itemsize
     key = (len(bufs), dtype.str)  # completed below, from what every rank published
@@ -188,36 +197,23 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
 
     chunk = max(1, shm.CMA_CHUNK_BYTES // item)
     me = comm.rank
-    # the lower ranks' sum and the part being read: two chunks of scratch where a rank
-    # needs both (a rank above 1, or rank 1 of three or more), else one
-    both = me >= 2 or 0 < me < comm.size - 1
-    scratch, scratch_at = comm.cma_scratch((2 if both else 1) * chunk, dtype)
-    lower, lower_at = scratch[:chunk], scratch_at
-    part, part_at = (scratch[chunk:], scratch_at + chunk * item) if both else (lower, lower_at)
+    low, part = order_scratch(comm, chunk, dtype)
     lo, hi = blocks[me]
     others = [(me + k) % comm.size for k in range(1, comm.size)]
     started = time.perf_counter_ns()
+
+    def fetch(j: int, buf: np.ndarray) -> np.ndarray:
+        """Rank ``j``'s part of the current chunk, read into ``buf``."""
+        read_into(pids[j], [(address(buf), buf.nbytes)], layouts[j].ranges(a * item, b * item))
+        return buf
+
     try:
         for a in range(lo, hi, chunk):
             b = min(a + chunk, hi)
             views = my_views(a, b)
-            n_el = (b - a) * item
-            # every element is reduced in rank order, ((x0 + x1) + x2) + ..., whoever
-            # owns it: the result does not depend on where the blocks fall (they move,
-            # see balance.py) nor on how the tensors were fused. The ranks below me are
-            # summed in scratch first, then added into my tensors (a + b == b + a,
-            # exactly), then the ranks above me, one by one; as many reads and
-            # reductions as any other order.
-            for j in range(me):
-                read_into(pids[j], [(lower_at if j == 0 else part_at, n_el)],
-                          layouts[j].ranges(a * item, b * item))
-                if j:
-                    reduce_into(lower[: b - a], part[: b - a], op)
-            if me:
-                _reduce_views(views, lower, reduce_into, op)
-            for j in range(me + 1, comm.size):
-                read_into(pids[j], [(part_at, n_el)], layouts[j].ranges(a * item, b * item))
-                _reduce_views(views, part, reduce_into, op)
+            # rank order, whoever owns the chunk: the result does not depend on where
+            # the blocks fall (they move, see balance.py) nor on how tensors were fused
+            reduce_in_rank_order(me, comm.size, fetch, views, op, low[: b - a], part[: b - a])
             for v in views:
                 scale_inplace(v, postscale)
             if push:
@@ -244,16 +240,6 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
         busy = shm.BUSY
         comm.split.update(key, total, blocks,
                           [min(max(int(h[busy]), 0), 10**12) * 1e-9 for h in comm._hdr])
-
-
-def _reduce_views(views: list[np.ndarray], src: np.ndarray,
-                  reduce_into: Callable[[np.ndarray, np.ndarray, "ReduceOp"], None],
-                  op: "ReduceOp") -> None:
-    """``views[i] (op)= `` the matching consecutive slice of ``src``."""
-    off = 0
-    for v in views:
-        reduce_into(v, src[off: off + v.size], op)
-        off += v.size
 
 
 def _pull(comm: "ShmCommunicator", j: int, block: tuple[int, int], item: int, step: int,

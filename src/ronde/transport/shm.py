@@ -31,7 +31,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..collectives.ops import ReduceOp, reduce_into, reduce_pair
+from ..collectives.ops import ReduceOp, reduce_in_rank_order, reduce_into
 from .balance import BlockSplit
 from .balance import even as blocks  # the segment path's; the single-copy one balances
 from .base import Communicator
@@ -230,18 +230,9 @@ class ShmCommunicator(Communicator, OwnedSegment):
         self._publish(WRITTEN, t)
         lo, hi = blocks(m, self.size)[self.rank]
         self._wait_all(WRITTEN, t)
-        acc, me = mine[lo:hi], self.rank
-        # rank order, ((x0 + x1) + x2) + ...: those below me summed first (see cma.py)
-        if me == 1:
-            reduce_into(acc, views[0][lo:hi], op)
-        elif me >= 2:
-            low = self.cma_scratch(hi - lo, dtype)[0]
-            reduce_pair(views[0][lo:hi], views[1][lo:hi], low, op)
-            for j in range(2, me):
-                reduce_into(low, views[j][lo:hi], op)
-            reduce_into(acc, low, op)
-        for j in range(me + 1, self.size):
-            reduce_into(acc, views[j][lo:hi], op)
+        # in rank order, as the single-copy path: the same bits either way
+        reduce_in_rank_order(self.rank, self.size, lambda j, _buf: views[j][lo:hi],
+                             [mine[lo:hi]], op, self.cma_scratch(hi - lo, dtype)[0])
         self._publish(REDUCED, t)
         return t
 

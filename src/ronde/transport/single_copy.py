@@ -25,6 +25,7 @@ import numpy as np
 from .._errors import PeerLostError, ProtocolError
 from ..collectives import ops as _ops
 from . import shm
+from .cma import order_scratch
 from .vm import address, read_into, write_into
 
 if TYPE_CHECKING:
@@ -159,32 +160,21 @@ def reducescatter(comm: "ShmCommunicator", src: np.ndarray, counts: list[int],
     _publish_input(comm, src)
     comm._publish(shm.WRITTEN, t)
     chunk = max(1, shm.CMA_CHUNK_BYTES // item)
-    scratch, scratch_at = comm.cma_scratch(chunk, src.dtype)
-    reduce_into, reduce_pair = _ops.reduce_into, _ops.reduce_pair
+    low, part = order_scratch(comm, chunk, src.dtype)
     bases: dict[int, int] = {}
 
-    def base(j: int) -> int:
+    def fetch(j: int, buf: np.ndarray) -> np.ndarray:
+        """Rank ``j``'s part of the current chunk, read into ``buf``."""
         if j not in bases:
             comm._wait_all_one(j, shm.WRITTEN, t)
             bases[j] = _published(comm, j, src.nbytes)
-        return bases[j]
+        _peer_copy(comm, j, [(address(buf), buf.nbytes)], [(bases[j] + a * item, buf.nbytes)])
+        return buf
 
     for a in range(lo, hi, chunk):
         b = min(a + chunk, hi)
-        acc, n = out[a - lo: b - lo], (b - a) * item
-        for j in range(comm.size):
-            if j == me:
-                if j:
-                    reduce_into(acc, src[a:b], op)  # mine joins the sum of those below
-                continue
-            if j == 0:  # rank 0's part straight into the output: no copy
-                _peer_copy(comm, j, [(address(acc), n)], [(base(j) + a * item, n)])
-                continue
-            _peer_copy(comm, j, [(scratch_at, n)], [(base(j) + a * item, n)])
-            if j == 1 and me == 0:
-                reduce_pair(src[a:b], scratch[: b - a], acc, op)
-            else:
-                reduce_into(acc, scratch[: b - a], op)
+        _ops.reduce_in_rank_order(me, comm.size, fetch, [out[a - lo: b - lo]], op,
+                                  low[: b - a], part[: b - a], mine=src[a:b])
     comm._publish(shm.DONE, t)
     comm._wait_all(shm.DONE, t)  # peers read my input until they are DONE
     return out
