@@ -52,7 +52,7 @@ def test_ptrace_scope_is_read_from_yama(scope, value, want):
 def test_descendants_only_scope_is_lifted_for_this_process(scope, monkeypatch):
     scope("1")
     libc = _FakeLibc()
-    monkeypatch.setattr(vm, "_libc_handle", lambda: libc)
+    monkeypatch.setattr(vm, "libc_handle", lambda: libc)
     assert vm.allow_peers()
     # PR_SET_PTRACER ("Yama" in ASCII), PR_SET_PTRACER_ANY, then three unused arguments
     assert libc.calls == [(0x59616D61, 2**64 - 1, 0, 0, 0)]
@@ -63,14 +63,14 @@ def test_descendants_only_scope_is_lifted_for_this_process(scope, monkeypatch):
 def test_other_scopes_are_left_alone(scope, monkeypatch, value, allowed):
     scope(value)
     libc = _FakeLibc()
-    monkeypatch.setattr(vm, "_libc_handle", lambda: libc)
+    monkeypatch.setattr(vm, "libc_handle", lambda: libc)
     assert vm.allow_peers() is allowed
     assert libc.calls == []
 
 
 def test_a_refused_prctl_is_reported(scope, monkeypatch):
     scope("1")
-    monkeypatch.setattr(vm, "_libc_handle", lambda: _FakeLibc(result=-1))
+    monkeypatch.setattr(vm, "libc_handle", lambda: _FakeLibc(result=-1))
     assert not vm.allow_peers()
 
 

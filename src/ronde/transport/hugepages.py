@@ -41,7 +41,6 @@ simply read at the 4 KiB rate (the record says "done"), never wrongly.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import mmap
 from typing import Iterable
@@ -84,10 +83,12 @@ def _thp_allowed(path: str = _SYSFS) -> bool:
 def _libc_calls() -> tuple["ctypes._NamedFuncPointer", "ctypes._NamedFuncPointer"] | None:
     """libc's ``madvise`` and ``mincore``, or None where either is missing or the kernel
     lacks ``MADV_COLLAPSE``."""
+    from .vm import libc_handle
+
+    libc = libc_handle()
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        madvise, mincore = libc.madvise, libc.mincore
-    except (OSError, AttributeError):
+        madvise, mincore = libc.madvise, libc.mincore  # type: ignore[union-attr]
+    except AttributeError:  # no libc, or one without them
         return None
     madvise.restype = mincore.restype = ctypes.c_int
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

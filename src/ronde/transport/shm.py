@@ -318,14 +318,14 @@ class ShmCommunicator(Communicator, OwnedSegment):
             at = [(int(self._hdr[j][PROBE]), 8)]
             got = np.zeros(1, dtype=np.int64)
             try:
-                cma.read_into(int(self._hdr[j][PID]), [(got.ctypes.data, 8)], at)
+                cma.read_into(self.pids[j], [(got.ctypes.data, 8)], at)
             except OSError:
                 read = write = False
                 break
             read = int(got[0]) == _PROBE_VALUE
             if write:
                 try:
-                    cma.write_into(int(self._hdr[j][PID]), [(got.ctypes.data, 8)], at)
+                    cma.write_into(self.pids[j], [(got.ctypes.data, 8)], at)
                 except OSError:
                     write = False
         self._publish(CMA_OK, 1 if read and write else (3 if read else 2))

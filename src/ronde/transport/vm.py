@@ -27,7 +27,7 @@ def _syscall(name: str) -> "ctypes._NamedFuncPointer | None":
     """libc's ``process_vm_readv`` or ``process_vm_writev``, or None without it."""
     if name in _fns:
         return _fns[name]
-    libc = _libc_handle()
+    libc = libc_handle()
     if libc is None:
         return None
     fn = getattr(libc, name, None)
@@ -89,7 +89,7 @@ def allow_peers() -> bool:
         return True
     if scope != 1:
         return False  # 2: CAP_SYS_PTRACE only, 3: never; a process cannot lift them
-    libc = _libc_handle()
+    libc = libc_handle()
     if libc is None:
         return False
     fn = libc.prctl
@@ -99,7 +99,8 @@ def allow_peers() -> bool:
     return fn(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0) == 0
 
 
-def _libc_handle() -> "ctypes.CDLL | None":
+def libc_handle() -> "ctypes.CDLL | None":
+    """This process's C library (loaded once, errno kept), or None."""
     global _libc
     if _libc is None:
         try:
