@@ -53,3 +53,23 @@ def test_torch_fusion_runs_through_ronderun():
     lines = [line.split(":", 1)[1] for line in out.stdout.splitlines() if '"torch_fusion"' in line]
     point = json.loads(lines[0])
     assert point["tensors"] == 161 and point["single_ms"] > 0 and point["tensors_ms"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_fusion_stages_runs_through_ronderun():
+    import os
+
+    ronderun = os.path.join(os.path.dirname(sys.executable), "ronderun")
+    out = subprocess.run([ronderun, "-np", "2", sys.executable, "-m",
+                          "ronde.bench.fusion_stages", "--iters", "2", "--warmup", "1"],
+                         capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stderr[-2000:]
+    points = [json.loads(line.split(":", 1)[1]) for line in out.stdout.splitlines()
+              if '"fusion_stages"' in line]
+    assert sorted((p["fusion_stages"], p["rank"]) for p in points) == [
+        ("single", 0), ("single", 1), ("tensors", 0), ("tensors", 1), ("views", 0), ("views", 1)]
+    for p in points:
+        ms = p["ms_per_op"]
+        assert ms["total"] >= ms["submit"] > 0 and ms["wait"] > 0
+        if os.uname().sysname == "Linux" and p["tensors"] == 161:
+            assert "round.build" in ms and "execute" in ms
