@@ -71,5 +71,5 @@ def test_fusion_stages_runs_through_ronderun():
     for p in points:
         ms = p["ms_per_op"]
         assert ms["total"] >= ms["submit"] > 0 and ms["wait"] > 0
-        if os.uname().sysname == "Linux" and p["tensors"] == 161:
+        if p["tensors"] == 161:  # the 161 calls go through a negotiation round
             assert "round.build" in ms and "execute" in ms

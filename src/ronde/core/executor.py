@@ -407,11 +407,8 @@ class Executor:
             src = src.copy()  # p2p reducescatter works in place
         out = req.allocate((rows[comm.rank],) + meta.shape[1:], dtype)  # type: ignore[union-attr]
         flat = out.reshape(-1)
-        if comm.name == "shm":  # may reduce straight into the output
-            block = comm.reducescatter(src, [r * row for r in rows], op, out=flat)
-        else:
-            block = comm.reducescatter(src, [r * row for r in rows], op)
-        if block is flat:
+        block = comm.reducescatter(src, [r * row for r in rows], op, out=flat)
+        if block is flat:  # the transport reduced straight into the output
             fusion.scale_inplace(flat, post)
         else:
             fusion.scaled_copy(flat, block, post)

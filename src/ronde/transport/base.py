@@ -43,8 +43,10 @@ class Communicator(abc.ABC):
         """Block i of ``send`` goes to rank i; ``recv`` holds the blocks in rank order."""
 
     @abc.abstractmethod
-    def reducescatter(self, buf: np.ndarray, counts: list[int], op: ReduceOp) -> np.ndarray:
-        """Reduce ``buf`` across ranks; return this rank's block (``counts[rank]`` items)."""
+    def reducescatter(self, buf: np.ndarray, counts: list[int], op: ReduceOp,
+                      out: np.ndarray | None = None) -> np.ndarray:
+        """Reduce ``buf`` across ranks; return this rank's block (``counts[rank]`` items):
+        ``out`` itself where the transport reduced straight into it, else a new array."""
 
     @abc.abstractmethod
     def barrier(self) -> None:
@@ -91,7 +93,8 @@ class SelfCommunicator(Communicator):
                   recv_counts: list[int]) -> None:
         recv[:] = send[: recv.size]
 
-    def reducescatter(self, buf: np.ndarray, counts: list[int], op: ReduceOp) -> np.ndarray:
+    def reducescatter(self, buf: np.ndarray, counts: list[int], op: ReduceOp,
+                      out: np.ndarray | None = None) -> np.ndarray:
         return buf[: counts[0]].copy()
 
     def barrier(self) -> None:
@@ -120,7 +123,8 @@ class P2PCommunicator(Communicator):
                   recv_counts: list[int]) -> None:
         algo.alltoallv(self.p2p, send, send_counts, recv, recv_counts)
 
-    def reducescatter(self, buf: np.ndarray, counts: list[int], op: ReduceOp) -> np.ndarray:
+    def reducescatter(self, buf: np.ndarray, counts: list[int], op: ReduceOp,
+                      out: np.ndarray | None = None) -> np.ndarray:
         return algo.reducescatter(self.p2p, buf, counts, op)
 
     def barrier(self) -> None:

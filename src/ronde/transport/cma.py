@@ -227,7 +227,7 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
         if not push:
             comm._publish(shm.REDUCED, t)
             for j in others:
-                _pull(comm, j, blocks[j], item, chunk, pids[j], mine, layouts[j])
+                _pull(comm, j, blocks[j], item, pids[j], mine, layouts[j])
     except OSError as exc:
         raise PeerLostError(f"single-copy copy to or from a peer on this host failed "
                             f"({exc}); it probably exited", rank=None) from None
@@ -242,8 +242,8 @@ def allreduce_in_place(comm: "ShmCommunicator", bufs: list[np.ndarray], op: "Red
                           [min(max(int(h[busy]), 0), 10**12) * 1e-9 for h in comm._hdr])
 
 
-def _pull(comm: "ShmCommunicator", j: int, block: tuple[int, int], item: int, step: int,
-          pid: int, mine: Layout, theirs: Layout) -> None:
+def _pull(comm: "ShmCommunicator", j: int, block: tuple[int, int], item: int, pid: int,
+          mine: Layout, theirs: Layout) -> None:
     """Read member ``j``'s reduced block into my tensors, front to back, as far as ``j``
     reports it reduced (``PROGRESS``), so a rank that finished its own block early does
     not wait for a slower one's whole block."""

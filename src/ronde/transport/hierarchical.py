@@ -53,8 +53,9 @@ class HierarchicalCommunicator(Communicator):
                   recv_counts: list[int]) -> None:
         self.flat.alltoallv(send, send_counts, recv, recv_counts)
 
-    def reducescatter(self, buf: np.ndarray, counts: list[int], op: ReduceOp) -> np.ndarray:
-        return self.flat.reducescatter(buf, counts, op)
+    def reducescatter(self, buf: np.ndarray, counts: list[int], op: ReduceOp,
+                      out: np.ndarray | None = None) -> np.ndarray:
+        return self.flat.reducescatter(buf, counts, op, out)
 
     def barrier(self) -> None:
         self.flat.barrier()

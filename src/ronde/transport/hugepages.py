@@ -48,7 +48,6 @@ from typing import Iterable
 import numpy as np
 
 
-
 def _pmd_size(path: str = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") -> int:
     """The size of a transparent huge page here (2 MiB on x86-64)."""
     try:

@@ -124,8 +124,10 @@ class MPICommunicator(Communicator):
         self.comm.Alltoallv([send.reshape(-1).view(np.uint8), sc, sd, self.MPI.BYTE],
                             [recv.reshape(-1).view(np.uint8), rc, rd, self.MPI.BYTE])
 
-    def reducescatter(self, buf: np.ndarray, counts: list[int], op: ReduceOp) -> np.ndarray:
-        out = np.empty(counts[self.rank], dtype=buf.dtype)
+    def reducescatter(self, buf: np.ndarray, counts: list[int], op: ReduceOp,
+                      out: np.ndarray | None = None) -> np.ndarray:
+        if out is None:
+            out = np.empty(counts[self.rank], dtype=buf.dtype)
         if buf.dtype.name in ("float16", "bfloat16"):
             work = buf.copy()
             self.allreduce(work, op)

@@ -170,7 +170,8 @@ class TorchDistCommunicator(Communicator):
                                     output_split_sizes=list(recv_counts),
                                     input_split_sizes=list(send_counts), group=self.group)
 
-    def reducescatter(self, buf: np.ndarray, counts: list[int], op: ReduceOp) -> np.ndarray:
+    def reducescatter(self, buf: np.ndarray, counts: list[int], op: ReduceOp,
+                      out: np.ndarray | None = None) -> np.ndarray:
         work = buf.copy()
         self.allreduce(work, op)
         start = sum(counts[: self.rank])

@@ -152,7 +152,8 @@ def _transfer(name: str, pid: int, local: Sequence[tuple[int, int]],
         lo, re = _iovecs(local), _iovecs(remote)
         done = _check(fn(pid, lo.buffer_info()[0], len(local), re.buffer_info()[0],
                          len(remote), 0), name, pid)
-    local, remote = list(local), list(remote)
+    if done < total:  # more iovecs than one call takes, or a partial transfer
+        local, remote = list(local), list(remote)
     while done < total:
         lo_iov, lo_n = _slice(local, done, _IOV_MAX)
         re_iov, re_n = _slice(remote, done, _IOV_MAX)
