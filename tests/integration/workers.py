@@ -560,6 +560,46 @@ def slow_owner_block_shrinks() -> list:
     return [hi - lo for lo, hi in blocks]
 
 
+def chunk_plans_reused() -> tuple:
+    """Single-copy allreduces of two sets of separately allocated tensors, alternated,
+    while rank 1 reduces slowly (so the blocks move every op): every value exact, and
+    the per-chunk plans of whole chunks are built once per set, not per op. Returns
+    how many times each whole chunk's plan was built, and how many plans in all."""
+    import ronde as hvd
+    from ronde.transport import cma
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    if r == 1:
+        _slow_reductions(0.002)
+    built: dict = {}
+    real_chunk = cma._Chunk
+    whole = (1 << 20) // 4  # elements in a chunk
+
+    class Counted(real_chunk):  # type: ignore[misc, valid-type]
+        def __init__(self, a, b, *rest):
+            key = (a, b) if a % whole == 0 and b - a == whole else "part"
+            built[key] = built.get(key, 0) + 1
+            super().__init__(a, b, *rest)
+
+    cma._Chunk = Counted
+    sizes = (1 << 19, 333_333, 77, 1 << 20, 131_071, 5)  # 7.8 MiB, odd sizes
+    sets = [[np.empty(k, np.float32) for k in sizes] for _ in range(2)]
+    ops = 8
+    for step in range(ops):
+        xs = sets[step % 2]
+        for i, x in enumerate(xs):
+            x[:] = np.arange(x.size) % 997 + r + step + i
+        hs = [hvd.allreduce_async(x, op=hvd.Sum, name=f"x{i}", out=x) for i, x in enumerate(xs)]
+        for h in hs:
+            h.wait()
+        for i, x in enumerate(xs):
+            want = (np.arange(x.size) % 997 + step + i) * n + n * (n - 1) // 2
+            np.testing.assert_array_equal(x, want)
+    hvd.shutdown()
+    return built
+
+
 def single_copy_collectives_taken() -> dict:
     """Which large collectives took the single-copy path (counted), values checked."""
     import ronde as hvd

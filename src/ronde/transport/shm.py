@@ -115,7 +115,8 @@ class ShmCommunicator(Communicator, OwnedSegment):
         self._cma_scratch = np.empty(0, dtype=np.uint8)
         self._cma_scratch_at = 0
         #: member -> (its last published single-copy table, its Layout); see cma._layout
-        self._layouts: dict = {}
+        self._layouts: dict = {}  # cma.py: published tables seen, and their chunk plans
+        self._chunk_plans: dict = {}
         #: every member's process id (single-copy reads and writes address them)
         self.pids: list[int] = []
         #: single-copy allreduce blocks, sized by each owner's measured speed

@@ -123,45 +123,58 @@ def supported() -> bool:
     return bool((dst == src).all())
 
 
-def read_into(pid: int, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]]
-              ) -> None:
-    """Copy the ``remote`` (address, length) ranges of ``pid`` into the ``local`` ones.
+class Iov:
+    """(address, length) ranges as a ready ``struct iovec[]``, built once for many calls
+    (the single-copy allreduce keeps one per chunk and peer, see ``cma.py``)."""
 
-    Both lists describe the same number of bytes; partial transfers are resumed.
+    __slots__ = ("ranges", "array", "addr", "count", "nbytes")
+
+    def __init__(self, ranges: Sequence[tuple[int, int]]) -> None:
+        self.ranges = list(ranges)
+        self.array = _iovecs(self.ranges)
+        self.addr = self.array.buffer_info()[0]
+        self.count = len(self.ranges)
+        self.nbytes = sum(n for _, n in self.ranges)
+
+
+def read_into(pid: int, local: "Sequence[tuple[int, int]] | Iov",
+              remote: "Sequence[tuple[int, int]] | Iov") -> None:
+    """Copy the ``remote`` (address, length) ranges of ``pid`` into the ``local`` ones
+    (either a list of ranges or an :class:`Iov`).
+
+    Both describe the same number of bytes; partial transfers are resumed.
     Raises ``OSError`` (EPERM, ESRCH, EFAULT...) when the kernel refuses.
     """
     _transfer("process_vm_readv", pid, local, remote)
 
 
-def write_into(pid: int, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]]
-               ) -> None:
+def write_into(pid: int, local: "Sequence[tuple[int, int]] | Iov",
+              remote: "Sequence[tuple[int, int]] | Iov") -> None:
     """Copy the ``local`` ranges into the ``remote`` ones of ``pid`` (as :func:`read_into`,
     the other way)."""
     _transfer("process_vm_writev", pid, local, remote)
 
 
-def _transfer(name: str, pid: int, local: Sequence[tuple[int, int]],
-              remote: Sequence[tuple[int, int]]) -> None:
+def _transfer(name: str, pid: int, local: "Sequence[tuple[int, int]] | Iov",
+              remote: "Sequence[tuple[int, int]] | Iov") -> None:
     fn = _fns.get(name) or _syscall(name)
     if fn is None:
         raise OSError(errno.ENOSYS, f"{name} is not available")
-    total = sum(n for _, n in local)
+    lo = local if type(local) is Iov else Iov(local)  # type: ignore[arg-type]
+    re = remote if type(remote) is Iov else Iov(remote)  # type: ignore[arg-type]
+    total = lo.nbytes
     done = 0
-    if len(local) <= _IOV_MAX and len(remote) <= _IOV_MAX and total:
+    if lo.count <= _IOV_MAX and re.count <= _IOV_MAX and total:
         # the common case: one system call
-        lo, re = _iovecs(local), _iovecs(remote)
-        done = _check(fn(pid, lo.buffer_info()[0], len(local), re.buffer_info()[0],
-                         len(remote), 0), name, pid)
-    if done < total:  # more iovecs than one call takes, or a partial transfer
-        local, remote = list(local), list(remote)
-    while done < total:
-        lo_iov, lo_n = _slice(local, done, _IOV_MAX)
-        re_iov, re_n = _slice(remote, done, _IOV_MAX)
+        done = _check(fn(pid, lo.addr, lo.count, re.addr, re.count, 0), name, pid)
+    while done < total:  # more iovecs than one call takes, or a partial transfer
+        lo_iov, lo_n = _slice(lo.ranges, done, _IOV_MAX)
+        re_iov, re_n = _slice(re.ranges, done, _IOV_MAX)
         want = min(lo_n, re_n)
-        lo_iov, _ = _slice(local, done, _IOV_MAX, want)
-        re_iov, _ = _slice(remote, done, _IOV_MAX, want)
-        lo, re = _iovecs(lo_iov), _iovecs(re_iov)
-        done += _check(fn(pid, lo.buffer_info()[0], len(lo_iov), re.buffer_info()[0],
+        lo_iov, _ = _slice(lo.ranges, done, _IOV_MAX, want)
+        re_iov, _ = _slice(re.ranges, done, _IOV_MAX, want)
+        a, b = _iovecs(lo_iov), _iovecs(re_iov)
+        done += _check(fn(pid, a.buffer_info()[0], len(lo_iov), b.buffer_info()[0],
                           len(re_iov), 0), name, pid)
 
 
