@@ -203,43 +203,59 @@ def test_stall_stack_shows_the_users_frames_when_the_main_thread_drives():
 
 def test_steady_round_gives_what_the_general_path_gives():
     # Every rank announcing the same cached ids in the same order takes a shortcut
-    # (_steady_round); it must agree with the general path on every rank: names,
-    # order, fusion, inline bytes and the cache's LRU order.
+    # (steady.py), and a round seen before replays its groups from a memo (as the
+    # Announcer replays a rank's entries); all must agree with the general path on
+    # every rank: names, order, fusion, fresh inline bytes and the cache's LRU order,
+    # also once a tensor's metadata changed (the memos must not outlive it).
     from ronde.core import rounds
     from ronde.core.negotiation import Negotiator
 
     def run(fast: bool):
         neg = Negotiator(2, {0: [0, 1]}, fusion_threshold_bytes=100, cache_capacity=8)
-        steady = neg._steady_round
-        taken = []
+        steady, groups = neg.steady.responses, neg.steady._groups
+        taken, worked_out = [], []
 
         def counted(*a):
             out = steady(*a) if fast else None
             taken.append(out is not None)
             return out
 
-        neg._steady_round = counted
+        def counted_groups(*a):
+            worked_out.append(len(taken))
+            return groups(*a)
+
+        neg.steady.responses, neg.steady._groups = counted, counted_groups
+        announcers = [rounds.Announcer(neg.cache, r, 16) for r in range(2)]
         names = [f"t{i}" for i in range(6)]
-        # 16-byte float32 ones ride inline; the larger float64 ones (another reduction,
-        # so they do not absorb the small ones) fuse in the data path
-        reqs = {r: [ar(n, np.full(4 + (i % 3), r + 1.0, np.float64 if i % 3 else np.float32))
-                    for i, n in enumerate(names)] for r in range(2)}
         seen = []
-        for step in range(3):  # first full metadata, then cache ids (some inline)
+        for step in range(6):  # full metadata, cache ids (some inline), t1 changes at 3
+            # 16-byte float32 ones ride inline; the larger float64 ones (another
+            # reduction, so they do not absorb the small ones) fuse in the data path
+            reqs = {r: [ar(n, np.full(4 + (i % 3) + (i == 1 and step >= 3),
+                                      r + 1.0 + step, np.float64 if i % 3 else np.float32))
+                        for i, n in enumerate(names)] for r in range(2)}
             msgs, blobs = [], []
             for r in range(2):
-                ann, blob = rounds.announcements(
-                    reqs[r], lambda n, raw, r=r: neg.cached_id(r, n, raw), 16)
+                if fast:
+                    ann, blob = announcers[r](reqs[r])
+                else:
+                    ann, blob = rounds.announcements(
+                        reqs[r], lambda n, raw, r=r: neg.cached_id(r, n, raw), 16)
                 msgs.append({"a": ann})
                 blobs.append(bytes(blob))
             out = neg.apply_round(msgs, blobs)
             seen.append([(r.names, r.inline) for r in out])
-        return seen, list(neg.cache._by_id), taken
+        return seen, list(neg.cache._by_id), taken, worked_out
 
     fast, slow = run(True), run(False)
     assert fast[:2] == slow[:2]
-    assert fast[2] == [False, True, True]  # the shortcut ran once the ids were cached
-    assert any(inline for step in fast[0] for _, inline in step)  # inline data was used
+    # the shortcut ran once the ids were cached, and again once the changed one was
+    assert fast[2] == [False, True, True, False, True, True]
+    # tried at steps 0 and 3 (new metadata: the general path), worked out at 1 and 4,
+    # replayed from the memo at 2 and 5
+    assert fast[3] == [0, 1, 3, 4]
+    inline = [next(tuple(b) for _, b in step if b) for step in fast[0][1:]]
+    assert len(set(inline)) == len(inline) == 5  # inline data every step, fresh bytes
     assert any(len(names) > 1 for step in fast[0] for names, _ in step)  # and fusion
 
 

@@ -24,6 +24,10 @@ class ResponseCache:
             int, tuple[str, dict[int, list[Any]], dict[int, Meta]]] = collections.OrderedDict()
         self._by_name: dict[str, int] = {}
         self._next_id = 0
+        #: changes whenever an id's name or metadata may have changed (each put): what
+        #: was derived from ids (the round memos in rounds.py, negotiation.py) holds
+        #: while it stays the same
+        self.version = 0
 
     def lookup(self, name: str, rank: int, raw_meta: list[Any]) -> int | None:
         cid = self._by_name.get(name)
@@ -50,6 +54,7 @@ class ResponseCache:
     def put(self, name: str, metas: dict[int, Meta]) -> None:
         if self.capacity <= 0:
             return
+        self.version += 1
         raws = {r: _raw(m) for r, m in metas.items()}
         cid = self._by_name.get(name)
         if cid is not None:

@@ -75,6 +75,7 @@ class Engine:
         self.negotiator = Negotiator(size, {k: list(v) for k, v in process_sets.items()},
                                      cfg.fusion_threshold_bytes, cfg.cache_capacity)
         self.exchange = Exchange(rank, ctl_socks, mailboxes, cfg, describe_rank)
+        self._announce = rounds.Announcer(self.negotiator.cache, rank, cfg.inline_bytes)
         self._wake_r, self._wake_w = os.pipe()
         self._wake_pending = False
         #: negotiation rounds completed (the same count on every rank)
@@ -425,9 +426,7 @@ class Engine:
                 r.t_announce = stamp
                 tl.phase(r.name, "QUEUE", r.t_submit or stamp, stamp)
         if reqs:
-            cached, rank = self.negotiator.cached_id, self.rank
-            msg["a"], blob = rounds.announcements(
-                reqs, lambda name, raw: cached(rank, name, raw), self.cfg.inline_bytes)
+            msg["a"], blob = self._announce(reqs)
         if joins:
             msg["j"] = joins
         if ps_reqs:

@@ -434,6 +434,8 @@ def _device_backend(resp: Response) -> Any:
 
 
 def _nbytes(resp: Response) -> int:
+    if resp.nbytes >= 0:
+        return resp.nbytes
     return sum(any_meta(m).nbytes for m in resp.metas)
 
 

@@ -27,46 +27,10 @@ from typing import Any, Iterable
 from .._errors import ProtocolError, RondeError
 from .cache import ResponseCache
 from .requests import KIND_NAMES, Kind, Meta, describe
+from .responses import Response, any_meta, fusion_key  # noqa: F401 - re-exported
+from .steady import SteadyRounds
 
 log = logging.getLogger(__name__)
-
-
-def any_meta(metas: dict[int, Meta]) -> Meta:
-    """One rank's metadata of a response's tensor (they agree on what matters)."""
-    return metas[min(metas)]
-
-
-def fusion_key(ps_id: int, meta: Meta, joined: frozenset[int] = frozenset()
-               ) -> tuple[Any, ...]:
-    """Allreduces with equal keys may be reduced together."""
-    return (ps_id, meta.dtype, meta.op, meta.prescale, meta.postscale, joined, meta.device)
-
-
-class Response:
-    """One unit of work for the executor: a (possibly fused) collective, or an error."""
-
-    __slots__ = ("kind", "ps_id", "names", "metas", "joined", "error", "error_type", "value",
-                 "inline", "followers")
-
-    def __init__(self, kind: Kind, ps_id: int, names: list[str], metas: list[dict[int, Meta]],
-                 joined: frozenset[int] = frozenset(), error: str | None = None,
-                 error_type: str = "mismatch", value: Any = None,
-                 inline: list[bytes] | None = None) -> None:
-        #: every member's (prescaled) bytes in member order, for an inline allreduce
-        self.inline = inline
-        self.kind = kind
-        self.ps_id = ps_id
-        self.names = names
-        self.metas = metas
-        self.joined = joined
-        self.error = error
-        self.error_type = error_type
-        self.value = value
-        #: fused groups agreed right after this one, that may run with it (executor)
-        self.followers: list[Response] | None = None
-
-    def __repr__(self) -> str:
-        return f"<Response {KIND_NAMES[self.kind]} ps={self.ps_id} {self.names[:3]}{'...' if len(self.names) > 3 else ''}{' ERROR' if self.error else ''}>"
 
 
 class _Entry:
@@ -97,8 +61,8 @@ class Negotiator:
         self._ps_requests: dict[tuple[str, tuple[int, ...]], set[int]] = {}
         self._next_ps_id = max(process_sets) + 1 if process_sets else 1
         self.round = 0
-        #: cache id -> (its cache entry, what a steady round needs of it)
-        self._steady_memo: dict[int, tuple[Any, Any]] = {}
+        #: training's steady state, worked out without table entries (steady.py)
+        self.steady = SteadyRounds(self)
 
     # -- building my message -------------------------------------------------------
     def encode_announcement(self, rank: int, name: str, raw_meta: list[Any]) -> Any:
@@ -128,7 +92,7 @@ class Negotiator:
     def _apply_round(self, messages: list[dict[str, Any]],
                      blobs: list[bytes] | None) -> list[Response]:
         self.round += 1
-        fast = self._steady_round(messages, blobs)
+        fast = self.steady.responses(messages, blobs)
         if fast is not None:
             return fast
         out: list[Response] = []
@@ -178,89 +142,6 @@ class Negotiator:
         out.extend(self._joins_complete())
         return out
 
-    def _steady_round(self, messages: list[dict[str, Any]],
-                      blobs: list[bytes] | None) -> list[Response] | None:
-        """The responses of a round in which every rank announced the same cached ids in
-        the same order and nothing else (training's steady state), or None.
-
-        Such a round needs no table entries and no validation: each id stands for
-        metadata every rank used together before. It gives what the general path (with
-        :meth:`_fuse`) gives, in the same order, and touches the cache in the same order;
-        what it needs per id is worked out once and kept (:meth:`_steady_info`).
-        """
-        if self.entries or any(self.joined.values()):
-            return None
-        first = messages[0].get("a")
-        if not first or any(len(m) != 1 or m.get("a") != first for m in messages):
-            return None
-        by_id, memo = self.cache._by_id, self._steady_memo
-        shortest = min(len(b) for b in blobs) if blobs else 0
-        threshold = self.fusion_threshold_bytes
-        order: list[int] = []
-        out: list[Response] = []
-        open_groups: dict[tuple[Any, ...], Response] = {}
-        sizes: dict[tuple[Any, ...], int] = {}
-        for ann in first:
-            span = None
-            if type(ann) is int:
-                cid = ann
-            elif (type(ann) is list and len(ann) == 3 and type(ann[0]) is int
-                  and type(ann[1]) is int and type(ann[2]) is int):
-                cid, span = ann[0], ann
-            else:
-                return None
-            entry = by_id.get(cid)
-            if entry is None:
-                return None
-            known = memo.get(cid)
-            if known is None or known[0] is not entry:
-                if len(memo) > 2 * self.cache.capacity:
-                    memo.clear()  # ids evicted from the cache leave their memo behind
-                known = memo[cid] = (entry, self._steady_info(entry))
-            info = known[1]
-            if info is None:
-                return None
-            kind, ps_id, key, nbytes = info
-            order.append(cid)
-            if span is not None:
-                off, length = span[1], span[2]
-                if blobs is None or off < 0 or length != nbytes or off + length > shortest:
-                    raise ProtocolError("a rank sent inline data out of bounds")
-                out.append(Response(kind, ps_id, [entry[0]], [entry[2]],
-                                    inline=[b[off: off + length] for b in blobs]))
-                continue
-            if key is not None and threshold > 0:
-                group = open_groups.get(key)
-                if group is not None and sizes[key] + nbytes <= threshold:
-                    group.names.append(entry[0])
-                    group.metas.append(entry[2])
-                    sizes[key] += nbytes
-                    continue
-                group = Response(kind, ps_id, [entry[0]], [entry[2]])
-                open_groups[key], sizes[key] = group, nbytes
-                out.append(group)
-                continue
-            out.append(Response(kind, ps_id, [entry[0]], [entry[2]]))
-        if len(set(order)) != len(order):
-            return None  # a name twice: the general path reports it
-        for cid in order:  # recently used, in the order the general path touches them
-            by_id.move_to_end(cid)
-        return out
-
-    def _steady_info(self, entry: tuple[str, Any, dict[int, Meta]]
-                     ) -> tuple[Kind, int, tuple[Any, ...] | None, int] | None:
-        """(kind, process set, fusion key or None, bytes) of a cache entry, or None when
-        its rounds must take the general path (not every rank of the job in it)."""
-        metas = entry[2]
-        meta = metas.get(0)
-        if meta is None or len(metas) != self.size \
-                or len(self.process_sets.get(meta.ps_id, ())) != self.size:
-            return None
-        key = None
-        if meta.kind == Kind.ALLREDUCE:
-            key = fusion_key(meta.ps_id, meta)
-        return meta.kind, meta.ps_id, key, meta.nbytes
-
     def abort(self, names: Iterable[str], message: str, error_type: str) -> list[Response]:
         """Fail the named pending entries on every rank (used by the stall inspector)."""
         out = []
@@ -279,9 +160,9 @@ class Negotiator:
 
     def _error_response(self, entry: _Entry, message: str, error_type: str) -> Response:
         self.entries.pop(entry.name, None)
-        any_meta = next(iter(entry.metas.values()), None)
-        kind = any_meta.kind if any_meta else Kind.ALLREDUCE
-        ps_id = any_meta.ps_id if any_meta else 0
+        some = next(iter(entry.metas.values()), None)
+        kind = some.kind if some else Kind.ALLREDUCE
+        ps_id = some.ps_id if some else 0
         return Response(kind, ps_id, [entry.name], [dict(entry.metas)], error=message,
                         error_type=error_type)
 
@@ -394,7 +275,6 @@ class Negotiator:
         """Pack consecutive-compatible allreduces into one response, up to the threshold."""
         out: list[Response] = []
         open_groups: dict[tuple[Any, ...], Response] = {}
-        sizes: dict[tuple[Any, ...], int] = {}
         for resp in responses:
             if (resp.kind != Kind.ALLREDUCE or resp.error or resp.inline is not None
                     or self.fusion_threshold_bytes <= 0):
@@ -404,13 +284,13 @@ class Negotiator:
             key = fusion_key(resp.ps_id, meta, resp.joined)
             nbytes = meta.nbytes
             group = open_groups.get(key)
-            if group is not None and sizes[key] + nbytes <= self.fusion_threshold_bytes:
+            if group is not None and group.nbytes + nbytes <= self.fusion_threshold_bytes:
                 group.names.extend(resp.names)
                 group.metas.extend(resp.metas)
-                sizes[key] += nbytes
+                group.nbytes += nbytes
                 continue
             open_groups[key] = resp
-            sizes[key] = nbytes
+            resp.nbytes = nbytes
             out.append(resp)
         return out
 
@@ -445,7 +325,7 @@ class Negotiator:
             ps_id = self._next_ps_id
             self._next_ps_id += 1
             self.process_sets[ps_id] = ranks
-            self._steady_memo.clear()
+            self.steady.clear()
             return [Response(Kind.BARRIER, 0, [f"process_set.add.{ranks}"], [{}],
                              value=("add", ps_id, ranks))]
         ps_id = key[1][0]
@@ -455,7 +335,7 @@ class Negotiator:
                              f"{ps_id}: it is the global set or not registered",
                              error_type="process_set")]
         del self.process_sets[ps_id]
-        self._steady_memo.clear()
+        self.steady.clear()
         return [Response(Kind.BARRIER, 0, [name], [{}], value=("remove", ps_id, []))]
 
     def stalled(self, older_than_s: float) -> list[tuple[str, list[int], list[int], float]]:

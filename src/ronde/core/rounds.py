@@ -154,6 +154,49 @@ def announcements(reqs: list[Any], cached_id: Any, inline_bytes: int
     return out, b"".join(parts)
 
 
+class Announcer:
+    """A rank's ``"a"`` entries (:func:`announcements`), remembered for the lists of
+    requests that went entirely by cache id.
+
+    Training announces the same names with the same metadata step after step; when
+    this round's requests match remembered ones (names and metadata, in order) and the
+    response cache has not changed since (its ``version``), the entries are the same:
+    only the inline bytes are taken afresh. That skips a cache lookup per request
+    (ResNet-50's 161 gradients: 0.2-0.3 ms a step in a training process, 0.03 with
+    the memo). Several lists are kept (a step may take several rounds), by their
+    length and end names, then compared in full.
+    """
+
+    def __init__(self, cache: Any, rank: int, inline_bytes: int) -> None:
+        self.cache, self.rank, self.inline_bytes = cache, rank, inline_bytes
+        #: (count, first name, last name) -> (cache version, [(name, meta)...], entries,
+        #: indices of the inline ones)
+        self._memo: dict[tuple[int, str, str], tuple[int, list[Any], list[Any], list[int]]] = {}
+
+    def __call__(self, reqs: list[Any]) -> tuple[list[Any], bytes]:
+        keys = [(r.name, r.meta()) for r in reqs]
+        where = (len(reqs), reqs[0].name, reqs[-1].name)
+        memo = self._memo.get(where)
+        if memo is not None and memo[0] == self.cache.version and memo[1] == keys:
+            inline = memo[3]
+            blob = b"".join([prescaled_bytes(reqs[i].array, reqs[i].prescale)
+                             for i in inline]) if inline else b""
+            return list(memo[2]), blob
+        lookup, rank = self.cache.lookup, self.rank
+        out, blob = announcements(reqs, lambda name, raw: lookup(name, rank, raw),
+                                  self.inline_bytes)
+        if all(type(a) is int or len(a) == 3 for a in out):  # every request by its id
+            if len(self._memo) >= _MEMO_ENTRIES and where not in self._memo:
+                self._memo.clear()
+            self._memo[where] = (self.cache.version, keys, list(out),
+                                 [i for i, a in enumerate(out) if type(a) is not int])
+        return out, blob
+
+
+#: request lists (and steady rounds, negotiation.py) remembered; past this, start afresh
+_MEMO_ENTRIES = 32
+
+
 def _data_path_reductions(reqs: list[Any], inline_bytes: int) -> set[tuple[Any, ...]]:
     """The reductions (process set, dtype, op, scales) of the host allreduces in ``reqs``
     too large to ride inline."""
