@@ -181,20 +181,27 @@ def submit(kind: Kind, array: np.ndarray | None, name: str | None, process_set: 
            **kwargs: Any) -> Handle:
     """Hand one request to the engine and return its handle (bindings use this)."""
     rt = _runtime_or_raise()
-    ps_id = _ps_id(process_set)
-    if ps_id != 0:
-        ps = process_set
-        assert ps is not None and ps.ranks is not None
-        if rt.topo.rank not in ps.ranks:
-            raise RondeError(f"rank {rt.topo.rank} called {kind.name.lower()} on process set "
-                             f"{ps.ranks}, which it is not a member of; only members may call "
-                             "collectives on a process set")
-    if name is None:
-        name = _auto_name(kind.name.lower(), ps_id)
-    if ps_id != 0:
-        name = f"ps{ps_id}/{name}"  # names are scoped by process set, as in Horovod
+    ps_id, name = _scoped(rt, kind, name, process_set)
     req = Request(kind, name, array, ps_id=ps_id, **kwargs)
     return rt.engine.submit(req).handle
+
+
+def _scoped(rt: "_runtime.Runtime", kind: Kind, name: str | None,
+            process_set: ProcessSet | None) -> tuple[int, str]:
+    """The process set id of a call and its name, scoped by the process set (checked:
+    only members may call collectives on a process set)."""
+    ps_id = _ps_id(process_set)
+    if ps_id == 0:
+        return 0, name if name is not None else _auto_name(kind.name.lower(), 0)
+    ps = process_set
+    assert ps is not None and ps.ranks is not None
+    if rt.topo.rank not in ps.ranks:
+        raise RondeError(f"rank {rt.topo.rank} called {kind.name.lower()} on process set "
+                         f"{ps.ranks}, which it is not a member of; only members may call "
+                         "collectives on a process set")
+    if name is None:
+        name = _auto_name(kind.name.lower(), ps_id)
+    return ps_id, f"ps{ps_id}/{name}"  # names are scoped by process set, as in Horovod
 
 
 def _resolve_op(op: Any, average: bool | None) -> ReduceOp:
@@ -233,8 +240,12 @@ def allreduce_async(tensor: Any, average: bool | None = None, name: str | None =
     resolved = _resolve_op(op, average)
     if resolved == ReduceOp.ADASUM:
         raise ValueError("op=Adasum is not supported yet; use Average or Sum")
-    return submit(Kind.ALLREDUCE, arr, name, process_set, op=resolved, prescale=prescale_factor,
-                  postscale=postscale_factor, out=out, alloc=alloc)
+    # the hot path of a training step (one call per gradient): no keyword forwarding
+    rt = _runtime_or_raise()
+    ps_id, name = _scoped(rt, Kind.ALLREDUCE, name, process_set)
+    req = Request(Kind.ALLREDUCE, name, arr, ps_id=ps_id, op=resolved,
+                  prescale=prescale_factor, postscale=postscale_factor, out=out, alloc=alloc)
+    return rt.engine.submit(req).handle
 
 
 def allreduce(tensor: Any, average: bool | None = None, name: str | None = None, op: Any = None,

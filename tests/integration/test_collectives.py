@@ -156,12 +156,12 @@ def test_a_slow_owners_block_shrinks_on_every_rank_alike_values_exact():
 def test_chunk_plans_are_built_once_per_tensor_set_while_blocks_move(np_):
     got = run_ranks(np_, workers.chunk_plans_reused, timeout_s=50,
                     env={"RONDE_TRANSPORT": "shm", "RONDE_FUSION_THRESHOLD": "64MiB"})
-    for built in got:
-        # a whole chunk's plan at most once for each of the two sets, however often it
-        # ran (8 ops; a block's partial first and last chunks, whose edges move, are
-        # rebuilt)
-        whole = {k: v for k, v in built.items() if k != "part"}
-        assert whole and all(v <= 2 for v in whole.values()), got
+    for counts, layout_sets, ops in got:
+        # a whole chunk's plan once for each set of layouts, however often it ran (a
+        # block's partial first and last chunks, whose edges move, are rebuilt); two
+        # sets alternate (a few more where submissions straddled rounds), over 12 ops
+        assert counts and all(c == 1 for c in counts), got
+        assert layout_sets < ops // 2, got
 
 
 @pytest.mark.timeout(60)

@@ -563,8 +563,10 @@ def slow_owner_block_shrinks() -> list:
 def chunk_plans_reused() -> tuple:
     """Single-copy allreduces of two sets of separately allocated tensors, alternated,
     while rank 1 reduces slowly (so the blocks move every op): every value exact, and
-    the per-chunk plans of whole chunks are built once per set, not per op. Returns
-    how many times each whole chunk's plan was built, and how many plans in all."""
+    the per-chunk plans of whole chunks are built once per set of layouts, not per op.
+    Returns how many times each whole chunk's plan was built for each set of layouts
+    (an op may cover part of a set where its submissions straddle two rounds: another
+    set of layouts), and how many ops ran."""
     import ronde as hvd
     from ronde.transport import cma
 
@@ -577,15 +579,16 @@ def chunk_plans_reused() -> tuple:
     whole = (1 << 20) // 4  # elements in a chunk
 
     class Counted(real_chunk):  # type: ignore[misc, valid-type]
-        def __init__(self, a, b, *rest):
-            key = (a, b) if a % whole == 0 and b - a == whole else "part"
-            built[key] = built.get(key, 0) + 1
-            super().__init__(a, b, *rest)
+        def __init__(self, a, b, item, layouts, *rest):
+            if a % whole == 0 and b - a == whole:
+                key = (a, b, tuple(map(id, layouts)))  # kept alive by the plan cache
+                built[key] = built.get(key, 0) + 1
+            super().__init__(a, b, item, layouts, *rest)
 
     cma._Chunk = Counted
     sizes = (1 << 19, 333_333, 77, 1 << 20, 131_071, 5)  # 7.8 MiB, odd sizes
     sets = [[np.empty(k, np.float32) for k in sizes] for _ in range(2)]
-    ops = 8
+    ops = 12
     for step in range(ops):
         xs = sets[step % 2]
         for i, x in enumerate(xs):
@@ -597,7 +600,7 @@ def chunk_plans_reused() -> tuple:
             want = (np.arange(x.size) % 997 + step + i) * n + n * (n - 1) // 2
             np.testing.assert_array_equal(x, want)
     hvd.shutdown()
-    return built
+    return list(built.values()), len({key[2] for key in built}), ops
 
 
 def single_copy_collectives_taken() -> dict:

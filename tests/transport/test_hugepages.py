@@ -135,3 +135,38 @@ def test_only_private_anonymous_memory_is_marked_for_huge_pages(tmp_path):
     assert not hugepages._anonymous_only(b, str(maps))
     maps.write_text(line(b, b + BLOCK, name="[stack]"))
     assert not hugepages._anonymous_only(b, str(maps))
+
+
+_HEAP_PROBE = """
+import sys, numpy as np
+from ronde.transport import hugepages
+tuned = hugepages.heap_for_tensors() if sys.argv[1] == "1" else False
+a = np.ones(1 << 18, np.float32)  # 1 MiB: above glibc's first mmap threshold (128 KiB)
+at = a.ctypes.data
+for line in open("/proc/self/maps"):
+    if line.rstrip().endswith("[heap]"):
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        print(tuned, lo <= at < hi)
+        break
+else:
+    print(tuned, False)
+"""
+
+
+def test_after_heap_for_tensors_a_mid_sized_tensor_comes_from_the_heap():
+    # glibc maps each block above its mmap threshold on its own, often between shared
+    # libraries, where it can never move onto a huge page; heap_for_tensors() sets the
+    # threshold where glibc settles by itself, so that such tensors come from the heap
+    import subprocess
+    import sys
+
+    def probe(tune: bool) -> list[str]:
+        out = subprocess.run([sys.executable, "-c", _HEAP_PROBE, "1" if tune else "0"],
+                             capture_output=True, text=True, timeout=60, check=True)
+        return out.stdout.split()
+
+    tuned, in_heap = probe(True)
+    if tuned != "True":
+        pytest.skip("the C library is not glibc")
+    assert in_heap == "True"
+    assert probe(False) == ["False", "False"]  # glibc's default: a mapping of its own

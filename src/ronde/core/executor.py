@@ -260,8 +260,8 @@ class Executor:
             op, post = ReduceOp.SUM, post / contributors
         elif op == ReduceOp.ADASUM:
             op = ReduceOp.SUM  # Adasum degenerates to a sum here; documented limitation
-        shapes = [any_meta(m).shape for m in resp.metas]
         if meta0.device:
+            shapes = [any_meta(m).shape for m in resp.metas]
             self._mark("TRANSFER")
             outs_dev = _device_backend(resp).allreduce(
                 resp.ps_id, members, [None if r is None else r.device for r in reqs], shapes,
@@ -271,29 +271,16 @@ class Executor:
                 if req is not None:
                     req.complete(out)
             return
+        if (comm.name == "shm" and not resp.joined and None not in reqs
+                and self._single_copy(resp, reqs, comm, dtype, op, meta0.prescale, post)):
+            return
+        shapes = [any_meta(m).shape for m in resp.metas]
         sizes = [_numel(s) for s in shapes]
         total = sum(sizes)
         outs = [None if r is None else (r.out if r.out is not None else r.allocate(s, dtype))
                 for r, s in zip(reqs, shapes)]
         inputs = [None if r is None else r.array for r in reqs]
         nbytes = total * dtype.itemsize
-        if (comm.name == "shm" and not resp.joined and comm.cma_eligible(nbytes, len(reqs))
-                and all(o is not None for o in outs)):
-            # single copy: reduce straight between the ranks' own tensors, no staging
-            self._mark("MEMCPY_IN")
-            flats = []
-            for req, out in zip(reqs, outs):
-                assert req is not None and out is not None and req.array is not None
-                flat = out.reshape(-1)
-                if out is not req.array or meta0.prescale != 1.0:
-                    fusion.scaled_copy(flat, req.array.reshape(-1), meta0.prescale)
-                flats.append(flat)
-            self._mark("TRANSFER")
-            if comm.allreduce_scattered(flats, op, post):
-                for req, out in zip(reqs, outs):
-                    assert req is not None
-                    req.complete(out)
-                return
         staging = comm.staging(nbytes) if comm.size > 1 else None
         if staging is not None:
             self._mark("MEMCPY_IN_FUSION_BUFFER")
@@ -327,6 +314,34 @@ class Executor:
         for req, out in zip(reqs, outs):
             if req is not None:
                 req.complete(out)
+
+    def _single_copy(self, resp: Response, reqs: list[Any], comm: Any, dtype: np.dtype,
+                     op: ReduceOp, prescale: float, post: float) -> bool:
+        """Reduce straight between the ranks' own tensors (no staging) where the
+        single-copy allreduce takes this response; False, on every rank alike, where it
+        does not. Every member's request is here (none joined), so each tensor's shape
+        is its request's own (negotiation checked they agree)."""
+        nbytes = resp.nbytes if resp.nbytes >= 0 else sum(r.array.nbytes for r in reqs)
+        if not comm.cma_eligible(nbytes, len(reqs)):
+            return False
+        self._mark("MEMCPY_IN")
+        outs, flats = [], []
+        scaled_copy = fusion.scaled_copy
+        for req in reqs:
+            out, arr = req.out, req.array
+            if out is None:
+                out = req.allocate(req.shape, dtype)
+            flat = out.reshape(-1)
+            if out is not arr or prescale != 1.0:
+                scaled_copy(flat, arr.reshape(-1), prescale)
+            outs.append(out)
+            flats.append(flat)
+        self._mark("TRANSFER")
+        if not comm.allreduce_scattered(flats, op, post):
+            return False  # the outputs hold the (prescaled) inputs: the staged path redoes it
+        for req, out in zip(reqs, outs):
+            req.complete(out)
+        return True
 
     def _allgather(self, resp: Response, reqs: list[Request | None], comm: Any,
                    members: list[int]) -> None:

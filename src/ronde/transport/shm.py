@@ -35,7 +35,7 @@ from ..collectives.ops import ReduceOp, reduce_in_rank_order, reduce_into
 from .balance import BlockSplit
 from .balance import even as blocks  # the segment path's; the single-copy one balances
 from .base import Communicator
-from .hugepages import HugePages
+from .hugepages import HugePages, heap_for_tensors
 from .segments import OwnedSegment, close_maps, create_segment, open_segment, shm_dir
 
 #: counters, then a table of (address, length) pairs for single-copy allreduces
@@ -114,8 +114,9 @@ class ShmCommunicator(Communicator, OwnedSegment):
         self.push_agreed = False
         self._cma_scratch = np.empty(0, dtype=np.uint8)
         self._cma_scratch_at = 0
-        #: member -> (its last published single-copy table, its Layout); see cma._layout
-        self._layouts: dict = {}  # cma.py: published tables seen, and their chunk plans
+        #: single-copy tables seen (-> their Layout), and the chunk plans of each set of
+        #: layouts (see cma.py)
+        self._layouts: dict = {}
         self._chunk_plans: dict = {}
         #: every member's process id (single-copy reads and writes address them)
         self.pids: list[int] = []
@@ -123,6 +124,8 @@ class ShmCommunicator(Communicator, OwnedSegment):
         self.split = BlockSplit(self.size)
         #: moves memory that peers read onto huge pages (see hugepages.py)
         self.hugepages = HugePages(hugepages and cma)
+        if self.hugepages.active:
+            heap_for_tensors()  # tensors allocated from now on: on collapsible memory
         self._publish(PID, os.getpid())
         self._publish(PROBE, int(self._probe.ctypes.data))
         self._publish(ATTACHED, 1)  # I have mapped every peer's segment
