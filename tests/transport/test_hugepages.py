@@ -37,6 +37,30 @@ def _huge_bytes(lo: int, hi: int) -> int:
     return total
 
 
+def _splits(lo: int, hi: int) -> int:
+    """How many mapping boundaries lie strictly inside [lo, hi) (/proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        edges = {int(x, 16) for line in f for x in line.split()[0].split("-")}
+    return sum(1 for e in edges if lo < e < hi)
+
+
+def _thp_share(addr: int, nbytes: int) -> float | None:
+    """The share of [addr, addr + nbytes) on transparent huge pages, or None where
+    /proc/kpageflags cannot be read."""
+    from ronde.bench.fusion_stages import small_page_share
+
+    small = small_page_share([np.asarray(_Raw(addr, nbytes))])
+    return None if small is None else 1.0 - small
+
+
+class _Raw:
+    """A buffer at a raw address, for numpy (read only by the page-flag check)."""
+
+    def __init__(self, addr: int, nbytes: int) -> None:
+        self.__array_interface__ = {"data": (addr, True), "shape": (nbytes,),
+                                    "typestr": "|u1", "version": 3}
+
+
 @needs_collapse
 def test_a_block_seen_twice_moves_onto_a_huge_page_contents_unchanged():
     m, buf = _anon(3 * BLOCK)
@@ -58,6 +82,30 @@ def test_a_block_seen_twice_moves_onto_a_huge_page_contents_unchanged():
     for _ in range(3):
         hp.prepare(ranges)
     assert calls == []  # settled: the steady state makes no system call
+    del buf
+    m.close()
+
+
+@needs_collapse
+def test_a_block_where_a_huge_page_marked_mapping_begins_moves_too():
+    # numpy marks an array of 4 MiB or more for huge pages from its first 4 KiB page
+    # boundary: two anonymous mappings whose flags differ then meet inside a block, and
+    # the kernel, which collapses only whole blocks inside one mapping, reports success
+    # for that block while leaving it on 4 KiB pages. It must end up on a huge page.
+    m, buf = _anon(2 * BLOCK)
+    buf[:] = 7
+    addr = buf.ctypes.data
+    fn, _ = hugepages._libc_calls()
+    assert fn(addr + BLOCK // 2, BLOCK + BLOCK // 2, 14) == 0  # MADV_HUGEPAGE, as numpy
+    assert _splits(addr, addr + BLOCK) == 1
+    hp = HugePages(True)
+    for _ in range(2):
+        hp.prepare([(addr, BLOCK)])
+    # one mapping over the block now (what a collapse needs), and, where the page
+    # flags are readable (root), its memory on one huge page
+    assert _splits(addr, addr + BLOCK) == 0
+    assert _thp_share(addr, BLOCK) in (None, 1.0)
+    assert (buf == 7).all()
     del buf
     m.close()
 
@@ -135,6 +183,42 @@ def test_only_private_anonymous_memory_is_marked_for_huge_pages(tmp_path):
     assert not hugepages._anonymous_only(b, str(maps))
     maps.write_text(line(b, b + BLOCK, name="[stack]"))
     assert not hugepages._anonymous_only(b, str(maps))
+
+
+_SPLIT_PROBE = """
+import numpy as np
+from ronde.transport import hugepages
+assert hugepages.heap_for_tensors()
+a = np.full((2 << 20) // 4, 1.0, np.float32)
+b = np.full((9 << 20) // 4, 1.0, np.float32)  # numpy marks it for huge pages, mid-block
+block = b.ctypes.data & ~(hugepages.BLOCK - 1)
+
+def splits():
+    with open("/proc/self/maps") as f:
+        edges = {int(x, 16) for line in f for x in line.split()[0].split("-")}
+    return sum(1 for e in edges if block < e < block + hugepages.BLOCK)
+
+before = splits()
+hp = hugepages.HugePages(True)
+for _ in range(2):
+    hp.prepare([(a.ctypes.data, a.nbytes), (b.ctypes.data, b.nbytes)])
+print(before, splits(), bool((b == 1).all()))
+"""
+
+
+@needs_collapse
+def test_the_heap_block_where_numpy_marks_a_large_array_moves_too():
+    # the same on the heap, where the kernel reports success for the straddled block and
+    # leaves it alone (on the private mapping above it says EINVAL instead)
+    import subprocess
+    import sys
+
+    probe = subprocess.run([sys.executable, "-c", _SPLIT_PROBE], capture_output=True,
+                           text=True, timeout=60)
+    if "AssertionError" in probe.stderr:
+        pytest.skip("the C library is not glibc")
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split() == ["1", "0", "True"]
 
 
 _HEAP_PROBE = """

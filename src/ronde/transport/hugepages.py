@@ -14,7 +14,10 @@ So the owner of the memory moves it onto huge pages itself, once: each 2 MiB-ali
 block of address space that holds memory a peer will read is collapsed with
 ``madvise(MADV_COLLAPSE)`` (Linux 6.1; the kernel copies the block into one huge page,
 in place, the contents unchanged), after ``MADV_HUGEPAGE`` when the block straddles
-mappings of different flags (numpy marks its arrays from a 4 KiB boundary). Policy:
+anonymous mappings (numpy marks its arrays for huge pages from a 4 KiB boundary, which
+splits the mapping there): the kernel collapses only whole blocks inside one mapping,
+and for a straddled one it reports EINVAL, or on the heap success while leaving it on
+4 KiB pages, so the mappings are made alike first (they merge). Policy:
 
 - a block is collapsed the second time it is seen (memory used once, a freshly
   allocated output, is not worth a copy at 4 GB/s); after that attempt, whatever its
@@ -28,7 +31,7 @@ mappings of different flags (numpy marks its arrays from a 4 KiB boundary). Poli
 - nothing is done where the kernel has no ``MADV_COLLAPSE``, where the system's THP
   setting is ``never``, under ``prctl(PR_SET_THP_DISABLE)``, or with
   ``RONDE_HUGEPAGES=0`` (the way to keep memory you marked ``MADV_NOHUGEPAGE`` so:
-  the retry with ``MADV_HUGEPAGE`` would lift that mark on the blocks it touches).
+  ``MADV_HUGEPAGE`` on a straddled block would lift that mark there).
 
 Where the tensors lie matters as much. glibc's ``malloc`` serves each block above its
 mmap threshold (128 KiB at first) with a mapping of its own, which the kernel often
@@ -54,7 +57,6 @@ simply read at the 4 KiB rate (the record says "done"), never wrongly.
 from __future__ import annotations
 
 import ctypes
-import errno
 import mmap
 from typing import Iterable
 
@@ -163,16 +165,21 @@ class HugePages:
         if self._fn is None:
             return
         settled = self._settled
+        due: list[int] = []
         for addr, n in ranges:
             if n <= 0 or (addr, n) in settled:
                 continue
-            if self._visit(addr, n):
+            if self._visit(addr, n, due):
                 if len(settled) >= _MAX_RECORDED:
                     settled.clear()
                 settled.add((addr, n))
+        if due:
+            spans = _read_maps()  # once for all the blocks due now (each once ever)
+            for block in due:
+                self._collapse(block, spans)
 
-    def _visit(self, addr: int, n: int) -> bool:
-        """Collapse the blocks of one range seen before; True when all were tried."""
+    def _visit(self, addr: int, n: int, due: list[int]) -> bool:
+        """Add the blocks of one range seen before to ``due``; True when all were tried."""
         seen, tried = self._seen, self._tried
         if len(seen) + len(tried) >= _MAX_RECORDED:
             seen.clear()
@@ -187,10 +194,10 @@ class HugePages:
                 continue
             seen.discard(b)
             tried.add(b)
-            self._collapse(b)
+            due.append(b)
         return all_tried
 
-    def _collapse(self, block: int) -> None:
+    def _collapse(self, block: int, spans: list[tuple[int, int, bool]]) -> None:
         fn, mincore = self._fn, self._mincore
         assert fn is not None and mincore is not None
         # only blocks already (nearly) all in memory: a collapse fills the holes, and
@@ -200,35 +207,48 @@ class HugePages:
                 int(np.count_nonzero(vec & 1)) < _MIN_RESIDENT * vec.size:
             self.refused += 1
             return
-        if fn(block, BLOCK, _MADV_COLLAPSE) == 0:
+        anonymous, pieces = _mappings(block, spans)
+        if anonymous and pieces > 1:
+            # anonymous mappings whose flags differ meet inside the block (numpy marks
+            # its arrays for huge pages from a 4 KiB boundary): the kernel collapses
+            # only whole blocks inside one mapping, and reports success for a block it
+            # left alone. Marking the block alike merges them.
+            fn(block, BLOCK, _MADV_HUGEPAGE)
+        if fn(block, BLOCK, _MADV_COLLAPSE) == 0 and (anonymous or pieces == 1):
             self.collapsed_bytes += BLOCK
             return
-        if ctypes.get_errno() == errno.EINVAL and _anonymous_only(block):
-            # the block straddles anonymous mappings whose flags differ (numpy marks its
-            # arrays from a page boundary inside them): make them alike, retry
-            fn(block, BLOCK, _MADV_HUGEPAGE)
-            if fn(block, BLOCK, _MADV_COLLAPSE) == 0:
-                self.collapsed_bytes += BLOCK
-                return
         self.refused += 1
 
 
-def _anonymous_only(block: int, maps: str = "/proc/self/maps") -> bool:
-    """Whether [block, block + BLOCK) lies entirely in private anonymous mappings (the
-    heap included; no file, stack or shared memory): only those get ``MADV_HUGEPAGE``
-    from ronde. Read once per refused block, so the cost does not recur."""
-    end, covered = block + BLOCK, 0
+def _read_maps(maps: str = "/proc/self/maps") -> list[tuple[int, int, bool]]:
+    """This process's mappings: (start, end, private anonymous?), in address order (the
+    heap counts as anonymous; files, the stack and shared memory do not)."""
+    out = []
     try:
         with open(maps) as f:
             for line in f:
                 fields = line.split(None, 5)
                 lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                if hi <= block or lo >= end:
-                    continue
                 name = fields[5].strip() if len(fields) > 5 else ""
-                if fields[1][3] != "p" or name not in ("", "[heap]"):
-                    return False
-                covered += min(hi, end) - max(lo, block)
+                out.append((lo, hi, fields[1][3] == "p" and name in ("", "[heap]")))
     except (OSError, ValueError, IndexError):
-        return False
-    return covered == BLOCK
+        return []
+    return out
+
+
+def _mappings(block: int, spans: list[tuple[int, int, bool]]) -> tuple[bool, int]:
+    """Whether [block, block + BLOCK) lies entirely in private anonymous mappings (only
+    those get ``MADV_HUGEPAGE`` from ronde), and how many mappings it spans."""
+    end, covered, pieces, anonymous = block + BLOCK, 0, 0, True
+    for lo, hi, anon in spans:
+        if hi <= block or lo >= end:
+            continue
+        pieces += 1
+        anonymous = anonymous and anon
+        covered += min(hi, end) - max(lo, block)
+    return anonymous and covered == BLOCK, pieces
+
+
+def _anonymous_only(block: int, maps: str = "/proc/self/maps") -> bool:
+    """Whether [block, block + BLOCK) lies entirely in private anonymous mappings."""
+    return _mappings(block, _read_maps(maps))[0]
