@@ -38,8 +38,9 @@ def _result(alloc: Allocator, raw: Any, like: torch.Tensor) -> torch.Tensor:
 
 def _inplace(tensor: torch.Tensor, staged: torch.Tensor) -> Any:
     """The converter of an in-place collective: copy back only if ``staged`` is a copy."""
-    copied = staged.device != tensor.device or staged.data_ptr() != tensor.data_ptr() \
-        or staged.stride() != tensor.stride()
+    copied = staged is not tensor and (
+        staged.device != tensor.device or staged.data_ptr() != tensor.data_ptr()
+        or staged.stride() != tensor.stride())
 
     def convert(_raw: Any) -> torch.Tensor:
         if copied:
