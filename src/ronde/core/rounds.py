@@ -193,7 +193,7 @@ class Announcer:
         return out, blob
 
 
-#: request lists (and steady rounds, negotiation.py) remembered; past this, start afresh
+#: request lists remembered by an Announcer; past this, it starts afresh
 _MEMO_ENTRIES = 32
 
 
