@@ -410,10 +410,14 @@ def fused_large() -> str:
 def hugepages_steady() -> tuple:
     """Separately allocated tensors allreduced step after step over single-copy reads:
     from the second step each rank moves them onto huge pages (transport/hugepages.py)
-    while peers keep reading them; every step's values stay exact."""
+    while peers keep reading them; every step's values stay exact. Returns (huge pages
+    active, bytes collapsed, malloc thresholds set, a 1 MiB array from the heap)."""
     import ronde as hvd
 
     hvd.init()
+    # right after init() (before any large block is freed, which would move glibc's
+    # threshold by itself): on the heap where the malloc setting was made
+    mid = np.ones(1 << 18, np.float32)  # 1 MiB: above glibc's first mmap threshold
     r, n = hvd.rank(), hvd.size()
     ts = [np.empty(s, np.float32) for s in (700_000, 3, 1_500_000, 5_000)]
     for step in range(4):
@@ -426,7 +430,14 @@ def hugepages_steady() -> tuple:
             want = n * (np.arange(t.size) % 7 + step + i) + n * (n - 1) // 2
             np.testing.assert_array_equal(t, want.astype(np.float32))
     comm = hvd._api._rt.engine.communicator(0)
-    out = (comm.hugepages.active, comm.hugepages.collapsed_bytes)
+    from ronde.transport import hugepages
+
+    with open("/proc/self/maps") as f:
+        heap = [tuple(int(x, 16) for x in line.split()[0].split("-"))
+                for line in f if line.rstrip().endswith("[heap]")]
+    on_heap = any(lo <= mid.ctypes.data < hi for lo, hi in heap)
+    out = (comm.hugepages.active, comm.hugepages.collapsed_bytes, hugepages._heap_tuned,
+           on_heap)
     hvd.shutdown()
     return out
 
