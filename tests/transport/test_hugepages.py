@@ -163,6 +163,10 @@ def test_nothing_is_done_when_disabled_or_where_thp_is_off(tmp_path):
     assert not hugepages._thp_allowed(str(tmp_path / "missing"))
 
 
+def _anonymous_only(block: int, maps) -> bool:
+    return hugepages._mappings(block, hugepages._read_maps(str(maps)))[0]
+
+
 def test_only_private_anonymous_memory_is_marked_for_huge_pages(tmp_path):
     # a block that straddles mappings gets MADV_HUGEPAGE only when every one of them is
     # private anonymous memory (or the heap): never a file, the stack or shared memory
@@ -174,15 +178,15 @@ def test_only_private_anonymous_memory_is_marked_for_huge_pages(tmp_path):
 
     half = b + BLOCK // 2
     maps.write_text(line(b - 4096, half) + line(half, b + BLOCK, name="[heap]"))
-    assert hugepages._anonymous_only(b, str(maps))
+    assert _anonymous_only(b, maps)
     maps.write_text(line(b, half) + line(half, b + BLOCK, "r--p", "/usr/lib/libc.so.6"))
-    assert not hugepages._anonymous_only(b, str(maps))
+    assert not _anonymous_only(b, maps)
     maps.write_text(line(b, half) + line(half, b + BLOCK, "rw-s", "/dev/shm/x"))
-    assert not hugepages._anonymous_only(b, str(maps))
+    assert not _anonymous_only(b, maps)
     maps.write_text(line(b, half))  # the rest unmapped
-    assert not hugepages._anonymous_only(b, str(maps))
+    assert not _anonymous_only(b, maps)
     maps.write_text(line(b, b + BLOCK, name="[stack]"))
-    assert not hugepages._anonymous_only(b, str(maps))
+    assert not _anonymous_only(b, maps)
 
 
 _SPLIT_PROBE = """

@@ -66,8 +66,9 @@ class Layout:
     def nbytes(self) -> int:
         return self.starts[-1]
 
-    def ranges(self, lo: int, hi: int) -> list[tuple[int, int]]:
-        """(address, length) pieces covering logical bytes [lo, hi)."""
+    def pieces(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """(tensor index, start, stop) pieces covering logical bytes [lo, hi), the bounds
+        in bytes within each tensor."""
         out = []
         i = max(0, bisect.bisect_right(self.starts, lo) - 1)
         while lo < hi and i < len(self.lengths):
@@ -75,10 +76,15 @@ class Layout:
             end = start + self.lengths[i]
             if end > lo and self.lengths[i]:
                 a, b = max(lo, start), min(hi, end)
-                out.append((self.addrs[i] + (a - start), b - a))
+                out.append((i, a - start, b - start))
                 lo = b
             i += 1
         return out
+
+    def ranges(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """(address, length) pieces covering logical bytes [lo, hi)."""
+        addrs = self.addrs
+        return [(addrs[i] + a, b - a) for i, a, b in self.pieces(lo, hi)]
 
 
 def coalesce(bufs: list[np.ndarray]) -> tuple[list[np.ndarray], list[int]]:
@@ -154,16 +160,7 @@ class _Chunk:
                  push: bool) -> None:
         self.stop = b
         mine = layouts[me]
-        self.pieces: list[tuple[int, int, int]] = []
-        i = max(0, bisect.bisect_right(mine.starts, a * item) - 1)
-        lo = a
-        while lo < b and i < len(mine.lengths):
-            s, e = mine.starts[i] // item, mine.starts[i + 1] // item
-            if e > lo and e > s:
-                hi = min(b, e)
-                self.pieces.append((i, lo - s, hi - s))
-                lo = hi
-            i += 1
+        self.pieces = [(i, s // item, e // item) for i, s, e in mine.pieces(a * item, b * item)]
         self.peers = [None if j == me else Iov(lay.ranges(a * item, b * item))
                       for j, lay in enumerate(layouts)]
         self.mine = Iov(mine.ranges(a * item, b * item)) if push else None
@@ -187,7 +184,7 @@ def order_scratch(comm: "ShmCommunicator", count: int, dtype: np.dtype
     """Scratch for ``reduce_in_rank_order`` when reading chunks of up to ``count``
     elements from peers: ``(low, part)``, the same memory unless this rank sums two or
     more ranks below it."""
-    scratch = comm.cma_scratch((2 if comm.rank >= 2 else 1) * count, dtype)[0]
+    scratch = comm.cma_scratch((2 if comm.rank >= 2 else 1) * count, dtype)
     return scratch[:count], scratch[-count:]
 
 

@@ -247,8 +247,3 @@ def _mappings(block: int, spans: list[tuple[int, int, bool]]) -> tuple[bool, int
         anonymous = anonymous and anon
         covered += min(hi, end) - max(lo, block)
     return anonymous and covered == BLOCK, pieces
-
-
-def _anonymous_only(block: int, maps: str = "/proc/self/maps") -> bool:
-    """Whether [block, block + BLOCK) lies entirely in private anonymous mappings."""
-    return _mappings(block, _read_maps(maps))[0]

@@ -113,7 +113,6 @@ class ShmCommunicator(Communicator, OwnedSegment):
         #: with ``_cma``; owners then write their reduced blocks into every peer
         self.push_agreed = False
         self._cma_scratch = np.empty(0, dtype=np.uint8)
-        self._cma_scratch_at = 0
         #: single-copy tables seen (-> their Layout), and the chunk plans of each set of
         #: layouts (see cma.py)
         self._layouts: dict = {}
@@ -236,7 +235,7 @@ class ShmCommunicator(Communicator, OwnedSegment):
         self._wait_all(WRITTEN, t)
         # in rank order, as the single-copy path: the same bits either way
         reduce_in_rank_order(self.rank, self.size, lambda j, _buf: views[j][lo:hi],
-                             [mine[lo:hi]], op, self.cma_scratch(hi - lo, dtype)[0])
+                             [mine[lo:hi]], op, self.cma_scratch(hi - lo, dtype))
         self._publish(REDUCED, t)
         return t
 
@@ -298,15 +297,12 @@ class ShmCommunicator(Communicator, OwnedSegment):
         return (self._cma is not False and nbytes >= CMA_MIN_BYTES
                 and 0 < n_tensors <= TABLE_ENTRIES and self.size > 1)
 
-    def cma_scratch(self, count: int, dtype: np.dtype) -> tuple[np.ndarray, int]:
-        """A reused buffer of ``count`` elements for single-copy reads, and its address."""
+    def cma_scratch(self, count: int, dtype: np.dtype) -> np.ndarray:
+        """A reused scratch buffer of ``count`` elements (for rank-order reductions)."""
         nbytes = count * np.dtype(dtype).itemsize
         if self._cma_scratch.nbytes < nbytes:
-            from .vm import address
-
             self._cma_scratch = np.empty(nbytes, dtype=np.uint8)
-            self._cma_scratch_at = address(self._cma_scratch)
-        return self._cma_scratch[:nbytes].view(dtype), self._cma_scratch_at
+        return self._cma_scratch[:nbytes].view(dtype)
 
     def _agree_on_cma(self) -> bool:
         """Probe every peer's memory (read its probe value, then write the same bytes
