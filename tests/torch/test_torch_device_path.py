@@ -45,3 +45,14 @@ def test_training_equivalence_on_the_device_path():
 def test_device_path_on_a_process_set(np_):
     assert run_ranks(np_, workers.device_path_process_set, timeout_s=100,
                      env=DEVICE) == ["ok"] * np_
+
+
+def test_ranks_sharing_a_gpu_are_found_by_identity():
+    # NCCL refuses two ranks of one communicator on one GPU; the device path finds them
+    # from the identities every member reported (global ranks of a process set here)
+    from ronde.torch._device import shared_gpus
+
+    assert shared_gpus(["GPU-a", "GPU-b"], [0, 1]) == {}
+    assert shared_gpus(["GPU-a", "GPU-a", "GPU-b"], [0, 2, 5]) == {"GPU-a": [0, 2]}
+    assert shared_gpus(["h0 pci 0:1:0", "h1 pci 0:1:0", "h0 pci 0:1:0", "h1 pci 0:1:0"],
+                       [0, 1, 2, 3]) == {"h0 pci 0:1:0": [0, 2], "h1 pci 0:1:0": [1, 3]}

@@ -235,15 +235,16 @@ def _optimizer(torch, name: str, params, lr: float = 0.05):
     raise ValueError(name)
 
 
-def equivalence(configs: list, steps: int = 4, batch: int = 8) -> list:
+def equivalence(configs: list, steps: int = 4, batch: int = 8, device: str = "cpu") -> list:
     """Train distributed and a one-process reference on the full batch; return max diffs."""
     torch, hvd = _setup()
+    dev = _pin(torch, hvd, device)
     r, n = hvd.rank(), hvd.size()
     F = torch.nn.functional
     results = []
     for cfg_i, (opt_name, bpps, comp, norm) in enumerate(configs):
-        model = _model(torch, 7, "sync" if norm else None)
-        ref = _model(torch, 7, "plain" if norm else None)
+        model = _model(torch, 7, "sync" if norm else None).to(dev)
+        ref = _model(torch, 7, "plain" if norm else None).to(dev)
         ref.load_state_dict(model.state_dict())
         compression = getattr(hvd.Compression, comp)
         opt = hvd.DistributedOptimizer(
@@ -253,8 +254,8 @@ def equivalence(configs: list, steps: int = 4, batch: int = 8) -> list:
         ref_opt = _optimizer(torch, opt_name, ref.parameters())
         gen = torch.Generator().manual_seed(11)
         for _ in range(steps):
-            x = torch.randn(n * batch, 6, generator=gen, dtype=torch.float64)
-            y = torch.randn(n * batch, 3, generator=gen, dtype=torch.float64)
+            x = torch.randn(n * batch, 6, generator=gen, dtype=torch.float64).to(dev)
+            y = torch.randn(n * batch, 3, generator=gen, dtype=torch.float64).to(dev)
             ref_opt.zero_grad()
             F.mse_loss(ref(x), y).backward()
             ref_opt.step()
@@ -506,59 +507,90 @@ def compiled(backend: str = "aot_eager") -> float:
                for a, b in zip(model.parameters(), ref.parameters()))
 
 
-def device_path() -> str:
-    """Collectives that stay on the device (here: CPU tensors through Gloo)."""
+def _pin(torch, hvd, device: str):
+    """The device this rank's tensors live on: ``cuda`` pins one GPU by local rank."""
+    if device != "cuda":
+        return torch.device(device)
+    index = hvd.local_rank() % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def device_path(device: str = "cpu") -> str:
+    """Collectives that stay on the device: CPU tensors through Gloo
+    (``RONDE_TORCH_DEVICE_PATH=always``) or CUDA tensors through NCCL. Returns ``ok``, and
+    for CUDA which path ran: ``ok nccl`` or, where ranks share a GPU, ``ok host``."""
     import torch
 
     import ronde.torch as hvd
+    from ronde.torch._device import BACKEND
 
     torch.set_num_threads(1)
     hvd.init()
+    dev = _pin(torch, hvd, device)
     r, n = hvd.rank(), hvd.size()
-    base = torch.arange(10, dtype=torch.float32)
-    assert torch.allclose(hvd.allreduce(base + r, op=hvd.Sum, name="a"),
-                          sum(base + q for q in range(n)))
+
+    def on(t):
+        return t.to(dev)
+
+    base = on(torch.arange(10, dtype=torch.float32))
+    got = hvd.allreduce(base + r, op=hvd.Sum, name="a")
+    assert got.device == dev, got.device
+    assert torch.allclose(got, sum(base + q for q in range(n)))
     assert torch.allclose(hvd.allreduce(base + r, name="avg", prescale_factor=2.0,
                                         postscale_factor=0.5), base + (n - 1) / 2)
-    w = torch.ones(4, dtype=torch.int64) * (r + 1)
+    w = on(torch.ones(4, dtype=torch.int64) * (r + 1))
     assert hvd.allreduce_(w, op=hvd.Sum, name="i") is w
     assert w.tolist() == [n * (n + 1) // 2] * 4
-    strided = torch.zeros(4, 6)[:, ::2]  # non-contiguous, in place
+    strided = on(torch.zeros(4, 6))[:, ::2]  # non-contiguous, in place
     strided.fill_(r + 1.0)
     hvd.allreduce_(strided, op=hvd.Max, name="strided")
     assert (strided == n).all()
-    b = hvd.broadcast(torch.full((3,), float(r)), root_rank=n - 1, name="b")
-    assert b.tolist() == [n - 1.0] * 3
-    t = torch.full((2, 2), float(r))
+    b = hvd.broadcast(on(torch.full((3,), float(r))), root_rank=n - 1, name="b")
+    assert b.device == dev and b.tolist() == [n - 1.0] * 3
+    t = on(torch.full((2, 2), float(r)))
     hvd.broadcast_(t, root_rank=0, name="b_")
     assert (t == 0).all()
-    hs = [hvd.allreduce_async(torch.full((s,), float(r)), op=hvd.Sum, name=f"f{s}")
+    hs = [hvd.allreduce_async(on(torch.full((s,), float(r))), op=hvd.Sum, name=f"f{s}")
           for s in (1, 5, 1000, 70_000)]
     for h in hs:
-        assert torch.allclose(hvd.synchronize(h), torch.tensor(float(sum(range(n)))))
-    x = torch.ones(3, requires_grad=True)
+        assert torch.allclose(hvd.synchronize(h), on(torch.tensor(float(sum(range(n))))))
+    x = on(torch.ones(3)).requires_grad_()
     hvd.allreduce(x * (r + 1), op=hvd.Sum, name="grad").sum().backward()
     # d/dx of sum(allreduce_sum(x * (r+1))) = allreduce_sum(ones) * (r+1) = n * (r+1)
-    assert torch.allclose(x.grad, torch.full((3,), float(n * (r + 1)))), x.grad
-    model = torch.nn.Linear(4, 2)
+    assert torch.allclose(x.grad, on(torch.full((3,), float(n * (r + 1))))), x.grad
+    model = torch.nn.Linear(4, 2).to(dev)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters())
     for _ in range(3):
         opt.zero_grad()
-        model(torch.ones(8, 4) * (r + 1)).sum().backward()
+        model(on(torch.ones(8, 4)) * (r + 1)).sum().backward()
         opt.step()
-    ws = hvd.allgather_object(model.weight.detach().numpy().tolist())
+    ws = hvd.allgather_object(model.weight.detach().cpu().numpy().tolist())
     assert all(np.allclose(ws[0], other) for other in ws)
-    assert torch.distributed.is_initialized()  # the device path really ran
+    if device == "cuda":
+        # the other collectives make a host round trip and come back on the device
+        g = hvd.allgather(on(torch.full((r + 1, 2), float(r))), name="ag")
+        assert g.device == dev and g.shape == (n * (n + 1) // 2, 2)
+        rs = hvd.reducescatter(on(torch.ones(2 * n, 3)), op=hvd.Sum, name="rs")
+        assert rs.device == dev and (rs == n).all()
+    nccl = BACKEND._placement.get(0, (True, 0))[0] if device == "cuda" else True
+    # the device path really ran (or, where ranks share a GPU, really did not)
+    assert torch.distributed.is_initialized() == nccl
+    if nccl and device == "cuda":
+        assert torch.distributed.get_backend() == "nccl"
     hvd.shutdown()
     # torn down after a barrier, not left to exit, where Gloo could abort the process
     # ("terminate called without an active exception" failed a CI run once)
     assert not torch.distributed.is_initialized()
     hvd.init()  # and built again by the next generation
-    assert hvd.allreduce(torch.ones(2), op=hvd.Sum, name="again").tolist() == [float(n)] * 2
+    again = hvd.allreduce(on(torch.ones(2)), op=hvd.Sum, name="again")
+    assert again.device == dev and again.tolist() == [float(n)] * 2
     hvd.shutdown()
-    return "ok"
+    if device != "cuda":
+        return "ok"
+    return "ok nccl" if nccl else "ok host"
 
 
 def device_path_process_set() -> str:

@@ -22,6 +22,14 @@ touching torch's default group. The other collectives (allgather, alltoall,
 reducescatter) take a host round trip for CUDA tensors. ``RONDE_TORCH_DEVICE_PATH=always`` sends CPU tensors through this same path with
 Gloo (which is how it is tested on machines without GPUs); ``never`` disables it.
 
+One GPU per rank: NCCL refuses two ranks of a communicator on the same GPU ("Duplicate
+GPU detected", since NCCL 2.5). Before a process set's first CUDA collective its members
+exchange their GPUs' identities (:func:`_gpu_identity`, through ``allgather_object``);
+where two of them share a GPU (a single-GPU workstation running ``-np 2``, or a script
+that never pinned ``local_rank``), every member takes the host path for that set's CUDA
+tensors instead, and one warning names the ranks and the fix. Every member reaches the
+same decision from the same gathered list, so their requests still agree.
+
 Streams: the executor thread issues the NCCL call on the device's current stream, so it
 is ordered after the work that produced the gradients on that stream, and what runs
 after ``synchronize()`` on that stream is ordered after the reduction.
@@ -32,6 +40,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import os
+import socket
 import threading
 from typing import Any, Iterator, Sequence
 
@@ -59,7 +69,7 @@ def wants_device_path(tensor: torch.Tensor, process_set: Any) -> bool:
     if not torch.distributed.is_available():
         return False
     if tensor.is_cuda:
-        return mode in ("auto", "always") and torch.distributed.is_nccl_available()
+        return torch.distributed.is_nccl_available() and BACKEND.own_gpus(tensor, process_set)
     return mode == "always" and tensor.device.type == "cpu" and not tensor.is_sparse
 
 
@@ -73,13 +83,44 @@ class TorchDeviceBackend:
         self._generation = -1
         #: process set id -> (its own process group, generation)
         self._sets: dict[int, tuple[Any, int]] = {}
+        #: process set id -> (every member on a GPU of its own, generation)
+        self._placement: dict[int, tuple[bool, int]] = {}
 
     def close(self) -> None:
         """Drop every process group (``ronde.shutdown()``, once all ranks are idle)."""
         with self._lock:
             self._group = None
             self._sets.clear()
+            self._placement.clear()
             self._generation = -1
+
+    def own_gpus(self, sample: torch.Tensor, process_set: Any) -> bool:
+        """Whether every member of ``process_set`` has a GPU of its own (NCCL's rule).
+
+        Decided once per process set and generation, collectively (see module doc).
+        """
+        rt = _api._runtime_or_raise()
+        ps_id = getattr(process_set, "process_set_id", None) or 0
+        have = self._placement.get(ps_id)
+        if have is not None and have[1] == rt.generation:
+            return have[0]
+        members = (sorted(int(r) for r in process_set.ranks) if ps_id
+                   else list(range(rt.topo.size)))
+        ids = _api.allgather_object(_gpu_identity(sample.device),
+                                    name=f"ronde.torch.device.gpus.ps{ps_id}.g{rt.generation}",
+                                    process_set=process_set)
+        shared = shared_gpus(ids, members)
+        if shared and rt.topo.rank == members[0]:
+            which = "; ".join(f"ranks {', '.join(map(str, rs))} on {gpu}"
+                              for gpu, rs in shared.items())
+            logger.warning(
+                "ronde.torch: several ranks share one GPU (%s), and NCCL needs a GPU per "
+                "rank: CUDA allreduce and broadcast%s go through host memory instead. Pin "
+                "one GPU per process with torch.cuda.set_device(hvd.local_rank()) and run "
+                "no more processes per host than it has GPUs.", which,
+                f" on process set {ps_id}" if ps_id else "")
+        self._placement[ps_id] = (not shared, rt.generation)
+        return not shared
 
     # -- set-up (caller's thread, at the first device collective of a generation) ---------
     def ensure(self, sample: torch.Tensor, process_set: Any = None) -> None:
@@ -204,6 +245,30 @@ class TorchDeviceBackend:
                 yield
         else:
             yield
+
+
+def _gpu_identity(device: torch.device) -> str:
+    """What tells this GPU from every other one: its UUID, else host and PCI address."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None and str(uuid):
+        return f"GPU-{uuid}"
+    pci = [getattr(props, a, None) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
+    where = ("pci %s" % ":".join(map(str, pci)) if None not in pci
+             else f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')} #{index}")
+    return f"{socket.gethostname()} {where}"
+
+
+def shared_gpus(ids: Sequence[str], members: Sequence[int]) -> dict[str, list[int]]:
+    """GPU identity -> the global ranks on it, for every GPU that more than one is on.
+
+    ``ids[i]`` is the identity reported by ``members[i]``.
+    """
+    on: dict[str, list[int]] = {}
+    for rank, gpu in zip(members, ids):
+        on.setdefault(gpu, []).append(int(rank))
+    return {gpu: ranks for gpu, ranks in on.items() if len(ranks) > 1}
 
 
 def _numel(shape: Sequence[int]) -> int:

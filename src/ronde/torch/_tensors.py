@@ -6,8 +6,9 @@ fills (``alloc=``/``out=`` of the runtime API), so the result *is* a torch tenso
 bfloat16 has no numpy dtype in torch: its int16 view is reinterpreted as
 ``ml_dtypes.bfloat16`` (same bits). Non-contiguous tensors are copied to a
 contiguous one first. CUDA tensors that the device path (``_device.py``) does not
-take, i.e. allgather, alltoall and reducescatter, make a host round trip (copy to
-CPU, reduce, copy back); a warning says so once.
+take (allgather, alltoall and reducescatter; every collective where ranks share a GPU,
+or NCCL is missing) make a host round trip (copy to CPU, reduce, copy back); a warning
+says so once.
 """
 
 from __future__ import annotations
@@ -83,8 +84,9 @@ def host(t: torch.Tensor, what: str) -> torch.Tensor:
     if not t.is_cpu:  # (``t.device.type`` builds a device object: 0.2 us a call)
         if not _warned_device.is_set():
             _warned_device.set()
-            logger.warning("ronde.torch: %s tensors are copied to host memory for the "
-                           "collective and back (no NCCL path yet); expect extra latency",
+            logger.warning("ronde.torch: %s tensors are copied to host memory for this "
+                           "collective and back (allgather, alltoall, reducescatter, and "
+                           "every collective where NCCL is not used); expect extra latency",
                            t.device.type)
         return t.to("cpu").contiguous()
     return t if t.is_contiguous() else t.contiguous()
