@@ -98,8 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for size in parse_sizes(args.sizes):
         t = torch.ones(max(1, size // 4), dtype=torch.float32, device=dev)
         name = f"bench.cuda.{size}"
-        cases = {"ronde": lambda: hvd.allreduce_(t, op=hvd.Sum, name=name),
-                 "peer": lambda: peer(t)}
+        cases = {"ronde": lambda t=t, name=name: hvd.allreduce_(t, op=hvd.Sum, name=name),
+                 "peer": lambda t=t: peer(t)}
         rows.append(_measure(f"allreduce {size} B", size, n, cases, timed, args))
 
     shapes = resnet50_grad_shapes()
