@@ -372,10 +372,14 @@ def shutdown(rt: Runtime) -> None:
         t.join(timeout=1.0)
     from .transport import torch_dist  # torch itself is imported only if it was used
 
-    if torch_dist.holds_groups() and rt.topo.size > 1:  # Gloo transport, torch device path
+    if torch_dist.holds_groups():  # Gloo transport, torch device path
         mesh = rt.mesh
-        healthy = rt.engine.failed is None and mesh is not None
-        torch_dist.destroy_world((lambda: mesh.barrier(10.0)) if healthy else None)
+        if rt.topo.size == 1:  # nobody else can still be using them
+            torch_dist.destroy_world(lambda: None)
+        elif rt.engine.failed is None and mesh is not None:
+            torch_dist.destroy_world(lambda: mesh.barrier(10.0))
+        else:
+            torch_dist.destroy_world(None)
     if rt.mesh is not None:
         rt.mesh.close()
 
