@@ -51,6 +51,10 @@ timeout 300 $PY -m pytest -q -m gpu -p no:cacheprovider tests/torch/test_torch_c
   | tee "$LOG/gpu_tests.log" | tail -40
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 
+step "the engine alone on this machine: numpy allreduce at np=2 over shm (no GPU)"
+timeout 90 $PY -m ronde.bench allreduce --sizes 4B,1MiB,16MiB,64MiB --rounds 1 \
+  --transports shm --peers none 2>&1 | tail -8
+
 for np_ in 1 2; do
   step "benchmark, np=$np_"
   timeout 120 $RUN -np $np_ $PY -m ronde.bench.cuda 2>&1 | tee "$LOG/bench_np$np_.log" \

@@ -107,16 +107,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     total = torch.ones(sum(int(np.prod(s)) for s in shapes), device=dev)
     names = [f"bench.cuda.grad.{i}" for i in range(len(shapes))]
 
+    submit: list[float] = []
+
     def ronde_set() -> None:
+        t0 = time.perf_counter()
         hs = [hvd.allreduce_async_(g, op=hvd.Sum, name=nm) for g, nm in zip(grads, names)]
+        submit.append(time.perf_counter() - t0)
         for h in hs:
             hvd.synchronize(h)
 
-    rows.append(_measure(f"fusion {len(shapes)} tensors", total.numel() * 4, n,
-                         {"ronde": ronde_set, "peer": lambda: peer(total),
-                          "ronde_single": lambda: hvd.allreduce_(total, op=hvd.Sum,
-                                                                 name="bench.cuda.single")},
-                         timed, args))
+    cases = {"ronde": ronde_set, "peer": lambda: peer(total),
+             "ronde_single": lambda: hvd.allreduce_(total, op=hvd.Sum, name="bench.cuda.single")}
+    if on_device:  # the device work alone (fusion, reduction, copies), without the engine
+        from ronde._ops import ReduceOp
+
+        cases["backend_only"] = lambda: BACKEND.allreduce(
+            0, list(range(n)), grads, [tuple(g.shape) for g in grads], "float32",
+            ReduceOp.SUM, 1.0, 1.0, grads)
+    row = _measure(f"fusion {len(shapes)} tensors", total.numel() * 4, n, cases, timed, args)
+    row["ronde_submit_us"] = _median_us(submit[args.warmup:])
+    rows.append(row)
     if rank == 0:
         path = peer_name.split()[-1] if on_device else "host"
         print(f"# np={n}, {where}, ronde path: "

@@ -72,7 +72,7 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
                                          postscale_factor, process_set, inplace=False)
         return TorchHandle(inner, lambda raw: raw)
     staged = host(tensor, "allreduce")
-    alloc = Allocator()
+    alloc = Allocator(tensor)
     inner = _api.allreduce_async(numpy_view(staged), average, name, op, prescale_factor,
                                  postscale_factor, process_set, alloc=alloc)
     return TorchHandle(inner, lambda raw: _result(alloc, raw, tensor))
@@ -171,7 +171,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Start an allgather (concatenation along the first dimension, in rank order)."""
     staged = host(tensor, "allgather")
-    alloc = Allocator()
+    alloc = Allocator(tensor)
     inner = _api.allgather_async(numpy_view(staged), name, process_set, alloc=alloc)
     return TorchHandle(inner, lambda raw: _result(alloc, raw, tensor))
 
@@ -183,7 +183,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
         inner = _device.submit_broadcast(tensor, root_rank, name, process_set, inplace=False)
         return TorchHandle(inner, lambda raw: raw)
     staged = host(tensor, "broadcast")
-    alloc = Allocator()
+    alloc = Allocator(tensor)
     inner = _api.broadcast_async(numpy_view(staged), root_rank, name, process_set, alloc=alloc)
     return TorchHandle(inner, lambda raw: _result(alloc, raw, tensor))
 
@@ -212,7 +212,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     staged = host(tensor, "alltoall")
     if isinstance(splits, torch.Tensor):
         splits = splits.detach().cpu().reshape(-1).tolist()
-    alloc = Allocator()
+    alloc = Allocator(tensor)
     inner = _api.alltoall_async(numpy_view(staged), splits, name, process_set, alloc=alloc)
 
     def convert(raw: Any) -> Any:
@@ -229,7 +229,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
                         postscale_factor: float = 1.0) -> TorchHandle:
     """Start a reducescatter (rank r gets its block of the first dimension)."""
     staged = host(tensor, "reducescatter")
-    alloc = Allocator()
+    alloc = Allocator(tensor)
     inner = _api.reducescatter_async(numpy_view(staged), op, name, process_set,
                                      prescale_factor, postscale_factor, alloc=alloc)
     return TorchHandle(inner, lambda raw: _result(alloc, raw, tensor))

@@ -203,23 +203,38 @@ class TorchDeviceBackend:
                   shapes: Sequence[tuple[int, ...]], dtype: str, op: ReduceOp,
                   prescale: float, postscale: float, outs: Sequence[Any | None]) -> list[Any]:
         tdtype = torch_dtype(dtype)
+        alone = len(members) == 1  # the reduction of one contributor is itself
         with self._on_device():
+            first, out0 = tensors[0], outs[0]
+            if (len(tensors) == 1 and first is not None and out0 is not None
+                    and out0.is_contiguous() and out0.data_ptr() == first.data_ptr()):
+                # one in-place tensor (most of a model's large gradients): reduce it where
+                # it lies, no fusion buffer and no copy back
+                _scale(out0, prescale)
+                if not alone:
+                    self._all_reduce(out0, op, ps_id)
+                _scale(out0, postscale)
+                return [out0]
             parts = [t.reshape(-1) if t is not None else
                      torch.zeros(_numel(s), dtype=tdtype, device=self._device)
                      for t, s in zip(tensors, shapes)]
             buf = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
             _scale(buf, prescale)
-            self._all_reduce(buf, op, ps_id)
+            if not alone:
+                self._all_reduce(buf, op, ps_id)
             _scale(buf, postscale)
-            results, off = [], 0
+            results, dst, src, off = [], [], [], 0
             for shape, out in zip(shapes, outs):
                 n = _numel(shape)
                 piece = buf[off: off + n].view(shape)
                 if out is not None:
-                    out.copy_(piece)
+                    dst.append(out)
+                    src.append(piece)
                     piece = out
                 results.append(piece)
                 off += n
+            if dst:  # one multi-tensor copy, not one kernel per tensor
+                torch._foreach_copy_(dst, src)
         return results
 
     def broadcast(self, ps_id: int, members: Sequence[int], tensor: Any, root: int,
@@ -231,7 +246,8 @@ class TorchDeviceBackend:
                     buf.copy_(tensor)
             else:
                 buf = tensor.clone()
-            self._broadcast(buf, root, members, ps_id)
+            if len(members) > 1:
+                self._broadcast(buf, root, members, ps_id)
             if out is not None and buf is not out:
                 out.copy_(buf)
                 return out
