@@ -6,7 +6,8 @@ training set, the learning rate is scaled by the number of ranks, rank 0's initi
 weights and optimizer state are broadcast, gradients are averaged by
 ``DistributedOptimizer`` while backward runs, metrics are averaged over ranks
 weighted by sample count (no padded samples), and rank 0 alone writes the checkpoint
-(atomically). Run it with::
+(atomically). Where torch sees a GPU, each process pins one by its local rank
+(``--no-cuda`` keeps it on the CPU). Run it with::
 
     ronderun -np 2 python examples/pytorch_mnist.py
 
@@ -67,13 +68,15 @@ def averaged(values: list[float], name: str) -> list[float]:
                          name=name).tolist()
 
 
-def evaluate(model: nn.Module, data: TensorDataset, batch_size: int) -> tuple[float, float]:
+def evaluate(model: nn.Module, data: TensorDataset, batch_size: int,
+             device: torch.device) -> tuple[float, float]:
     """Exact test loss and accuracy: each sample is counted once across ranks."""
     shard = Subset(data, range(hvd.rank(), len(data), hvd.size()))  # no padding
     model.eval()
     loss_sum = correct = count = 0.0
     with torch.no_grad():
         for x, y in DataLoader(shard, batch_size=batch_size):
+            x, y = x.to(device), y.to(device)
             out = model(x)
             loss_sum += float(F.cross_entropy(out, y, reduction="sum"))
             correct += float((out.argmax(1) == y).sum())
@@ -100,18 +103,26 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--fp16-allreduce", action="store_true", help="fp16 compression")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--no-cuda", action="store_true", help="stay on the CPU")
     parser.add_argument("--checkpoint", default="pytorch_digits_checkpoint.pt")
     args = parser.parse_args()
 
     hvd.init()
     torch.set_num_threads(1)  # one core per rank
+    if not args.no_cuda and torch.cuda.is_available():
+        # one GPU per process (NCCL needs that; ranks that must share one stage through host
+        # memory, and ronde says so once)
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
     torch.manual_seed(args.seed)
     train_set, test_set = load_digits_split()
     sampler = DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank(),
                                  shuffle=True, seed=args.seed)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
 
-    model = Net()
+    model = Net().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=args.momentum)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
@@ -128,6 +139,7 @@ def main() -> None:
         run_model.train()
         loss_sum = count = 0.0
         for x, y in loader:
+            x, y = x.to(device), y.to(device)
             opt.zero_grad()
             loss = F.cross_entropy(run_model(x), y)
             loss.backward()
@@ -136,14 +148,14 @@ def main() -> None:
             loss_sum += float(loss.detach()) * len(y)
             count += len(y)
         train_loss, total = averaged([loss_sum, count], "train.metrics")
-        test_loss, test_acc = evaluate(run_model, test_set, 256)
+        test_loss, test_acc = evaluate(run_model, test_set, 256, device)
         if hvd.rank() == 0:
             print(f"epoch {epoch + 1}: train loss {train_loss / total:.4f} "
                   f"test loss {test_loss:.4f} test acc {test_acc:.4f}", flush=True)
             save_checkpoint(args.checkpoint, model, opt, epoch + 1)
     if hvd.rank() == 0:
         print(f"test accuracy {test_acc:.4f} ({time.perf_counter() - start:.1f}s, "
-              f"{hvd.size()} ranks)", flush=True)
+              f"{hvd.size()} ranks on {device.type})", flush=True)
     hvd.shutdown()
 
 

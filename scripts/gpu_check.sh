@@ -3,7 +3,8 @@
 # has torch with CUDA (numpy, pytest and pytest-timeout too); nothing is installed.
 #   bash scripts/gpu_check.sh [LOG_DIR]
 # 1. what the machine has; 2. whether NCCL accepts two ranks on one GPU (raw torch,
-# no ronde); 3. the gpu-marked tests; 4. the CUDA benchmark at np=1 and np=2.
+# no ronde); 3. the gpu-marked tests; 4. the engine alone, then the CUDA benchmark at
+# np=1 and np=2; 5. the README's PyTorch example on the GPU at np=1 and np=2.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${1:-.}
@@ -59,6 +60,12 @@ for np_ in 1 2; do
   step "benchmark, np=$np_"
   timeout 120 $RUN -np $np_ $PY -m ronde.bench.cuda 2>&1 | tee "$LOG/bench_np$np_.log" \
     | grep -v '^\[[1-9]'
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+done
+for np_ in 1 2; do
+  step "the README's PyTorch example on the GPU, np=$np_"
+  timeout 120 $RUN -np $np_ $PY examples/pytorch_mnist.py --checkpoint /tmp/ckpt.pt 2>&1 \
+    | grep -E "test accuracy|share one GPU|Error" | head -5
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 done
 echo "gpu_check rc=$rc"

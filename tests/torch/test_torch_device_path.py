@@ -57,3 +57,19 @@ def test_ranks_sharing_a_gpu_are_found_by_identity():
     assert shared_gpus(["GPU-a", "GPU-a", "GPU-b"], [0, 2, 5]) == {"GPU-a": [0, 2]}
     assert shared_gpus(["h0 pci 0:1:0", "h1 pci 0:1:0", "h0 pci 0:1:0", "h1 pci 0:1:0"],
                        [0, 1, 2, 3]) == {"h0 pci 0:1:0": [0, 2], "h1 pci 0:1:0": [1, 3]}
+
+
+def test_fusion_helpers_match_their_python_fallbacks():
+    import torch
+
+    from ronde.torch import _device
+
+    parts = [torch.arange(12.0).view(3, 4), torch.ones(5), torch.full((2, 1, 2), 7.0),
+             torch.zeros(0)]
+    flat = _device._flatten(parts)
+    assert torch.equal(flat, _device._flatten_py(parts))
+    views = _device._unflatten(flat, parts)
+    for view, py, part in zip(views, _device._unflatten_py(flat, parts), parts):
+        assert view.shape == py.shape == part.shape and torch.equal(view, py)
+        if part.numel():
+            assert view.data_ptr() >= flat.data_ptr()  # views of the fused buffer, not copies

@@ -50,6 +50,7 @@ import torch
 from .. import _api
 from .._ops import ReduceOp
 from ..core import device as device_mod
+from ..core.requests import Kind
 from ..transport import torch_dist
 from ._tensors import dtype_name, torch_dtype
 
@@ -215,24 +216,22 @@ class TorchDeviceBackend:
                     self._all_reduce(out0, op, ps_id)
                 _scale(out0, postscale)
                 return [out0]
-            parts = [t.reshape(-1) if t is not None else
-                     torch.zeros(_numel(s), dtype=tdtype, device=self._device)
+            parts = [t if t is not None else
+                     torch.zeros(tuple(s), dtype=tdtype, device=self._device)
                      for t, s in zip(tensors, shapes)]
-            buf = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+            buf = _flatten(parts) if len(parts) > 1 else parts[0].reshape(-1).clone()
             _scale(buf, prescale)
             if not alone:
                 self._all_reduce(buf, op, ps_id)
             _scale(buf, postscale)
-            results, dst, src, off = [], [], [], 0
-            for shape, out in zip(shapes, outs):
-                n = _numel(shape)
-                piece = buf[off: off + n].view(shape)
+            views = _unflatten(buf, parts) if len(parts) > 1 else [buf.view(parts[0].shape)]
+            results, dst, src = [], [], []
+            for view, out in zip(views, outs):
                 if out is not None:
                     dst.append(out)
-                    src.append(piece)
-                    piece = out
-                results.append(piece)
-                off += n
+                    src.append(view)
+                    view = out
+                results.append(view)
             if dst:  # one multi-tensor copy, not one kernel per tensor
                 torch._foreach_copy_(dst, src)
         return results
@@ -287,6 +286,25 @@ def shared_gpus(ids: Sequence[str], members: Sequence[int]) -> dict[str, list[in
     return {gpu: ranks for gpu, ranks in on.items() if len(ranks) > 1}
 
 
+def _flatten_py(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unflatten_py(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    views, off = [], 0
+    for t in like:
+        n = t.numel()
+        views.append(flat[off: off + n].view(t.shape))
+        off += n
+    return views
+
+
+# torch's own C++ fusion helpers (what its DDP and Apex use): one call for all the
+# tensors instead of two Python-level tensor calls each (161 tensors: 0.15 ms vs 0.4)
+_flatten = getattr(torch._C._nn, "flatten_dense_tensors", _flatten_py)
+_unflatten = getattr(torch._C._nn, "unflatten_dense_tensors", _unflatten_py)
+
+
 def _numel(shape: Sequence[int]) -> int:
     n = 1
     for d in shape:
@@ -338,9 +356,9 @@ def submit_allreduce(tensor: torch.Tensor, average: bool | None, name: str | Non
                      prescale: float, postscale: float, process_set: Any,
                      inplace: bool) -> Any:
     """Submit a device allreduce; returns the runtime handle (result: the torch tensor)."""
-    from ..core.requests import Kind
-
-    t = tensor.detach()
+    # detach only what requires grad (gradients do not): like every torch operator call,
+    # ``detach`` lets go of the GIL, and the engine's thread then runs first (see _tensors)
+    t = tensor.detach() if tensor.requires_grad else tensor
     if not t.is_contiguous():
         t = t.contiguous()
     BACKEND.ensure(t, process_set)
@@ -348,15 +366,14 @@ def submit_allreduce(tensor: torch.Tensor, average: bool | None, name: str | Non
     return _api.submit(Kind.ALLREDUCE, None, name, process_set, op=resolved,
                        prescale=prescale, postscale=postscale, device=t,
                        device_meta=(dtype_name(t.dtype), tuple(t.shape)),
-                       out=tensor.detach() if inplace else None)
+                       out=(tensor.detach() if tensor.requires_grad else tensor) if inplace
+                       else None)
 
 
 def submit_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, process_set: Any,
                      inplace: bool) -> Any:
     """Submit a device broadcast; returns the runtime handle (result: the torch tensor)."""
-    from ..core.requests import Kind
-
-    t = tensor.detach()
+    t = tensor.detach() if tensor.requires_grad else tensor
     if not t.is_contiguous():
         t = t.contiguous()
     BACKEND.ensure(t, process_set)
