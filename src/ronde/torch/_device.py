@@ -107,9 +107,12 @@ class TorchDeviceBackend:
             return have[0]
         members = (sorted(int(r) for r in process_set.ranks) if ps_id
                    else list(range(rt.topo.size)))
-        ids = _api.allgather_object(_gpu_identity(sample.device),
-                                    name=f"ronde.torch.device.gpus.ps{ps_id}.g{rt.generation}",
-                                    process_set=process_set)
+        # named for what it is: a rank whose first collective here is on a CPU tensor
+        # while a peer's is on a CUDA one leaves this waiting, and the stall report
+        # then names it beside the peer's tensor
+        ids = _api.allgather_object(
+            _gpu_identity(sample.device), process_set=process_set,
+            name=f"ronde.torch.first_cuda_collective.gpu_check.ps{ps_id}.g{rt.generation}")
         shared = shared_gpus(ids, members)
         if shared and rt.topo.rank == members[0]:
             which = "; ".join(f"ranks {', '.join(map(str, rs))} on {gpu}"
