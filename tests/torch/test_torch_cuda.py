@@ -47,3 +47,11 @@ def test_cuda_training_matches_one_process():
     for per_rank in diffs:
         for cfg, diff in zip(configs, per_rank):
             assert diff <= 1e-9, (cfg, diff)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("np_", [1, 2])
+def test_cuda_tensors_written_on_a_side_stream(np_):
+    # ronde works on the default stream: it must wait for the caller's stream, and the
+    # caller's stream for it (np=1: NCCL's path; np=2 on one GPU: the host path)
+    assert run_ranks(np_, workers.side_stream, timeout_s=200) == ["ok"] * np_

@@ -626,3 +626,40 @@ def device_path_process_set() -> str:
     hvd.shutdown()
     assert not BACKEND._sets  # the members-only groups were dropped at shutdown
     return "ok"
+
+
+def side_stream() -> str:
+    """CUDA tensors written on a stream of the caller's own, late (after a queue of matrix
+    products), then reduced: the reduction must see the late values, and the caller's
+    stream must see the result."""
+    import torch
+
+    import ronde.torch as hvd
+
+    hvd.init()
+    dev = _pin(torch, hvd, "cuda")
+    n = hvd.size()
+    m = torch.randn(2048, 2048, device=dev)
+    side = torch.cuda.Stream(dev)
+    for step in range(3):
+        a = torch.zeros(1 << 20, device=dev)
+        b = torch.zeros(10, device=dev)
+        c = torch.zeros(1 << 16, device=dev)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            for _ in range(40):  # keeps the side stream busy for many milliseconds
+                m = torch.tanh(m @ m)
+            a.fill_(1.0)
+            b.fill_(2.0)
+            c.fill_(3.0)
+            # a and b fuse; c alone takes the in-place single-tensor path
+            hs = [hvd.allreduce_async_(t, op=hvd.Sum, prescale_factor=2.0, name=f"{k}.{step}")
+                  for k, t in (("a", a), ("b", b), ("c", c))]
+            for h in hs:
+                hvd.synchronize(h)
+            ok = torch.stack([(a == 2.0 * n).all(), (b == 4.0 * n).all(),
+                              (c == 6.0 * n).all()])  # computed on the side stream
+        torch.cuda.synchronize()
+        assert ok.all(), (step, a[:2].tolist(), b[:2].tolist(), c[:2].tolist())
+    hvd.shutdown()
+    return "ok"

@@ -70,7 +70,7 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
     if _device.wants_device_path(tensor, process_set):
         inner = _device.submit_allreduce(tensor, average, name, op, prescale_factor,
                                          postscale_factor, process_set, inplace=False)
-        return TorchHandle(inner, lambda raw: raw)
+        return TorchHandle(inner, _device.on_caller_stream)
     staged = host(tensor, "allreduce")
     alloc = Allocator(tensor)
     inner = _api.allreduce_async(numpy_view(staged), average, name, op, prescale_factor,
@@ -85,7 +85,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     if _device.wants_device_path(tensor, process_set):
         inner = _device.submit_allreduce(tensor, average, name, op, prescale_factor,
                                          postscale_factor, process_set, inplace=True)
-        return TorchHandle(inner, lambda raw: tensor)
+        return TorchHandle(inner, lambda raw: _device.on_caller_stream(tensor))
     staged = host(tensor, "allreduce_")
     arr = numpy_view(staged)
     inner = _api.allreduce_async(arr, average, name, op, prescale_factor, postscale_factor,
@@ -181,7 +181,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
     """Start a broadcast from ``root_rank``; the result is a new tensor."""
     if _device.wants_device_path(tensor, process_set):
         inner = _device.submit_broadcast(tensor, root_rank, name, process_set, inplace=False)
-        return TorchHandle(inner, lambda raw: raw)
+        return TorchHandle(inner, _device.on_caller_stream)
     staged = host(tensor, "broadcast")
     alloc = Allocator(tensor)
     inner = _api.broadcast_async(numpy_view(staged), root_rank, name, process_set, alloc=alloc)
@@ -193,7 +193,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     """Start an in-place broadcast; ``synchronize()`` returns ``tensor`` itself."""
     if _device.wants_device_path(tensor, process_set):
         inner = _device.submit_broadcast(tensor, root_rank, name, process_set, inplace=True)
-        return TorchHandle(inner, lambda raw: tensor)
+        return TorchHandle(inner, lambda raw: _device.on_caller_stream(tensor))
     staged = host(tensor, "broadcast_")
     arr = numpy_view(staged)
     inner = _api.broadcast_async(arr, root_rank, name, process_set, out=arr)

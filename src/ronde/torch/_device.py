@@ -30,9 +30,11 @@ that never pinned ``local_rank``), every member takes the host path for that set
 tensors instead, and one warning names the ranks and the fix. Every member reaches the
 same decision from the same gathered list, so their requests still agree.
 
-Streams: the executor thread issues the NCCL call on the device's current stream, so it
-is ordered after the work that produced the gradients on that stream, and what runs
-after ``synchronize()`` on that stream is ordered after the reduction.
+Streams: the executor thread works on the device's default stream. A caller that
+submits from a stream of its own (a side stream, a ``with torch.cuda.stream(s)`` block)
+has the default stream wait for its stream's work so far (:func:`follow_caller_stream`,
+what Horovod's ready events do), and waits for the default stream in turn when it takes
+the result (:func:`on_caller_stream`); on the default stream both are a no-op.
 """
 
 from __future__ import annotations
@@ -355,6 +357,23 @@ BACKEND = TorchDeviceBackend()
 device_mod.register(BACKEND)
 
 
+def follow_caller_stream(t: torch.Tensor) -> None:
+    """Order the engine's (default) stream after the work the caller's stream holds."""
+    if t.is_cuda:
+        current = torch.cuda.current_stream(t.device)
+        if current.cuda_stream != 0:  # 0: the default stream
+            torch.cuda.default_stream(t.device).wait_stream(current)
+
+
+def on_caller_stream(result: torch.Tensor) -> torch.Tensor:
+    """The handle's converter: the caller's stream waits for the engine's before use."""
+    if result.is_cuda:
+        current = torch.cuda.current_stream(result.device)
+        if current.cuda_stream != 0:
+            current.wait_stream(torch.cuda.default_stream(result.device))
+    return result
+
+
 def submit_allreduce(tensor: torch.Tensor, average: bool | None, name: str | None, op: Any,
                      prescale: float, postscale: float, process_set: Any,
                      inplace: bool) -> Any:
@@ -365,6 +384,7 @@ def submit_allreduce(tensor: torch.Tensor, average: bool | None, name: str | Non
     if not t.is_contiguous():
         t = t.contiguous()
     BACKEND.ensure(t, process_set)
+    follow_caller_stream(t)
     resolved = _api._resolve_op(op, average)
     return _api.submit(Kind.ALLREDUCE, None, name, process_set, op=resolved,
                        prescale=prescale, postscale=postscale, device=t,
@@ -380,6 +400,7 @@ def submit_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, pro
     if not t.is_contiguous():
         t = t.contiguous()
     BACKEND.ensure(t, process_set)
+    follow_caller_stream(t)
     return _api.submit(Kind.BROADCAST, None, name, process_set, root=int(root_rank), device=t,
                        device_meta=(dtype_name(t.dtype), tuple(t.shape)),
                        out=tensor.detach() if inplace else None)
