@@ -641,13 +641,13 @@ def side_stream() -> str:
     n = hvd.size()
     m = torch.randn(2048, 2048, device=dev)
     side = torch.cuda.Stream(dev)
-    for step in range(3):
+    for step in range(4):
         a = torch.zeros(1 << 20, device=dev)
         b = torch.zeros(10, device=dev)
         c = torch.zeros(1 << 16, device=dev)
         torch.cuda.synchronize()
         with torch.cuda.stream(side):
-            for _ in range(40):  # keeps the side stream busy for many milliseconds
+            for _ in range(100):  # keeps the side stream busy for tens of milliseconds
                 m = torch.tanh(m @ m)
             a.fill_(1.0)
             b.fill_(2.0)
@@ -655,6 +655,8 @@ def side_stream() -> str:
             # a and b fuse; c alone takes the in-place single-tensor path
             hs = [hvd.allreduce_async_(t, op=hvd.Sum, prescale_factor=2.0, name=f"{k}.{step}")
                   for k, t in (("a", a), ("b", b), ("c", c))]
+            if step % 2:  # let the engine's own thread run them (else this one may)
+                time.sleep(0.02)
             for h in hs:
                 hvd.synchronize(h)
             ok = torch.stack([(a == 2.0 * n).all(), (b == 4.0 * n).all(),

@@ -30,7 +30,8 @@ that never pinned ``local_rank``), every member takes the host path for that set
 tensors instead, and one warning names the ranks and the fix. Every member reaches the
 same decision from the same gathered list, so their requests still agree.
 
-Streams: the executor thread works on the device's default stream. A caller that
+Streams: device work runs on the device's default stream, whichever thread runs it (the
+control thread, or a caller that drives the engine while it waits). A caller that
 submits from a stream of its own (a side stream, a ``with torch.cuda.stream(s)`` block)
 has the default stream wait for its stream's work so far (:func:`follow_caller_stream`,
 what Horovod's ready events do), and waits for the default stream in turn when it takes
@@ -259,9 +260,13 @@ class TorchDeviceBackend:
 
     @contextlib.contextmanager
     def _on_device(self) -> Iterator[None]:
-        # the executor thread's current CUDA device is not the caller's: be explicit
+        # the thread running a collective is the control thread or any caller that waits
+        # (see core/engine.py): be explicit about the device, and work on its default
+        # stream whichever thread it is, whatever stream that thread is on (the callers'
+        # streams are bridged at submission and at the result, see the module doc)
         if self._device is not None and self._device.type == "cuda":
-            with torch.cuda.device(self._device):
+            with torch.cuda.device(self._device), \
+                    torch.cuda.stream(torch.cuda.default_stream(self._device)):
                 yield
         else:
             yield
