@@ -73,3 +73,26 @@ def test_fusion_stages_runs_through_ronderun():
         assert ms["total"] >= ms["submit"] > 0 and ms["wait"] > 0
         if p["tensors"] == 161:  # the 161 calls go through a negotiation round
             assert "round.build" in ms and "execute" in ms
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_cuda_benchmark_runs_on_cpu_tensors(path):
+    # the GPU benchmark's measurement, on CPU tensors: ronde's host path against a Gloo
+    # group of its own, or its device path (RONDE_TORCH_DEVICE_PATH=always) against the
+    # torch.distributed group it reduces through
+    pytest.importorskip("torch")
+    import os
+
+    ronderun = os.path.join(os.path.dirname(sys.executable), "ronderun")
+    env = dict(os.environ, RONDE_TORCH_DEVICE_PATH="always" if path == "device" else "auto")
+    out = subprocess.run([ronderun, "-np", "2", sys.executable, "-m", "ronde.bench.cuda",
+                          "--device", "cpu", "--sizes", "4B,64KiB", "--iters", "2",
+                          "--warmup", "1"], capture_output=True, text=True, timeout=110, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line.split(":", 1)[1]) for line in out.stdout.splitlines()
+            if line.split(":", 1)[-1].startswith("{")]
+    assert [r["case"] for r in rows] == ["allreduce 4 B", "allreduce 65536 B",
+                                         "fusion 161 tensors"]
+    assert {r["ronde_path"] for r in rows} == {"host" if path == "host" else "gloo"}
+    assert all(r["ronde_us"] > 0 and r["peer_us"] > 0 for r in rows)
