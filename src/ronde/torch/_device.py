@@ -379,33 +379,34 @@ def on_caller_stream(result: torch.Tensor) -> torch.Tensor:
     return result
 
 
+def _prepare(tensor: torch.Tensor, process_set: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what is sent, what an in-place call writes): the tensor, detached only if it
+    requires grad (gradients do not: like every torch operator call, ``detach`` lets go
+    of the GIL, and the engine's thread then runs first, see _tensors), the sent one
+    contiguous; the process group made and the caller's stream followed."""
+    own = tensor.detach() if tensor.requires_grad else tensor
+    t = own if own.is_contiguous() else own.contiguous()
+    BACKEND.ensure(t, process_set)
+    follow_caller_stream(t)
+    return t, own
+
+
 def submit_allreduce(tensor: torch.Tensor, average: bool | None, name: str | None, op: Any,
                      prescale: float, postscale: float, process_set: Any,
                      inplace: bool) -> Any:
     """Submit a device allreduce; returns the runtime handle (result: the torch tensor)."""
-    # detach only what requires grad (gradients do not): like every torch operator call,
-    # ``detach`` lets go of the GIL, and the engine's thread then runs first (see _tensors)
-    t = tensor.detach() if tensor.requires_grad else tensor
-    if not t.is_contiguous():
-        t = t.contiguous()
-    BACKEND.ensure(t, process_set)
-    follow_caller_stream(t)
+    t, own = _prepare(tensor, process_set)
     resolved = _api._resolve_op(op, average)
     return _api.submit(Kind.ALLREDUCE, None, name, process_set, op=resolved,
                        prescale=prescale, postscale=postscale, device=t,
                        device_meta=(dtype_name(t.dtype), tuple(t.shape)),
-                       out=(tensor.detach() if tensor.requires_grad else tensor) if inplace
-                       else None)
+                       out=own if inplace else None)
 
 
 def submit_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, process_set: Any,
                      inplace: bool) -> Any:
     """Submit a device broadcast; returns the runtime handle (result: the torch tensor)."""
-    t = tensor.detach() if tensor.requires_grad else tensor
-    if not t.is_contiguous():
-        t = t.contiguous()
-    BACKEND.ensure(t, process_set)
-    follow_caller_stream(t)
+    t, own = _prepare(tensor, process_set)
     return _api.submit(Kind.BROADCAST, None, name, process_set, root=int(root_rank), device=t,
                        device_meta=(dtype_name(t.dtype), tuple(t.shape)),
-                       out=tensor.detach() if inplace else None)
+                       out=own if inplace else None)
