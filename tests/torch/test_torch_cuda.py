@@ -55,3 +55,14 @@ def test_cuda_tensors_written_on_a_side_stream(np_):
     # ronde works on the default stream: it must wait for the caller's stream, and the
     # caller's stream for it (np=1: NCCL's path; np=2 on one GPU: the host path)
     assert run_ranks(np_, workers.side_stream, timeout_s=200) == ["ok"] * np_
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_cuda_collectives_on_a_process_set(np_):
+    # the even ranks' set: one member at np=2 (a NCCL group of one), two at np=3 (NCCL
+    # with a GPU each, else the host path), beside the global set on the same GPU(s)
+    members = [r for r in range(np_) if r % 2 == 0]
+    own = len(members) == 1 or torch.cuda.device_count() >= np_
+    want = ["ok -" if r % 2 else ("ok nccl" if own else "ok host") for r in range(np_)]
+    assert run_ranks(np_, workers.device_path_process_set, "cuda", timeout_s=200) == want

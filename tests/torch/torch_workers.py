@@ -593,8 +593,10 @@ def device_path(device: str = "cpu") -> str:
     return "ok nccl" if nccl else "ok host"
 
 
-def device_path_process_set() -> str:
-    """Device collectives on a process set: a members-only process group (Gloo here)."""
+def device_path_process_set(device: str = "cpu") -> str:
+    """Device collectives on a process set: a members-only process group (Gloo for CPU
+    tensors, NCCL for CUDA ones). Returns ``ok``; for CUDA, members say which path their
+    set took (``ok nccl`` / ``ok host``) and the others ``ok -``."""
     import torch
 
     import ronde.torch as hvd
@@ -602,30 +604,41 @@ def device_path_process_set() -> str:
 
     torch.set_num_threads(1)
     hvd.init()
+    dev = _pin(torch, hvd, device)
     r, n = hvd.rank(), hvd.size()
     evens = hvd.add_process_set([q for q in range(n) if q % 2 == 0])
     members = [q for q in range(n) if q % 2 == 0]
+
+    def full(shape, value):
+        return torch.full(shape, value, device=dev)
+
     for step in range(3):
         if r in members:
-            got = hvd.allreduce(torch.full((5,), r + 1.0), op=hvd.Sum, name="ps.a",
+            got = hvd.allreduce(full((5,), r + 1.0), op=hvd.Sum, name="ps.a",
                                 process_set=evens)
-            assert torch.equal(got, torch.full((5,), float(sum(q + 1 for q in members)))), got
-            avg = hvd.allreduce(torch.full((4,), float(r)), name="ps.avg", process_set=evens,
+            assert got.device == dev
+            assert torch.equal(got, full((5,), float(sum(q + 1 for q in members)))), got
+            avg = hvd.allreduce(full((4,), float(r)), name="ps.avg", process_set=evens,
                                 postscale_factor=2.0)
-            assert torch.allclose(avg, torch.full((4,), 2.0 * sum(members) / len(members)))
-            b = torch.full((3,), float(r))
+            assert torch.allclose(avg, full((4,), 2.0 * sum(members) / len(members)))
+            b = full((3,), float(r))
             hvd.broadcast_(b, root_rank=members[-1], name="ps.b", process_set=evens)
             assert (b == members[-1]).all(), b
-            hs = [hvd.allreduce_async(torch.full((s,), float(r)), op=hvd.Max, name=f"ps.f{s}",
+            hs = [hvd.allreduce_async(full((s,), float(r)), op=hvd.Max, name=f"ps.f{s}",
                                       process_set=evens) for s in (1, 7, 50_000)]
             for h in hs:
                 assert (hvd.synchronize(h) == members[-1]).all()
         # the global set keeps working beside it
-        assert hvd.allreduce(torch.ones(2), op=hvd.Sum, name="g").tolist() == [float(n)] * 2
-    assert (evens.process_set_id in BACKEND._sets) == (r in members)
+        g = hvd.allreduce(full((2,), 1.0), op=hvd.Sum, name="g")
+        assert g.device == dev and g.tolist() == [float(n)] * 2
+    ps = evens.process_set_id
+    own = BACKEND._placement.get(ps, (False, 0))[0] if device == "cuda" else True
+    assert (ps in BACKEND._sets) == (r in members and own)
     hvd.shutdown()
     assert not BACKEND._sets  # the members-only groups were dropped at shutdown
-    return "ok"
+    if device != "cuda":
+        return "ok"
+    return ("ok nccl" if own else "ok host") if r in members else "ok -"
 
 
 def side_stream() -> str:
