@@ -25,11 +25,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ._stats import parse_sizes
-
-
-def _median_us(xs: list[float]) -> float:
-    return float(np.median(xs)) * 1e6
+from ._stats import busbw_GBps, median, parse_sizes, percentile
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -125,12 +121,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             0, list(range(n)), grads, [tuple(g.shape) for g in grads], "float32",
             ReduceOp.SUM, 1.0, 1.0, grads)
     row = _measure(f"fusion {len(shapes)} tensors", total.numel() * 4, n, cases, timed, args)
-    row["ronde_submit_us"] = _median_us(submit[args.warmup:])
+    row["ronde_submit_us"] = median(submit[args.warmup:]) * 1e6
     rows.append(row)
     if rank == 0:
-        path = peer_name.split()[-1] if on_device else "host"
-        print(f"# np={n}, {where}, ronde path: "
-              f"{path if on_device else 'host memory'}, peer: {peer_name}")
+        path = dist.get_backend() if on_device else "host"
+        print(f"# np={n}, {where}, ronde path: {path}, peer: {peer_name}")
         for row in rows:
             row.update(np=n, device=args.device, ronde_path=path, peer=peer_name)
             print(json.dumps(row))
@@ -153,11 +148,10 @@ def _measure(case: str, size: int, n: int, cases: dict, timed: Callable,
                 times[key].append(dt)
     row = {"case": case, "bytes": size}
     for key, xs in times.items():
-        row[f"{key}_us"] = _median_us(xs)
-        row[f"{key}_p90_us"] = float(np.percentile(xs, 90)) * 1e6
-    factor = 2 * (n - 1) / n if n > 1 else 1.0
-    row["ronde_busbw_gbs"] = size / (row["ronde_us"] * 1e-6) * factor / 1e9
-    row["peer_busbw_gbs"] = size / (row["peer_us"] * 1e-6) * factor / 1e9
+        row[f"{key}_us"] = median(xs) * 1e6
+        row[f"{key}_p90_us"] = percentile(xs, 90) * 1e6
+    row["ronde_busbw_gbs"] = busbw_GBps(size, median(times["ronde"]), n)
+    row["peer_busbw_gbs"] = busbw_GBps(size, median(times["peer"]), n)
     return row
 
 

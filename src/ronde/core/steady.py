@@ -97,7 +97,7 @@ class SteadyRounds:
         return out
 
     def _groups(self, first: list[Any], blobs: list[bytes] | None, shortest: int
-                       ) -> tuple[list[Response], list[tuple[int, int] | None]] | None:
+                ) -> tuple[list[Response], list[tuple[int, int] | None]] | None:
         """The responses of a steady round's announcements (see :meth:`responses`)
         and, for each, where its inline data lies in the frames (or None); None where
         one of them needs the general path."""
@@ -157,7 +157,7 @@ class SteadyRounds:
         return out, spans
 
     def _info(self, entry: tuple[str, Any, dict[int, Meta]]
-                     ) -> tuple[Kind, int, tuple[Any, ...] | None, int] | None:
+              ) -> tuple[Kind, int, tuple[Any, ...] | None, int] | None:
         """(kind, process set, fusion key or None, bytes) of a cache entry, or None when
         its rounds must take the general path (not every rank of the job in it)."""
         metas = entry[2]

@@ -315,13 +315,6 @@ _flatten = getattr(torch._C._nn, "flatten_dense_tensors", _flatten_py)
 _unflatten = getattr(torch._C._nn, "unflatten_dense_tensors", _unflatten_py)
 
 
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
 def _scale(buf: torch.Tensor, factor: float) -> None:
     if factor == 1.0:
         return
