@@ -13,7 +13,8 @@ learning framework and no MPI.
 
 from ._errors import (AuthenticationError, ConfigError, DuplicateNameError, JoinedError,
                       NotInitializedError, PeerLostError, ProtocolError, RendezvousError,
-                      RondeError, ShutdownError, StallError, TensorMismatchError)
+                      RondeError, ShutdownError, StallError, TensorMismatchError,
+                      CollectiveError, DeadlockError, HorovodInternalError, UnsupportedError)
 from ._ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .process_sets import ProcessSet, global_process_set
 
@@ -21,7 +22,7 @@ __version__ = "0.1.0"
 
 # The API module (numpy, the engine) is imported on first use, so that
 # ``import ronde`` costs about a millisecond and imports no framework.
-_LAZY = {name: "._api" for name in ['GroupHandle', 'add_process_set', 'allgather', 'allgather_async', 'allgather_object', 'allreduce', 'allreduce_async', 'alltoall', 'alltoall_async', 'barrier', 'broadcast', 'broadcast_async', 'broadcast_object', 'ccl_built', 'cross_rank', 'cross_size', 'cuda_built', 'ddl_built', 'gloo_built', 'gloo_enabled', 'grouped_allreduce', 'grouped_allreduce_async', 'init', 'is_homogeneous', 'is_initialized', 'join', 'local_rank', 'local_size', 'mpi_built', 'mpi_enabled', 'mpi_threads_supported', 'nccl_built', 'poll', 'rank', 'reducescatter', 'reducescatter_async', 'remove_process_set', 'rocm_built', 'shutdown', 'size', 'synchronize', 'active_transport', 'start_timeline', 'stop_timeline']}
+_LAZY = {name: "._api" for name in ['GroupHandle', 'add_process_set', 'allgather', 'allgather_async', 'allgather_object', 'allreduce', 'allreduce_async', 'alltoall', 'alltoall_async', 'barrier', 'broadcast', 'broadcast_async', 'broadcast_object', 'ccl_built', 'cross_rank', 'cross_size', 'cuda_built', 'ddl_built', 'gloo_built', 'gloo_enabled', 'grouped_allreduce', 'grouped_allreduce_async', 'grouped_allgather', 'grouped_allgather_async', 'grouped_reducescatter', 'grouped_reducescatter_async', 'init', 'is_homogeneous', 'is_initialized', 'join', 'local_rank', 'local_size', 'mpi_built', 'mpi_enabled', 'mpi_threads_supported', 'nccl_built', 'poll', 'rank', 'reducescatter', 'reducescatter_async', 'remove_process_set', 'rocm_built', 'shutdown', 'size', 'synchronize', 'active_transport', 'start_timeline', 'stop_timeline']}
 _LAZY["Handle"] = ".core.requests"
 
 
@@ -43,6 +44,8 @@ __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "is_homogeneous", "active_transport",
     "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
+    "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall",
     "alltoall_async", "reducescatter", "reducescatter_async", "barrier", "join",
     "broadcast_object", "allgather_object", "poll", "synchronize", "Handle", "GroupHandle",
@@ -52,6 +55,7 @@ __all__ = [
     "RondeError", "ConfigError", "NotInitializedError", "TensorMismatchError",
     "DuplicateNameError", "PeerLostError", "StallError", "RendezvousError",
     "AuthenticationError", "ProtocolError", "ShutdownError", "JoinedError",
+    "HorovodInternalError", "CollectiveError", "DeadlockError", "UnsupportedError",
     "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built",
     "rocm_built", "ddl_built", "ccl_built", "mpi_threads_supported",
 ]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from ._errors import NotInitializedError, RondeError
+from ._errors import NotInitializedError, RondeError, UnsupportedError
 from .collectives.ops import Average, ReduceOp, Sum
 from .core.requests import (WIRE_DTYPES, Allocator, GroupOfHandles, Handle, Kind, Request,
                             dtype_name)
@@ -24,6 +24,11 @@ from .process_sets import ProcessSet, global_process_set
 
 if TYPE_CHECKING:
     from . import _runtime
+
+#: the ops reducescatter supports
+REDUCESCATTER_OPS = (ReduceOp.SUM, ReduceOp.AVERAGE)
+#: the ops allreduce supports (Adasum is not implemented yet)
+ALLREDUCE_OPS = (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT)
 
 _rt: "_runtime.Runtime | None" = None
 _lock = threading.RLock()
@@ -146,13 +151,42 @@ def active_transport() -> str:
     return _runtime_or_raise().transport
 
 
-# -- plumbing shared with the framework bindings -------------------------------------------
+# -- plumbing shared with the framework bindings (re-exported by ronde.binding) -----------
 def _auto_name(kind: str, ps_id: int) -> str:
     key = (kind, ps_id)
     with _lock:
         n = _counters.get(key, 0)
         _counters[key] = n + 1
     return f"{kind}.noname.{n}"  # submit() scopes it by process set
+
+
+def auto_name(kind: str, name: str | None = None,
+              process_set: ProcessSet | None = None) -> str:
+    """``name``, or the next automatic name of ``kind`` on the process set.
+
+    Automatic names count per (kind, process set), so the members of a set stay in step
+    whatever the other ranks do; :func:`submit` scopes every name by its process set.
+    """
+    return name if name is not None else _auto_name(kind, _ps_id(process_set))
+
+
+def group_names(kind: str, name: str | None, n: int,
+                process_set: ProcessSet | None = None) -> list[str]:
+    """The member names of a grouped collective: ``<name>.<i>`` (automatic base if None)."""
+    base = auto_name(kind, name, process_set)
+    return [f"{base}.{i}" for i in range(n)]
+
+
+def set_size(process_set: ProcessSet | None = None) -> int:
+    """Number of ranks in a process set (the job's size for the global set)."""
+    ps = process_set if process_set is not None else global_process_set
+    return len(ps.ranks) if ps.ranks is not None else size()
+
+
+def set_rank(process_set: ProcessSet | None = None) -> int:
+    """This process's index within a process set (its rank for the global set)."""
+    ps = process_set if process_set is not None else global_process_set
+    return ps.rank() if ps.ranks is not None else rank()
 
 
 def _ps_id(process_set: ProcessSet | None) -> int:
@@ -204,6 +238,21 @@ def _scoped(rt: "_runtime.Runtime", kind: Kind, name: str | None,
     return ps_id, f"ps{ps_id}/{name}"  # names are scoped by process set, as in Horovod
 
 
+def resolve_op(op: Any, average: bool | None = None, *, what: str = "",
+               allowed: Sequence[ReduceOp] | None = None) -> ReduceOp:
+    """Horovod's ``op``/``average`` arguments as one ``ReduceOp`` (default Average).
+
+    With ``allowed``, any other op raises :class:`~ronde.UnsupportedError` (a
+    ``RuntimeError`` and a ``ValueError``, as Horovod's frameworks raise) naming ``what``.
+    """
+    resolved = _resolve_op(op, average)
+    if allowed is not None and resolved not in allowed:
+        names = " or ".join(o.name.capitalize() for o in allowed)
+        raise UnsupportedError(f"{what or 'this collective'} does not support "
+                               f"op={resolved.name.capitalize()}; use {names}")
+    return resolved
+
+
 def _resolve_op(op: Any, average: bool | None) -> ReduceOp:
     if average is None and type(op) is ReduceOp:
         return op
@@ -239,7 +288,7 @@ def allreduce_async(tensor: Any, average: bool | None = None, name: str | None =
     arr = as_array(tensor, "allreduce")
     resolved = _resolve_op(op, average)
     if resolved == ReduceOp.ADASUM:
-        raise ValueError("op=Adasum is not supported yet; use Average or Sum")
+        raise UnsupportedError("allreduce: op=Adasum is not supported yet; use Average or Sum")
     # the hot path of a training step (one call per gradient): no keyword forwarding
     rt = _runtime_or_raise()
     ps_id, name = _scoped(rt, Kind.ALLREDUCE, name, process_set)
@@ -261,11 +310,10 @@ def grouped_allreduce_async(tensors: Sequence[Any], average: bool | None = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: ProcessSet | None = None) -> GroupOfHandles:
     """Start an allreduce of every tensor in the list (negotiated and fused together)."""
-    ps_id = _ps_id(process_set)
-    base = name if name is not None else _auto_name("grouped_allreduce", ps_id)
-    return GroupOfHandles([allreduce_async(t, average, f"{base}.{i}", op, prescale_factor,
-                                        postscale_factor, process_set)
-                        for i, t in enumerate(tensors)])
+    names = group_names("grouped_allreduce", name, len(tensors), process_set)
+    return GroupOfHandles([allreduce_async(t, average, n, op, prescale_factor,
+                                           postscale_factor, process_set)
+                           for n, t in zip(names, tensors)])
 
 
 def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
@@ -296,6 +344,19 @@ def allgather(tensor: Any, name: str | None = None,
               process_set: ProcessSet | None = None) -> np.ndarray:
     """Concatenate every rank's tensor along the first dimension, in rank order."""
     return allgather_async(tensor, name, process_set).wait()
+
+
+def grouped_allgather_async(tensors: Sequence[Any], name: str | None = None,
+                            process_set: ProcessSet | None = None) -> GroupOfHandles:
+    """Start an allgather of every tensor in the list (``<name>.<i>`` each)."""
+    names = group_names("grouped_allgather", name, len(tensors), process_set)
+    return GroupOfHandles([allgather_async(t, n, process_set) for n, t in zip(names, tensors)])
+
+
+def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
+                      process_set: ProcessSet | None = None) -> list[np.ndarray]:
+    """Allgather a list of tensors; returns the list of results."""
+    return grouped_allgather_async(tensors, name, process_set).wait()
 
 
 def broadcast_async(tensor: Any, root_rank: int, name: str | None = None,
@@ -357,10 +418,9 @@ def reducescatter_async(tensor: Any, op: Any = None, name: str | None = None,
     """Start a reducescatter; see :func:`reducescatter`."""
     arr = as_array(tensor, "reducescatter")
     if arr.ndim == 0:
-        raise ValueError("reducescatter needs a tensor with at least one dimension")
-    resolved = _resolve_op(op, None)
-    if resolved not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-        raise ValueError("reducescatter supports op=Sum or op=Average only")
+        raise UnsupportedError("reducescatter needs a tensor with at least one dimension; "
+                               "reshape scalars to shape (1,)")
+    resolved = resolve_op(op, None, what="reducescatter", allowed=REDUCESCATTER_OPS)
     return submit(Kind.REDUCESCATTER, arr, name, process_set, op=resolved,
                   prescale=prescale_factor, postscale=postscale_factor, alloc=alloc)
 
@@ -377,6 +437,25 @@ def reducescatter(tensor: Any, op: Any = None, name: str | None = None,
                                postscale_factor).wait()
 
 
+def grouped_reducescatter_async(tensors: Sequence[Any], op: Any = None, name: str | None = None,
+                                process_set: ProcessSet | None = None,
+                                prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> GroupOfHandles:
+    """Start a reducescatter of every tensor in the list (``<name>.<i>`` each)."""
+    names = group_names("grouped_reducescatter", name, len(tensors), process_set)
+    return GroupOfHandles([reducescatter_async(t, op, n, process_set, prescale_factor,
+                                               postscale_factor)
+                           for n, t in zip(names, tensors)])
+
+
+def grouped_reducescatter(tensors: Sequence[Any], op: Any = None, name: str | None = None,
+                          process_set: ProcessSet | None = None, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[np.ndarray]:
+    """Reducescatter a list of tensors; returns the list of this rank's blocks."""
+    return grouped_reducescatter_async(tensors, op, name, process_set, prescale_factor,
+                                       postscale_factor).wait()
+
+
 def barrier(process_set: ProcessSet | None = None) -> None:
     """Return once every rank of the process set reached the barrier."""
     submit(Kind.BARRIER, None, None, process_set).wait()
@@ -386,8 +465,8 @@ def join(device: int = -1, process_set: ProcessSet | None = None) -> int:
     """Signal that this rank has no more data; return the rank that joined last.
 
     Until every rank has joined, this rank keeps taking part in the other ranks'
-    allreduces with zeros, and ``Average`` divides by the number of ranks that
-    actually contributed. Other collectives fail with ``JoinedError`` meanwhile.
+    allreduces with zeros, and ``Average`` still divides by the number of ranks in
+    the set, as in Horovod. Other collectives fail with ``JoinedError`` meanwhile.
     """
     rt = _runtime_or_raise()
     ps_id = _ps_id(process_set)

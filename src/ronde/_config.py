@@ -70,6 +70,7 @@ class Config:
     stall_check_time_s: float = 60.0
     stall_shutdown_time_s: float = 300.0
     stall_check_enabled: bool = True
+    deadlock_time_s: float = 5.0
     timeline_path: str = ""
     timeline_mark_cycles: bool = False
     bind_addr: str = ""
@@ -102,6 +103,7 @@ _ENV: dict[str, tuple[str, tuple[str, ...], Callable[[str], object]]] = {
         "RONDE_STALL_SHUTDOWN_TIME", ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",), float),
     "stall_check_enabled": (
         "RONDE_STALL_CHECK", (), _parse_bool),
+    "deadlock_time_s": ("RONDE_DEADLOCK_TIME", (), float),
     "timeline_path": ("RONDE_TIMELINE", ("HOROVOD_TIMELINE",), str),
     "timeline_mark_cycles": ("RONDE_TIMELINE_MARK_CYCLES", ("HOROVOD_TIMELINE_MARK_CYCLES",),
                              _parse_bool),
@@ -161,6 +163,8 @@ def _validate(cfg: Config) -> None:
     for name in ("cycle_time_ms", "start_timeout_s", "peer_timeout_s", "shutdown_timeout_s"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}")
+    if cfg.deadlock_time_s < 0:
+        raise ConfigError("RONDE_DEADLOCK_TIME must be >= 0 (0: never report crossed collectives)")
     if cfg.spin_time_us < 0:
         raise ConfigError("RONDE_SPIN_TIME must be >= 0 (0: never spin)")
     if cfg.fusion_threshold_bytes < 0:

@@ -20,15 +20,32 @@ class NotInitializedError(RondeError, ValueError):
     """A call needs ``ronde.init()`` first."""
 
 
-class TensorMismatchError(RondeError, ValueError):
+class HorovodInternalError(RondeError):
+    """A collective failed (on every rank that took part), as Horovod names it.
+
+    The base of the errors a collective itself raises (mismatched metadata, a lost
+    peer, a stall, crossed collectives, a shutdown, a join): ``except
+    hvd.HorovodInternalError`` works as it does with Horovod. ``CollectiveError`` is
+    the same class under ronde's own name.
+    """
+
+
+CollectiveError = HorovodInternalError
+
+
+class UnsupportedError(RondeError, ValueError):
+    """An operation or option that ronde (or this collective) does not support."""
+
+
+class TensorMismatchError(HorovodInternalError, ValueError):
     """Ranks submitted the same named collective with different metadata."""
 
 
-class DuplicateNameError(RondeError, ValueError):
+class DuplicateNameError(HorovodInternalError, ValueError):
     """A tensor name was submitted again while the first request is in flight."""
 
 
-class PeerLostError(RondeError, ConnectionError):
+class PeerLostError(HorovodInternalError, ConnectionError):
     """A peer process died or its connection broke."""
 
     def __init__(self, message: str, rank: int | None = None) -> None:
@@ -36,8 +53,17 @@ class PeerLostError(RondeError, ConnectionError):
         self.rank = rank
 
 
-class StallError(RondeError, TimeoutError):
+class StallError(HorovodInternalError, TimeoutError):
     """Some ranks submitted a collective that others never did."""
+
+
+class DeadlockError(StallError):
+    """Every rank is waiting for a collective that some other rank never submitted.
+
+    Raised on every rank within ``RONDE_DEADLOCK_TIME`` seconds of the ranks falling
+    out of step (one rank left a loop or a test early, or took another branch), instead
+    of each waiting forever for the others.
+    """
 
 
 class RendezvousError(RondeError, TimeoutError):
@@ -52,11 +78,11 @@ class ProtocolError(RondeError, ValueError):
     """Bytes received from a peer are malformed."""
 
 
-class ShutdownError(RondeError):
+class ShutdownError(HorovodInternalError):
     """The engine was shut down (locally or by a peer) while work was pending."""
 
 
-class JoinedError(RondeError, ValueError):
+class JoinedError(HorovodInternalError, ValueError):
     """An operation other than allreduce ran while some ranks had joined."""
 
 

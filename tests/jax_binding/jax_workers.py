@@ -94,7 +94,7 @@ def collectives() -> str:
         last = hvd.join()
     else:
         s = hvd.allreduce(jnp.array([3.0]), name="joined")
-        np.testing.assert_allclose(s, [3.0])
+        np.testing.assert_allclose(s, [3.0 * (n - 1) / n])  # rank 0 adds zeros (Horovod)
         last = hvd.join()
     assert last in (range(1, n) if n > 1 else [0]), last  # a rank that joined after rank 0
     return "ok"

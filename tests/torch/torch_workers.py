@@ -158,29 +158,31 @@ def gradients() -> str:
     x = torch.ones(3, dtype=d, requires_grad=True)
     (hvd.allreduce(x, op=hvd.Sum, compression=hvd.Compression.fp16) * (r + 1)).sum().backward()
     torch.testing.assert_close(x.grad, torch.full((3,), tri, dtype=d))
-    # allgather: summed gradient, this rank's rows
+    # allgather: the gradient averaged over ranks (Horovod's rule), this rank's rows
     total = n * (n + 1) // 2
     x = torch.ones(r + 1, 2, dtype=d, requires_grad=True)
     y = hvd.allgather(x, name="ag")
     W = torch.arange(total * 2, dtype=d).view(total, 2)
     (y * W * (r + 1)).sum().backward()
     start = r * (r + 1) // 2
-    torch.testing.assert_close(x.grad, W[start:start + r + 1] * tri)
-    # broadcast: summed gradient on the root, zeros elsewhere
+    torch.testing.assert_close(x.grad, W[start:start + r + 1] * tri / n)
+    # broadcast: the averaged gradient on the root, zeros elsewhere (Horovod's rule)
     root = n - 1
     x = torch.full((3,), float(r), dtype=d, requires_grad=True)
     (hvd.broadcast(x, root, name="bc") * (r + 1)).sum().backward()
-    torch.testing.assert_close(x.grad, torch.full((3,), tri if r == root else 0.0, dtype=d))
+    torch.testing.assert_close(x.grad, torch.full((3,), tri / n if r == root else 0.0,
+                                                  dtype=d))
     # alltoall: block j went to rank j, whose loss weight is j+1
     x = torch.ones(2 * n, dtype=d, requires_grad=True)
     (hvd.alltoall(x) * (r + 1)).sum().backward()
     torch.testing.assert_close(x.grad, torch.arange(1, n + 1, dtype=d).repeat_interleave(2))
-    # reducescatter Sum: rows of rank q's block get weight q+1; Average divides by n
+    # reducescatter (Horovod's rule): rows of rank q's block get weight q+1, times the set
+    # size for Sum; for Average not divided by n
     rows = 2 * n + 1
     base, extra = divmod(rows, n)
     owner = torch.cat([torch.full((base + (1 if q < extra else 0),), q + 1.0, dtype=d)
                        for q in range(n)])
-    for op, scale in [(hvd.Sum, 1.0), (hvd.Average, 1.0 / n)]:
+    for op, scale in [(hvd.Sum, float(n)), (hvd.Average, 1.0)]:
         x = torch.ones(rows, 2, dtype=d, requires_grad=True)
         (hvd.reducescatter(x, op=op) * (r + 1)).sum().backward()
         torch.testing.assert_close(x.grad, owner[:, None].expand(rows, 2) * scale)
@@ -346,7 +348,8 @@ def broadcast_state() -> str:
                 sig = _state_signature(torch, opt)
                 assert hvd.allgather_object(sig) == [sig] * n, (opt_name, when, wrap)
                 if when == "before":
-                    assert not opt.state_dict()["state"]
+                    # Horovod's zero-gradient step created the state (momentum, moments)
+                    assert opt.state_dict()["state"]
                 # the same data on every rank from here: ranks stay identical
                 x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator()
                                 .manual_seed(3))

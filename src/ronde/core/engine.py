@@ -91,6 +91,10 @@ class Engine:
         self.executor = Executor(self)
         self.executor.on_idle = self.wake
         self.stall = StallInspector(cfg, describe_rank)
+        #: crossed collectives (see _check_waiting): since when this rank has been
+        #: waiting with nothing else happening, and the process's CPU time then
+        self._wait_mark: tuple[float, float, int] | None = None
+        self._report_waiting: int | None = None  # the progress count it was seen at
         self._stack_request: list[int] = []  # rank 0: ranks asked for their stacks
         self._send_stack = False  # asked by rank 0 for my main thread's stack
         self._thread = threading.Thread(target=self._control_main, name="ronde-control",
@@ -267,6 +271,7 @@ class Engine:
         with self._lock:
             return bool(self._outbox or self._joins or self._ps_requests or self._abort_msg
                         or self._stack_request or self._send_stack
+                        or self._report_waiting is not None
                         or (self._shutdown_requested and not self._shutdown_announced))
 
     def _maybe_round(self, now: float, direct: list[Response] | None) -> tuple[bool, bool]:
@@ -287,7 +292,7 @@ class Engine:
 
     def _control_loop(self) -> None:
         ex = self.exchange
-        last_stall_check = time.monotonic()
+        last_stall_check = last_wait_check = time.monotonic()
         while True:
             if self._error is not None:
                 return
@@ -309,6 +314,9 @@ class Engine:
                 if everyone or now - self._shutdown_at > self.cfg.shutdown_timeout_s:
                     self._drain_for_shutdown()
                     return
+            if now - last_wait_check > 0.25:
+                last_wait_check = now
+                self._check_waiting(now)
             if now - last_stall_check > 1.0:
                 last_stall_check = now
                 self._check_stalls()
@@ -413,6 +421,7 @@ class Engine:
             abort, self._abort_msg = self._abort_msg, None
             ask, self._stack_request = self._stack_request, []
             send_stack, self._send_stack = self._send_stack, False
+            waiting, self._report_waiting = self._report_waiting, None
             shut = self._shutdown_requested and not self._shutdown_announced
             if shut:
                 self._shutdown_announced = True
@@ -439,6 +448,8 @@ class Engine:
             msg["st"] = rounds.main_thread_stack()
         if shut:
             msg["s"] = 1
+        if waiting is not None:
+            msg["w"] = waiting
         return msg, blob
 
     def _round(self, direct: list[Response] | None) -> None:
@@ -480,6 +491,41 @@ class Engine:
 
     def _reraise_error(self) -> BaseException | None:
         return fresh_copy(self._error) if self._error is not None else None
+
+    def _check_waiting(self, now: float) -> None:
+        """Tell the peers when this rank is only waiting (crossed collectives).
+
+        A rank is *waiting* when a thread sleeps on a collective's handle, nothing was
+        submitted or completed for ``RONDE_DEADLOCK_TIME``, and the process used almost
+        no CPU meanwhile (a thread still computing may submit the missing collective
+        later). It says so once in its next frame (``w``); when every rank is waiting
+        with collectives pending, no submission can ever come, and the negotiator fails
+        those collectives on every rank (:class:`~ronde.DeadlockError`) instead of the
+        job waiting for the stall inspector's much longer limits.
+        """
+        limit = self.cfg.deadlock_time_s
+        if limit <= 0:
+            return
+        with self._lock:
+            pending = bool(self._pending)
+            quiet_since = self._last_activity
+        progress = self.negotiator.progress
+        mark = self._wait_mark
+        if not pending or WAITERS.sleeping <= 0 or self._error is not None:
+            self._wait_mark = None
+            return
+        if mark is None or mark[2] != progress or quiet_since > mark[0]:
+            self._wait_mark = (now, time.process_time(), progress)
+            return
+        elapsed = now - mark[0]
+        if elapsed < limit:
+            return
+        busy_cpu = time.process_time() - mark[1]
+        self._wait_mark = (now, time.process_time(), progress)
+        if busy_cpu < 0.2 * elapsed:
+            with self._lock:
+                self._report_waiting = progress
+            self.wake(force=True)
 
     def _check_stalls(self) -> None:
         if not self.cfg.stall_check_enabled or self.rank != 0:

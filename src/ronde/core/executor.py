@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from .._errors import (DuplicateNameError, JoinedError, RondeError, ShutdownError, StallError,
+from .._errors import (DeadlockError, DuplicateNameError, JoinedError, RondeError, ShutdownError, StallError,
                        TensorMismatchError)
 from ..collectives.ops import ReduceOp
 from . import fusion
@@ -38,6 +38,7 @@ _ERRORS: dict[str, type[RondeError]] = {
     "shutdown": ShutdownError,
     "joined": JoinedError,
     "stall": StallError,
+    "deadlock": DeadlockError,
 }
 
 _STOP = object()
@@ -254,10 +255,10 @@ class Executor:
         meta0 = any_meta(resp.metas[0])
         dtype = resolve_dtype(meta0.dtype)
         op = ReduceOp(meta0.op)
-        contributors = len(members) - len(resp.joined)
         post = meta0.postscale
         if op == ReduceOp.AVERAGE:
-            op, post = ReduceOp.SUM, post / contributors
+            # over the whole set, joined ranks (zeros) included: Horovod's divisor
+            op, post = ReduceOp.SUM, post / len(members)
         elif op == ReduceOp.ADASUM:
             op = ReduceOp.SUM  # Adasum degenerates to a sum here; documented limitation
         if meta0.device:

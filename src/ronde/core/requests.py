@@ -71,6 +71,9 @@ class Waiters:
 
     def __init__(self) -> None:
         self.engine: Any = None
+        #: threads of this process asleep on a handle right now (the engine's check for
+        #: crossed collectives reads it: a rank counts as waiting only while one is)
+        self.sleeping = 0
 
     def attach(self, engine: Any) -> None:
         self.engine = engine
@@ -144,7 +147,12 @@ class Handle:
             if self._event is None:
                 self._event = threading.Event()
             event = self._event
-        return event.wait(timeout)
+            WAITERS.sleeping += 1
+        try:
+            return event.wait(timeout)
+        finally:
+            with _DONE_LOCK:
+                WAITERS.sleeping -= 1
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until finished; return the result or raise its error."""

@@ -124,8 +124,7 @@ def wire_reduction(op: int, prescale: float, postscale: float, size: int,
 
     Pre-dividing keeps every partial sum within the range of the inputs, so a
     float16 average overflows only where an input itself does. Other ops and wire
-    dtypes are returned unchanged. (With ``join()`` in progress the engine's Average
-    divides by the ranks that contributed; this rewrite divides by ``size``.)
+    dtypes are returned unchanged. (Both divide by ``size``, joined ranks included.)
 
     Args:
         op: the requested ``ReduceOp`` value.

@@ -30,28 +30,17 @@ logger = logging.getLogger(__name__)
 
 def resolve_op(op: Any, average: bool | None) -> ReduceOp:
     """Horovod's ``op``/``average`` arguments as one ``ReduceOp`` (default Average)."""
-    resolved = _api._resolve_op(op, average)
-    if resolved == ReduceOp.ADASUM:
-        raise ValueError("op=Adasum is not supported yet; use Average or Sum")
-    return resolved
+    return _api.resolve_op(op, average, what="allreduce", allowed=_api.ALLREDUCE_OPS)
 
 
 def collective_name(kind: str, name: str | None, process_set: ProcessSet | None) -> str:
     """``name``, or the next automatic name of ``kind`` in the process set's counter."""
-    if name is not None:
-        return name
-    ps_id = _api._ps_id(process_set)
-    auto = _api._auto_name(kind, ps_id)
-    # the runtime scopes names by process set itself: drop the "ps<k>/" of the counter
-    return auto.split("/", 1)[1] if ps_id != 0 else auto
+    return _api.auto_name(kind, name, process_set)
 
 
 def set_rank_and_size(process_set: ProcessSet | None) -> tuple[int, int]:
     """This process's index in the set and the set's size."""
-    ps = process_set if process_set is not None else global_process_set
-    if ps.ranks is None:
-        return _api.rank(), _api.size()
-    return ps.rank(), len(ps.ranks)
+    return _api.set_rank(process_set), _api.set_size(process_set)
 
 
 def _eager_only(what: str, x: Any) -> None:

@@ -48,19 +48,13 @@ def write_back(tensor: mx.nd.NDArray, arr: np.ndarray) -> mx.nd.NDArray:
 
 def resolve_op(op: Any, average: bool | None) -> ReduceOp:
     """Horovod's ``op``/``average`` arguments as one ``ReduceOp`` (default Average)."""
-    resolved = _api._resolve_op(op, average)
-    if resolved == ReduceOp.ADASUM:
-        raise ValueError("op=Adasum is not supported yet; use Average or Sum")
-    return resolved
+    return _api.resolve_op(op, average, what="allreduce", allowed=_api.ALLREDUCE_OPS)
 
 
-def group_names(name: str | None, n: int, process_set: ProcessSet | None) -> list[str]:
+def group_names(name: str | None, n: int, process_set: ProcessSet | None,
+                kind: str = "grouped_allreduce") -> list[str]:
     """Names of the members of a grouped collective: ``<name>.<i>``."""
-    if name is None:
-        ps_id = _api._ps_id(process_set)
-        auto = _api._auto_name("grouped_allreduce", ps_id)
-        name = auto.split("/", 1)[1] if ps_id != 0 else auto
-    return [f"{name}.{i}" for i in range(n)]
+    return _api.group_names(kind, name, n, process_set)
 
 
 # -- allreduce -----------------------------------------------------------------------------

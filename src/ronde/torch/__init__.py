@@ -27,20 +27,23 @@ from .. import _api
 from .._api import (add_process_set, barrier, ccl_built, cross_rank, cross_size,
                     ddl_built, gloo_built, gloo_enabled, init, is_homogeneous, is_initialized,
                     join, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
-                    rank, remove_process_set, rocm_built, shutdown, size)
+                    rank, remove_process_set, rocm_built, shutdown, size, start_timeline,
+                    stop_timeline)
 from .._errors import (AuthenticationError, ConfigError, DuplicateNameError, JoinedError,
                        NotInitializedError, PeerLostError, ProtocolError, RendezvousError,
-                       RondeError, ShutdownError, StallError, TensorMismatchError)
+                       RondeError, ShutdownError, StallError, TensorMismatchError,
+                       CollectiveError, DeadlockError, HorovodInternalError, UnsupportedError)
 from .._ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from ..frameworks.accumulation import TooManyPassesError
 from ..process_sets import ProcessSet, global_process_set
 from ._autograd import (allgather, allgather_object, allreduce, alltoall, broadcast,
-                        broadcast_object, grouped_allreduce, reducescatter)
+                        broadcast_object, grouped_allgather, grouped_allreduce,
+                        grouped_reducescatter, reducescatter)
 from ._collectives import (allgather_async, allreduce_, allreduce_async, allreduce_async_,
                            alltoall_async, broadcast_, broadcast_async, broadcast_async_,
-                           grouped_allreduce_, grouped_allreduce_async,
-                           grouped_allreduce_async_, poll, reducescatter_async,
-                           sparse_allreduce_async, synchronize)
+                           grouped_allgather_async, grouped_allreduce_, grouped_allreduce_async,
+                           grouped_allreduce_async_, grouped_reducescatter_async, poll,
+                           reducescatter_async, sparse_allreduce_async, synchronize)
 from ._tensors import TorchHandle
 from .compression import Compression, Compressor
 from .optimizer import DistributedOptimizer
@@ -57,7 +60,9 @@ __all__ = [
     "allreduce", "allreduce_async", "allreduce_", "allreduce_async_",
     "grouped_allreduce", "grouped_allreduce_async", "grouped_allreduce_",
     "grouped_allreduce_async_", "sparse_allreduce_async",
-    "allgather", "allgather_async", "broadcast", "broadcast_async", "broadcast_",
+    "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
+    "grouped_reducescatter", "grouped_reducescatter_async", "start_timeline", "stop_timeline",
+    "broadcast", "broadcast_async", "broadcast_",
     "broadcast_async_", "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
     "poll", "synchronize", "join", "barrier", "broadcast_object", "allgather_object",
     "TorchHandle", "Compression", "Compressor", "DistributedOptimizer",
@@ -65,6 +70,7 @@ __all__ = [
     "RondeError", "ConfigError", "NotInitializedError", "TensorMismatchError",
     "DuplicateNameError", "PeerLostError", "StallError", "RendezvousError",
     "AuthenticationError", "ProtocolError", "ShutdownError", "JoinedError",
+    "HorovodInternalError", "CollectiveError", "DeadlockError", "UnsupportedError",
     "TooManyPassesError",
     "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built",
     "rocm_built", "ddl_built", "ccl_built", "mpi_threads_supported",

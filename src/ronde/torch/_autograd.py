@@ -6,12 +6,17 @@ loss computed from a collective's output back-propagates to every rank's input:
 * allreduce: the gradient is allreduced with the same op and scale factors
   (Sum -> Sum, Average -> Average). Min/Max send the summed gradient to the
   elements that were selected (all tied ones); Product has no gradient here.
-* allgather: the gradient is summed over ranks, and each rank keeps the rows of its
-  own input.
-* broadcast: the gradient is summed over ranks and delivered to the root; the other
-  ranks' inputs get zeros (their values were not used).
+* allgather: the gradient is *averaged* over ranks, and each rank keeps the rows of its
+  own input (Horovod's rule: with the same loss on every rank, each rank's input gets the
+  gradient of one copy of that loss).
+* broadcast: the gradient is averaged over ranks and delivered to the root; the other
+  ranks' inputs get zeros (their values were not used). Horovod's rule too.
 * alltoall: the gradient goes back by an alltoall with the received splits.
-* reducescatter: the gradient is allgathered and scaled like the forward.
+* reducescatter: the gradient is allgathered, times the set size for Sum, times the
+  scale factors (Horovod's rule, which leaves out the 1/size of Average).
+
+These are the rules of Horovod's own autograd functions (docs/compat.md), so a model
+that trains with Horovod trains the same here.
 
 Backward collectives are named ``<name>.grad`` when the forward had a name.
 """
@@ -23,6 +28,7 @@ from typing import Any, Sequence
 import torch
 
 from .. import _api
+from .._errors import UnsupportedError
 from .._ops import ReduceOp
 from ..frameworks.compression import Compressor, wire_reduction
 from ..process_sets import ProcessSet, global_process_set
@@ -145,13 +151,21 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        summed = C.allreduce_async(grad.contiguous(), None, _gname(ctx.name), ReduceOp.SUM,
-                                   process_set=ctx.ps).wait()
-        rows = C.allgather_async(torch.tensor([ctx.rows], dtype=torch.int64),
-                                 _gname(ctx.name, "grad.rows"), ctx.ps).wait()
-        me = ctx.ps.rank() if ctx.ps.ranks is not None else _api.rank()
-        offset = int(rows[:me].sum())
-        return summed.narrow(0, offset, ctx.rows), None, None
+        return (*_allgather_grads([grad], [ctx.rows], ctx.name, ctx.ps), None, None)
+
+
+def _allgather_grads(grads: Sequence[torch.Tensor], rows: Sequence[int], name: str | None,
+                     ps: ProcessSet) -> list[torch.Tensor]:
+    """Horovod's allgather gradient: the average over ranks, this rank's rows of it."""
+    n = len(grads)
+    gnames = _api.group_names("allgather.grad", _gname(name), n, ps)
+    hs = [C.allreduce_async(g.contiguous(), None, gn, ReduceOp.AVERAGE, process_set=ps)
+          for g, gn in zip(grads, gnames)]
+    counts = C.allgather_async(torch.tensor([list(rows)], dtype=torch.int64),
+                               _gname(name, "grad.rows") if name else None, ps).wait()
+    me = _api.set_rank(ps)
+    offsets = counts[:me].sum(dim=0).tolist() if me else [0] * n
+    return [h.wait().narrow(0, int(off), r) for h, off, r in zip(hs, offsets, rows)]
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None,
@@ -166,6 +180,29 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
     return _Allgather.apply(tensor, name, process_set)
 
 
+class _GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, name: str | None, ps: ProcessSet,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.name, ctx.ps, ctx.rows = name, ps, [t.shape[0] for t in tensors]
+        return tuple(C.grouped_allgather_async(tensors, name, ps).wait())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        return (None, None, *_allgather_grads(grads, ctx.rows, ctx.name, ctx.ps))
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """Allgather every tensor of the list (see :func:`allgather`); differentiable."""
+    if any(t.dim() == 0 for t in tensors):
+        raise ValueError("grouped_allgather needs tensors with at least one dimension; "
+                         "reshape scalars to shape (1,)")
+    if not tensors:
+        return []
+    return list(_GroupedAllgather.apply(name, process_set, *tensors))
+
+
 class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, root: int, name: str | None,
@@ -175,11 +212,11 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        summed = C.allreduce_async(grad.contiguous(), None, _gname(ctx.name), ReduceOp.SUM,
-                                   process_set=ctx.ps).wait()
+        avg = C.allreduce_async(grad.contiguous(), None, _gname(ctx.name), ReduceOp.AVERAGE,
+                                process_set=ctx.ps).wait()
         if _api.rank() != ctx.root:
-            summed = torch.zeros_like(summed)
-        return summed, None, None, None
+            avg = torch.zeros_like(avg)
+        return avg, None, None, None
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -228,18 +265,55 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
     return _Alltoall.apply(tensor, None, name, process_set)[0]
 
 
+def _reducescatter_scale(op: ReduceOp, pre: float, post: float, ps: ProcessSet) -> float:
+    """Horovod's factor on a reducescatter's incoming gradient (size for Sum, the scales)."""
+    return (C.set_size(ps) if op == ReduceOp.SUM else 1) * pre * post
+
+
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, op: ReduceOp, pre: float, post: float,
                 name: str | None, ps: ProcessSet) -> torch.Tensor:
-        scale = pre * post / (C.set_size(ps) if op == ReduceOp.AVERAGE else 1)
-        ctx.scale, ctx.name, ctx.ps = scale, name, ps
+        ctx.scale, ctx.name, ctx.ps = _reducescatter_scale(op, pre, post, ps), name, ps
         return C.reducescatter_async(tensor, name, op, ps, pre, post).wait()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        g = C.allgather_async(grad.contiguous(), _gname(ctx.name), ctx.ps).wait()
-        return (g * ctx.scale if ctx.scale != 1.0 else g), None, None, None, None, None
+        g = grad * ctx.scale if ctx.scale != 1.0 else grad
+        g = C.allgather_async(g.contiguous(), _gname(ctx.name), ctx.ps).wait()
+        return g, None, None, None, None, None
+
+
+class _GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, op: ReduceOp, pre: float, post: float, name: str | None,
+                ps: ProcessSet, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.scale, ctx.name, ctx.ps = _reducescatter_scale(op, pre, post, ps), name, ps
+        return tuple(C.grouped_reducescatter_async(tensors, name, op, ps, pre, post).wait())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        gs = [(g * ctx.scale if ctx.scale != 1.0 else g).contiguous() for g in grads]
+        outs = C.grouped_allgather_async(gs, _gname(ctx.name), ctx.ps).wait()
+        return (None, None, None, None, None, *outs)
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
+                          compression: Any = Compression.none, op: Any = ReduceOp.AVERAGE,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """Reducescatter every tensor of the list; differentiable (see :func:`reducescatter`)."""
+    resolved = C.resolve_op(op, None, what="reducescatter", allowed=_api.REDUCESCATTER_OPS)
+    if not tensors:
+        return []
+    if any(t.dim() == 0 for t in tensors):
+        raise UnsupportedError("grouped_reducescatter needs tensors with at least one "
+                               "dimension; reshape scalars to shape (1,)")
+    pairs = [compression.compress(t) for t in tensors]
+    outs = _GroupedReducescatter.apply(resolved, prescale_factor, postscale_factor, name,
+                                       process_set, *[p[0] for p in pairs])
+    return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None,
@@ -251,11 +325,10 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
     Blocks are as even as possible, the first ranks taking one extra row. Only
     ``Sum`` and ``Average`` (default) are supported.
     """
-    resolved = C.resolve_op(op, None)
-    if resolved not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-        raise ValueError("reducescatter supports op=Sum or op=Average only")
+    resolved = C.resolve_op(op, None, what="reducescatter", allowed=_api.REDUCESCATTER_OPS)
     if tensor.dim() == 0:
-        raise ValueError("reducescatter needs a tensor with at least one dimension")
+        raise UnsupportedError("reducescatter needs a tensor with at least one dimension; "
+                               "reshape scalars to shape (1,)")
     compressed, cctx = compression.compress(tensor)
     out = _Reducescatter.apply(compressed, resolved, prescale_factor, postscale_factor, name,
                                process_set)

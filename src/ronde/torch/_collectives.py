@@ -19,7 +19,8 @@ from .. import _api
 from .._ops import ReduceOp
 from ..process_sets import ProcessSet, global_process_set
 from . import _device
-from ._tensors import Allocator, MultiHandle, TorchHandle, host, numpy_view, to_device
+from ._tensors import (Allocator, MultiHandle, SparseHandle, TorchHandle, host, numpy_view,
+                       to_device)
 
 logger = logging.getLogger(__name__)
 
@@ -51,15 +52,8 @@ def _inplace(tensor: torch.Tensor, staged: torch.Tensor) -> Any:
     return convert
 
 
-def set_size(process_set: ProcessSet | None) -> int:
-    """Number of ranks in a process set (the job size for the global set)."""
-    ps = process_set if process_set is not None else global_process_set
-    return len(ps.ranks) if ps.ranks is not None else _api.size()
-
-
-def resolve_op(op: Any, average: bool | None) -> ReduceOp:
-    """Horovod's op/average arguments as one ``ReduceOp`` (default Average)."""
-    return _api._resolve_op(op, average)
+set_size = _api.set_size
+resolve_op = _api.resolve_op
 
 
 # -- allreduce -----------------------------------------------------------------------------
@@ -101,11 +95,9 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                             process_set).wait()
 
 
-def _group_names(name: str | None, n: int, process_set: ProcessSet | None) -> list[str]:
-    # unnamed groups count per process set, so members and non-members stay in step
-    base = name if name is not None else _api._auto_name("grouped_allreduce",
-                                                         _api._ps_id(process_set))
-    return [f"{base}.{i}" for i in range(n)]
+def _group_names(name: str | None, n: int, process_set: ProcessSet | None,
+                 kind: str = "grouped_allreduce") -> list[str]:
+    return _api.group_names(kind, name, n, process_set)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -145,10 +137,8 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: An
 
     The result is the coalesced sum over ranks (divided by the set size for Average).
     """
-    resolved = resolve_op(op, None)
-    if resolved not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-        raise ValueError("sparse allreduce supports op=Sum or op=Average only")
-    base = name if name is not None else _api._auto_name("sparse_allreduce", 0)
+    resolved = resolve_op(op, None, what="sparse allreduce", allowed=_api.REDUCESCATTER_OPS)
+    base = _api.auto_name("sparse_allreduce", name, process_set)
     t = tensor.detach().coalesce()
     indices = t.indices().t().contiguous()
     values = t.values().contiguous()
@@ -163,7 +153,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: An
         out = torch.sparse_coo_tensor(idx.t(), vals, t.shape, check_invariants=False).coalesce()
         return out * scale if scale != 1.0 else out
 
-    return MultiHandle([hi, hv], convert, base)
+    return SparseHandle([hi, hv], convert, base)
 
 
 # -- allgather, broadcast, alltoall, reducescatter ------------------------------------------
@@ -174,6 +164,15 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     alloc = Allocator(tensor)
     inner = _api.allgather_async(numpy_view(staged), name, process_set, alloc=alloc)
     return TorchHandle(inner, lambda raw: _result(alloc, raw, tensor))
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> MultiHandle:
+    """Start an allgather of every tensor; the handle's result is the list of outputs."""
+    hs = [allgather_async(t, n, process_set)
+          for t, n in zip(tensors, _group_names(name, len(tensors), process_set,
+                                                "grouped_allgather"))]
+    return MultiHandle(hs, lambda outs: list(outs), name or "grouped_allgather")
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -233,6 +232,18 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
     inner = _api.reducescatter_async(numpy_view(staged), op, name, process_set,
                                      prescale_factor, postscale_factor, alloc=alloc)
     return TorchHandle(inner, lambda raw: _result(alloc, raw, tensor))
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                                op: Any = ReduceOp.AVERAGE,
+                                process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> MultiHandle:
+    """Start a reducescatter of every tensor; the result is the list of this rank's blocks."""
+    hs = [reducescatter_async(t, n, op, process_set, prescale_factor, postscale_factor)
+          for t, n in zip(tensors, _group_names(name, len(tensors), process_set,
+                                                "grouped_reducescatter"))]
+    return MultiHandle(hs, lambda outs: list(outs), name or "grouped_reducescatter")
 
 
 def synchronize(handle: Any) -> Any:

@@ -318,10 +318,14 @@ _unflatten = getattr(torch._C._nn, "unflatten_dense_tensors", _unflatten_py)
 def _scale(buf: torch.Tensor, factor: float) -> None:
     if factor == 1.0:
         return
+    # like the host path (core/fusion.scaled_copy): an Average's 1/size divides by size
+    inv = 1.0 / factor if factor else 0.0
+    whole = inv > 1.0 and inv.is_integer()
     if buf.is_floating_point():
-        buf.mul_(factor)
+        buf.div_(inv) if whole else buf.mul_(factor)
     else:  # integers: like the host path, scale in float64 and truncate toward zero
-        buf.copy_((buf.to(torch.float64) * factor).to(buf.dtype))
+        wide = buf.to(torch.float64)
+        buf.copy_((wide / inv if whole else wide * factor).to(buf.dtype))
 
 
 def _store(rt: Any, members: list[int], name: str, process_set: Any,

@@ -138,6 +138,19 @@ class MultiHandle(TorchHandle):
         super().__init__(GroupOfHandles(inners), convert, name)
 
 
+class SparseHandle(MultiHandle):
+    """The handle of ``sparse_allreduce_async``: callable, as Horovod's is.
+
+    Horovod returns a function that waits and returns the result; ``handle()``,
+    ``handle.wait()`` and ``hvd.synchronize(handle)`` all do that here.
+    """
+
+    __slots__ = ()
+
+    def __call__(self) -> Any:
+        return self.wait()
+
+
 def to_device(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Move a host result back to ``like``'s device (no-op on the CPU)."""
     return result if like.device.type == "cpu" else result.to(like.device)

@@ -73,6 +73,16 @@ class _DistributedMixin:
         self._ronde_names = self._ronde_name_parameters(named_parameters)
         self._ronde_params = [p for g in self.param_groups for p in g["params"]
                               if p.requires_grad]
+        #: Horovod's attributes, which tests and user code read
+        self._parameter_names = {p: self._ronde_names[id(p)] for g in self.param_groups
+                                 for p in g["params"]}
+        self._requires_update = set(self._ronde_params)
+        self.process_set = process_set
+        self.op = resolved
+        self.sparse_as_dense = bool(sparse_as_dense)
+        self.gradient_predivide_factor = gradient_predivide_factor
+        #: a rank outside the process set steps on its own gradients, as in Horovod
+        self._ronde_member = process_set.included()
         self._ronde_handles: dict[torch.Tensor, tuple[Any, Any, str]] = {}
         self._ronde_groups = self._ronde_make_groups(groups)
         self._ronde_group_of = {id(q): gid for gid, members in self._ronde_groups.items()
@@ -82,7 +92,7 @@ class _DistributedMixin:
         self._ronde_synchronized = False
         self._ronde_should_sync = True
         self._ronde_hooks = [p.register_post_accumulate_grad_hook(self._ronde_hook)
-                             for p in self._ronde_params]
+                             for p in self._ronde_params] if self._ronde_member else []
 
     # -- set-up --------------------------------------------------------------------------
     def _ronde_name_parameters(self, named_parameters: Any) -> dict[int, str]:
@@ -179,6 +189,9 @@ class _DistributedMixin:
         Call it before reading or clipping gradients, then call ``step()`` inside
         ``with optimizer.skip_synchronize():``.
         """
+        if not self._ronde_member:
+            self._ronde_synchronized = True
+            return
         try:
             if not self._ronde_validated:
                 self._ronde_validate()
@@ -202,6 +215,8 @@ class _DistributedMixin:
                     if p.grad is not None and not p.grad.is_sparse:
                         with torch.no_grad():
                             p.grad.copy_(value)
+                    elif p.grad is not None:  # sparse_as_dense: sparse again for the step
+                        p.grad = value.to(p.dtype).to_sparse()
                     else:
                         p.grad = value.to(p.dtype)
         finally:

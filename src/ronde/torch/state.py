@@ -4,10 +4,13 @@
 ``broadcast_optimizer_state`` sends the root's whole ``optimizer.state_dict()``: the
 structure and plain values (learning rates, betas, ...) by ``broadcast_object``, the
 state tensors (momentum buffers, Adam moments, ``step``) by buffer broadcasts, and
-loads it on the other ranks. Unlike Horovod it does not run a zero-gradient step to
-create missing state: an optimizer that has not stepped yet has empty state on every
-rank, which is already identical (and AdamW's weight decay does not touch the
-parameters).
+loads it on the other ranks. As Horovod does, an optimizer that has not stepped yet
+first gets its state created by one step on zero gradients (every trainable parameter
+gets a zero ``grad``; sparse for ``SparseAdam`` and for the sparse embeddings of
+``model=``), so that momentum buffers and moments exist, and are equal, on every rank.
+That step runs the wrapped optimizer's own ``step()``, never the distributed one, and
+leaves the parameters as they were (weight decay would move them, by each rank's own
+learning rate: Horovod lets the ranks' parameters drift apart there; ronde does not).
 """
 
 from __future__ import annotations
@@ -87,16 +90,52 @@ def broadcast_state(tree: Any, root_rank: int = 0, name: str = "broadcast_state"
                                                            process_set))
 
 
+def _create_state(optimizer: torch.optim.Optimizer, model: Any) -> None:
+    """Horovod's state initialisation: one step of the inner optimizer on zero gradients."""
+    from .optimizer import _DistributedMixin
+
+    sparse = {id(p) for m in (model.modules() if model is not None else ())
+              if isinstance(m, torch.nn.Embedding) and m.sparse for p in m.parameters()}
+    as_sparse = isinstance(optimizer, torch.optim.SparseAdam)
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    for p in params:
+        zero = torch.zeros_like(p)
+        p.grad = zero.to_sparse() if as_sparse or id(p) in sparse else zero
+    # a zero-gradient step still moves parameters under weight decay (AdamW, SGD's
+    # weight_decay), by each rank's own learning rate before the root's is received:
+    # put them back, so broadcast_parameters() before this stays in force (Horovod
+    # leaves the ranks' parameters apart there)
+    kept = [p.detach().clone() for p in params]
+    if isinstance(optimizer, _DistributedMixin):
+        super(_DistributedMixin, optimizer).step()  # type: ignore[misc]
+    else:
+        optimizer.step()
+    with torch.no_grad():
+        for p, k in zip(params, kept):
+            p.copy_(k)
+
+
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
+                              model: Any = None,
                               process_set: ProcessSet = global_process_set) -> None:
     """Make every rank's optimizer state (and hyperparameters) equal to ``root_rank``'s.
 
-    Works before the first step (empty state everywhere stays empty; learning rates
-    and other group options are still sent) and after it (momentum buffers, Adam
-    moments, ``step`` counts). Accepts a plain optimizer or a ``DistributedOptimizer``.
+    Before the first step the state is created first, as Horovod does: every trainable
+    parameter gets a zero gradient and the wrapped optimizer steps once (momentum
+    buffers, Adam moments and ``step`` counts then exist on every rank). Accepts a plain
+    optimizer or a ``DistributedOptimizer``.
+
+    Args:
+        optimizer: the optimizer whose ``state_dict()`` is sent.
+        root_rank: the rank whose state everyone gets.
+        model: optional; its sparse ``nn.Embedding`` parameters get sparse zero gradients
+            for that first step (as in Horovod).
+        process_set: the ranks taking part (default: all).
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("broadcast_optimizer_state does not support LBFGS")
+    if not optimizer.state_dict()["state"]:
+        _create_state(optimizer, model)
     sd = optimizer.state_dict() if _api.rank() == root_rank else None
     got = broadcast_state(sd, root_rank, "broadcast_optimizer_state", process_set)
     if _api.rank() != root_rank:

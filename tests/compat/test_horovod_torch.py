@@ -1,0 +1,40 @@
+"""Horovod's torch semantics, as its own test suite relies on them (real processes).
+
+Horovod's ``test/parallel/test_torch.py`` is the specification; these tests check the
+same facts in ronde's own way (docs/compat.md lists where ronde differs on purpose).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from ronde.testing import run_ranks  # noqa: E402
+
+from . import torch_workers as workers  # noqa: E402
+
+CASES = [workers.scaling_arithmetic, workers.join_average,
+         workers.grouped_allgather_and_reducescatter, workers.gradients,
+         workers.errors_and_handles, workers.optimizer_attributes_and_process_sets,
+         workers.optimizer_state_and_sparse]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("case", CASES, ids=lambda f: f.__name__)
+def test_horovod_torch_semantics(case, np_):
+    assert run_ranks(np_, case, timeout_s=100) == ["ok"] * np_
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_crossed_collectives_fail_on_every_rank_and_the_job_goes_on(np_):
+    assert run_ranks(np_, workers.crossed_collectives, timeout_s=50,
+                     env={"RONDE_DEADLOCK_TIME": "1"}) == ["ok"] * np_
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_still_computing_is_not_taken_for_a_deadlock():
+    assert run_ranks(2, workers.busy_rank_is_not_a_deadlock, timeout_s=50,
+                     env={"RONDE_DEADLOCK_TIME": "1"}) == ["ok"] * 2
