@@ -40,22 +40,6 @@ def __getattr__(name: str) -> object:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
-__all__ = [
-    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-    "cross_rank", "cross_size", "is_homogeneous", "active_transport",
-    "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
-    "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter",
-    "grouped_reducescatter_async",
-    "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall",
-    "alltoall_async", "reducescatter", "reducescatter_async", "barrier", "join",
-    "broadcast_object", "allgather_object", "poll", "synchronize", "Handle", "GroupHandle",
-    "start_timeline", "stop_timeline",
-    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-    "Average", "Sum", "Min", "Max", "Product", "Adasum", "ReduceOp",
-    "RondeError", "ConfigError", "NotInitializedError", "TensorMismatchError",
-    "DuplicateNameError", "PeerLostError", "StallError", "RendezvousError",
-    "AuthenticationError", "ProtocolError", "ShutdownError", "JoinedError",
-    "HorovodInternalError", "CollectiveError", "DeadlockError", "UnsupportedError",
-    "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built",
-    "rocm_built", "ddl_built", "ccl_built", "mpi_threads_supported",
-]
+from ._facade import FACADES as _FACADES  # noqa: E402
+
+__all__ = list(_FACADES["ronde"])

@@ -34,7 +34,8 @@ def collectives() -> str:
             "group": hvd.grouped_allreduce([x, 2 * x], op=hvd.Sum),
             "gather": hvd.allgather(tf.fill([r + 1, 2], x[0])),
             "bcast": hvd.broadcast(x, root_rank=n - 1),
-            "a2a": hvd.alltoall(tf.repeat(x[:1], n)),
+            "a2a": hvd.alltoall(tf.repeat(x[:1], n)),  # no splits: the output alone
+            "a2a.s": hvd.alltoall(tf.repeat(x[:1], n), splits=[1] * n),
             "rs": hvd.reducescatter(tf.ones([2 * n, 3]) * x[0], op=hvd.Sum),
         }
 
@@ -51,12 +52,13 @@ def collectives() -> str:
             np.testing.assert_allclose(out["group"][1], 2 * out["sum"])
             assert tuple(out["gather"].shape) == (int(tri), 2), out["gather"].shape
             np.testing.assert_allclose(out["bcast"], [n, 2, 3])
-            got, splits = out["a2a"]
+            np.testing.assert_allclose(out["a2a"], np.arange(1, n + 1))
+            got, splits = out["a2a.s"]
             np.testing.assert_allclose(got, np.arange(1, n + 1))
             assert splits.numpy().tolist() == [1] * n
             np.testing.assert_allclose(out["rs"], np.full((2, 3), tri))
-    # gradients: allreduce(Sum) -> sum of dy; allgather -> this rank's rows of the sum;
-    # broadcast -> the sum on the root, zeros elsewhere
+    # gradients (Horovod's rules): allreduce(Sum) -> sum of dy; allgather -> this rank's
+    # rows of the average; broadcast -> the average on the root, zeros elsewhere
     v = tf.Variable([1.0, 2.0])
 
     @tf.function
@@ -69,9 +71,9 @@ def collectives() -> str:
 
     ga, gg, gb = grads()
     np.testing.assert_allclose(ga, [tri, tri])
-    rows = np.arange(2 * n, dtype=np.float32) * n
+    rows = np.arange(2 * n, dtype=np.float32)
     np.testing.assert_allclose(gg, rows[2 * r: 2 * r + 2])
-    np.testing.assert_allclose(gb, [3.0 * n] * 2 if r == 0 else [0, 0])
+    np.testing.assert_allclose(gb, [3.0] * 2 if r == 0 else [0, 0])
     # join/barrier in a graph, objects eagerly
     tf.function(lambda: hvd.barrier())()
     assert hvd.broadcast_object({"r": r}, root_rank=0) == {"r": 0}

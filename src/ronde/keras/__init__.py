@@ -30,12 +30,11 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
 
 import numpy as np
 
-from .. import _api
-from .._api import (add_process_set, barrier, cross_rank, cross_size, init, is_homogeneous,
-                    is_initialized, join, local_rank, local_size, rank, remove_process_set,
-                    shutdown, size)
-from .._errors import RondeError, TensorMismatchError
-from .._ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from .. import _api, _facade
+
+__all__ = _facade.export_common(globals())
+
+from .._api import barrier, join  # noqa: E402,F401
 from ..frameworks.host_reduce import NUMPY_COMPRESSION as Compression
 from ..process_sets import ProcessSet, global_process_set
 from . import callbacks
@@ -103,13 +102,3 @@ def broadcast_variables(variables: Any, root_rank: int = 0,
         v.assign(value)
 
 
-__all__ = [
-    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-    "cross_rank", "cross_size", "is_homogeneous", "join", "barrier",
-    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-    "Average", "Sum", "Min", "Max", "Product", "Adasum", "ReduceOp", "Compression",
-    "allreduce", "allgather", "broadcast", "reducescatter", "broadcast_object",
-    "allgather_object", "broadcast_variables", "broadcast_model",
-    "DistributedOptimizer", "is_distributed", "load_model", "callbacks",
-    "RondeError", "TensorMismatchError",
-]

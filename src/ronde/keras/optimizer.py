@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from .. import _api
+from .._errors import UnsupportedError
 from .._ops import ReduceOp
 from ..frameworks.host_reduce import GradientSpec, Reduction, reduce_arrays, wire_dtype_of
 from ..frameworks.naming import gradient_name
@@ -186,7 +187,7 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
     """
     resolved = _api._resolve_op(op, None)
     if resolved == ReduceOp.ADASUM:
-        raise ValueError("op=Adasum is not supported yet; use Average or Sum")
+        raise UnsupportedError("op=Adasum is not supported yet; use Average or Sum")
     if gradient_predivide_factor != 1.0 and resolved != ReduceOp.AVERAGE:
         raise ValueError("gradient_predivide_factor is only supported with op=Average")
     wire_dtype_of(compression)

@@ -24,40 +24,17 @@ See docs/mxnet.md.
 
 from __future__ import annotations
 
-from .. import _api
-from .._api import (add_process_set, allgather_object, barrier, broadcast_object, ccl_built,
-                    cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled,
-                    init, is_homogeneous, is_initialized, join, local_rank, local_size,
-                    mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
-                    remove_process_set, rocm_built, shutdown, size)
-from .._errors import (AuthenticationError, ConfigError, DuplicateNameError, JoinedError,
-                       NotInitializedError, PeerLostError, ProtocolError, RendezvousError,
-                       RondeError, ShutdownError, StallError, TensorMismatchError)
-from .._ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from .. import _facade
+
+__all__ = _facade.export_common(globals())
+
+from .._api import allgather_object, barrier, broadcast_object, join  # noqa: E402,F401
 from ..frameworks.compression import Compressor
 from ..frameworks.host_reduce import NUMPY_COMPRESSION as Compression
 from ..process_sets import ProcessSet, global_process_set
 from ._collectives import (allgather, allreduce, allreduce_, alltoall, broadcast, broadcast_,
-                           fused_allreduce_, grouped_allreduce, grouped_allreduce_,
-                           reducescatter)
+                           fused_allreduce_, grouped_allgather, grouped_allreduce,
+                           grouped_allreduce_, grouped_reducescatter, reducescatter)
 from .optimizer import DistributedOptimizer, DistributedTrainer
 from .state import broadcast_parameters
 
-active_transport = _api.active_transport
-
-__all__ = [
-    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-    "cross_rank", "cross_size", "is_homogeneous", "active_transport",
-    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-    "Average", "Sum", "Min", "Max", "Product", "Adasum", "ReduceOp",
-    "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "fused_allreduce_",
-    "allgather", "broadcast", "broadcast_", "alltoall", "reducescatter",
-    "join", "barrier", "broadcast_object", "allgather_object",
-    "Compression", "Compressor", "DistributedOptimizer", "DistributedTrainer",
-    "broadcast_parameters",
-    "RondeError", "ConfigError", "NotInitializedError", "TensorMismatchError",
-    "DuplicateNameError", "PeerLostError", "StallError", "RendezvousError",
-    "AuthenticationError", "ProtocolError", "ShutdownError", "JoinedError",
-    "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built",
-    "rocm_built", "ddl_built", "ccl_built", "mpi_threads_supported",
-]

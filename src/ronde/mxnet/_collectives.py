@@ -178,3 +178,24 @@ def reducescatter(tensor: mx.nd.NDArray, op: Any = ReduceOp.AVERAGE, name: str |
     out = _api.reducescatter(to_host(tensor, "reducescatter"), op, name, process_set,
                              prescale_factor, postscale_factor)
     return from_host(out, tensor)
+
+
+def grouped_allgather(tensors: Sequence[mx.nd.NDArray], name: str | None = None,
+                      priority: int = 0,
+                      process_set: ProcessSet = global_process_set) -> list[mx.nd.NDArray]:
+    """Allgather every array of the list (``<name>.<i>`` each), all started at once."""
+    hosts = [to_host(t, "grouped_allgather") for t in tensors]
+    outs = _api.grouped_allgather_async(hosts, name, process_set).wait()
+    return [from_host(o, t) for o, t in zip(outs, tensors)]
+
+
+def grouped_reducescatter(tensors: Sequence[mx.nd.NDArray], op: Any = ReduceOp.AVERAGE,
+                          name: str | None = None, priority: int = 0,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[mx.nd.NDArray]:
+    """Reducescatter every array of the list (``<name>.<i>`` each), all started at once."""
+    hosts = [to_host(t, "grouped_reducescatter") for t in tensors]
+    outs = _api.grouped_reducescatter_async(hosts, op, name, process_set, prescale_factor,
+                                            postscale_factor).wait()
+    return [from_host(o, t) for o, t in zip(outs, tensors)]

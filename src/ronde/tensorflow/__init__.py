@@ -39,26 +39,21 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
     raise ImportError("ronde.tensorflow needs TensorFlow >= 2.16 and Keras 3: pip install "
                       "tensorflow-cpu 'keras>=3' (not tf-keras)") from _exc
 
-from .. import _api
-from .._api import (add_process_set, ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
-                    gloo_built, gloo_enabled, init, is_homogeneous, is_initialized, local_rank,
-                    local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
-                    remove_process_set, rocm_built, shutdown, size)
-from .._errors import (AuthenticationError, ConfigError, DuplicateNameError, JoinedError,
-                       NotInitializedError, PeerLostError, ProtocolError, RendezvousError,
-                       RondeError, ShutdownError, StallError, TensorMismatchError)
-from .._ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
-from ..keras.optimizer import DistributedOptimizer
-from ..process_sets import ProcessSet, global_process_set
-from ._collectives import (allgather, allreduce, alltoall, barrier, broadcast,
-                           grouped_allreduce, join, local_rank_op, rank_op, reducescatter,
-                           size_op)
-from .compression import Compression, Compressor
-from .functions import (allgather_object, broadcast_object, broadcast_object_fn,
-                        broadcast_variables)
-from .gradients import DistributedGradientTape
+from .. import _facade
 
-active_transport = _api.active_transport
+__all__ = _facade.export_common(globals())
+
+from ..keras.optimizer import DistributedOptimizer  # noqa: E402
+from ._collectives import (allgather, allreduce, alltoall, barrier, broadcast,  # noqa: E402
+                           broadcast_, grouped_allgather, grouped_allreduce,
+                           grouped_reducescatter, join, local_rank_op, local_size_op,
+                           process_set_included_op, rank_op, reducescatter, size_op)
+from .compression import Compression, Compressor  # noqa: E402
+from .functions import (allgather_object, broadcast_global_variables,  # noqa: E402
+                        broadcast_object, broadcast_object_fn, broadcast_variables)
+from .gradients import DistributedGradientTape  # noqa: E402
+from . import util  # noqa: E402
+from .util import _cache, _executing_eagerly, _make_subgraph, refs_to_vars, vars_to_refs  # noqa: E402,F401
 
 
 def __getattr__(name: str) -> Any:
@@ -72,19 +67,3 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = [
-    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-    "cross_rank", "cross_size", "is_homogeneous", "active_transport",
-    "rank_op", "size_op", "local_rank_op",
-    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-    "Average", "Sum", "Min", "Max", "Product", "Adasum", "ReduceOp",
-    "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
-    "join", "barrier", "broadcast_object", "broadcast_object_fn", "allgather_object",
-    "broadcast_variables", "DistributedGradientTape", "DistributedOptimizer",
-    "Compression", "Compressor", "callbacks",
-    "RondeError", "ConfigError", "NotInitializedError", "TensorMismatchError",
-    "DuplicateNameError", "PeerLostError", "StallError", "RendezvousError",
-    "AuthenticationError", "ProtocolError", "ShutdownError", "JoinedError",
-    "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built",
-    "rocm_built", "ddl_built", "ccl_built", "mpi_threads_supported",
-]

@@ -14,10 +14,13 @@ op: a ``jit_compile=True`` function that calls a collective fails (see
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
+
+from .._errors import HorovodInternalError
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,57 @@ def check_not_xla(what: str) -> None:
             "jit_compile=False) (ronde's Keras callbacks switch it off for you)")
 
 
+_TF_ERRORS: dict[type, type] = {}
+#: the last host op built in each graph (the next one runs after it)
+_LAST_OP: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def _same_frame(graph: Any) -> bool:
+    """False inside TF1 control flow (a while_loop/cond context of a session graph), where
+    a control dependency on an op outside the frame is not allowed."""
+    try:
+        return graph._get_control_flow_context() is None  # a private helper of TF1 graphs
+    except AttributeError:
+        return True
+
+
+def as_tf_error(exc: BaseException) -> BaseException:
+    """An error of a collective as TensorFlow reports one, as Horovod's TF ops do: a failed
+    collective (:class:`~ronde.HorovodInternalError`) is also a
+    ``tf.errors.FailedPreconditionError``, bad arguments (``ValueError``, ``TypeError``)
+    also a ``tf.errors.InvalidArgumentError``. The result is an instance of both its own
+    class and the TensorFlow one, so ``except tf.errors.OpError`` and ``except
+    ronde.TensorMismatchError`` (or ``ValueError``) both work.
+
+    Eagerly only: inside a graph, TensorFlow turns an exception of a Python op into an
+    ``InvalidArgumentError`` (ValueError, TypeError) or an ``UnknownError`` (the others),
+    whose message is ronde's (docs/compat.md).
+    """
+    cls = type(exc)
+    mixed = _TF_ERRORS.get(cls)
+    if mixed is None:
+        tf_cls, code = ((tf.errors.FailedPreconditionError, tf.errors.FAILED_PRECONDITION)
+                        if isinstance(exc, HorovodInternalError) else
+                        (tf.errors.InvalidArgumentError, tf.errors.INVALID_ARGUMENT))
+
+        def init(self: Any, message: str) -> None:
+            # OpError's own __init__ chains to the other base's with other arguments:
+            # set what OpError reads instead
+            BaseException.__init__(self, message)
+            self._node_def, self._op, self._message = None, None, message
+            self._error_code = code
+            self._experimental_payloads = {}
+
+        mixed = type(cls.__name__, (tf_cls, cls),
+                     {"__init__": init, "__module__": cls.__module__,
+                      "__str__": lambda self: self.message})
+        _TF_ERRORS[cls] = mixed
+    new = mixed(str(exc))
+    if hasattr(exc, "rank"):
+        new.rank = exc.rank
+    return new
+
+
 def dtype_name(dtype: tf.DType) -> str:
     """The numpy-style name of a TensorFlow dtype (``float32``, ``bfloat16``...)."""
     return "bfloat16" if dtype == tf.bfloat16 else str(np.dtype(dtype.as_numpy_dtype))
@@ -66,7 +120,10 @@ def host_call(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[Any],
     """
     tensors = [tf.convert_to_tensor(t) for t in inputs]
     if tf.executing_eagerly():
-        outs = fn(*[t.numpy() for t in tensors])
+        try:
+            outs = fn(*[t.numpy() for t in tensors])
+        except (HorovodInternalError, ValueError, TypeError) as exc:
+            raise as_tf_error(exc) from None
         return [tf.convert_to_tensor(np.asarray(o), dtype=d) for o, d in zip(outs, out_dtypes)]
     check_not_xla(name)
 
@@ -74,10 +131,20 @@ def host_call(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[Any],
         return [np.asarray(o, dtype=d.as_numpy_dtype)
                 for o, d in zip(fn(*arrays), out_dtypes)]
 
-    outs = tf.numpy_function(call, tensors, list(out_dtypes), stateful=True,
-                             name=name.replace("/", "_").replace(".", "_"))
+    graph = tf.compat.v1.get_default_graph()
+    last = _LAST_OP.get(graph)
+    # every rank runs a graph's collectives in the order they were built: each one
+    # blocks a TensorFlow executor thread until it completes, and the ranks' threads
+    # taking different ops first would wait for each other for ever (tf.function already
+    # orders stateful ops so; a TF1-style graph run by a session does not)
+    deps = [last] if last is not None and _same_frame(graph) else []
+    with tf.control_dependencies(deps):
+        outs = tf.numpy_function(call, tensors, list(out_dtypes), stateful=True,
+                                 name=name.replace("/", "_").replace(".", "_"))
     if not isinstance(outs, (list, tuple)):
         outs = [outs]
+    if outs and _same_frame(graph):
+        _LAST_OP[graph] = outs[0].op
     result = []
     for o, shape in zip(outs, out_shapes):
         o.set_shape(shape)

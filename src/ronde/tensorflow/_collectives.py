@@ -3,11 +3,18 @@
 Every function hands numpy arrays to the one runtime implementation in
 :mod:`ronde._api` through :func:`~ronde.tensorflow._bridge.host_call` (a
 ``tf.numpy_function`` in graphs). Gradients are registered with
-``tf.custom_gradient``: the gradient of an allreduce is the same allreduce of the
-upstream gradient; of an allgather, this rank's rows of the summed gradient; of a
-broadcast, the summed gradient on the root and zeros elsewhere; of an alltoall,
-the reverse alltoall; of a reducescatter, the allgather (scaled as the forward).
-Signatures are Horovod's ``horovod.tensorflow`` ones.
+``tf.custom_gradient``, with Horovod's rules: the gradient of an allreduce is the same
+allreduce of the upstream gradient; of an allgather, this rank's rows of the *averaged*
+gradient; of a broadcast, the averaged gradient on the root and zeros elsewhere; of an
+alltoall, the reverse alltoall; of a reducescatter, the allgather of the upstream
+gradient times the set size for Sum and times the scale factors. Signatures are
+Horovod's ``horovod.tensorflow`` ones.
+
+Unnamed collectives get their names when the op is *built*: inside a graph, the
+graph's next unique name for the kind (every rank builds the same graph in the same
+order, while the ops of one graph may run in any order on different ranks, so a name
+drawn at run time could pair different tensors); eagerly, the next automatic name when
+the call runs, which is at once.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import _api
+from .._errors import UnsupportedError
 from .._ops import ReduceOp
 from ..frameworks.host_reduce import GradientSpec, Reduction, reduce_arrays, set_size, \
     wire_dtype_of
@@ -29,20 +37,32 @@ logger = logging.getLogger(__name__)
 
 
 def _name(kind: str, name: str | None, ps: ProcessSet) -> str:
-    """A name fixed at trace time (given) or drawn per execution (auto)."""
-    return name if name is not None else ""
+    """The given name; in a graph the graph's next unique name of ``kind``; eagerly ""
+    (then :func:`_resolve` draws the automatic name when the call runs)."""
+    if name is not None:
+        return name
+    if tf.executing_eagerly():
+        return ""
+    return tf.compat.v1.get_default_graph().unique_name(f"{kind}.noname")
 
 
 def _resolve(name: str, kind: str, ps: ProcessSet) -> str:
-    return name or _api._auto_name(kind, _api._ps_id(ps))
+    return _api.auto_name(kind, name or None, ps)
 
 
 def _sparse(tensor: tf.IndexedSlices, op: ReduceOp, name: str | None, pre: float,
             post: float, ps: ProcessSet) -> tf.IndexedSlices:
     if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-        raise ValueError("allreduce of IndexedSlices supports op=Sum or Average only")
+        raise NotImplementedError(f"allreduce of tf.IndexedSlices supports op=Sum or Average "
+                                  f"only, not {op.name.capitalize()}; convert it with "
+                                  "tf.convert_to_tensor for other ops")
+    if pre != 1.0 or post != 1.0:
+        raise NotImplementedError("allreduce of tf.IndexedSlices does not take prescale_factor "
+                                  "or postscale_factor (as in Horovod); scale the values")
     base = _name("allreduce", name, ps)
-    red = Reduction(int(op), pre, post, None, ps)
+    # the values are gathered as they are and divided here, as Horovod does: an Average
+    # of integer slices is TensorFlow's true division (float values)
+    red = Reduction(int(ReduceOp.SUM), 1.0, 1.0, None, ps)
 
     def fn(values: np.ndarray, indices: np.ndarray) -> list[np.ndarray]:
         spec = GradientSpec(_resolve(base, "sparse_allreduce", ps), sparse=True)
@@ -52,6 +72,8 @@ def _sparse(tensor: tf.IndexedSlices, op: ReduceOp, name: str | None, pre: float
                      tensor.indices.dtype], [tf.TensorShape([None]).concatenate(
                          tensor.values.shape[1:]), tf.TensorShape([None])],
                      "ronde_sparse_allreduce")
+    if op == ReduceOp.AVERAGE:
+        v = tf.math.truediv(v, set_size(ps))
     return tf.IndexedSlices(v, i, dense_shape=tensor.dense_shape)
 
 
@@ -60,7 +82,7 @@ def _reduce(tensors: Sequence[tf.Tensor], names: Sequence[str], red: Reduction,
     ps = red.process_set
 
     def fn(*arrays: np.ndarray) -> list[np.ndarray]:
-        auto = _api._auto_name(kind, _api._ps_id(ps)) if not all(names) else ""
+        auto = _api.auto_name(kind, None, ps) if not all(names) else ""
         specs = [GradientSpec(n or f"{auto}.{i}") for i, n in enumerate(names)]
         return reduce_arrays(list(arrays), specs, red)
 
@@ -79,11 +101,10 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
     Horovod. Differentiable for Sum and Average. ``device_*`` and
     ``ignore_name_scope`` are accepted for Horovod compatibility and ignored.
     """
-    op = _api._resolve_op(op, average)
-    if op == ReduceOp.ADASUM:
-        raise ValueError("op=Adasum is not supported yet; use Average or Sum")
+    op = _api.resolve_op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
         return _sparse(tensor, op, name, prescale_factor, postscale_factor, process_set)
+    op = _api.resolve_op(op, None, what="allreduce", allowed=_api.ALLREDUCE_OPS)
     red = Reduction(int(op), prescale_factor, postscale_factor, wire_dtype_of(compression),
                     process_set)
     base = _name("allreduce", name, process_set)
@@ -110,13 +131,20 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
                       postscale_factor: float = 1.0, name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
     """Allreduce a list of tensors in one host call (negotiated and fused together)."""
-    op = _api._resolve_op(op, average)
+    op = _api.resolve_op(op, average)
+    if any(isinstance(t, tf.IndexedSlices) for t in tensors):
+        return [allreduce(t, op=op, prescale_factor=prescale_factor,
+                          postscale_factor=postscale_factor, compression=compression,
+                          name=f"{name}.{i}" if name else None, process_set=process_set)
+                for i, t in enumerate(tensors)]
+    op = _api.resolve_op(op, None, what="grouped_allreduce", allowed=_api.ALLREDUCE_OPS)
     red = Reduction(int(op), prescale_factor, postscale_factor, wire_dtype_of(compression),
                     process_set)
     xs = [tf.convert_to_tensor(t) for t in tensors]
     if not xs:
         return []
-    names = [f"{name}.{i}" if name else "" for i in range(len(xs))]
+    base = _name("grouped_allreduce", name, process_set)
+    names = [f"{base}.{i}" if base else "" for i in range(len(xs))]
 
     @tf.custom_gradient
     def fwd(*x: tf.Tensor) -> Any:
@@ -145,12 +173,11 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
 
     def grad_fn(dy: np.ndarray, rows: np.ndarray) -> list[np.ndarray]:
         n = _resolve(f"{base}.grad" if base else "", "allgather_grad", process_set)
-        summed = _api.allreduce(dy, None, n, ReduceOp.SUM, process_set=process_set)
+        avg = _api.allreduce(dy, None, n, ReduceOp.AVERAGE, process_set=process_set)
         counts = _api.allgather(np.asarray([rows.shape[0]], np.int64), f"{n}.rows",
                                 process_set)
-        me = process_set.rank() if process_set.ranks is not None else _api.rank()
-        off = int(counts[:me].sum())
-        return [summed[off: off + rows.shape[0]]]
+        off = int(counts[:_api.set_rank(process_set)].sum())
+        return [avg[off: off + rows.shape[0]]]
 
     @tf.custom_gradient
     def fwd(x: tf.Tensor) -> Any:
@@ -177,8 +204,8 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
 
     def grad_fn(dy: np.ndarray) -> list[np.ndarray]:
         n = _resolve(f"{base}.grad" if base else "", "broadcast_grad", process_set)
-        summed = _api.allreduce(dy, None, n, ReduceOp.SUM, process_set=process_set)
-        return [summed if _api.rank() == root else np.zeros_like(summed)]
+        avg = _api.allreduce(dy, None, n, ReduceOp.AVERAGE, process_set=process_set)
+        return [avg if _api.rank() == root else np.zeros_like(avg)]
 
     @tf.custom_gradient
     def fwd(x: tf.Tensor) -> Any:
@@ -194,12 +221,14 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
 
 def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
              ignore_name_scope: bool = False,
-             process_set: ProcessSet = global_process_set) -> tuple[tf.Tensor, tf.Tensor]:
-    """Send block i of ``tensor`` to rank i; returns ``(output, received_splits)``.
+             process_set: ProcessSet = global_process_set) -> Any:
+    """Send block i of ``tensor`` to rank i.
 
-    Without ``splits`` the first dimension is split evenly. Differentiable (the
-    gradient is the reverse alltoall).
+    Returns ``(output, received_splits)`` when ``splits`` is given, else the output alone
+    (as Horovod does); without ``splits`` the first dimension is split evenly.
+    Differentiable (the gradient is the reverse alltoall).
     """
+    given = splits is not None
     base = _name("alltoall", name, process_set)
     x = tf.convert_to_tensor(tensor)
     n = set_size(process_set)
@@ -227,19 +256,23 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
         return (y, received), grad
 
     y, received = fwd(x)
-    return y, received
+    return (y, received) if given else y
 
 
-def reducescatter(tensor: Any, op: Any = ReduceOp.AVERAGE, name: str | None = None,
-                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0, compression: Any = None) -> tf.Tensor:
+def reducescatter(tensor: Any, device_dense: str = "", compression: Any = None,
+                  op: Any = ReduceOp.AVERAGE, process_set: ProcessSet = global_process_set,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                  name: str | None = None) -> tf.Tensor:
     """Reduce over ranks; rank r gets its block of dimension 0 (Sum or Average)."""
-    resolved = _api._resolve_op(op, None)
+    resolved = _api.resolve_op(op, None, what="reducescatter", allowed=_api.REDUCESCATTER_OPS)
     base = _name("reducescatter", name, process_set)
     x = tf.convert_to_tensor(tensor)
-    scale = prescale_factor * postscale_factor
-    if resolved == ReduceOp.AVERAGE:
-        scale /= set_size(process_set)
+    if x.shape.rank == 0:
+        raise UnsupportedError("reducescatter needs a tensor with at least one dimension; "
+                               "reshape scalars to shape (1,)")
+    # Horovod's rule for the gradient: the set size for Sum (none for Average), the scales
+    scale = prescale_factor * postscale_factor * (set_size(process_set)
+                                                  if resolved == ReduceOp.SUM else 1)
 
     def run(a: np.ndarray) -> list[np.ndarray]:
         return [_api.reducescatter(a, resolved, _resolve(base, "reducescatter", process_set),
@@ -284,16 +317,79 @@ def barrier(process_set: ProcessSet = global_process_set) -> Any:
     return host_call(run, [], [tf.int32], [[]], "ronde_barrier")[0]
 
 
-def size_op(process_set: ProcessSet = global_process_set) -> tf.Tensor:
-    """The number of ranks of the set, as an int32 tensor."""
-    return tf.constant(set_size(process_set), tf.int32)
+def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
+                      ignore_name_scope: bool = False,
+                      process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
+    """Allgather every tensor of the list (``<name>.<i>`` each); differentiable."""
+    base = _name("grouped_allgather", name, process_set)
+    if not base:
+        base = _resolve("", "grouped_allgather", process_set)
+    return [allgather(t, f"{base}.{i}", process_set=process_set) for i, t in enumerate(tensors)]
 
 
-def rank_op() -> tf.Tensor:
+def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
+                          compression: Any = None, op: Any = ReduceOp.AVERAGE,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                          name: str | None = None) -> list[tf.Tensor]:
+    """Reducescatter every tensor of the list (``<name>.<i>`` each); differentiable."""
+    base = _name("grouped_reducescatter", name, process_set)
+    if not base:
+        base = _resolve("", "grouped_reducescatter", process_set)
+    return [reducescatter(t, compression=compression, op=op, process_set=process_set,
+                          prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                          name=f"{base}.{i}") for i, t in enumerate(tensors)]
+
+
+def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
+    """Overwrite each variable with the root rank's value, in place; returns the values."""
+    from .functions import broadcast_variables
+
+    variables = list(variables)
+    base = _name("broadcast_", name, process_set)
+    if not base:
+        base = _resolve("", "broadcast_", process_set)
+    op = broadcast_variables(variables, root_rank, process_set, name=base)
+    if tf.executing_eagerly() or op is None:
+        return [tf.convert_to_tensor(v) for v in variables]
+    with tf.control_dependencies([op]):
+        return [tf.identity(tf.convert_to_tensor(v)) for v in variables]
+
+
+def _set_of(process_set: Any) -> ProcessSet:
+    """Horovod's ``process_set_id`` arguments (an int) or a ProcessSet, as a ProcessSet."""
+    if isinstance(process_set, ProcessSet):
+        return process_set
+    from ..process_sets import _registered
+
+    ps = _registered.get(int(process_set))
+    if ps is None:
+        raise ValueError(f"process set id {process_set} is not registered")
+    return ps
+
+
+def size_op(process_set_id: Any = 0, name: str | None = None) -> tf.Tensor:
+    """The number of ranks of the set (an id, or a ProcessSet), as an int32 tensor."""
+    return tf.constant(set_size(_set_of(process_set_id)), tf.int32)
+
+
+def local_size_op(name: str | None = None) -> tf.Tensor:
+    """The number of ranks on this host, as an int32 tensor."""
+    return tf.constant(_api.local_size(), tf.int32)
+
+
+def process_set_included_op(process_set_id: Any = 0, name: str | None = None) -> tf.Tensor:
+    """1 when this process is a member of the set, else 0 (an int32 tensor)."""
+    ps = _set_of(process_set_id)
+    return tf.constant(1 if ps.included() or ps.ranks is None else 0, tf.int32)
+
+
+def rank_op(name: str | None = None) -> tf.Tensor:
     """This process's rank, as an int32 tensor."""
     return tf.constant(_api.rank(), tf.int32)
 
 
-def local_rank_op() -> tf.Tensor:
+def local_rank_op(name: str | None = None) -> tf.Tensor:
     """This process's local rank, as an int32 tensor."""
     return tf.constant(_api.local_rank(), tf.int32)

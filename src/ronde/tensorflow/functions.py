@@ -82,3 +82,17 @@ def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: str | Non
                         process_set: ProcessSet = global_process_set) -> Any:
     """Horovod's helper: a function that broadcasts its argument from ``root_rank``."""
     return lambda obj: broadcast_object(obj, root_rank, session, name, process_set)
+
+
+def broadcast_global_variables(root_rank: int) -> Any:
+    """TF1's spelling: broadcast ``tf.compat.v1.global_variables()`` from ``root_rank``.
+
+    Only inside a TF1-style graph (as in Horovod); eagerly it raises ``RuntimeError``:
+    use ``broadcast_variables(model.variables, root_rank)`` or the Keras callback.
+    """
+    if tf.executing_eagerly():
+        raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution "
+                           "(TensorFlow 2 has no global variable collection); use "
+                           "hvd.broadcast_variables(model.variables, root_rank) or "
+                           "hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank)")
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)

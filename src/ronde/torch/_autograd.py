@@ -92,7 +92,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     """
     resolved = C.resolve_op(op, average)
     if resolved == ReduceOp.ADASUM:
-        raise ValueError("op=Adasum is not supported yet; use Average or Sum")
+        raise UnsupportedError("op=Adasum is not supported yet; use Average or Sum")
     compressed, cctx = compression.compress(tensor)
     if isinstance(compression, Compressor):
         wire = compression.wire_dtype if compression.compresses(dtype_name(tensor.dtype)) else None
@@ -128,7 +128,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
     """Allreduce a list of tensors together (fused when they fit); differentiable."""
     resolved = C.resolve_op(op, average)
     if resolved == ReduceOp.ADASUM:
-        raise ValueError("op=Adasum is not supported yet; use Average or Sum")
+        raise UnsupportedError("op=Adasum is not supported yet; use Average or Sum")
     if not tensors:
         return []
     pairs = [compression.compress(t) for t in tensors]

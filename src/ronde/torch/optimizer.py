@@ -34,7 +34,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 
 from .. import _api
-from .._errors import RondeError, TensorMismatchError
+from .._errors import RondeError, TensorMismatchError, UnsupportedError
 from .._ops import ReduceOp
 from ..frameworks.accumulation import PassCounter
 from ..frameworks.compression import Compressor, wire_reduction
@@ -58,7 +58,7 @@ class _DistributedMixin:
                     sparse_as_dense: bool, process_set: ProcessSet) -> None:
         resolved = C.resolve_op(op, None)
         if resolved == ReduceOp.ADASUM:
-            raise ValueError("op=Adasum is not supported yet; use Average or Sum")
+            raise UnsupportedError("op=Adasum is not supported yet; use Average or Sum")
         if gradient_predivide_factor != 1.0 and resolved != ReduceOp.AVERAGE:
             raise ValueError("gradient_predivide_factor is only supported with op=Average")
         self._ronde_op = resolved

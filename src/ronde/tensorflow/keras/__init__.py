@@ -6,10 +6,10 @@ the TensorFlow collectives' ``broadcast_variables``.
 
 from __future__ import annotations
 
+from ... import _facade
 from ...keras import *  # noqa: F401,F403
-from ...keras import __all__ as _keras_all
 from ...keras import callbacks  # noqa: F401
 from ..compression import Compression  # noqa: F401
 from ..functions import broadcast_variables  # noqa: F401
 
-__all__ = list(_keras_all)
+__all__ = list(_facade.FACADES[__name__])
