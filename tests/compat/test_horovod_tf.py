@@ -1,0 +1,21 @@
+"""Horovod's TensorFlow semantics, as its own test suite relies on them (real processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("tensorflow")
+
+from ronde.testing import run_ranks  # noqa: E402
+
+from . import tf_workers as workers  # noqa: E402
+
+CASES = [workers.errors_are_tf_errors, workers.ops_and_return_forms,
+         workers.graph_ops_run_in_build_order, workers.gradient_rules]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("case", CASES, ids=lambda f: f.__name__)
+def test_horovod_tensorflow_semantics(case, np_):
+    assert run_ranks(np_, case, timeout_s=130) == ["ok"] * np_
