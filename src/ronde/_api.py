@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from ._errors import NotInitializedError, RondeError, UnsupportedError
+from ._errors import NotInitializedError, ProcessSetError, RondeError, UnsupportedError
 from .collectives.ops import Average, ReduceOp, Sum
 from .core.requests import (WIRE_DTYPES, Allocator, GroupOfHandles, Handle, Kind, Request,
                             dtype_name)
@@ -192,7 +192,7 @@ def set_rank(process_set: ProcessSet | None = None) -> int:
 def _ps_id(process_set: ProcessSet | None) -> int:
     ps = process_set if process_set is not None else global_process_set
     if ps.process_set_id is None:
-        raise RondeError(f"{ps!r} is not registered; call ronde.add_process_set() on every rank "
+        raise ProcessSetError(f"{ps!r} is not registered; call ronde.add_process_set() on every rank "
                          "first (or pass it to init())")
     return ps.process_set_id
 
@@ -230,7 +230,7 @@ def _scoped(rt: "_runtime.Runtime", kind: Kind, name: str | None,
     ps = process_set
     assert ps is not None and ps.ranks is not None
     if rt.topo.rank not in ps.ranks:
-        raise RondeError(f"rank {rt.topo.rank} called {kind.name.lower()} on process set "
+        raise ProcessSetError(f"rank {rt.topo.rank} called {kind.name.lower()} on process set "
                          f"{ps.ranks}, which it is not a member of; only members may call "
                          "collectives on a process set")
     if name is None:

@@ -37,6 +37,10 @@ class UnsupportedError(RondeError, ValueError):
     """An operation or option that ronde (or this collective) does not support."""
 
 
+class ProcessSetError(RondeError, ValueError):
+    """A process set used wrongly: not registered, or called by a rank outside it."""
+
+
 class TensorMismatchError(HorovodInternalError, ValueError):
     """Ranks submitted the same named collective with different metadata."""
 

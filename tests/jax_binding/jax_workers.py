@@ -89,6 +89,11 @@ def collectives() -> str:
             got = jax.jit(lambda v: hvd.allreduce(v, op=hvd.Sum, name="ps", process_set=ps))(
                 jnp.full(3, r + 1.0))
             np.testing.assert_allclose(got, np.full(3, 3.0))
+            # unnamed, eager and grouped (the automatic names once raised IndexError)
+            got = hvd.allreduce(jnp.full(3, r + 1.0), op=hvd.Sum, process_set=ps)
+            np.testing.assert_allclose(got, np.full(3, 3.0))
+            outs = hvd.grouped_allreduce([jnp.ones(2), jnp.ones(1)], op=hvd.Sum, process_set=ps)
+            np.testing.assert_allclose(outs[0], np.full(2, 2.0))
         hvd.remove_process_set(ps)
     if r == 0:
         last = hvd.join()

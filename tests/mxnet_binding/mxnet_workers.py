@@ -64,6 +64,18 @@ def collectives() -> str:
         np.testing.assert_allclose(hvd.allreduce(mx.nd.array([3.0]), name="j").asnumpy(),
                                    [3.0 * (n - 1) / n])  # rank 0 adds zeros (Horovod)
         hvd.join()
+    # unnamed collectives on a process set (their automatic names once raised IndexError)
+    if n < 2:
+        return "ok"
+    ps = hvd.add_process_set([0, 1] if n >= 3 else [1])
+    if ps.included():
+        got = hvd.allreduce(mx.nd.ones(2) * (r + 1), op=hvd.Sum, process_set=ps)
+        assert got.asnumpy().tolist() == [float(sum(q + 1 for q in ps.ranks))] * 2
+        outs = hvd.grouped_allreduce([mx.nd.ones(1), mx.nd.ones(2)], op=hvd.Sum, process_set=ps)
+        assert [o.asnumpy().tolist() for o in outs] == [[len(ps.ranks)], [len(ps.ranks)] * 2]
+        g = hvd.grouped_allgather([mx.nd.ones((1, 2))], process_set=ps)
+        assert g[0].shape == (len(ps.ranks), 2)
+    hvd.remove_process_set(ps)
     return "ok"
 
 

@@ -90,6 +90,17 @@ def collectives() -> str:
             expect[q % 6] += 1.0 / n
             expect[5] += 1.0 / n
         np.testing.assert_allclose(tf.convert_to_tensor(g), expect, rtol=1e-6)
+    # unnamed collectives on a process set, eagerly and in a graph
+    if n >= 2:
+        ps = hvd.add_process_set([0, 1] if n >= 3 else [1])
+        k = len(ps.ranks)
+        if ps.included():
+            for fn in (lambda v: hvd.allreduce(v, op=hvd.Sum, process_set=ps),
+                       tf.function(lambda v: hvd.allreduce(v, op=hvd.Sum, process_set=ps))):
+                np.testing.assert_allclose(fn(tf.ones(2)), [k, k])
+            g = hvd.grouped_allgather([tf.ones([1, 2])], process_set=ps)
+            assert tuple(g[0].shape) == (k, 2)
+        hvd.remove_process_set(ps)
     return "ok"
 
 

@@ -33,6 +33,8 @@ from typing import Sequence
 ALIASES = {
     "horovod.runner.util.threads": "ronde.compat.threads",
     "horovod.common.exceptions": "ronde._errors",
+    "horovod.common.util": "ronde.compat.helpers",
+    "horovod.runner.common.util.env": "ronde.compat.helpers",
 }
 
 

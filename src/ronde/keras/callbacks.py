@@ -46,14 +46,18 @@ def switch_off_xla(model: Any) -> None:
 
 
 def broadcast_model(model: Any, root_rank: int, optimizer: bool,
-                    process_set: ProcessSet = global_process_set) -> None:
-    """Assign the root's model (and optimizer) variables on every rank (eager)."""
+                    process_set: ProcessSet = global_process_set,
+                    local_variables: Any = None) -> None:
+    """Assign the root's model (and optimizer) variables on every rank (eager), except
+    ``local_variables`` (which keep each rank's own values)."""
     sync_jax_state(model)
-    variables = list(model.variables)
+    keep = {id(v) for v in local_variables or ()}
+    variables = [v for v in model.variables if id(v) not in keep]
     if optimizer and getattr(model, "optimizer", None) is not None:
         # Gradient accumulators hold this rank's partial window: never overwrite them.
         local = {id(v) for v in getattr(model.optimizer, "_accumulated_gradients", None) or ()}
-        variables += [v for v in model.optimizer.variables if id(v) not in local]
+        variables += [v for v in model.optimizer.variables
+                      if id(v) not in local and id(v) not in keep]
     values = _broadcast_arrays([to_numpy(v) for v in variables], root_rank,
                               f"broadcast_model.{len(variables)}", process_set)
     for v, value in zip(variables, values):
@@ -74,27 +78,31 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     Args:
         root_rank: the rank whose variables everyone takes.
         device: ignored (Horovod compatibility).
+        local_variables: variables that keep each rank's own values (not broadcast), as
+            in Horovod.
         process_set: the ranks taking part.
     """
 
-    def __init__(self, root_rank: int = 0, device: str = "",
+    def __init__(self, root_rank: int = 0, device: str = "", local_variables: Any = None,
                  process_set: ProcessSet = global_process_set) -> None:
         super().__init__()
         self.root_rank = int(root_rank)
         self.process_set = process_set
+        self.local_variables = list(local_variables or ())
         self.broadcast_done = False
 
     def on_train_begin(self, logs: Any = None) -> None:
         switch_off_xla(self.model)
         if not self.broadcast_done:
             broadcast_model(self.model, self.root_rank, optimizer=True,
-                            process_set=self.process_set)
+                            process_set=self.process_set, local_variables=self.local_variables)
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         if self.broadcast_done:
             return
         # The optimizer builds its variables in the first step: send them now too.
-        broadcast_model(self.model, self.root_rank, optimizer=True, process_set=self.process_set)
+        broadcast_model(self.model, self.root_rank, optimizer=True, process_set=self.process_set,
+                        local_variables=self.local_variables)
         self.broadcast_done = True
 
 
