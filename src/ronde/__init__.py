@@ -14,8 +14,8 @@ learning framework and no MPI.
 from ._errors import (AuthenticationError, ConfigError, DuplicateNameError, JoinedError,
                       NotInitializedError, PeerLostError, ProtocolError, RendezvousError,
                       RondeError, ShutdownError, StallError, TensorMismatchError,
-                      CollectiveError, DeadlockError, HorovodInternalError, ProcessSetError,
-                      UnsupportedError)
+                      ArgumentError, CollectiveError, DeadlockError, HorovodInternalError,
+                      ProcessSetError, UnsupportedError)
 from ._ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .process_sets import ProcessSet, global_process_set
 

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from ._errors import NotInitializedError, ProcessSetError, RondeError, UnsupportedError
+from ._errors import (ArgumentError, NotInitializedError, ProcessSetError, RondeError,
+                      UnsupportedError)
 from .collectives.ops import Average, ReduceOp, Sum
 from .core.requests import (WIRE_DTYPES, Allocator, GroupOfHandles, Handle, Kind, Request,
                             dtype_name)
@@ -387,10 +388,10 @@ def alltoall_async(tensor: Any, splits: Sequence[int] | None = None, name: str |
     if splits is not None:
         splits = [int(s) for s in np.asarray(splits).reshape(-1)]
         if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != arr.shape[0]:
-            raise ValueError(f"alltoall splits {splits} must be {n} non-negative counts summing "
+            raise ArgumentError(f"alltoall splits {splits} must be {n} non-negative counts summing "
                              f"to the first dimension ({arr.shape[0]})")
     elif arr.shape[0] % n:
-        raise ValueError(f"alltoall without splits needs the first dimension ({arr.shape[0]}) "
+        raise ArgumentError(f"alltoall without splits needs the first dimension ({arr.shape[0]}) "
                          f"divisible by the number of ranks ({n}); pass splits=")
     given = splits is not None
 

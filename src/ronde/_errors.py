@@ -37,6 +37,11 @@ class UnsupportedError(RondeError, ValueError):
     """An operation or option that ronde (or this collective) does not support."""
 
 
+class ArgumentError(RondeError, ValueError):
+    """A collective's arguments do not fit together (splits, a first dimension): a
+    ``ValueError``, and a ``RuntimeError`` as Horovod's frameworks raise it."""
+
+
 class ProcessSetError(RondeError, ValueError):
     """A process set used wrongly: not registered, or called by a rank outside it."""
 

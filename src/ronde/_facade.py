@@ -27,7 +27,7 @@ ERRORS = ["RondeError", "HorovodInternalError", "CollectiveError", "ConfigError"
           "NotInitializedError", "TensorMismatchError", "DuplicateNameError", "PeerLostError",
           "StallError", "DeadlockError", "RendezvousError", "AuthenticationError",
           "ProtocolError", "ShutdownError", "JoinedError", "UnsupportedError",
-          "ProcessSetError"]
+          "ProcessSetError", "ArgumentError"]
 #: Horovod's build-introspection functions (what this installation can use)
 BUILD = ["mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built",
          "rocm_built", "ddl_built", "ccl_built", "mpi_threads_supported"]

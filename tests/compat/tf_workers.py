@@ -91,8 +91,12 @@ def graph_ops_run_in_build_order() -> str:
             x = tf.fill([3 + i], float(r + i))
             outs.append(hvd.allreduce(x, op=hvd.Sum))
             outs.append(hvd.allgather(tf.fill([r + 1, 2], float(i))))
+        # compression inside a graph (its overflow check needs a value: skipped there)
+        c, ctx = hvd.Compression.fp16.compress(tf.ones([3]))
+        outs.append(hvd.Compression.fp16.decompress(c, ctx))
         with tf.compat.v1.Session() as sess:
             got = sess.run(outs)
+        assert got[-1].tolist() == [1.0] * 3
     for i in range(12):
         assert got[2 * i].tolist() == [sum(q + i for q in range(n))] * (3 + i)
         assert got[2 * i + 1].shape == (n * (n + 1) // 2, 2)

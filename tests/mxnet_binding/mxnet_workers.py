@@ -67,6 +67,19 @@ def collectives() -> str:
     # unnamed collectives on a process set (their automatic names once raised IndexError)
     if n < 2:
         return "ok"
+    # bad splits: a ValueError and a RuntimeError, as Horovod's MXNet binding raises
+    for bad in (lambda: hvd.alltoall(mx.nd.ones(n + 1)),
+                lambda: hvd.alltoall(mx.nd.ones(n), splits=mx.nd.ones(n, dtype="int32") * 2)):
+        try:
+            bad()
+            raise AssertionError("no error")
+        except RuntimeError as exc:
+            assert isinstance(exc, ValueError), exc
+    try:
+        hvd.alltoall(mx.nd.ones(n), splits=mx.nd.ones(n, dtype="float32"))
+        raise AssertionError("no error")
+    except ValueError:
+        pass
     ps = hvd.add_process_set([0, 1] if n >= 3 else [1])
     if ps.included():
         got = hvd.allreduce(mx.nd.ones(2) * (r + 1), op=hvd.Sum, process_set=ps)

@@ -163,6 +163,8 @@ def alltoall(tensor: mx.nd.NDArray, splits: Any = None, name: str | None = None,
     ``(output, received_splits)`` as in Horovod.
     """
     if isinstance(splits, mx.nd.NDArray):
+        if not np.issubdtype(splits.dtype, np.integer):
+            raise ValueError(f"alltoall splits must be integers (int32), got {splits.dtype}")
         splits = splits.asnumpy()
     sp = None if splits is None else [int(v) for v in np.asarray(splits).reshape(-1)]
     raw = _api.alltoall(to_host(tensor, "alltoall"), sp, name, process_set)

@@ -25,6 +25,8 @@ class _TFAdapter:
         return tf.cast(tensor, tf.as_dtype(name))
 
     def all_finite(self, tensor: tf.Tensor) -> bool:
+        if not tf.executing_eagerly():  # a symbolic tensor has no value to check yet
+            return True
         return bool(tf.reduce_all(tf.math.is_finite(tensor)))
 
 
