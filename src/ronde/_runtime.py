@@ -243,7 +243,7 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
 
     def aborted() -> BaseException | None:
         eng = holder.get("engine")
-        return eng.aborted() if eng is not None else None
+        return eng.failed if eng is not None else None
 
     from .transport.segments import job_key
 

@@ -37,7 +37,7 @@ from ..transport.base import Communicator
 from .exchange import Exchange
 from .executor import Executor
 from .negotiation import Negotiator, Response
-from . import rounds
+from . import crossed, rounds
 from .requests import WAITERS, Kind, Request
 from .stall import StallInspector
 from .timeline import Timeline, now_us
@@ -91,9 +91,8 @@ class Engine:
         self.executor = Executor(self)
         self.executor.on_idle = self.wake
         self.stall = StallInspector(cfg, describe_rank)
-        #: crossed collectives (see _check_waiting): since when this rank has been
-        #: waiting with nothing else happening, and the process's CPU time then
-        self._wait_mark: tuple[float, float, int] | None = None
+        #: whether this rank is only waiting (crossed collectives, see crossed.py)
+        self._waiting = crossed.WaitWatch(cfg.deadlock_time_s)
         self._report_waiting: int | None = None  # the progress count it was seen at
         self._stack_request: list[int] = []  # rank 0: ranks asked for their stacks
         self._send_stack = False  # asked by rank 0 for my main thread's stack
@@ -212,11 +211,9 @@ class Engine:
             if comm is not None:
                 comm.close()
 
-    def aborted(self) -> BaseException | None:
-        return self._error
-
     @property
     def failed(self) -> BaseException | None:
+        """The failure that stopped this engine, or None."""
         return self._error
 
     # -- failure -------------------------------------------------------------------------
@@ -493,38 +490,15 @@ class Engine:
         return fresh_copy(self._error) if self._error is not None else None
 
     def _check_waiting(self, now: float) -> None:
-        """Tell the peers when this rank is only waiting (crossed collectives).
-
-        A rank is *waiting* when a thread sleeps on a collective's handle, nothing was
-        submitted or completed for ``RONDE_DEADLOCK_TIME``, and the process used almost
-        no CPU meanwhile (a thread still computing may submit the missing collective
-        later). It says so once in its next frame (``w``); when every rank is waiting
-        with collectives pending, no submission can ever come, and the negotiator fails
-        those collectives on every rank (:class:`~ronde.DeadlockError`) instead of the
-        job waiting for the stall inspector's much longer limits.
-        """
-        limit = self.cfg.deadlock_time_s
-        if limit <= 0:
-            return
+        """Tell the peers when this rank is only waiting (see :mod:`.crossed`)."""
         with self._lock:
             pending = bool(self._pending)
             quiet_since = self._last_activity
-        progress = self.negotiator.progress
-        mark = self._wait_mark
-        if not pending or WAITERS.sleeping <= 0 or self._error is not None:
-            self._wait_mark = None
-            return
-        if mark is None or mark[2] != progress or quiet_since > mark[0]:
-            self._wait_mark = (now, time.process_time(), progress)
-            return
-        elapsed = now - mark[0]
-        if elapsed < limit:
-            return
-        busy_cpu = time.process_time() - mark[1]
-        self._wait_mark = (now, time.process_time(), progress)
-        if busy_cpu < 0.2 * elapsed:
+        seen = self._waiting.check(now, pending and self._error is None, quiet_since,
+                                   self.negotiator.progress)
+        if seen is not None:
             with self._lock:
-                self._report_waiting = progress
+                self._report_waiting = seen
             self.wake(force=True)
 
     def _check_stalls(self) -> None:

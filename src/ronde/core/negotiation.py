@@ -28,6 +28,7 @@ from .._errors import ProtocolError, RondeError
 from .cache import ResponseCache
 from .requests import KIND_NAMES, Kind, Meta, describe
 from .responses import Response, any_meta, fusion_key  # noqa: F401 - re-exported
+from . import crossed
 from .steady import SteadyRounds
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class Negotiator:
         self.waiting: set[int] = set()
         #: rounds that produced a response (the same count on every rank)
         self.progress = 0
-        self._ps_requests: dict[tuple[str, tuple[int, ...]], set[int]] = {}
+        self.ps_votes: dict[tuple[str, tuple[int, ...]], set[int]] = {}
         self._next_ps_id = max(process_sets) + 1 if process_sets else 1
         self.round = 0
         #: training's steady state, worked out without table entries (steady.py)
@@ -160,77 +161,7 @@ class Negotiator:
         return out
 
     def _crossed(self, messages: list[dict[str, Any]], out: list[Response]) -> list[Response]:
-        """Crossed collectives: fail pending entries once every rank is only waiting.
-
-        A rank's ``w`` (it has slept on a handle for ``RONDE_DEADLOCK_TIME`` with nothing
-        submitted or completed and its CPU idle) holds until a round produces any
-        response or the rank announces something; it counts only if it was sent knowing
-        every response so far (its value is the ``progress`` count it saw). When every
-        rank is waiting or has shut down, none of the pending collectives can ever be
-        completed: their missing ranks are all blocked elsewhere. Every rank sees the
-        same frames and fails the same entries: those that are not barriers first (a
-        rank that went on to a barrier, as a test's ``tearDown`` does, is where the
-        others should arrive once their collective failed), the barriers only when
-        nothing else is left.
-        """
-        for rank, msg in enumerate(messages):
-            if msg.get("a") or msg.get("j") or msg.get("ps"):
-                self.waiting.discard(rank)
-        if out:
-            self.progress += 1
-            self.waiting.clear()
-            return []
-        for rank, msg in enumerate(messages):
-            seen = msg.get("w")
-            if seen is not None and not (msg.get("a") or msg.get("j") or msg.get("ps")) \
-                    and seen == self.progress:
-                self.waiting.add(rank)
-        if not (self.entries or self._ps_requests) \
-                or len(self.waiting | self.shutdown) < self.size:
-            return []
-        entries = sorted(self.entries.values(), key=lambda e: e.order)
-
-        def kind_of(e: _Entry) -> Kind:
-            return next(iter(e.metas.values())).kind
-
-        # (what, name, ranks that submitted it, ranks that did not)
-        pending: list[tuple[str, str, list[int], list[int], bool]] = []
-        for e in entries:
-            members = self.process_sets.get(next(iter(e.metas.values())).ps_id, [])
-            pending.append((KIND_NAMES[kind_of(e)], e.name, sorted(e.metas),
-                            [r for r in members if r not in e.metas],
-                            kind_of(e) != Kind.BARRIER))
-        for (action, key), voters in self._ps_requests.items():
-            pending.append((f"{action}_process_set", _ps_request_name(action, key),
-                            sorted(voters), [r for r in range(self.size) if r not in voters],
-                            True))
-        waits: dict[int, list[str]] = {}
-        for what, name, ready, _, _ in pending:
-            for r in ready:
-                waits.setdefault(r, []).append(f"{what} {name!r}")
-        where = "; ".join(f"rank {r} waits in {', '.join(w[:3])}"
-                          + (f" (+{len(w) - 3} more)" if len(w) > 3 else "")
-                          for r, w in sorted(waits.items()))
-        victims = [p for p in pending if p[4]] or pending
-        failed = []
-        for what, name, ready, missing, _ in victims:
-            message = (f"{what} {name!r} can never complete: rank(s) {_ranks(missing)} did not "
-                       f"submit it, and every rank is waiting ({where}); the ranks have fallen "
-                       "out of step (an exception, an early return or another branch on some "
-                       "rank). Every rank must call the same collectives in the same order "
-                       "(join() for uneven data); RONDE_DEADLOCK_TIME sets how long ranks wait "
-                       "before this error")
-            entry = self.entries.get(name)
-            if entry is not None:
-                failed.append(self._error_response(entry, message, "deadlock"))
-            else:
-                self._ps_requests = {k: v for k, v in self._ps_requests.items()
-                                     if _ps_request_name(*k) != name}
-                failed.append(Response(Kind.BARRIER, 0, [name], [{}], error=message,
-                                       error_type="deadlock"))
-        self.progress += 1
-        self.waiting.clear()
-        return failed
+        return crossed.responses(self, messages, out)
 
     # -- internals ---------------------------------------------------------------------
     def _members(self, ps_id: int) -> list[int]:
@@ -238,6 +169,10 @@ class Negotiator:
         if members is None:
             raise RondeError(f"unknown process set id {ps_id}")
         return members
+
+    def fail_entry(self, entry: _Entry, message: str, error_type: str) -> Response:
+        """Drop a pending entry and return the error response every rank gives for it."""
+        return self._error_response(entry, message, error_type)
 
     def _error_response(self, entry: _Entry, message: str, error_type: str) -> Response:
         self.entries.pop(entry.name, None)
@@ -391,11 +326,11 @@ class Negotiator:
             raise ProtocolError(f"malformed process-set request from rank {rank}")
         action, arg = req
         key = (action, tuple(sorted(int(r) for r in arg)) if action == "add" else (int(arg),))
-        voters = self._ps_requests.setdefault(key, set())
+        voters = self.ps_votes.setdefault(key, set())
         voters.add(rank)
         if len(voters) < self.size:
             return []
-        del self._ps_requests[key]
+        del self.ps_votes[key]
         if action == "add":
             ranks = list(key[1])
             for ps_id, members in self.process_sets.items():
@@ -434,11 +369,6 @@ class Negotiator:
             missing = [r for r in members if r not in entry.metas and r not in joined]
             out.append((entry.name, ready, missing, age))
         return out
-
-
-def _ps_request_name(action: str, key: tuple[int, ...]) -> str:
-    """The name a rank's add/remove_process_set request waits under (see _api)."""
-    return f"process_set.add.{list(key)}" if action == "add" else f"process_set.{action}.{key[0]}"
 
 
 def _ranks(ranks: Iterable[int]) -> str:
