@@ -25,7 +25,8 @@ import traceback
 from typing import Any, Callable
 
 from . import _config
-from ._errors import ConfigError, PeerLostError, RendezvousError, ShutdownError, StallError
+from ._errors import (ConfigError, DeadlockError, PeerLostError, RendezvousError, ShutdownError,
+                      StallError)
 from .core.engine import Engine
 from .runner import env as worker_env
 from .runner import rendezvous
@@ -412,7 +413,8 @@ def _install_excepthook() -> None:
             wenv = worker_env.detect()
             if wenv.rendezvous_mode == "server" and wenv.rendezvous and wenv.secret:
                 text = "".join(traceback.format_exception(exc_type, exc, tb))
-                secondary = isinstance(exc, (PeerLostError, ShutdownError, StallError))
+                secondary = isinstance(exc, (PeerLostError, ShutdownError, StallError)) \
+                    and not isinstance(exc, DeadlockError)
                 rendezvous.report_failure(wenv.rendezvous, wenv.secret, wenv.rank, text,
                                           secondary=secondary)
         except Exception:  # noqa: BLE001 - reporting is best effort

@@ -19,3 +19,19 @@ CASES = [workers.errors_are_tf_errors, workers.ops_and_return_forms,
 @pytest.mark.parametrize("case", CASES, ids=lambda f: f.__name__)
 def test_horovod_tensorflow_semantics(case, np_):
     assert run_ranks(np_, case, timeout_s=130) == ["ok"] * np_
+
+
+def test_tf_errors_pickle_as_the_plain_ronde_error():
+    # ronde.testing, multiprocessing and Ray pickle exceptions across processes
+    import pickle
+
+    import tensorflow as tf
+
+    from ronde import TensorMismatchError
+    from ronde.tensorflow._bridge import as_tf_error
+
+    err = as_tf_error(TensorMismatchError("allreduce 'x': dtype differs"))
+    assert isinstance(err, tf.errors.FailedPreconditionError)
+    assert as_tf_error(err) is err  # not wrapped twice
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is TensorMismatchError and str(back) == "allreduce 'x': dtype differs"

@@ -59,6 +59,8 @@ def ops_and_return_forms() -> str:
     assert out.numpy().tolist() == [10 * q + r for q in range(n)], out
     out, got = hvd.alltoall(tf.ones([n, 2]), splits=[1] * n)
     assert got.numpy().tolist() == [1] * n and tuple(out.shape) == (n, 2)
+    # ronde's earlier order (op second) still means the op
+    assert hvd.reducescatter(tf.ones([2 * n]), hvd.Sum).numpy().tolist() == [float(n)] * 2
     empty = hvd.alltoall(tf.zeros([0, 2]))
     assert tuple(empty.shape) == (0, 2)
     # grouped forms

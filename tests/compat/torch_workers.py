@@ -182,6 +182,12 @@ def optimizer_attributes_and_process_sets() -> str:
                                    named_parameters=model.named_parameters())
     names = dict(model.named_parameters())
     assert {p: n_ for n_, p in names.items()} == opt._parameter_names
+    try:  # a process set nobody registered: refused, not silently left unreduced
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 process_set=hvd.ProcessSet([0]))
+        raise AssertionError("no error")
+    except hvd.ProcessSetError:
+        pass
     # a DistributedOptimizer on the evens: odd ranks step on their own gradients
     evens = hvd.add_process_set(list(range(0, n, 2)))
     torch.manual_seed(r)

@@ -73,7 +73,9 @@ def responses(neg: "Negotiator", messages: list[dict[str, Any]],
     submitted or completed and its CPU idle) holds until a round produces any
     response or the rank announces something; it counts only if it was sent knowing
     every response so far (its value is the ``progress`` count it saw). When every
-    rank is waiting or has shut down, none of the pending collectives can ever be
+    rank is waiting or has shut down, twice in a row with no response between (each
+    rank reports again a ``RONDE_DEADLOCK_TIME`` after its first report, and does not
+    if it started computing meanwhile), none of the pending collectives can ever be
     completed: their missing ranks are all blocked elsewhere. Every rank sees the
     same frames and fails the same entries: those that are not barriers first (a
     rank that went on to a barrier, as a test's ``tearDown`` does, is where the
@@ -86,6 +88,7 @@ def responses(neg: "Negotiator", messages: list[dict[str, Any]],
     if out:
         neg.progress += 1
         neg.waiting.clear()
+        neg.waiting_armed = False
         return []
     for rank, msg in enumerate(messages):
         seen = msg.get("w")
@@ -94,6 +97,12 @@ def responses(neg: "Negotiator", messages: list[dict[str, Any]],
             neg.waiting.add(rank)
     if not (neg.entries or neg.ps_votes) \
             or len(neg.waiting | neg.shutdown) < neg.size:
+        return []
+    if not neg.waiting_armed:
+        # the first time every rank said so: ask each for a second report (a rank whose
+        # thread started computing meanwhile, or whose wait ended, does not send it)
+        neg.waiting_armed = True
+        neg.waiting.clear()
         return []
     entries = sorted(neg.entries.values(), key=lambda e: e.order)
 
@@ -138,5 +147,6 @@ def responses(neg: "Negotiator", messages: list[dict[str, Any]],
                                    error_type="deadlock"))
     neg.progress += 1
     neg.waiting.clear()
+    neg.waiting_armed = False
     return failed
 

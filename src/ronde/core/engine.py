@@ -494,8 +494,10 @@ class Engine:
         with self._lock:
             pending = bool(self._pending)
             quiet_since = self._last_activity
-        seen = self._waiting.check(now, pending and self._error is None, quiet_since,
-                                   self.negotiator.progress)
+        # agreed data still moving (a slow link) is not waiting either
+        busy = not self.executor.idle()
+        seen = self._waiting.check(now, pending and self._error is None and not busy,
+                                   quiet_since, self.negotiator.progress)
         if seen is not None:
             with self._lock:
                 self._report_waiting = seen

@@ -61,6 +61,8 @@ class Negotiator:
         self.shutdown: set[int] = set()
         #: ranks that said they are only waiting (``w``; see Engine._check_waiting)
         self.waiting: set[int] = set()
+        #: every rank has said so once already; the next full set decides (crossed.py)
+        self.waiting_armed = False
         #: rounds that produced a response (the same count on every rank)
         self.progress = 0
         self.ps_votes: dict[tuple[str, tuple[int, ...]], set[int]] = {}
@@ -158,6 +160,10 @@ class Negotiator:
             entry = self.entries.get(name)
             if entry is not None:
                 out.append(self._error_response(entry, message, error_type))
+        if out:  # progress: waits before this abort say nothing about what comes after
+            self.progress += 1
+            self.waiting.clear()
+            self.waiting_armed = False
         return out
 
     def _crossed(self, messages: list[dict[str, Any]], out: list[Response]) -> list[Response]:

@@ -14,7 +14,6 @@ op: a ``jit_compile=True`` function that calls a collective fails (see
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -51,17 +50,22 @@ def check_not_xla(what: str) -> None:
 
 
 _TF_ERRORS: dict[type, type] = {}
-#: the last host op built in each graph (the next one runs after it)
-_LAST_OP: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+#: the graph collection holding the last ronde op built in a TF1-style graph
+_CHAIN = "ronde_host_ops"
 
 
-def _same_frame(graph: Any) -> bool:
-    """False inside TF1 control flow (a while_loop/cond context of a session graph), where
-    a control dependency on an op outside the frame is not allowed."""
+def _chained(graph: Any) -> list[Any] | None:
+    """The list holding a session graph's last ronde op, or None where no chain is kept:
+    in a ``tf.function`` (it orders stateful ops itself) and inside TF1 control flow (a
+    while_loop/cond frame may not depend on an op outside it)."""
+    if getattr(graph, "building_function", False):
+        return None
     try:
-        return graph._get_control_flow_context() is None  # a private helper of TF1 graphs
+        if graph._get_control_flow_context() is not None:  # a private helper of TF1 graphs
+            return None
     except AttributeError:
-        return True
+        pass
+    return graph.get_collection_ref(_CHAIN)
 
 
 def as_tf_error(exc: BaseException) -> BaseException:
@@ -76,6 +80,8 @@ def as_tf_error(exc: BaseException) -> BaseException:
     ``InvalidArgumentError`` (ValueError, TypeError) or an ``UnknownError`` (the others),
     whose message is ronde's (docs/compat.md).
     """
+    if isinstance(exc, tf.errors.OpError):
+        return exc
     cls = type(exc)
     mixed = _TF_ERRORS.get(cls)
     if mixed is None:
@@ -93,7 +99,9 @@ def as_tf_error(exc: BaseException) -> BaseException:
 
         mixed = type(cls.__name__, (tf_cls, cls),
                      {"__init__": init, "__module__": cls.__module__,
-                      "__str__": lambda self: self.message})
+                      "__str__": lambda self: self.message,
+                      # pickled (multiprocessing, Ray) as the plain ronde/Python error
+                      "__reduce__": lambda self, c=cls: (c, (self.message,))})
         _TF_ERRORS[cls] = mixed
     new = mixed(str(exc))
     if hasattr(exc, "rank"):
@@ -123,7 +131,7 @@ def host_call(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[Any],
         try:
             outs = fn(*[t.numpy() for t in tensors])
         except (HorovodInternalError, ValueError, TypeError) as exc:
-            raise as_tf_error(exc) from None
+            raise as_tf_error(exc) from exc
         return [tf.convert_to_tensor(np.asarray(o), dtype=d) for o, d in zip(outs, out_dtypes)]
     check_not_xla(name)
 
@@ -132,19 +140,20 @@ def host_call(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[Any],
                 for o, d in zip(fn(*arrays), out_dtypes)]
 
     graph = tf.compat.v1.get_default_graph()
-    last = _LAST_OP.get(graph)
-    # every rank runs a graph's collectives in the order they were built: each one
-    # blocks a TensorFlow executor thread until it completes, and the ranks' threads
-    # taking different ops first would wait for each other for ever (tf.function already
-    # orders stateful ops so; a TF1-style graph run by a session does not)
-    deps = [last] if last is not None and _same_frame(graph) else []
+    # in a TF1-style graph (run by a session), every rank runs ronde's ops in the order
+    # they were built: each one blocks an executor thread until it completes, and the
+    # ranks' threads taking different ops first would wait for each other for ever.
+    # tf.function orders stateful ops so by itself. (A session fetching one ronde op then
+    # also runs those built before it in the graph: docs/tensorflow.md.)
+    chain = _chained(graph)
+    deps = chain[-1:] if chain is not None else []
     with tf.control_dependencies(deps):
         outs = tf.numpy_function(call, tensors, list(out_dtypes), stateful=True,
                                  name=name.replace("/", "_").replace(".", "_"))
     if not isinstance(outs, (list, tuple)):
         outs = [outs]
-    if outs and _same_frame(graph):
-        _LAST_OP[graph] = outs[0].op
+    if outs and chain is not None:
+        chain[:] = [outs[0].op]
     result = []
     for o, shape in zip(outs, out_shapes):
         o.set_shape(shape)

@@ -264,6 +264,8 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = None,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                   name: str | None = None) -> tf.Tensor:
     """Reduce over ranks; rank r gets its block of dimension 0 (Sum or Average)."""
+    if not isinstance(device_dense, str):  # an op given second, as ronde used to take it
+        op, device_dense = device_dense, ""
     resolved = _api.resolve_op(op, None, what="reducescatter", allowed=_api.REDUCESCATTER_OPS)
     base = _name("reducescatter", name, process_set)
     x = tf.convert_to_tensor(tensor)

@@ -35,7 +35,7 @@ def _write(path: str, data: bytes) -> None:
 
 def _report(rank: int, exc: BaseException, text: str) -> None:
     """Tell the launcher this rank failed; a lost peer, shutdown or stall is secondary."""
-    from .._errors import PeerLostError, ShutdownError, StallError
+    from .._errors import DeadlockError, PeerLostError, ShutdownError, StallError
 
     if not os.environ.get("RONDE_SECRET") or not os.environ.get("RONDE_RENDEZVOUS_ADDR"):
         return
@@ -44,7 +44,8 @@ def _report(rank: int, exc: BaseException, text: str) -> None:
 
         address = (os.environ["RONDE_RENDEZVOUS_ADDR"], int(os.environ["RONDE_RENDEZVOUS_PORT"]))
         report_failure(address, bytes.fromhex(os.environ["RONDE_SECRET"]), rank, text,
-                       secondary=isinstance(exc, (PeerLostError, ShutdownError, StallError)))
+                       secondary=isinstance(exc, (PeerLostError, ShutdownError, StallError))
+                       and not isinstance(exc, DeadlockError))
     except Exception:  # noqa: BLE001 - best effort; the exit code still tells the launcher
         pass
 

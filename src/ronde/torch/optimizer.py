@@ -34,7 +34,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 
 from .. import _api
-from .._errors import RondeError, TensorMismatchError, UnsupportedError
+from .._errors import ProcessSetError, RondeError, TensorMismatchError, UnsupportedError
 from .._ops import ReduceOp
 from ..frameworks.accumulation import PassCounter
 from ..frameworks.compression import Compressor, wire_reduction
@@ -82,7 +82,10 @@ class _DistributedMixin:
         self.sparse_as_dense = bool(sparse_as_dense)
         self.gradient_predivide_factor = gradient_predivide_factor
         #: a rank outside the process set steps on its own gradients, as in Horovod
-        self._ronde_member = process_set.included()
+        if process_set is not global_process_set and process_set.process_set_id is None:
+            raise ProcessSetError(f"DistributedOptimizer: {process_set!r} is not registered; "
+                                  "call hvd.add_process_set() on every rank first")
+        self._ronde_member = process_set is global_process_set or process_set.included()
         self._ronde_handles: dict[torch.Tensor, tuple[Any, Any, str]] = {}
         self._ronde_groups = self._ronde_make_groups(groups)
         self._ronde_group_of = {id(q): gid for gid, members in self._ronde_groups.items()

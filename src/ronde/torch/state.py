@@ -105,7 +105,8 @@ def _create_state(optimizer: torch.optim.Optimizer, model: Any) -> None:
     # weight_decay), by each rank's own learning rate before the root's is received:
     # put them back, so broadcast_parameters() before this stays in force (Horovod
     # leaves the ranks' parameters apart there)
-    kept = [p.detach().clone() for p in params]
+    decays = any(g.get("weight_decay", 0) for g in optimizer.param_groups)
+    kept = [p.detach().clone() for p in params] if decays else []
     if isinstance(optimizer, _DistributedMixin):
         super(_DistributedMixin, optimizer).step()  # type: ignore[misc]
     else:
@@ -134,6 +135,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("broadcast_optimizer_state does not support LBFGS")
+    if isinstance(model, ProcessSet):  # ronde's earlier order: process_set third
+        model, process_set = None, model
     if not optimizer.state_dict()["state"]:
         _create_state(optimizer, model)
     sd = optimizer.state_dict() if _api.rank() == root_rank else None
