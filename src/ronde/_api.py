@@ -152,7 +152,7 @@ def active_transport() -> str:
     return _runtime_or_raise().transport
 
 
-# -- plumbing shared with the framework bindings (re-exported by ronde.binding) -----------
+# -- plumbing shared with the framework bindings -----------------------------------------
 def _auto_name(kind: str, ps_id: int) -> str:
     key = (kind, ps_id)
     with _lock:
@@ -306,26 +306,6 @@ def allreduce(tensor: Any, average: bool | None = None, name: str | None = None,
                            process_set).wait()
 
 
-def grouped_allreduce_async(tensors: Sequence[Any], average: bool | None = None,
-                            name: str | None = None, op: Any = None,
-                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            process_set: ProcessSet | None = None) -> GroupOfHandles:
-    """Start an allreduce of every tensor in the list (negotiated and fused together)."""
-    names = group_names("grouped_allreduce", name, len(tensors), process_set)
-    return GroupOfHandles([allreduce_async(t, average, n, op, prescale_factor,
-                                           postscale_factor, process_set)
-                           for n, t in zip(names, tensors)])
-
-
-def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
-                      name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0,
-                      process_set: ProcessSet | None = None) -> list[np.ndarray]:
-    """Allreduce a list of tensors; returns the list of results."""
-    return grouped_allreduce_async(tensors, average, name, op, prescale_factor,
-                                   postscale_factor, process_set).wait()
-
-
 #: Horovod's name for a handle over several handles (``wait()`` returns the list)
 GroupHandle = GroupOfHandles
 
@@ -345,19 +325,6 @@ def allgather(tensor: Any, name: str | None = None,
               process_set: ProcessSet | None = None) -> np.ndarray:
     """Concatenate every rank's tensor along the first dimension, in rank order."""
     return allgather_async(tensor, name, process_set).wait()
-
-
-def grouped_allgather_async(tensors: Sequence[Any], name: str | None = None,
-                            process_set: ProcessSet | None = None) -> GroupOfHandles:
-    """Start an allgather of every tensor in the list (``<name>.<i>`` each)."""
-    names = group_names("grouped_allgather", name, len(tensors), process_set)
-    return GroupOfHandles([allgather_async(t, n, process_set) for n, t in zip(names, tensors)])
-
-
-def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
-                      process_set: ProcessSet | None = None) -> list[np.ndarray]:
-    """Allgather a list of tensors; returns the list of results."""
-    return grouped_allgather_async(tensors, name, process_set).wait()
 
 
 def broadcast_async(tensor: Any, root_rank: int, name: str | None = None,
@@ -436,25 +403,6 @@ def reducescatter(tensor: Any, op: Any = None, name: str | None = None,
     """
     return reducescatter_async(tensor, op, name, process_set, prescale_factor,
                                postscale_factor).wait()
-
-
-def grouped_reducescatter_async(tensors: Sequence[Any], op: Any = None, name: str | None = None,
-                                process_set: ProcessSet | None = None,
-                                prescale_factor: float = 1.0,
-                                postscale_factor: float = 1.0) -> GroupOfHandles:
-    """Start a reducescatter of every tensor in the list (``<name>.<i>`` each)."""
-    names = group_names("grouped_reducescatter", name, len(tensors), process_set)
-    return GroupOfHandles([reducescatter_async(t, op, n, process_set, prescale_factor,
-                                               postscale_factor)
-                           for n, t in zip(names, tensors)])
-
-
-def grouped_reducescatter(tensors: Sequence[Any], op: Any = None, name: str | None = None,
-                          process_set: ProcessSet | None = None, prescale_factor: float = 1.0,
-                          postscale_factor: float = 1.0) -> list[np.ndarray]:
-    """Reducescatter a list of tensors; returns the list of this rank's blocks."""
-    return grouped_reducescatter_async(tensors, op, name, process_set, prescale_factor,
-                                       postscale_factor).wait()
 
 
 def barrier(process_set: ProcessSet | None = None) -> None:

@@ -103,7 +103,8 @@ class Negotiator:
         if fast is not None:
             if fast:
                 self.progress += 1
-                self.waiting.clear()
+                if self.waiting:
+                    self.waiting.clear()
             return fast
         out: list[Response] = []
         # Expand cache ids against the state at the start of the round, before any update.
