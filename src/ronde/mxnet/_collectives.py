@@ -16,7 +16,8 @@ from typing import Any, Sequence
 import mxnet as mx
 import numpy as np
 
-from .. import _api, _grouped
+from .. import _api
+from .. import _grouped as grouped_ops
 from .._ops import ReduceOp
 from ..frameworks.host_reduce import NUMPY_COMPRESSION, Reduction, fused_allreduce, wire_dtype_of
 from ..process_sets import ProcessSet, global_process_set
@@ -187,7 +188,7 @@ def grouped_allgather(tensors: Sequence[mx.nd.NDArray], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[mx.nd.NDArray]:
     """Allgather every array of the list (``<name>.<i>`` each), all started at once."""
     hosts = [to_host(t, "grouped_allgather") for t in tensors]
-    outs = _grouped.grouped_allgather_async(hosts, name, process_set).wait()
+    outs = grouped_ops.grouped_allgather_async(hosts, name, process_set).wait()
     return [from_host(o, t) for o, t in zip(outs, tensors)]
 
 
@@ -198,6 +199,6 @@ def grouped_reducescatter(tensors: Sequence[mx.nd.NDArray], op: Any = ReduceOp.A
                           postscale_factor: float = 1.0) -> list[mx.nd.NDArray]:
     """Reducescatter every array of the list (``<name>.<i>`` each), all started at once."""
     hosts = [to_host(t, "grouped_reducescatter") for t in tensors]
-    outs = _grouped.grouped_reducescatter_async(hosts, op, name, process_set, prescale_factor,
+    outs = grouped_ops.grouped_reducescatter_async(hosts, op, name, process_set, prescale_factor,
                                             postscale_factor).wait()
     return [from_host(o, t) for o, t in zip(outs, tensors)]
