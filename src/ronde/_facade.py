@@ -59,13 +59,14 @@ FACADES: dict[str, list[str]] = {
         "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
         "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter", "join", "barrier",
         "broadcast_object", "broadcast_object_fn", "allgather_object", "broadcast_variables",
-        "DistributedGradientTape", "DistributedOptimizer", "Compression", "Compressor",
-        "callbacks", "keras", "util", "vars_to_refs", "refs_to_vars",
+        "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer",
+        "SyncBatchNormalization", "Compression", "Compressor", "callbacks", "keras", "util", "vars_to_refs", "refs_to_vars",
         "broadcast_global_variables"],
     "ronde.keras": COMMON + [
         "join", "barrier", "Compression", "allreduce", "allgather", "broadcast",
         "reducescatter", "broadcast_object", "allgather_object", "broadcast_variables",
-        "broadcast_model", "DistributedOptimizer", "is_distributed", "load_model",
+        "broadcast_model", "DistributedOptimizer", "PartialDistributedOptimizer",
+        "is_distributed", "load_model",
         "callbacks"],
     "ronde.jax": COMMON + [
         "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",

@@ -11,7 +11,8 @@ from ronde.testing import run_ranks  # noqa: E402
 from . import tf_workers as workers  # noqa: E402
 
 CASES = [workers.errors_are_tf_errors, workers.ops_and_return_forms,
-         workers.graph_ops_run_in_build_order, workers.gradient_rules]
+         workers.graph_ops_run_in_build_order, workers.gradient_rules,
+         workers.sync_bn_and_local_layers]
 
 
 @pytest.mark.timeout(150)

@@ -128,3 +128,72 @@ def gradient_rules() -> str:
     np.testing.assert_allclose(tape.gradient(s, v), np.full((2 * n, 2), float(n)))
     np.testing.assert_allclose(tape.gradient(a, v), np.full((2 * n, 2), 1.0))
     return "ok"
+
+
+def sync_bn_and_local_layers() -> str:
+    """SyncBatchNormalization normalizes with the statistics of the whole global batch
+    (ranks with batches of different sizes too); the partial tape and optimizer keep
+    the gradients of local layers local, divided by the size."""
+    import keras
+
+    tf, hvd = _setup()
+    r, n = hvd.rank(), hvd.size()
+    rows = [np.arange(4 * (q + 1) * 3, dtype=np.float32).reshape(-1, 3) * (q + 1)
+            for q in range(n)]  # rank q holds 4(q+1) rows
+    full = np.concatenate(rows)
+    sync = hvd.SyncBatchNormalization(momentum=0.5)
+    out = sync(tf.constant(rows[r]), training=True).numpy()
+    mean, var = full.mean(0), full.var(0)
+    want = (rows[r] - mean) / np.sqrt(var + sync.epsilon)
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(sync.moving_mean.numpy(), 0.5 * mean, rtol=1e-5)
+    np.testing.assert_allclose(sync.moving_variance.numpy(), 0.5 + 0.5 * var, rtol=1e-4)
+    # in a tf.function, with its gradient: d(sum of outputs * w)/dx is synchronized
+    x = tf.Variable(rows[r])
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            y = sync(x, training=True)
+            loss = tf.reduce_sum(y * tf.constant([1.0, 2.0, 3.0]))
+        return tape.gradient(loss, x)
+
+    assert np.isfinite(step().numpy()).all()
+    try:
+        hvd.SyncBatchNormalization(fused=True)
+        raise AssertionError("fused=True accepted")
+    except ValueError:
+        pass
+
+    # partial tape: 3 dense layers, weights = rank; the first is local
+    def model_and_loss():
+        init = keras.initializers.Constant(float(r + 1))
+        model = keras.Sequential([keras.Input((3,)),
+                                  keras.layers.Dense(2, kernel_initializer=init),
+                                  keras.layers.Dense(2, kernel_initializer=init)])
+        return model
+    model = model_and_loss()
+    xs = tf.constant(np.ones((2, 3), np.float32))
+    with tf.GradientTape(persistent=True) as tape:
+        loss = tf.reduce_sum(model(xs) ** 2)
+    plain = [g.numpy() for g in tape.gradient(loss, model.trainable_weights)]
+    ptape = hvd.PartialDistributedGradientTape(tape, local_layers=model.layers[0])
+    local, shared = ptape.get_local_and_global_gradients(loss, model.trainable_weights)
+    assert [v for v, _ in local] == model.layers[0].trainable_weights
+    for (_, g), p in zip(local, plain[:2]):
+        np.testing.assert_allclose(g.numpy(), p / n, rtol=1e-6)
+    for i, (_, g) in enumerate(shared, start=2):
+        want = hvd.allreduce(tf.constant(plain[i])).numpy()
+        np.testing.assert_allclose(g.numpy(), want, rtol=1e-5)
+    # keras: the same through the optimizer's apply
+    import ronde.tensorflow.keras as hk
+
+    before = [v.numpy().copy() for v in model.trainable_weights]
+    opt = hk.PartialDistributedOptimizer(keras.optimizers.SGD(1.0),
+                                         local_layers=[model.layers[0]])
+    opt.apply_gradients(zip([tf.constant(p) for p in plain], model.trainable_weights))
+    after = [v.numpy() for v in model.trainable_weights]
+    np.testing.assert_allclose(before[0] - after[0], plain[0] / n, rtol=1e-5)
+    shared_k = hvd.allreduce(tf.constant(plain[2])).numpy()
+    np.testing.assert_allclose(before[2] - after[2], shared_k, rtol=1e-5)
+    return "ok"

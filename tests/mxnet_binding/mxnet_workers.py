@@ -45,6 +45,11 @@ def collectives() -> str:
     hvd.fused_allreduce_(fused, "fused", op=hvd.Sum, compression=hvd.Compression.fp16)
     np.testing.assert_allclose(fused[2].asnumpy(), np.full(4, 2.0 * n))
     assert fused[1].dtype == np.float64
+    # Compression.fp16 on an NDArray: floats travel as float16, others unchanged
+    for dt, wire in (("float32", np.float16), ("float64", np.float16), ("int32", np.int32)):
+        sent, ctx = hvd.Compression.fp16.compress(mx.nd.ones(3, dtype=dt))
+        assert sent.dtype == wire, (dt, sent.dtype)
+        assert hvd.Compression.fp16.decompress(sent, ctx).dtype == np.dtype(dt)
     g = hvd.allgather(mx.nd.full((r + 1, 2), r, dtype="int32"), name="gather")
     np.testing.assert_array_equal(g.asnumpy()[:, 0], np.repeat(np.arange(n), np.arange(1, n + 1)))
     root = n - 1
@@ -88,6 +93,12 @@ def collectives() -> str:
         assert [o.asnumpy().tolist() for o in outs] == [[len(ps.ranks)], [len(ps.ranks)] * 2]
         g = hvd.grouped_allgather([mx.nd.ones((1, 2))], process_set=ps)
         assert g[0].shape == (len(ps.ranks), 2)
+    # an optimizer on a process set: members average, the others step alone (Horovod)
+    opt = hvd.DistributedOptimizer(mx.optimizer.SGD(learning_rate=1.0), process_set=ps)
+    w, grad = mx.nd.zeros(2), mx.nd.ones(2) * (r + 1)
+    opt.update(0, w, grad, opt.create_state(0, w))
+    mean = np.mean([q + 1 for q in ps.ranks]) if ps.included() else r + 1
+    np.testing.assert_allclose(w.asnumpy(), [-mean, -mean], rtol=1e-6)
     hvd.remove_process_set(ps)
     return "ok"
 

@@ -16,7 +16,8 @@ installed (:func:`uninstall` removes it).
 ``horovod.tensorflow.keras`` -> ``ronde.tensorflow.keras``, ...), the very module
 objects, so ``isinstance`` checks and module state are shared. A few of Horovod's
 helper modules that test suites import are mapped to small equivalents here
-(:data:`ALIASES`).
+(:data:`ALIASES`), and importing a TensorFlow or Keras module through the alias
+adds the Keras 2 spelling ``variable.ref()`` to Keras 3 (:mod:`.keras2`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,12 @@ class _AliasLoader(importlib.abc.Loader):
         self.target = target
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        return importlib.import_module(self.target)
+        module = importlib.import_module(self.target)
+        if self.target.startswith(("ronde.tensorflow", "ronde.keras")):
+            from . import keras2
+
+            keras2.install()
+        return module
 
     def exec_module(self, module: ModuleType) -> None:
         pass  # the ronde module ran when it was imported

@@ -74,11 +74,8 @@ MISSING: dict[tuple[str, str], str] = {
     **{(module, "broadcast_global_variables"): _TF1_BROADCAST
        for module in ("horovod.tensorflow.keras", "horovod.keras")},
     ("horovod.tensorflow", "BroadcastGlobalVariablesHook"): _TF1_BROADCAST,
-    ("horovod.tensorflow", "PartialDistributedGradientTape"): "not built yet",
-    ("horovod.keras", "PartialDistributedOptimizer"): "not built yet",
     ("horovod.tensorflow", "LocalGradientAggregationHelper"): (
         "internal helper of Horovod's TF1 optimizer; not built"),
-    ("horovod.tensorflow", "SyncBatchNormalization"): "not built yet for TensorFlow",
     ("horovod.tensorflow", "handle_average_backwards_compatibility"): (
         "Horovod-internal helper"),
     ("horovod.tensorflow", "check_num_rank_power_of_2"): "Horovod-internal helper",

@@ -48,23 +48,28 @@ def numpy_dtype(name: str) -> np.dtype:
 
 
 class NumpyAdapter:
-    """The :class:`~ronde.frameworks.compression.TensorAdapter` for numpy arrays."""
+    """The :class:`~ronde.frameworks.compression.TensorAdapter` for numpy arrays.
+
+    Also for arrays that follow numpy's ``dtype``/``astype`` protocol with a numpy
+    scalar type as ``dtype`` (MXNet's ``NDArray``; ``asnumpy()`` reads them).
+    """
 
     def dtype_name(self, tensor: np.ndarray) -> str:
         """The array's dtype name (``float32``, ``bfloat16`` through ml_dtypes...)."""
-        return str(tensor.dtype)
+        return np.dtype(tensor.dtype).name
 
     def cast(self, tensor: np.ndarray, dtype_name: str) -> np.ndarray:
         """The array converted to ``dtype_name`` (itself when it already has it)."""
-        if str(tensor.dtype) == dtype_name:
+        if self.dtype_name(tensor) == dtype_name:
             return tensor
         return tensor.astype(numpy_dtype(dtype_name))
 
     def all_finite(self, tensor: np.ndarray) -> bool:
         """True when the array holds no inf and no nan."""
-        if tensor.dtype.kind in "iub":
+        if np.dtype(tensor.dtype).kind in "iub":
             return True
-        return bool(np.isfinite(tensor.astype(np.float32, copy=False)).all())
+        values = tensor.asnumpy() if hasattr(tensor, "asnumpy") else tensor
+        return bool(np.isfinite(np.asarray(values).astype(np.float32, copy=False)).all())
 
 
 #: the built-in compressors for numpy arrays (``Compression`` of the JAX, MXNet and

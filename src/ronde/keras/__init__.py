@@ -40,7 +40,7 @@ from ..process_sets import ProcessSet, global_process_set
 from . import callbacks
 from ._bridge import to_numpy
 from .callbacks import broadcast_model
-from .optimizer import DistributedOptimizer, is_distributed
+from .optimizer import DistributedOptimizer, PartialDistributedOptimizer, is_distributed
 from .saving import load_model
 
 

@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from .. import _api
 from .._errors import UnsupportedError
 from .._ops import ReduceOp
-from ..frameworks.host_reduce import GradientSpec, Reduction, reduce_arrays, wire_dtype_of
+from ..frameworks.host_reduce import (GradientSpec, Reduction, reduce_arrays, set_size,
+                                      wire_dtype_of)
+from ..frameworks.local_grads import LocalSources, layer_variables, reduce_except_local
 from ..frameworks.naming import gradient_name
 from ..process_sets import ProcessSet, global_process_set
 from ._bridge import backend_name, host_map
@@ -57,6 +59,8 @@ class Options:
     prefix: str
     passes: int
     average_aggregated: bool
+    local: LocalSources = field(default_factory=LocalSources)
+    scale_local: bool = True
 
 
 def _tape_reduced(grads: Sequence[Any]) -> bool:
@@ -95,11 +99,44 @@ class _DistributedMixin:
         if self.gradient_accumulation_steps and not self._ronde_skip:
             o = self._ronde
             scale = 1.0 if o.average_aggregated else float(self.gradient_accumulation_steps)
-            grads = self._ronde_reduce(list(grads), [None] * len(grads), scale)
+            variables = list(getattr(self, "_trainable_variables", None) or [])
+            if len(variables) != len(grads):
+                variables = [None] * len(grads)
+            grads = self._ronde_reduce(list(grads), variables, scale)
         return super()._clip_gradients(grads)  # type: ignore[misc]
+
+    def register_local_var(self, var: Any) -> None:
+        """Keep ``var``'s gradient on this rank (``PartialDistributedOptimizer``)."""
+        self._ronde.local.add(var)
+
+    def _compute_gradients(self, loss: Any, var_list: Any, tape: Any = None) -> list[Any]:
+        """Horovod's (Keras 2) hook: ``[(reduced gradient, variable)]`` of ``loss`` on a tape.
+
+        TensorFlow backend only (the tape is a ``tf.GradientTape``); ``loss`` may be a
+        callable, evaluated on a new tape when none is given.
+        """
+        import tensorflow as tf
+
+        var_list = list(var_list)
+        if tape is None:
+            with tf.GradientTape() as tape:
+                loss = loss() if callable(loss) else loss
+        grads = tape.gradient(loss, var_list)
+        return list(zip(self._ronde_reduce(list(grads), var_list, 1.0), var_list))
 
     def _ronde_reduce(self, grads: list[Any], variables: Sequence[Any],
                       extra_post: float) -> list[Any]:
+        o = self._ronde
+        scale = None
+        if o.scale_local:
+            size = set_size(o.process_set)
+            scale = lambda g: _divided(g, size)  # noqa: E731
+        return reduce_except_local(grads, variables, o.local,
+                                   lambda g, v: self._ronde_reduce_all(g, v, extra_post),
+                                   scale)
+
+    def _ronde_reduce_all(self, grads: list[Any], variables: Sequence[Any],
+                          extra_post: float) -> list[Any]:
         o = self._ronde
         post = o.postscale * extra_post
         if backend_name() == "tensorflow":
@@ -119,6 +156,13 @@ class _DistributedMixin:
         for i, out in zip(where, outs):
             result[i] = out
         return result
+
+
+def _divided(g: Any, size: int) -> Any:
+    values = getattr(g, "values", None)
+    if values is not None and hasattr(g, "indices") and hasattr(g, "dense_shape"):
+        return type(g)(values / size, g.indices, g.dense_shape)   # tf.IndexedSlices
+    return g / size
 
 
 def _label(v: Any, i: int) -> str:
@@ -174,7 +218,8 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
         num_groups: accepted for Horovod compatibility (a step is one host call).
         groups: as ``num_groups``.
         process_set: the ranks that average their gradients.
-        scale_local_gradients: accepted for Horovod compatibility.
+        scale_local_gradients: divide the gradients of variables registered with
+            ``register_local_var`` by the set's size (Horovod's default).
 
     Returns:
         A new optimizer of a subclass of ``type(optimizer)`` built from its config.
@@ -185,7 +230,7 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
         ValueError: an unsupported op, or ``backward_passes_per_step`` that conflicts
             with the optimizer's own ``gradient_accumulation_steps``.
     """
-    resolved = _api._resolve_op(op, None)
+    resolved = _api.resolve_op(op, None)
     if resolved == ReduceOp.ADASUM:
         raise UnsupportedError("op=Adasum is not supported yet; use Average or Sum")
     if gradient_predivide_factor != 1.0 and resolved != ReduceOp.AVERAGE:
@@ -201,7 +246,8 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
     options = Options(int(resolved), 1.0 / gradient_predivide_factor,
                       float(gradient_predivide_factor), compression, bool(sparse_as_dense),
                       process_set, name or f"DistributedOptimizer.{optimizer.name}", passes,
-                      bool(average_aggregated_gradients))
+                      bool(average_aggregated_gradients), LocalSources(),
+                      bool(scale_local_gradients))
     cls: Any = distributed_class(type(optimizer))
     if getattr(optimizer, "built", False):
         if passes > 1 and own != passes:
@@ -224,3 +270,36 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
 def with_options(optimizer: Any, **changes: Any) -> None:
     """Change a distributed optimizer's options in place (used by ``load_model``)."""
     optimizer._ronde = replace(optimizer._ronde, **changes)
+
+
+def PartialDistributedOptimizer(optimizer: Any, name: str | None = None,
+                                device_dense: str = "", device_sparse: str = "",
+                                compression: Any = None, sparse_as_dense: bool = False,
+                                gradient_predivide_factor: float = 1.0,
+                                op: Any = ReduceOp.AVERAGE, backward_passes_per_step: int = 1,
+                                average_aggregated_gradients: bool = False, groups: Any = None,
+                                process_set: ProcessSet = global_process_set,
+                                local_layers: Any = None,
+                                scale_local_gradients: bool = True) -> Any:
+    """A ``DistributedOptimizer`` that keeps the gradients of ``local_layers`` local.
+
+    The trainable variables of ``local_layers`` (a Keras layer or a collection) are
+    registered with ``register_local_var``: their gradients are not reduced and, with
+    ``scale_local_gradients``, are divided by the set's size. The other arguments are
+    ``DistributedOptimizer``'s.
+    """
+    import keras
+
+    if _api.resolve_op(op, None) not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise ValueError("op currently only supports Average and Sum")
+    local_vars = layer_variables(local_layers, keras.layers.Layer)
+    opt = DistributedOptimizer(optimizer, name=name, compression=compression,
+                               sparse_as_dense=sparse_as_dense,
+                               backward_passes_per_step=backward_passes_per_step, op=op,
+                               gradient_predivide_factor=gradient_predivide_factor,
+                               average_aggregated_gradients=average_aggregated_gradients,
+                               groups=groups, process_set=process_set,
+                               scale_local_gradients=scale_local_gradients)
+    for v in local_vars:
+        opt.register_local_var(v)
+    return opt

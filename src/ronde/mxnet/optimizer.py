@@ -80,9 +80,11 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
             setattr(self._optimizer, name, value)
 
     def _reduce(self, index: Any, grad: Any) -> None:
+        cfg = self._ronde
+        if not cfg["ps"].included():
+            return  # Horovod: a rank outside the process set updates with its own gradient
         grads = grad if isinstance(grad, (list, tuple)) else [grad]
         indices = index if isinstance(index, (list, tuple)) else [index]
-        cfg = self._ronde
         C.fused_allreduce_(grads, f"DistributedOptimizer.grad.{indices[0]}.{len(indices)}",
                            ReduceOp.AVERAGE, cfg["pre"], cfg["post"], cfg["ps"],
                            cfg["compression"])
@@ -164,6 +166,8 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._ronde_validated = True
 
     def _allreduce_grads(self) -> None:
+        if not self._ronde_ps.included():
+            return  # outside the process set: a local step, as DistributedOptimizer
         params = [p for p in self._params if p.grad_req != "null"]
         if not self._ronde_validated:
             self._ronde_validate(params)

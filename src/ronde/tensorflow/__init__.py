@@ -51,7 +51,8 @@ from ._collectives import (allgather, allreduce, alltoall, barrier, broadcast,  
 from .compression import Compression, Compressor  # noqa: E402
 from .functions import (allgather_object, broadcast_global_variables,  # noqa: E402
                         broadcast_object, broadcast_object_fn, broadcast_variables)
-from .gradients import DistributedGradientTape  # noqa: E402
+from .gradients import DistributedGradientTape, PartialDistributedGradientTape  # noqa: E402
+from .sync_batch_norm import SyncBatchNormalization  # noqa: E402
 from . import util  # noqa: E402
 from .util import _cache, _executing_eagerly, _make_subgraph, refs_to_vars, vars_to_refs  # noqa: E402,F401
 

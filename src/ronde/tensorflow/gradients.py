@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
@@ -22,6 +22,7 @@ from .. import _api
 from .._ops import ReduceOp
 from ..frameworks.host_reduce import (GradientSpec, Reduction, count_inputs, reduce_arrays,
                                       wire_dtype_of)
+from ..frameworks.local_grads import LocalSources, layer_variables, reduce_except_local
 from ..frameworks.naming import gradient_name
 from ..process_sets import ProcessSet, global_process_set
 from ._bridge import host_call
@@ -69,7 +70,7 @@ def reduce_gradients(grads: Sequence[Any], sources: Sequence[Any], prefix: str,
         sparse_as_dense: densify ``IndexedSlices`` and allreduce them.
         process_set: the ranks taking part.
     """
-    red = Reduction(int(_api._resolve_op(op, None)), prescale, postscale,
+    red = Reduction(int(_api.resolve_op(op, None)), prescale, postscale,
                     wire_dtype_of(compression), process_set)
     specs: list[GradientSpec] = []
     inputs: list[tf.Tensor] = []
@@ -121,20 +122,50 @@ class _DistributedTapeMixin:
     """``gradient()`` of a ``tf.GradientTape`` that returns reduced gradients."""
 
     _ronde: dict[str, Any]
+    _ronde_local: LocalSources
+
+    def register_local_source(self, source: Any) -> None:
+        """Keep ``source``'s gradient on this rank (never reduced; see local_grads)."""
+        self._ronde_local.add(source)
 
     def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
-                 unconnected_gradients: Any = tf.UnconnectedGradients.NONE) -> Any:
+                 unconnected_gradients: Any = tf.UnconnectedGradients.NONE,
+                 use_generic_names: bool = False) -> Any:
         """The gradients of ``target``, averaged (by default) over the ranks."""
         grads = super().gradient(target, sources, output_gradients,  # type: ignore[misc]
                                  unconnected_gradients)
         flat_grads = tf.nest.flatten(grads, expand_composites=False)
         flat_sources = tf.nest.flatten(sources)
         o = self._ronde
-        reduced = reduce_gradients(flat_grads, flat_sources, o["prefix"], o["op"], o["pre"],
-                                   o["post"], o["compression"], o["sparse_as_dense"],
-                                   o["process_set"])
+
+        def reduce(g: list[Any], v: list[Any]) -> list[Any]:
+            return reduce_gradients(g, v, o["prefix"], o["op"], o["pre"], o["post"],
+                                    o["compression"], o["sparse_as_dense"], o["process_set"])
+
+        scale = _divide_by(_api.set_size(o["process_set"])) if o["scale_local"] else None
+        reduced = reduce_except_local(flat_grads, flat_sources, self._ronde_local, reduce,
+                                      scale)
         mark_reduced(reduced)
         return tf.nest.pack_sequence_as(grads, reduced, expand_composites=False)
+
+    def get_local_and_global_gradients(self, target: Any, sources: Any,
+                                       output_gradients: Any = None,
+                                       use_generic_names: bool = False
+                                       ) -> tuple[list[Any], list[Any]]:
+        """``gradient()`` split in two lists of ``(variable, gradient)``: local, then shared."""
+        sources = list(sources)
+        grads = self.gradient(target, sources, output_gradients)
+        local = [(s, g) for s, g in zip(sources, grads) if s in self._ronde_local]
+        shared = [(s, g) for s, g in zip(sources, grads) if s not in self._ronde_local]
+        return local, shared
+
+
+def _divide_by(size: int) -> Callable[[Any], Any]:
+    def scale(g: Any) -> Any:
+        if isinstance(g, tf.IndexedSlices):
+            return tf.IndexedSlices(g.values / size, g.indices, g.dense_shape)
+        return g / size
+    return scale
 
 
 def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",
@@ -160,13 +191,14 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",
             fused into one host call anyway).
         groups: as ``num_groups``.
         process_set: the ranks that average their gradients.
-        scale_local_gradients: accepted for Horovod compatibility.
+        scale_local_gradients: divide the gradients of sources registered with
+            ``register_local_source`` by the set's size (Horovod's default).
         name: prefix of the gradients' collective names.
 
     Returns:
         An instance of a subclass of ``type(gradtape)`` sharing its recording.
     """
-    resolved = _api._resolve_op(op, None)
+    resolved = _api.resolve_op(op, None)
     if gradient_predivide_factor != 1.0 and resolved != ReduceOp.AVERAGE:
         raise ValueError("gradient_predivide_factor is only supported with op=Average")
     wire_dtype_of(compression)  # fail now on an unsupported compressor
@@ -177,5 +209,34 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",
     tape.__dict__.update(gradtape.__dict__)
     tape._ronde = {"prefix": name, "op": resolved, "pre": 1.0 / gradient_predivide_factor,
                    "post": float(gradient_predivide_factor), "compression": compression,
-                   "sparse_as_dense": sparse_as_dense, "process_set": process_set}
+                   "sparse_as_dense": sparse_as_dense, "process_set": process_set,
+                   "scale_local": bool(scale_local_gradients)}
+    tape._ronde_local = LocalSources()
+    return tape
+
+
+def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",
+                                   device_sparse: str = "", compression: Any = None,
+                                   sparse_as_dense: bool = False, op: Any = ReduceOp.AVERAGE,
+                                   gradient_predivide_factor: float = 1.0,
+                                   num_groups: int = 0, groups: Any = None,
+                                   process_set: ProcessSet = global_process_set,
+                                   local_layers: Any = None,
+                                   scale_local_gradients: bool = True) -> tf.GradientTape:
+    """A ``DistributedGradientTape`` that keeps the gradients of ``local_layers`` local.
+
+    The trainable variables of ``local_layers`` (a Keras layer or a collection of
+    them) are registered with ``register_local_source``: their gradients are not
+    reduced, and with ``scale_local_gradients`` they are divided by the set's size.
+    ``get_local_and_global_gradients(target, sources)`` returns both parts. The
+    other arguments are ``DistributedGradientTape``'s.
+    """
+    import keras
+
+    local_vars = layer_variables(local_layers, keras.layers.Layer)
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression,
+                                   sparse_as_dense, op, gradient_predivide_factor,
+                                   num_groups, groups, process_set, scale_local_gradients)
+    for v in local_vars:
+        tape.register_local_source(v)  # type: ignore[attr-defined]
     return tape
