@@ -445,9 +445,10 @@ def hugepages_steady() -> tuple:
 def _before_gather_reads(action) -> None:
     """Call ``action()`` before each single-copy read of the gather phase (after this
     rank published REDUCED, until its next op starts)."""
-    from ronde.transport import cma, shm
+    from ronde.transport.shm import communicator as shm
+    from ronde.transport.shm import single_copy as cma
 
-    real_read, real_publish = cma.read_into, shm.ShmCommunicator._publish
+    real_read, real_publish = cma.read_into, shm.ShmCommunicator.publish
     phase = [""]
 
     def publish(self, idx, t):
@@ -462,17 +463,18 @@ def _before_gather_reads(action) -> None:
             action()
         real_read(pid, local, remote)
 
-    cma.read_into, shm.ShmCommunicator._publish = read, publish
+    cma.read_into, shm.ShmCommunicator.publish = read, publish
 
 
 def _refuse_writes() -> None:
     """Make single-copy writes fail here, as where ``process_vm_writev`` is refused."""
-    from ronde.transport import cma
+    from ronde.transport import vm
+    from ronde.transport.shm import single_copy
 
     def refused(pid, local, remote):
         raise PermissionError(1, "process_vm_writev refused")
 
-    cma.write_into = refused
+    vm.write_into = single_copy.write_into = refused  # the probe, and the collectives
 
 
 def _slow_reductions(seconds: float) -> None:
@@ -518,7 +520,7 @@ def owners_push_reduced_chunks() -> tuple:
     also for a vector of several tensors whose chunks straddle them.
     Returns (reads, writes) this rank made in the op."""
     import ronde as hvd
-    from ronde.transport import cma
+    from ronde.transport.shm import single_copy as cma
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()
@@ -579,7 +581,7 @@ def chunk_plans_reused() -> tuple:
     (an op may cover part of a set where its submissions straddle two rounds: another
     set of layouts), and how many ops ran."""
     import ronde as hvd
-    from ronde.transport import cma
+    from ronde.transport.shm import single_copy as cma
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()
@@ -617,7 +619,7 @@ def chunk_plans_reused() -> tuple:
 def single_copy_collectives_taken() -> dict:
     """Which large collectives took the single-copy path (counted), values checked."""
     import ronde as hvd
-    from ronde.transport import single_copy
+    from ronde.transport.shm import single_copy
 
     counts: dict = {}
     real_write = single_copy.write_into
@@ -710,10 +712,10 @@ def cma_write_denied_on_one_rank() -> tuple:
 def cma_denied_on_one_rank() -> bool:
     """If one rank cannot read its peers' memory, every rank takes the shm path alike."""
     import ronde as hvd
-    from ronde.transport import cma
+    from ronde.transport import vm
 
     if int(__import__("os").environ["RONDE_RANK"]) == 1:
-        cma.supported = lambda: False  # as if process_vm_readv were refused here
+        vm.supported = lambda: False  # as if process_vm_readv were refused here
     hvd.init()
     x = np.full(300_000, hvd.rank() + 1.0, np.float32)
     for _ in range(3):

@@ -7,9 +7,10 @@ import os
 import numpy as np
 import pytest
 
-from ronde.transport import cma
+from ronde.transport import vm
+from ronde.transport.shm import single_copy as cma
 
-pytestmark = pytest.mark.skipif(not cma.supported(), reason="process_vm_readv refused here")
+pytestmark = pytest.mark.skipif(not vm.supported(), reason="process_vm_readv refused here")
 
 
 def test_layout_ranges_cover_exactly_the_requested_bytes():
@@ -42,7 +43,7 @@ def test_bad_address_is_an_oserror_not_a_crash():
 
 
 def test_coalesce_merges_only_buffers_adjacent_in_memory():
-    from ronde.transport.cma import coalesce
+    from ronde.transport.shm.single_copy import coalesce
 
     flat = np.arange(100, dtype=np.float32)
     other = np.ones(5, np.float32)

@@ -90,7 +90,7 @@ def _holder(nbytes: int, huge: bool, conn: Any) -> None:
 def cross_process_read(nbytes: int, repeats: int) -> list[dict[str, Any]]:
     """GB/s of chunked ``process_vm_readv`` from, and ``process_vm_writev`` into, a
     huge-page and a 4 KiB-page buffer of another process."""
-    from ..transport import cma
+    from ..transport import vm as cma
 
     if not cma.supported():
         return []

@@ -45,18 +45,18 @@ def _wrap(owner: Any, attr: str, label: str) -> None:
 
 def _instrument() -> None:
     from ..core import engine, exchange, executor, negotiation
-    from ..transport import cma, shm
+    from ..transport.shm import communicator, single_copy
 
     _wrap(engine.Engine, "_build_message", "round.build")
     _wrap(exchange.Exchange, "run", "round.exchange")
     _wrap(negotiation.Negotiator, "apply_round", "round.apply")
     _wrap(executor.Executor, "execute", "execute")
-    _wrap(cma, "allreduce_in_place", "data")
-    _wrap(cma, "coalesce", "data.coalesce")
-    _wrap(cma, "read_into", "data.read")
-    _wrap(cma, "write_into", "data.write")
-    _wrap(cma, "reduce_in_rank_order", "data.read+reduce")
-    _wrap(shm.ShmCommunicator, "_wait_all", "data.wait")
+    _wrap(single_copy, "allreduce", "data")
+    _wrap(single_copy, "coalesce", "data.coalesce")
+    _wrap(single_copy, "read_into", "data.read")
+    _wrap(single_copy, "write_into", "data.write")
+    _wrap(single_copy, "reduce_in_rank_order", "data.read+reduce")
+    _wrap(communicator.ShmCommunicator, "wait_all", "data.wait")
 
 
 def small_page_share(arrays: Sequence[np.ndarray]) -> float | None:

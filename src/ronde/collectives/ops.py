@@ -16,7 +16,7 @@ import numpy as np
 from .._ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 
 __all__ = ['ReduceOp', 'Average', 'Sum', 'Adasum', 'Min', 'Max', 'Product', 'reduce_into',
-           'reduce_pair', 'reduce_in_rank_order']
+           'reduce_pair', 'reduce_in_rank_order', 'scaled_copy', 'scale_inplace']
 
 _UFUNCS = {
     ReduceOp.SUM: np.add,
@@ -90,3 +90,32 @@ def _each(out: Sequence[np.ndarray], a: np.ndarray, b: np.ndarray | None,
         else:
             reduce_pair(a[off:k], b[off:k], v, op)
         off = k
+
+
+def scaled_copy(dst: np.ndarray, src: np.ndarray, factor: float) -> None:
+    """``dst[:] = src * factor`` in one pass (a plain copy when factor is 1).
+
+    The arithmetic is Horovod's: integers are scaled in float64 and truncated toward
+    zero, 16-bit floats (float16, bfloat16) in float32 and rounded once, other floats
+    in their own dtype (the factor rounded to it first). A factor that is the
+    reciprocal of a whole number (an Average's ``1/size``) divides by that number
+    instead: ``x / 3`` is what a user compares an average with, and ``x * (1/3)`` can
+    differ from it in the last bit (the same cost: both are bound by memory).
+    """
+    if factor == 1.0:
+        np.copyto(dst, src, casting="unsafe")
+        return
+    inv = 1.0 / factor if factor else 0.0
+    ufunc, by = (np.divide, inv) if inv > 1.0 and inv.is_integer() else (np.multiply, factor)
+    if dst.dtype.kind in "iub":
+        np.copyto(dst, ufunc(src, by), casting="unsafe")
+    elif dst.dtype.itemsize == 2:
+        np.copyto(dst, ufunc(src, np.float32(by), dtype=np.float32), casting="unsafe")
+    else:
+        ufunc(src, by, out=dst, casting="unsafe")
+
+
+def scale_inplace(buf: np.ndarray, factor: float) -> None:
+    """``buf *= factor`` with :func:`scaled_copy`'s arithmetic (nothing when 1)."""
+    if factor != 1.0:
+        scaled_copy(buf, buf, factor)

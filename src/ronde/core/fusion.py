@@ -15,6 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
+from ..collectives.ops import scale_inplace, scaled_copy  # noqa: F401 - the engine's names
+
 
 class FusionBuffer:
     """A private byte buffer that grows to the largest fused size seen, then is reused."""
@@ -26,34 +28,6 @@ class FusionBuffer:
         if self._buf.nbytes < nbytes:
             self._buf = np.empty(max(nbytes, 2 * self._buf.nbytes), dtype=np.uint8)
         return self._buf[:nbytes]
-
-
-def scaled_copy(dst: np.ndarray, src: np.ndarray, factor: float) -> None:
-    """``dst[:] = src * factor`` in one pass (a plain copy when factor is 1).
-
-    The arithmetic is Horovod's: integers are scaled in float64 and truncated toward
-    zero, 16-bit floats (float16, bfloat16) in float32 and rounded once, other floats
-    in their own dtype (the factor rounded to it first). A factor that is the
-    reciprocal of a whole number (an Average's ``1/size``) divides by that number
-    instead: ``x / 3`` is what a user compares an average with, and ``x * (1/3)`` can
-    differ from it in the last bit (the same cost: both are bound by memory).
-    """
-    if factor == 1.0:
-        np.copyto(dst, src, casting="unsafe")
-        return
-    inv = 1.0 / factor if factor else 0.0
-    ufunc, by = (np.divide, inv) if inv > 1.0 and inv.is_integer() else (np.multiply, factor)
-    if dst.dtype.kind in "iub":
-        np.copyto(dst, ufunc(src, by), casting="unsafe")
-    elif dst.dtype.itemsize == 2:
-        np.copyto(dst, ufunc(src, np.float32(by), dtype=np.float32), casting="unsafe")
-    else:
-        ufunc(src, by, out=dst, casting="unsafe")
-
-
-def scale_inplace(buf: np.ndarray, factor: float) -> None:
-    if factor != 1.0:
-        scaled_copy(buf, buf, factor)
 
 
 def pack(flat: np.ndarray, inputs: Sequence[np.ndarray | None], sizes: Sequence[int],

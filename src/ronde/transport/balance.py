@@ -1,6 +1,6 @@
 """Split an allreduce's vector into blocks that take each owner the same time.
 
-In the single-copy allreduce (``cma.py``) every rank reduces one block and writes it
+In the single-copy allreduce (``shm/single_copy.py``) every rank reduces one block and writes it
 into its peers; the op ends when the slowest owner is done. Equal blocks are not equal
 work: ResNet-50's gradients, allocated one by one, put 139 of their 161 tensors in the
 first half, which costs its owner more calls and more small pages to read (1.2 ms
@@ -51,7 +51,7 @@ class BlockSplit:
         if shares is None:
             return even(total, self.n)
         self._shares.move_to_end(key)
-        # (tiny vectors: exact shares; cma.py sees none smaller than 256 KiB)
+        # (tiny vectors: exact shares; shm/single_copy.py sees none smaller than 256 KiB)
         align = max(1, ALIGN_BYTES // item) if total * item >= ALIGN_BYTES * 64 * self.n else 1
         out, lo, acc = [], 0, 0.0
         for i, s in enumerate(shares):

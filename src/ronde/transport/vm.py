@@ -2,7 +2,7 @@
 
 ``process_vm_readv`` copies ranges of another process's memory into this one's,
 ``process_vm_writev`` the other way, given its pid and addresses, when both run as
-the same user (the check ``ptrace`` would make). ``cma.py`` builds the single-copy
+the same user (the check ``ptrace`` would make). ``shm/single_copy.py`` builds the single-copy
 collectives on them; this module only moves bytes, with ctypes (no compiled code).
 """
 
@@ -125,7 +125,7 @@ def supported() -> bool:
 
 class Iov:
     """(address, length) ranges as a ready ``struct iovec[]``, built once for many calls
-    (the single-copy allreduce keeps one per chunk and peer, see ``cma.py``)."""
+    (the single-copy allreduce keeps one per chunk and peer, see ``shm/single_copy.py``)."""
 
     __slots__ = ("ranges", "array", "addr", "count", "nbytes")
 

@@ -17,7 +17,7 @@ are unlinked as soon as every member has mapped them, so a crash leaves nothing 
 ``/dev/shm``.
 
 Allreduces of at least ``CMA_MIN_BYTES`` skip the segment altogether when every rank
-can use cross-memory attach (see ``cma.py``): peers read each other's tensors in
+can use cross-memory attach (see ``single_copy.py``): peers read each other's tensors in
 place, about one pass over the data plus half a reduction, and fused tensors need no
 fusion buffer. The segment then only carries the counters and the address table.
 """
@@ -31,34 +31,16 @@ from typing import Callable
 
 import numpy as np
 
-from ..collectives.ops import ReduceOp, reduce_in_rank_order, reduce_into
-from .balance import BlockSplit
-from .balance import even as blocks  # the segment path's; the single-copy one balances
-from .base import Communicator
-from .hugepages import HugePages, heap_for_tensors
-from .segments import OwnedSegment, close_maps, create_segment, open_segment, shm_dir
-
-#: counters, then a table of (address, length) pairs for single-copy allreduces
-_HEADER_BYTES = 64 * 1024
-_SLOTS = 16
-_TABLE_OFFSET = _SLOTS * 8
-TABLE_ENTRIES = (_HEADER_BYTES - _TABLE_OFFSET) // 16
-#: allreduces of at least this size use cross-memory attach when every rank can
-CMA_MIN_BYTES = 256 * 1024
-CMA_CHUNK_BYTES = 1 << 20
-#: allreduces up to this size take the one-synchronisation path through a small,
-#: double-buffered region (every rank reduces all contributions itself)
-SMALL_BYTES = 64 * 1024
-#: how long a wait polls (yielding) before it starts to sleep
-_YIELD_S = 0.002
-WRITTEN, REDUCED, DONE, ATTACHED, PID, PROBE, CMA_OK, NSEG = 0, 1, 2, 3, 4, 5, 6, 7
-#: single-copy allreduce: elements of the owner's block reduced so far in this op
-PROGRESS = 8
-#: single-copy allreduce: nanoseconds this rank took over its block in this op
-BUSY = 9
-#: what every member's probe word holds (peers read it, and write it back, to test)
-_PROBE_VALUE = 0x726F6E6465
-
+from ...collectives.ops import ReduceOp, reduce_in_rank_order, reduce_into
+from .. import vm
+from ..balance import BlockSplit
+from ..base import Communicator
+from ..hugepages import HugePages, heap_for_tensors
+from ..segments import OwnedSegment, close_maps, create_segment, open_segment, shm_dir
+from . import single_copy
+from .protocol import (ATTACHED, CMA_MIN_BYTES, CMA_OK, DONE, HEADER_BYTES, PID, PROBE,
+                       PROBE_VALUE, REDUCED, SLOTS, SMALL_BYTES, TABLE_ENTRIES, TABLE_OFFSET,
+                       WRITTEN, YIELD_S, blocks)
 
 class ShmCommunicator(Communicator, OwnedSegment):
     """Collectives among the members of one process set that share a host."""
@@ -79,44 +61,42 @@ class ShmCommunicator(Communicator, OwnedSegment):
         self._t = 0
         self._open = 0  # counter of a staged allreduce whose pieces are being read
         self._unlinked = False
-        total = _HEADER_BYTES + segment_bytes + 2 * SMALL_BYTES
+        total = HEADER_BYTES + segment_bytes + 2 * SMALL_BYTES
         self._path = os.path.join(shm_dir(), f"ronde-{key}-{rank}")
         self._mine = create_segment(self._path, total)
         self._maps: list[mmap.mmap] = []
-        self._hdr: list[np.ndarray] = []
+        self.headers: list[np.ndarray] = []
         self._data: list[np.ndarray] = []
         self._small: list[list[np.ndarray]] = []
-        self._table: list[np.ndarray] = []
+        self.tables: list[np.ndarray] = []
         deadline = time.monotonic() + timeout_s
         for g in members:
             mm = self._mine if g == rank else open_segment(
                 os.path.join(shm_dir(), f"ronde-{key}-{g}"), total, deadline)
             self._maps.append(mm)
-            self._hdr.append(np.frombuffer(mm, dtype=np.int64, count=_SLOTS, offset=0))
-            self._table.append(np.frombuffer(mm, dtype=np.int64, count=2 * TABLE_ENTRIES,
-                                             offset=_TABLE_OFFSET))
+            self.headers.append(np.frombuffer(mm, dtype=np.int64, count=SLOTS, offset=0))
+            self.tables.append(np.frombuffer(mm, dtype=np.int64, count=2 * TABLE_ENTRIES,
+                                             offset=TABLE_OFFSET))
             self._data.append(np.frombuffer(mm, dtype=np.uint8, count=segment_bytes,
-                                            offset=_HEADER_BYTES))
+                                            offset=HEADER_BYTES))
             self._small.append([np.frombuffer(mm, dtype=np.uint8, count=SMALL_BYTES,
-                                              offset=_HEADER_BYTES + segment_bytes + p * SMALL_BYTES)
+                                              offset=HEADER_BYTES + segment_bytes + p * SMALL_BYTES)
                                 for p in (0, 1)])
         self._scratch = np.empty(SMALL_BYTES, dtype=np.uint8)
-        self._my_hdr = self._hdr[self.rank]
+        self._my_hdr = self.headers[self.rank]
         # single-copy reads need to know who we are; the probe lets peers test them
-        self._probe = np.array([_PROBE_VALUE], dtype=np.int64)
+        self._probe = np.array([PROBE_VALUE], dtype=np.int64)
         if cma:  # before ATTACHED: peers probe this process only after seeing it
-            from .vm import allow_peers
-
-            allow_peers()
+            vm.allow_peers()
         self._cma: bool | None = None if cma else False
         #: every member may also write into the others (process_vm_writev): agreed
         #: with ``_cma``; owners then write their reduced blocks into every peer
         self.push_agreed = False
         self._cma_scratch = np.empty(0, dtype=np.uint8)
         #: single-copy tables seen (-> their Layout), and the chunk plans of each set of
-        #: layouts (see cma.py)
-        self._layouts: dict = {}
-        self._chunk_plans: dict = {}
+        #: layouts (see single_copy.py)
+        self.layouts: dict = {}
+        self.chunk_plans: dict = {}
         #: every member's process id (single-copy reads and writes address them)
         self.pids: list[int] = []
         #: single-copy allreduce blocks, sized by each owner's measured speed
@@ -125,28 +105,30 @@ class ShmCommunicator(Communicator, OwnedSegment):
         self.hugepages = HugePages(hugepages and cma)
         if self.hugepages.active:
             heap_for_tensors()  # tensors allocated from now on: on collapsible memory
-        self._publish(PID, os.getpid())
-        self._publish(PROBE, int(self._probe.ctypes.data))
-        self._publish(ATTACHED, 1)  # I have mapped every peer's segment
+        self.publish(PID, os.getpid())
+        self.publish(PROBE, int(self._probe.ctypes.data))
+        self.publish(ATTACHED, 1)  # I have mapped every peer's segment
 
     # -- synchronisation -----------------------------------------------------------------
-    def _wait_all(self, idx: int, t: int) -> None:
+    def wait_all(self, idx: int, t: int) -> None:
+        """Wait until every other member's counter ``idx`` reaches ``t``."""
         for j in range(self.size):
             if j != self.rank:
-                self._wait_all_one(j, idx, t)
+                self.wait_for(j, idx, t)
 
     def _check(self) -> None:
         err = self._aborted()
         if err is not None:
             raise err
 
-    def _publish(self, idx: int, t: int) -> None:
+    def publish(self, idx: int, t: int) -> None:
+        """Set my counter ``idx`` to ``t`` (peers waiting for it may go on)."""
         self._my_hdr[idx] = t
 
-    def _begin(self) -> int:
+    def begin(self) -> int:
         """Start a piece: wait until peers finished reading my segment, return its counter."""
         self._unlink_once_mapped()
-        self._wait_all(DONE, self._t)
+        self.wait_all(DONE, self._t)
         self._t += 1
         return self._t
 
@@ -163,9 +145,9 @@ class ShmCommunicator(Communicator, OwnedSegment):
         self._unlink_once_mapped()
         if nbytes <= SMALL_BYTES:
             # the next op (counter t+1) uses parity (t+1) % 2; op t-1 used it last
-            self._wait_all(DONE, self._t - 1)
+            self.wait_all(DONE, self._t - 1)
             return self._small[self.rank][(self._t + 1) % 2][:nbytes]
-        self._wait_all(DONE, self._t)
+        self.wait_all(DONE, self._t)
         return self._data[self.rank][:nbytes]
 
     def allreduce_staged(self, nbytes: int, dtype: np.dtype, op: ReduceOp
@@ -184,7 +166,7 @@ class ShmCommunicator(Communicator, OwnedSegment):
         pieces = []
         for j, (lo, hi) in enumerate(blocks(m, self.size)):
             if j != self.rank:
-                self._wait_all_one(j, REDUCED, t)
+                self.wait_for(j, REDUCED, t)
             pieces.append((lo, self._view(j, dtype, m)[lo:hi]))
         self._open = t
         return pieces
@@ -192,26 +174,26 @@ class ShmCommunicator(Communicator, OwnedSegment):
     def release(self) -> None:
         """The caller is done reading the pieces of the last staged allreduce."""
         if self._open:
-            self._publish(DONE, self._open)
+            self.publish(DONE, self._open)
             self._open = 0
 
     def _allreduce_small(self, buf: np.ndarray | None, m: int, dtype: np.dtype,
                          op: ReduceOp) -> np.ndarray:
         """One synchronisation: everyone writes, everyone reduces all, in rank order."""
-        self._wait_all(DONE, self._t - 1)
+        self.wait_all(DONE, self._t - 1)
         self._t += 1
         t = self._t
         nbytes = m * dtype.itemsize
         views = [self._small[j][t % 2][:nbytes].view(dtype) for j in range(self.size)]
         if buf is not None:
             np.copyto(views[self.rank], buf)
-        self._publish(WRITTEN, t)
-        self._wait_all(WRITTEN, t)
+        self.publish(WRITTEN, t)
+        self.wait_all(WRITTEN, t)
         out = buf if buf is not None else self._scratch[:nbytes].view(dtype)
         np.copyto(out, views[0])
         for j in range(1, self.size):
             reduce_into(out, views[j], op)
-        self._publish(DONE, t)
+        self.publish(DONE, t)
         return out
 
     def allreduce(self, buf: np.ndarray, op: ReduceOp) -> None:
@@ -225,37 +207,37 @@ class ShmCommunicator(Communicator, OwnedSegment):
     def _reduce_own_block(self, buf: np.ndarray | None, m: int, dtype: np.dtype,
                           op: ReduceOp) -> int:
         """Copy in (unless staged), then reduce this rank's block; returns the counter."""
-        t = self._begin()
+        t = self.begin()
         views = [self._view(j, dtype, m) for j in range(self.size)]
         mine = views[self.rank]
         if buf is not None:
             np.copyto(mine, buf)
-        self._publish(WRITTEN, t)
+        self.publish(WRITTEN, t)
         lo, hi = blocks(m, self.size)[self.rank]
-        self._wait_all(WRITTEN, t)
+        self.wait_all(WRITTEN, t)
         # in rank order, as the single-copy path: the same bits either way
         reduce_in_rank_order(self.rank, self.size, lambda j, _buf: views[j][lo:hi],
                              [mine[lo:hi]], op, self.cma_scratch(hi - lo, dtype))
-        self._publish(REDUCED, t)
+        self.publish(REDUCED, t)
         return t
 
     def _allreduce_piece(self, buf: np.ndarray, m: int, dtype: np.dtype, op: ReduceOp) -> None:
         t = self._reduce_own_block(buf, m, dtype, op)
         for j, (lo, hi) in enumerate(blocks(m, self.size)):
             if j != self.rank:
-                self._wait_all_one(j, REDUCED, t)
+                self.wait_for(j, REDUCED, t)
             np.copyto(buf[lo:hi], self._view(j, dtype, m)[lo:hi])
-        self._publish(DONE, t)
+        self.publish(DONE, t)
 
-    def _wait_all_one(self, j: int, idx: int, t: int) -> None:
+    def wait_for(self, j: int, idx: int, t: int) -> None:
         """Wait until member ``j``'s counter ``idx`` reaches ``t``.
 
         Spin a little, then poll with the CPU (and the GIL) yielded for up to
-        ``_YIELD_S`` (peers of a collective usually arrive within that), then sleep in
+        ``YIELD_S`` (peers of a collective usually arrive within that), then sleep in
         growing steps, checking the engine's abort flag and the progress timeout.
         ``time.sleep(0)`` is not a yield here: it costs a timer round trip (~70 us).
         """
-        hdr = self._hdr[j]
+        hdr = self.headers[j]
         if hdr[idx] >= t:
             return
         for _ in range(64):
@@ -269,7 +251,7 @@ class ShmCommunicator(Communicator, OwnedSegment):
             if polls % 64:
                 continue
             self._check()
-            if time.monotonic() - start > _YIELD_S:
+            if time.monotonic() - start > YIELD_S:
                 break
         sleep_s = 0.00002
         while hdr[idx] < t:
@@ -279,7 +261,7 @@ class ShmCommunicator(Communicator, OwnedSegment):
             if self.progress_timeout_s:
                 waited = time.monotonic() - start
                 if waited > self.progress_timeout_s:
-                    from .._errors import PeerLostError
+                    from ..._errors import PeerLostError
 
                     g = self.members[j]
                     raise PeerLostError(
@@ -287,7 +269,7 @@ class ShmCommunicator(Communicator, OwnedSegment):
                         f"{waited:.0f}s; the process is alive but not taking part",
                         rank=g)
 
-    # -- single-copy allreduce (cross-memory attach, see cma.py) ------------------------------
+    # -- single-copy allreduce (cross-memory attach, see single_copy.py) ------------------------------
     def cma_eligible(self, nbytes: int, n_tensors: int) -> bool:
         """Whether an allreduce of this shape may take the single-copy path.
 
@@ -308,29 +290,27 @@ class ShmCommunicator(Communicator, OwnedSegment):
         """Probe every peer's memory (read its probe value, then write the same bytes
         back), publish the outcome, and agree: single-copy reads where every member
         can read, pushes (``push_agreed``) where every member can also write."""
-        from . import cma
-
-        read = write = cma.supported()
-        self.pids = [int(h[PID]) for h in self._hdr]
+        read = write = vm.supported()
+        self.pids = [int(h[PID]) for h in self.headers]
         for j in range(self.size):
             if j == self.rank or not read:
                 continue
-            at = [(int(self._hdr[j][PROBE]), 8)]
+            at = [(int(self.headers[j][PROBE]), 8)]
             got = np.zeros(1, dtype=np.int64)
             try:
-                cma.read_into(self.pids[j], [(got.ctypes.data, 8)], at)
+                vm.read_into(self.pids[j], [(got.ctypes.data, 8)], at)
             except OSError:
                 read = write = False
                 break
-            read = int(got[0]) == _PROBE_VALUE
+            read = int(got[0]) == PROBE_VALUE
             if write:
                 try:
-                    cma.write_into(self.pids[j], [(got.ctypes.data, 8)], at)
+                    vm.write_into(self.pids[j], [(got.ctypes.data, 8)], at)
                 except OSError:
                     write = False
-        self._publish(CMA_OK, 1 if read and write else (3 if read else 2))
-        self._wait_all(CMA_OK, 1)
-        agreed = [int(h[CMA_OK]) for h in self._hdr]  # 1 read+write, 3 read only, 2 none
+        self.publish(CMA_OK, 1 if read and write else (3 if read else 2))
+        self.wait_all(CMA_OK, 1)
+        agreed = [int(h[CMA_OK]) for h in self.headers]  # 1 read+write, 3 read only, 2 none
         self.push_agreed = all(v == 1 for v in agreed)
         return all(v in (1, 3) for v in agreed)
 
@@ -341,11 +321,9 @@ class ShmCommunicator(Communicator, OwnedSegment):
         Returns False, on every rank alike, when single-copy reads are not possible
         here (the caller then takes the shared-segment path).
         """
-        from . import cma
-
         if not self._agreed():
             return False
-        cma.allreduce_in_place(self, bufs, op, postscale)
+        single_copy.allreduce(self, bufs, op, postscale)
         return True
 
     def _agreed(self) -> bool:
@@ -364,8 +342,6 @@ class ShmCommunicator(Communicator, OwnedSegment):
                       out: np.ndarray | None = None) -> np.ndarray:
         """The reduced block of this rank (into ``out`` where that path allows)."""
         if self._single_copy(buf.nbytes):
-            from . import single_copy
-
             return single_copy.reducescatter(self, buf, counts, op, out)
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
         my_lo, my_hi = int(starts[self.rank]), int(starts[self.rank + 1])
@@ -373,116 +349,110 @@ class ShmCommunicator(Communicator, OwnedSegment):
         step = self._piece_elems(buf.dtype)
         for s in range(0, max(buf.size, 1), step):
             m = min(step, buf.size - s)
-            t = self._begin()
+            t = self.begin()
             views = [self._view(j, buf.dtype, m) for j in range(self.size)]
             np.copyto(views[self.rank], buf[s: s + m])
-            self._publish(WRITTEN, t)
-            self._wait_all(WRITTEN, t)
+            self.publish(WRITTEN, t)
+            self.wait_all(WRITTEN, t)
             lo, hi = max(my_lo, s), min(my_hi, s + m)
             if lo < hi:
                 acc = out[lo - my_lo: hi - my_lo]
                 np.copyto(acc, views[0][lo - s: hi - s])
                 for j in range(1, self.size):
                     reduce_into(acc, views[j][lo - s: hi - s], op)
-            self._publish(DONE, t)
+            self.publish(DONE, t)
         return out
 
     def _single_copy(self, nbytes: int) -> bool:
         """Whether a collective of ``nbytes`` (the same on every member) reads peers'
-        buffers directly (see cma.py); agreed by every member at the first such op."""
+        buffers directly (see single_copy.py); agreed by every member at the first such op."""
         if self._cma is False or nbytes < CMA_MIN_BYTES or self.size < 2:
             return False
         return self._agreed()
 
     def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None:
         if self._single_copy(sum(counts) * send.dtype.itemsize):
-            from . import single_copy
-
             single_copy.allgatherv(self, send, recv, counts)
             return
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
         step = self._piece_elems(send.dtype)
         for off in range(0, max(max(counts), 1), step):
-            t = self._begin()
+            t = self.begin()
             mine_n = max(0, min(step, counts[self.rank] - off))
             np.copyto(self._view(self.rank, send.dtype, mine_n), send[off: off + mine_n])
-            self._publish(WRITTEN, t)
+            self.publish(WRITTEN, t)
             recv[starts[self.rank] + off: starts[self.rank] + off + mine_n] = send[off: off + mine_n]
             for j in range(self.size):
                 if j == self.rank:
                     continue
                 n = max(0, min(step, counts[j] - off))
                 if n:
-                    self._wait_all_one(j, WRITTEN, t)
+                    self.wait_for(j, WRITTEN, t)
                     np.copyto(recv[starts[j] + off: starts[j] + off + n],
                               self._view(j, send.dtype, n))
-            self._wait_all(WRITTEN, t)
-            self._publish(DONE, t)
+            self.wait_all(WRITTEN, t)
+            self.publish(DONE, t)
 
     def broadcast(self, buf: np.ndarray, root: int) -> None:
         if self._single_copy(buf.nbytes):
-            from . import single_copy
-
             single_copy.broadcast(self, buf, root)
             return
         step = self._piece_elems(buf.dtype)
         for s in range(0, max(buf.size, 1), step):
             m = min(step, buf.size - s)
-            t = self._begin()
+            t = self.begin()
             if self.rank == root:
                 np.copyto(self._view(root, buf.dtype, m), buf[s: s + m])
-                self._publish(WRITTEN, t)
+                self.publish(WRITTEN, t)
             else:
-                self._wait_all_one(root, WRITTEN, t)
+                self.wait_for(root, WRITTEN, t)
                 np.copyto(buf[s: s + m], self._view(root, buf.dtype, m))
-                self._publish(WRITTEN, t)
-            self._publish(DONE, t)
+                self.publish(WRITTEN, t)
+            self.publish(DONE, t)
 
     def alltoallv(self, send: np.ndarray, send_counts: list[int], recv: np.ndarray,
                   recv_counts: list[int], max_count: int | None = None) -> None:
         if max_count is None:
             raise ValueError("shm alltoallv needs the largest block size of any rank")
         if self._single_copy(max_count * self.size * send.dtype.itemsize):
-            from . import single_copy
-
             single_copy.alltoallv(self, send, send_counts, recv, recv_counts)
             return
         sstarts = np.concatenate([[0], np.cumsum(send_counts)]).astype(int)
         rstarts = np.concatenate([[0], np.cumsum(recv_counts)]).astype(int)
         per_dest = max(1, self._piece_elems(send.dtype) // self.size)
         for off in range(0, max(max_count, 1), per_dest):
-            t = self._begin()
+            t = self.begin()
             mine = self._view(self.rank, send.dtype, per_dest * self.size)
             for i in range(self.size):
                 n = max(0, min(per_dest, send_counts[i] - off))
                 if n:
                     mine[i * per_dest: i * per_dest + n] = send[sstarts[i] + off: sstarts[i] + off + n]
-            self._publish(WRITTEN, t)
+            self.publish(WRITTEN, t)
             for j in range(self.size):
                 n = max(0, min(per_dest, recv_counts[j] - off))
                 if not n:
                     continue
                 if j != self.rank:
-                    self._wait_all_one(j, WRITTEN, t)
+                    self.wait_for(j, WRITTEN, t)
                 src = self._view(j, send.dtype, per_dest * self.size)
                 base = self.rank * per_dest
                 recv[rstarts[j] + off: rstarts[j] + off + n] = src[base: base + n]
-            self._wait_all(WRITTEN, t)
-            self._publish(DONE, t)
+            self.wait_all(WRITTEN, t)
+            self.publish(DONE, t)
 
     def barrier(self) -> None:
-        t = self._begin()
-        self._publish(WRITTEN, t)
-        self._wait_all(WRITTEN, t)
-        self._publish(DONE, t)
+        t = self.begin()
+        self.publish(WRITTEN, t)
+        self.wait_all(WRITTEN, t)
+        self.publish(DONE, t)
 
     # -- lifetime ------------------------------------------------------------------------
     def _unlink_once_mapped(self) -> None:
-        self._unlink_if(not self._unlinked and all(h[ATTACHED] >= 1 for h in self._hdr))
+        self._unlink_if(not self._unlinked and all(h[ATTACHED] >= 1 for h in self.headers))
 
     def close(self) -> None:
         self._unlink_if(True)
-        self._hdr.clear()
+        self.headers.clear()
         self._data.clear()
         self._my_hdr = None  # type: ignore[assignment]
         close_maps(self._maps)

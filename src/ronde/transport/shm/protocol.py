@@ -1,0 +1,36 @@
+"""The layout of a shared-memory segment and the meaning of its counters.
+
+Every member of an shm communicator owns one segment: a header of int64 counter
+slots that only the owner writes (one per phase of a collective, each raised to the
+collective's sequence number ``t`` when the owner reaches it), a table of (address,
+length) pairs for the single-copy paths, a data region of ``segment_bytes`` and two
+small double-buffered regions for small allreduces. Peers read the counters and
+data; :class:`~ronde.transport.shm.communicator.ShmCommunicator` (``publish``,
+``wait_for``, ``wait_all``, ``begin``) is the only writer and waiter, and
+:mod:`.single_copy` follows the same protocol through those methods.
+"""
+
+from __future__ import annotations
+
+from ..balance import even as blocks  # noqa: F401 - the segment path's split (single-copy balances)
+
+#: counters, then a table of (address, length) pairs for single-copy allreduces
+HEADER_BYTES = 64 * 1024
+SLOTS = 16
+TABLE_OFFSET = SLOTS * 8
+TABLE_ENTRIES = (HEADER_BYTES - TABLE_OFFSET) // 16
+#: allreduces of at least this size use cross-memory attach when every rank can
+CMA_MIN_BYTES = 256 * 1024
+CMA_CHUNK_BYTES = 1 << 20
+#: allreduces up to this size take the one-synchronisation path through a small,
+#: double-buffered region (every rank reduces all contributions itself)
+SMALL_BYTES = 64 * 1024
+#: how long a wait polls (yielding) before it starts to sleep
+YIELD_S = 0.002
+WRITTEN, REDUCED, DONE, ATTACHED, PID, PROBE, CMA_OK, NSEG = 0, 1, 2, 3, 4, 5, 6, 7
+#: single-copy allreduce: elements of the owner's block reduced so far in this op
+PROGRESS = 8
+#: single-copy allreduce: nanoseconds this rank took over its block in this op
+BUSY = 9
+#: what every member's probe word holds (peers read it, and write it back, to test)
+PROBE_VALUE = 0x726F6E6465
