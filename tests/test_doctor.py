@@ -43,5 +43,5 @@ def test_doctor_says_whether_memory_peers_read_goes_onto_huge_pages(monkeypatch,
     monkeypatch.setattr(vm, "supported", lambda: True)
     monkeypatch.setattr(vm, "ptrace_scope", lambda: None)
     monkeypatch.setattr(hugepages.HugePages, "active", property(lambda self: active))
-    monkeypatch.setattr(hugepages, "_thp_allowed", lambda *a: thp)
+    monkeypatch.setattr(hugepages, "thp_allowed", lambda *a: thp)
     assert want in _shm_line(capsys)

@@ -23,10 +23,14 @@ __version__ = "0.1.0"
 
 # The API module (numpy, the engine) is imported on first use, so that
 # ``import ronde`` costs about a millisecond and imports no framework.
-_LAZY = {name: "._api" for name in ['GroupHandle', 'add_process_set', 'allgather', 'allgather_async', 'allgather_object', 'allreduce', 'allreduce_async', 'alltoall', 'alltoall_async', 'barrier', 'broadcast', 'broadcast_async', 'broadcast_object', 'ccl_built', 'cross_rank', 'cross_size', 'cuda_built', 'ddl_built', 'gloo_built', 'gloo_enabled', 'init', 'is_homogeneous', 'is_initialized', 'join', 'local_rank', 'local_size', 'mpi_built', 'mpi_enabled', 'mpi_threads_supported', 'nccl_built', 'poll', 'rank', 'reducescatter', 'reducescatter_async', 'remove_process_set', 'rocm_built', 'shutdown', 'size', 'synchronize', 'active_transport', 'start_timeline', 'stop_timeline']}
+_LAZY = {name: "._api" for name in ['GroupHandle', 'add_process_set', 'allgather', 'allgather_async', 'allreduce', 'allreduce_async', 'alltoall', 'alltoall_async', 'barrier', 'broadcast', 'broadcast_async', 'cross_rank', 'cross_size', 'init', 'is_homogeneous', 'is_initialized', 'join', 'local_rank', 'local_size', 'poll', 'rank', 'reducescatter', 'reducescatter_async', 'remove_process_set', 'shutdown', 'size', 'synchronize', 'active_transport', 'start_timeline', 'stop_timeline']}
 _LAZY.update({name: "._grouped" for name in [
     "grouped_allreduce", "grouped_allreduce_async", "grouped_allgather",
     "grouped_allgather_async", "grouped_reducescatter", "grouped_reducescatter_async"]})
+_LAZY.update({name: "._build" for name in [
+    "ccl_built", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "mpi_built",
+    "mpi_enabled", "mpi_threads_supported", "nccl_built", "rocm_built"]})
+_LAZY.update({name: "._objects" for name in ["allgather_object", "broadcast_object"]})
 _LAZY["Handle"] = ".core.requests"
 
 

@@ -9,15 +9,14 @@ blocking forms wait on it. Framework bindings reuse these functions through
 
 from __future__ import annotations
 
-import io
-import pickle
+import atexit
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from ._errors import (ArgumentError, NotInitializedError, ProcessSetError, RondeError,
-                      UnsupportedError)
+from . import _state
+from ._errors import ArgumentError, ProcessSetError, RondeError, UnsupportedError
 from .collectives.ops import Average, ReduceOp, Sum
 from .core.requests import (WIRE_DTYPES, Allocator, GroupOfHandles, Handle, Kind, Request,
                             dtype_name)
@@ -31,7 +30,6 @@ REDUCESCATTER_OPS = (ReduceOp.SUM, ReduceOp.AVERAGE)
 #: the ops allreduce supports (Adasum is not implemented yet)
 ALLREDUCE_OPS = (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT)
 
-_rt: "_runtime.Runtime | None" = None
 _lock = threading.RLock()
 _counters: dict[tuple[str, int], int] = {}
 
@@ -49,9 +47,8 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
         process_sets: :class:`ProcessSet` objects to register now (every rank must
             pass the same list, in the same order).
     """
-    global _rt
     with _lock:
-        if _rt is not None:
+        if _state.current() is not None:
             return
         mpi_comm = comm if comm is not None and hasattr(comm, "Get_size") else None
         if comm is not None and mpi_comm is None and not isinstance(comm, (list, tuple)):
@@ -60,8 +57,10 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
         from . import _runtime
 
         _counters.clear()
-        _rt = _runtime.init()
-        size, me = _rt.topo.size, _rt.topo.rank
+        rt = _runtime.init()
+        _state.set_current(rt)
+        _at_exit()
+        size, me = rt.topo.size, rt.topo.rank
         if mpi_comm is not None:
             ok = mpi_comm.Get_size() == size and mpi_comm.Get_rank() == me
             shown = f"an MPI communicator of {mpi_comm.Get_size()} processes (rank " \
@@ -72,21 +71,39 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
         else:
             ok, shown = True, ""
         if not ok:
-            rt, _rt = _rt, None
+            _state.set_current(None)
             _runtime.shutdown(rt)
             raise RondeError(f"init(comm={shown}): ronde's world is every one of the {size} "
                              f"ranks (this is rank {me}); a subset is not supported: init() "
                              "with all ranks, then use a ProcessSet")
-        global_process_set._bind(0, list(range(_rt.topo.size)), _rt.topo.rank)
+        global_process_set._bind(0, list(range(size)), me)
     for ps in process_sets or ():
         add_process_set(ps)
 
 
+_exit_registered = False
+
+
+def _at_exit() -> None:
+    """Shut down at the interpreter's exit (registered once, after the runtime's own
+    clean-up, so it runs first)."""
+    global _exit_registered
+    if not _exit_registered:
+        _exit_registered = True
+
+        def quietly() -> None:
+            try:
+                shutdown()
+            except Exception:  # noqa: BLE001 - never fail the interpreter's exit
+                pass
+
+        atexit.register(quietly)
+
+
 def shutdown() -> None:
     """Stop the engine and close every connection; ``init()`` may be called again."""
-    global _rt
     with _lock:
-        rt, _rt = _rt, None
+        rt = _state.set_current(None)
         if rt is None:
             return
         from .process_sets import _registered
@@ -102,14 +119,12 @@ def shutdown() -> None:
 
 def is_initialized() -> bool:
     """True between ``init()`` and ``shutdown()``."""
-    return _rt is not None
+    return _state.current() is not None
 
 
-def _runtime_or_raise() -> "_runtime.Runtime":
-    rt = _rt
-    if rt is None:
-        raise NotInitializedError("ronde has not been initialised; call ronde.init() first")
-    return rt
+#: the running job's runtime (raises NotInitializedError before init)
+runtime = _state.require
+_runtime_or_raise = _state.require
 
 
 def rank() -> int:
@@ -423,38 +438,6 @@ def join(device: int = -1, process_set: ProcessSet | None = None) -> int:
     return int(rt.engine.submit(req).handle.wait())
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
-                     process_set: ProcessSet | None = None) -> Any:
-    """Broadcast a picklable object from ``root_rank``; returns it on every rank."""
-    base = name or _auto_name("broadcast_object", _ps_id(process_set))
-    payload = _dumps(obj) if rank() == root_rank else np.zeros(0, np.uint8)
-    length = broadcast(np.array([payload.size], dtype=np.int64), root_rank, f"{base}.len",
-                       process_set)
-    buf = payload if rank() == root_rank else np.empty(int(length[0]), np.uint8)
-    data = broadcast(buf, root_rank, f"{base}.data", process_set)
-    return obj if rank() == root_rank else pickle.loads(data.tobytes())
-
-
-def allgather_object(obj: Any, name: str | None = None,
-                     process_set: ProcessSet | None = None) -> list[Any]:
-    """Gather a picklable object from every rank; returns the list in rank order."""
-    base = name or _auto_name("allgather_object", _ps_id(process_set))
-    payload = _dumps(obj)
-    sizes = allgather(np.array([payload.size], dtype=np.int64), f"{base}.len", process_set)
-    data = allgather(payload, f"{base}.data", process_set)
-    out, off = [], 0
-    for n in sizes.tolist():
-        out.append(pickle.loads(data[off: off + n].tobytes()))
-        off += n
-    return out
-
-
-def _dumps(obj: Any) -> np.ndarray:
-    buf = io.BytesIO()
-    pickle.dump(obj, buf, protocol=pickle.HIGHEST_PROTOCOL)
-    return np.frombuffer(buf.getbuffer(), dtype=np.uint8).copy()
-
-
 # -- process sets --------------------------------------------------------------------------
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     """Register a process set; every rank must call this with the same ranks."""
@@ -501,10 +484,5 @@ def stop_timeline() -> None:
     if tl is not None:
         tl.close()
 
-
-# -- build facts (Horovod compatibility), in a module of their own ------------------------
-from ._build import (ccl_built, cuda_built, ddl_built, gloo_built,  # noqa: E402,F401
-                     gloo_enabled, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
-                     rocm_built)
 
 Callback = Callable[[Handle], None]

@@ -6,7 +6,13 @@ ones from the running job's transport.
 
 from __future__ import annotations
 
-from . import _api
+from . import _state
+
+
+def _transport() -> str | None:
+    rt = _state.current()
+    return None if rt is None else rt.transport
+
 
 def _importable(module: str) -> bool:
     import importlib.util
@@ -24,7 +30,7 @@ def mpi_built() -> bool:
 
 def mpi_enabled() -> bool:
     """True when the global process set moves its bytes through MPI."""
-    return _api._rt is not None and _api._rt.transport == "mpi"
+    return _transport() == "mpi"
 
 
 def gloo_built() -> bool:
@@ -38,7 +44,7 @@ def gloo_built() -> bool:
 
 def gloo_enabled() -> bool:
     """True when the global process set moves its bytes through Gloo."""
-    return _api._rt is not None and _api._rt.transport == "gloo"
+    return _transport() == "gloo"
 
 
 def nccl_built() -> bool:

@@ -93,10 +93,12 @@ def export_common(namespace: dict[str, Any]) -> list[str]:
     Call as ``__all__ = export_common(globals())`` at the top of a facade; the module's
     own names (its collectives, optimizers) are defined or imported after it.
     """
-    from . import _api, _errors, _ops, process_sets
+    from . import _api, _build, _errors, _ops, process_sets
 
-    for name in LIFECYCLE + BUILD + ["add_process_set", "remove_process_set"]:
+    for name in LIFECYCLE + ["add_process_set", "remove_process_set"]:
         namespace.setdefault(name, getattr(_api, name))
+    for name in BUILD:
+        namespace.setdefault(name, getattr(_build, name))
     for name in ("ProcessSet", "global_process_set"):
         namespace.setdefault(name, getattr(process_sets, name))
     for name in OPS:

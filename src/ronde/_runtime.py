@@ -386,12 +386,7 @@ def shutdown(rt: Runtime) -> None:
 
 
 def _atexit_shutdown() -> None:
-    from . import _api
-
-    try:
-        _api.shutdown()
-    except Exception:  # noqa: BLE001 - never fail the interpreter's exit
-        pass
+    # ronde._api registered its shutdown() after this, so it ran first (atexit is LIFO)
     global _rank0_server
     if _rank0_file:
         try:
@@ -422,4 +417,3 @@ def _install_excepthook() -> None:
         previous(exc_type, exc, tb)
 
     sys.excepthook = hook
-    threading.excepthook  # noqa: B018 - worker threads report through their handles

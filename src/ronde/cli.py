@@ -38,7 +38,7 @@ def _huge_pages_text() -> str:
 
     if hugepages.HugePages(True).active:
         return "huge pages for it: yes (MADV_COLLAPSE)"
-    if not hugepages._thp_allowed():
+    if not hugepages.thp_allowed():
         return "huge pages for it: no, transparent huge pages are off ([never])"
     return "huge pages for it: no, the kernel lacks MADV_COLLAPSE (Linux 6.1+): reads slower"
 

@@ -14,6 +14,11 @@ from typing import Sequence
 _registered: dict[int, "ProcessSet"] = {}
 
 
+def registered(process_set_id: int) -> "ProcessSet | None":
+    """The registered process set with this id (0: the global one, after init), or None."""
+    return _registered.get(process_set_id)
+
+
 class ProcessSet:
     """A group of ranks that can run collectives among themselves."""
 

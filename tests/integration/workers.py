@@ -326,7 +326,7 @@ def multihost() -> tuple:
     b = hvd.broadcast(np.arange(5) + r, root_rank=n - 1)
     np.testing.assert_array_equal(b, np.arange(5) + n - 1)
     # the shared-memory part reads peers in place unless RONDE_CMA=0 (once ignored here)
-    cma_used = hvd._api._rt.engine.communicator(0).local._cma
+    cma_used = hvd._api.runtime().engine.communicator(0).local._cma
     out = (hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size(),
            hvd.active_transport(), cma_used)
     hvd.shutdown()
@@ -429,7 +429,7 @@ def hugepages_steady() -> tuple:
         for i, t in enumerate(ts):
             want = n * (np.arange(t.size) % 7 + step + i) + n * (n - 1) // 2
             np.testing.assert_array_equal(t, want.astype(np.float32))
-    comm = hvd._api._rt.engine.communicator(0)
+    comm = hvd._api.runtime().engine.communicator(0)
     from ronde.transport import hugepages
 
     with open("/proc/self/maps") as f:
@@ -509,7 +509,7 @@ def slow_owner_progressive() -> int:
     x = np.arange(2 << 20, dtype=np.float32) % 1000 + r  # 8 MiB: 4 chunks per block
     hvd.allreduce_async(x, op=hvd.Sum, name="x", out=x).wait()
     np.testing.assert_array_equal(x, (np.arange(2 << 20) % 1000) * n + n * (n - 1) // 2)
-    assert not hvd._api._rt.engine.communicator(0).push_agreed
+    assert not hvd._api.runtime().engine.communicator(0).push_agreed
     hvd.shutdown()
     return gathers[0]
 
@@ -545,7 +545,7 @@ def owners_push_reduced_chunks() -> tuple:
         h.wait()
     for x in xs:
         np.testing.assert_array_equal(x, (np.arange(x.size) % 977) * n + n * (n - 1) // 2)
-    assert hvd._api._rt.engine.communicator(0).push_agreed
+    assert hvd._api.runtime().engine.communicator(0).push_agreed
     hvd.shutdown()
     return counts["read"], counts["write"]
 
@@ -561,7 +561,7 @@ def slow_owner_block_shrinks() -> list:
     r, n = hvd.rank(), hvd.size()
     if r == 1:
         _slow_reductions(0.004)
-    comm = hvd._api._rt.engine.communicator(0)
+    comm = hvd._api.runtime().engine.communicator(0)
     for step in range(6):
         x = np.arange(3 << 20, dtype=np.float32) % 1000 + r + step  # 12 MiB
         hvd.allreduce_async(x, op=hvd.Sum, name="x", out=x).wait()
@@ -703,7 +703,7 @@ def cma_write_denied_on_one_rank() -> tuple:
                                    hvd.size() * (hvd.size() + 1) / 2)
     n = hvd.size()
     np.testing.assert_array_equal(hvd.allgather(x), np.repeat(np.arange(1.0, n + 1), x.size))
-    comm = hvd._api._rt.engine.communicator(0)
+    comm = hvd._api.runtime().engine.communicator(0)
     out = (comm._cma, comm.push_agreed)
     hvd.shutdown()
     return out
@@ -721,7 +721,7 @@ def cma_denied_on_one_rank() -> bool:
     for _ in range(3):
         np.testing.assert_allclose(hvd.allreduce(x, op=hvd.Sum, name="x"),
                                    hvd.size() * (hvd.size() + 1) / 2)
-    decision = hvd._api._rt.engine.communicator(0)._cma
+    decision = hvd._api.runtime().engine.communicator(0)._cma
     hvd.shutdown()
     return decision
 

@@ -157,10 +157,10 @@ def test_nothing_is_done_when_disabled_or_where_thp_is_off(tmp_path):
     HugePages(False).prepare([(0, BLOCK)])  # a no-op, even for a nonsense address
     never = tmp_path / "enabled"
     never.write_text("always madvise [never]\n")
-    assert not hugepages._thp_allowed(str(never))
+    assert not hugepages.thp_allowed(str(never))
     never.write_text("always [madvise] never\n")
-    assert hugepages._thp_allowed(str(never))
-    assert not hugepages._thp_allowed(str(tmp_path / "missing"))
+    assert hugepages.thp_allowed(str(never))
+    assert not hugepages.thp_allowed(str(tmp_path / "missing"))
 
 
 def _anonymous_only(block: int, maps) -> bool:

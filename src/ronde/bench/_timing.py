@@ -178,11 +178,6 @@ def measure(comm: Comm, case: str, nbytes: int, settings: Settings) -> dict[str,
     return {"bytes": nbytes, **_time_loop(comm, point.once, settings)}
 
 
-def measure_allreduce(comm: Comm, nbytes: int, settings: Settings) -> dict[str, Any]:
-    """Time sum-allreduces of ``nbytes`` of float32 (kept for callers of the old name)."""
-    return measure(comm, "allreduce", nbytes, settings)
-
-
 def measure_latency(comm: Comm, settings: Settings) -> dict[str, Any]:
     """``latency_ops`` back-to-back 4-byte allreduces in ``latency_batches`` batches.
 

@@ -41,8 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     import ronde.torch as hvd
-    from ronde import _api
-    from ronde.torch._device import BACKEND, _store
+    from ronde import _state
+    from ronde.torch._device import BACKEND, store_for
 
     from ._resnet import resnet50_grad_shapes
 
@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if on_device:  # the peer: the same torch.distributed group ronde reduces through
         peer_name, group = f"torch.distributed {dist.get_backend()}", None
     else:
-        store = _store(_api._rt, list(range(n)), "bench.cuda.store", None,
+        store = store_for(_state.current(), list(range(n)), "bench.cuda.store", None,
                        datetime.timedelta(seconds=60))
         group = dist.ProcessGroupGloo(store, rank, n, datetime.timedelta(seconds=60))
         peer_name = "torch.distributed Gloo"

@@ -20,6 +20,7 @@ dies closes its sockets, which every rank sees at once as ``PeerLostError``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -27,7 +28,6 @@ import socket
 import threading
 import time
 from typing import Any, Callable
-
 
 from .._config import Config
 from .._errors import (DuplicateNameError, PeerLostError, RondeError, fresh_copy,
@@ -118,17 +118,15 @@ class Engine:
         self._thread.join(self.cfg.shutdown_timeout_s + 5.0)
         self.executor.stop(5.0)
         self._fail_all(ShutdownError("ronde was shut down while this collective was pending"))
-        if self.timeline is not None:
-            self.timeline.close()
-            self.timeline = None
+        timeline, self.timeline = self.timeline, None
+        if timeline is not None:
+            timeline.close()
         for comm in self._comms.values():
             comm.close()
         self.exchange.close()
         for fd in (self._wake_r, self._wake_w):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
     def wake(self, force: bool = False) -> None:
         """Make the control thread look at the outbox (and the peers) again."""
@@ -423,31 +421,16 @@ class Engine:
             if shut:
                 self._shutdown_announced = True
                 self._shutdown_at = time.monotonic()
-        msg: dict[str, Any] = {}
-        blob = b""
         tl = self.timeline
         if tl is not None:
             stamp = now_us()
             for r in reqs:
                 r.t_announce = stamp
                 tl.phase(r.name, "QUEUE", r.t_submit or stamp, stamp)
-        if reqs:
-            msg["a"], blob = self._announce(reqs)
-        if joins:
-            msg["j"] = joins
-        if ps_reqs:
-            msg["ps"] = ps_reqs
-        if abort:
-            msg["x"] = abort
-        if ask:
-            msg["k"] = ask
-        if send_stack:
-            msg["st"] = rounds.main_thread_stack()
-        if shut:
-            msg["s"] = 1
-        if waiting is not None:
-            msg["w"] = waiting
-        return msg, blob
+        announced, blob = self._announce(reqs) if reqs else (None, b"")
+        out = rounds.Outgoing(announced, joins, ps_reqs, abort, ask,
+                              rounds.main_thread_stack() if send_stack else None, shut, waiting)
+        return out.encode(), blob
 
     def _round(self, direct: list[Response] | None) -> None:
         """One negotiation round (hold ``_drive``). Responses whose data moves go to the

@@ -171,12 +171,6 @@ class Negotiator:
         return crossed.responses(self, messages, out)
 
     # -- internals ---------------------------------------------------------------------
-    def _members(self, ps_id: int) -> list[int]:
-        members = self.process_sets.get(ps_id)
-        if members is None:
-            raise RondeError(f"unknown process set id {ps_id}")
-        return members
-
     def fail_entry(self, entry: _Entry, message: str, error_type: str) -> Response:
         """Drop a pending entry and return the error response every rank gives for it."""
         return self._error_response(entry, message, error_type)

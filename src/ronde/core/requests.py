@@ -137,9 +137,6 @@ class Handle:
         """True once the operation finished (successfully or not)."""
         return self._done
 
-    def done(self) -> bool:
-        return self._done
-
     def _sleep(self, timeout: float | None) -> bool:
         with _DONE_LOCK:
             if self._done:

@@ -15,6 +15,7 @@ import struct
 import sys
 import threading
 import traceback
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -213,6 +214,39 @@ def _reduction(r: Any) -> tuple[Any, ...]:
 _JSON_LEN = struct.Struct("!I")
 #: at most this many inline bytes ride in one round message
 INLINE_ROUND_BYTES = 256 * 1024
+
+
+@dataclass
+class Outgoing:
+    """What this rank says in one round; :meth:`encode` gives the frame's JSON part.
+
+    The keys, one letter to keep frames small, are read back by the negotiator
+    (``a``, ``j``, ``ps``, ``s``), the steady path (``a``), the crossed-collectives
+    watch (``w``) and the stall inspector (``x``, ``k``, ``st``); a key is present
+    only when it says something.
+    """
+
+    announced: Any = None      #: "a": new announcements (or cache ids)
+    joins: list[int] = field(default_factory=list)  #: "j": process sets joined
+    ps_requests: list[Any] = field(default_factory=list)  #: "ps": add/remove requests
+    abort: dict[str, Any] | None = None  #: "x": rank 0 aborts stalled collectives
+    ask_stacks: list[int] = field(default_factory=list)  #: "k": ranks asked for stacks
+    stack: str | None = None   #: "st": my main thread's stack, when asked
+    shutdown: bool = False     #: "s": I am shutting down
+    waiting: int | None = None  #: "w": I only wait, at this progress count
+
+    def encode(self) -> dict[str, Any]:
+        msg: dict[str, Any] = {}
+        for key, value in (("a", self.announced), ("j", self.joins),
+                           ("ps", self.ps_requests), ("x", self.abort),
+                           ("k", self.ask_stacks), ("st", self.stack)):
+            if value:
+                msg[key] = value
+        if self.shutdown:
+            msg["s"] = 1
+        if self.waiting is not None:
+            msg["w"] = self.waiting
+        return msg
 
 
 def pack_round(msg: dict[str, Any], blob: bytes) -> bytes:

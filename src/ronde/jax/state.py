@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import _api
+from .. import _api, _objects
 from .._errors import TensorMismatchError
 from ..frameworks.naming import as_table, parameter_differences
 from ..process_sets import ProcessSet, global_process_set
@@ -51,7 +51,7 @@ def check_same_tree(names: list[str], leaves: list[Any], what: str, name: str,
     """
     table = as_table((n, np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype,
                       np.shape(x)) for n, x in zip(names, leaves))
-    tables = _api.allgather_object(table, name, process_set)
+    tables = _objects.allgather_object(table, name, process_set)
     diff = parameter_differences(tables, process_set.ranks)
     if diff:
         raise TensorMismatchError(f"{what}: the pytrees differ across ranks: {diff}; every "

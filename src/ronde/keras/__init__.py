@@ -30,7 +30,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
 
 import numpy as np
 
-from .. import _api, _facade
+from .. import _api, _facade, _objects
 
 __all__ = _facade.export_common(globals())
 
@@ -79,13 +79,13 @@ def reducescatter(value: Any, name: str | None = None, op: Any = None,
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Broadcast a picklable object from ``root_rank``."""
-    return _api.broadcast_object(obj, root_rank, name, process_set)
+    return _objects.broadcast_object(obj, root_rank, name, process_set)
 
 
 def allgather_object(obj: Any, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> list[Any]:
     """Gather a picklable object from every rank, in rank order."""
-    return _api.allgather_object(obj, name, process_set)
+    return _objects.allgather_object(obj, name, process_set)
 
 
 def broadcast_variables(variables: Any, root_rank: int = 0,

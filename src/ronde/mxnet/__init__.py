@@ -28,7 +28,8 @@ from .. import _facade
 
 __all__ = _facade.export_common(globals())
 
-from .._api import allgather_object, barrier, broadcast_object, join  # noqa: E402,F401
+from .._api import barrier, join  # noqa: E402,F401
+from .._objects import allgather_object, broadcast_object  # noqa: E402,F401
 from ..frameworks.compression import Compressor
 from ..frameworks.host_reduce import NUMPY_COMPRESSION as Compression
 from ..process_sets import ProcessSet, global_process_set

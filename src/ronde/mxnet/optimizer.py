@@ -26,7 +26,7 @@ from typing import Any
 import mxnet as mx
 import numpy as np
 
-from .. import _api
+from .. import _objects
 from .._errors import TensorMismatchError
 from .._ops import ReduceOp
 from ..frameworks.host_reduce import NUMPY_COMPRESSION as Compression, wire_dtype_of
@@ -156,7 +156,7 @@ class DistributedTrainer(mx.gluon.Trainer):
 
     def _ronde_validate(self, params: list[Any]) -> None:
         table = as_table((p.name, np.dtype(p.dtype), p.shape) for p in params)
-        tables = _api.allgather_object(table, f"{self._ronde_prefix}DistributedTrainer.params",
+        tables = _objects.allgather_object(table, f"{self._ronde_prefix}DistributedTrainer.params",
                                        self._ronde_ps)
         diff = parameter_differences(tables, self._ronde_ps.ranks)
         if diff:

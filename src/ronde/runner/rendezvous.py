@@ -42,7 +42,6 @@ class RendezvousServer:
         self._waiting: dict[int, dict[int, tuple[socket.socket, dict[str, Any]]]] = {}
         self._first_seen: dict[int, float] = {}
         self.failures: list[dict[str, Any]] = []
-        self._failure_event = threading.Event()
         self._rejected_logged = False
         self._closed = False
         self._sock = socket.create_server((host, port), reuse_port=False)
@@ -61,9 +60,6 @@ class RendezvousServer:
     @property
     def address(self) -> tuple[str, int]:
         return self.host, self.port
-
-    def wait_failure(self, timeout_s: float) -> bool:
-        return self._failure_event.wait(timeout_s)
 
     def close(self) -> None:
         self._closed = True
@@ -108,7 +104,6 @@ class RendezvousServer:
             with self._lock:
                 msg["time"] = time.monotonic()
                 self.failures.append(msg)
-            self._failure_event.set()
             conn.close()
             return
         try:

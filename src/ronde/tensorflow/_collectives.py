@@ -363,9 +363,9 @@ def _set_of(process_set: Any) -> ProcessSet:
     """Horovod's ``process_set_id`` arguments (an int) or a ProcessSet, as a ProcessSet."""
     if isinstance(process_set, ProcessSet):
         return process_set
-    from ..process_sets import _registered
+    from ..process_sets import registered
 
-    ps = _registered.get(int(process_set))
+    ps = registered(int(process_set))
     if ps is None:
         raise ValueError(f"process set id {process_set} is not registered")
     return ps

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 import tensorflow as tf
 
-from .. import _api
+from .. import _api, _objects
 from ..process_sets import ProcessSet, global_process_set
 from ._bridge import host_call
 
@@ -69,13 +69,13 @@ def broadcast_variables(variables: Any, root_rank: int = 0,
 def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Broadcast a picklable object from ``root_rank`` (eager only)."""
-    return _api.broadcast_object(obj, root_rank, name, process_set)
+    return _objects.broadcast_object(obj, root_rank, name, process_set)
 
 
 def allgather_object(obj: Any, session: Any = None, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> list[Any]:
     """Gather a picklable object from every rank, in rank order (eager only)."""
-    return _api.allgather_object(obj, name, process_set)
+    return _objects.allgather_object(obj, name, process_set)
 
 
 def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: str | None = None,

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .. import _api
+from .. import _api, _objects
 from .._errors import UnsupportedError
 from .._ops import ReduceOp
 from ..frameworks.compression import Compressor, wire_reduction
@@ -338,10 +338,10 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
 def allgather_object(obj: Any, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> list[Any]:
     """Gather a picklable object (tensors included) from every rank, in rank order."""
-    return _api.allgather_object(obj, name, process_set)
+    return _objects.allgather_object(obj, name, process_set)
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Broadcast a picklable object (tensors included) from ``root_rank``."""
-    return _api.broadcast_object(obj, root_rank, name, process_set)
+    return _objects.broadcast_object(obj, root_rank, name, process_set)

@@ -50,7 +50,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .. import _api
+from .. import _api, _objects, _state
 from .._ops import ReduceOp
 from ..core import device as device_mod
 from ..core.requests import Kind
@@ -61,7 +61,7 @@ logger = logging.getLogger(__name__)
 
 
 def _mode() -> str:
-    rt = _api._rt
+    rt = _state.current()
     return rt.cfg.torch_device_path if rt is not None else "auto"
 
 
@@ -103,7 +103,7 @@ class TorchDeviceBackend:
 
         Decided once per process set and generation, collectively (see module doc).
         """
-        rt = _api._runtime_or_raise()
+        rt = _api.runtime()
         ps_id = getattr(process_set, "process_set_id", None) or 0
         have = self._placement.get(ps_id)
         if have is not None and have[1] == rt.generation:
@@ -113,7 +113,7 @@ class TorchDeviceBackend:
         # named for what it is: a rank whose first collective here is on a CPU tensor
         # while a peer's is on a CUDA one leaves this waiting, and the stall report
         # then names it beside the peer's tensor
-        ids = _api.allgather_object(
+        ids = _objects.allgather_object(
             _gpu_identity(sample.device), process_set=process_set,
             name=f"ronde.torch.first_cuda_collective.gpu_check.ps{ps_id}.g{rt.generation}")
         shared = shared_gpus(ids, members)
@@ -135,7 +135,7 @@ class TorchDeviceBackend:
         if ps_id:
             self._ensure_set(sample, process_set, ps_id)
             return
-        rt = _api._runtime_or_raise()
+        rt = _api.runtime()
         if self._group is not None and self._generation == rt.generation:
             return
         with self._lock:
@@ -147,7 +147,7 @@ class TorchDeviceBackend:
             if dist.is_initialized():
                 group = dist.new_group(backend=backend, timeout=timeout)
             else:
-                store = _store(rt, list(range(rt.topo.size)), "ronde.torch.device.store",
+                store = store_for(rt, list(range(rt.topo.size)), "ronde.torch.device.store",
                                None, timeout)
                 dist.init_process_group(backend, store=store, rank=rt.topo.rank,
                                         world_size=rt.topo.size, timeout=timeout)
@@ -161,7 +161,7 @@ class TorchDeviceBackend:
 
     def _ensure_set(self, sample: torch.Tensor, process_set: Any, ps_id: int) -> None:
         """The members-only process group of a process set (see module doc)."""
-        rt = _api._runtime_or_raise()
+        rt = _api.runtime()
         have = self._sets.get(ps_id)
         if have is not None and have[1] == rt.generation:
             return
@@ -173,7 +173,7 @@ class TorchDeviceBackend:
             members = sorted(int(r) for r in process_set.ranks)
             me = members.index(rt.topo.rank)
             timeout = datetime.timedelta(seconds=max(60.0, rt.cfg.start_timeout_s))
-            store = _store(rt, members, f"ronde.torch.device.store.ps{ps_id}", process_set,
+            store = store_for(rt, members, f"ronde.torch.device.store.ps{ps_id}", process_set,
                            timeout)
             store = dist.PrefixStore(f"ronde/ps{ps_id}/g{rt.generation}", store)
             if sample.is_cuda:
@@ -328,7 +328,7 @@ def _scale(buf: torch.Tensor, factor: float) -> None:
         buf.copy_((wide / inv if whole else wide * factor).to(buf.dtype))
 
 
-def _store(rt: Any, members: list[int], name: str, process_set: Any,
+def store_for(rt: Any, members: list[int], name: str, process_set: Any,
            timeout: datetime.timedelta) -> Any:
     """A ``TCPStore`` for ``members``: the first one serves it on a port the kernel
     picks (no window in which another process could take the port) at its own address,
@@ -341,7 +341,7 @@ def _store(rt: Any, members: list[int], name: str, process_set: Any,
             else "127.0.0.1"
         store = torch_dist.master_store(host, timeout.total_seconds())
         offer = (host, int(store.port))
-    addr, port = _api.broadcast_object(offer, members[0], name=name, process_set=process_set)
+    addr, port = _objects.broadcast_object(offer, members[0], name=name, process_set=process_set)
     if store is None:
         store = torch.distributed.TCPStore(addr, port, len(members), is_master=False,
                                            timeout=timeout)
@@ -393,7 +393,7 @@ def submit_allreduce(tensor: torch.Tensor, average: bool | None, name: str | Non
                      inplace: bool) -> Any:
     """Submit a device allreduce; returns the runtime handle (result: the torch tensor)."""
     t, own = _prepare(tensor, process_set)
-    resolved = _api._resolve_op(op, average)
+    resolved = _api.resolve_op(op, average)
     return _api.submit(Kind.ALLREDUCE, None, name, process_set, op=resolved,
                        prescale=prescale, postscale=postscale, device=t,
                        device_meta=(dtype_name(t.dtype), tuple(t.shape)),

@@ -33,7 +33,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
-from .. import _api
+from .. import _api, _objects
 from .._errors import ProcessSetError, RondeError, TensorMismatchError, UnsupportedError
 from .._ops import ReduceOp
 from ..frameworks.accumulation import PassCounter
@@ -176,7 +176,7 @@ class _DistributedMixin:
     def _ronde_validate(self) -> None:
         table = as_table((self._ronde_names[id(p)], dtype_name(p.dtype), p.shape)
                          for p in self._ronde_params)
-        tables = _api.allgather_object(table, "ronde.torch.DistributedOptimizer.parameters",
+        tables = _objects.allgather_object(table, "ronde.torch.DistributedOptimizer.parameters",
                                     self._ronde_ps)
         ranks = self._ronde_ps.ranks
         diff = parameter_differences(tables, ranks)

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from .. import _api
+from .. import _api, _objects
 from ..frameworks import state as _state
 from ..process_sets import ProcessSet, global_process_set
 from . import _collectives as C
@@ -86,7 +86,7 @@ def broadcast_state(tree: Any, root_rank: int = 0, name: str = "broadcast_state"
         broadcast_tensors=lambda ts: _broadcast_tensors(
             [t.detach().cpu() if t.device.type != "cpu" else t for t in ts], root_rank,
             f"{name}.tensor", process_set),
-        broadcast_object=lambda obj: _api.broadcast_object(obj, root_rank, f"{name}.structure",
+        broadcast_object=lambda obj: _objects.broadcast_object(obj, root_rank, f"{name}.structure",
                                                            process_set))
 
 

@@ -85,7 +85,7 @@ _MAX_RECORDED = 1 << 16
 _SYSFS = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
-def _thp_allowed(path: str = _SYSFS) -> bool:
+def thp_allowed(path: str = _SYSFS) -> bool:
     """False when the administrator turned THP off (``[never]``), or there is none."""
     try:
         with open(path) as f:
@@ -145,7 +145,7 @@ class HugePages:
     """Per-communicator record of the blocks seen, and the collapses made."""
 
     def __init__(self, enabled: bool = True) -> None:
-        calls = _libc_calls() if enabled and _thp_allowed() else None
+        calls = _libc_calls() if enabled and thp_allowed() else None
         self._fn, self._mincore = calls if calls is not None else (None, None)
         self._resident = np.zeros(BLOCK // _PAGE, dtype=np.uint8)
         self._seen: set[int] = set()

@@ -1,0 +1,336 @@
+"""Every ``RONDE_*`` knob, declared once: variable, parser, default, unit, flag, meaning.
+
+:mod:`ronde._config` reads the environment through :data:`KNOBS` (and Horovod's names
+as fallbacks); ``docs/configuration.md``'s tables of variables and of ``ronderun``
+flags are generated from it (``python -m ronde._knobs --write docs/configuration.md``)
+and a test checks they are current, that every :class:`~ronde._config.Config` field has
+exactly one knob whose shown default is the field's default, and that every flag exists.
+:data:`LAUNCHER_VARIABLES` are the ``RONDE_*`` variables a launcher sets for its
+workers; any other ``RONDE_*`` variable is a typo, and ``load()`` warns about it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from typing import Callable
+
+from ._errors import ConfigError
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1024,
+    "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gib": 1024**3,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """Parse ``"67108864"``, ``"64MB"``, ``"64 MiB"`` or ``"1.5g"`` into bytes.
+
+    Every suffix is a power of 1024: ``KB``/``KiB``/``K``, ``MB``/``MiB``/``M``,
+    ``GB``/``GiB``/``G`` (``"64MB"`` is 64 MiB, as Horovod users mean it).
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m:
+        raise ConfigError(f"cannot parse byte size {text!r}; write e.g. 67108864 or 64MB")
+    unit = m.group(2).lower()
+    if unit in ("kb", "mb", "gb", "k", "m", "g"):
+        unit = unit[0] + "ib"
+    if unit not in _SIZE_UNITS:
+        raise ConfigError(f"unknown size unit {m.group(2)!r} in {text!r}; use B, KB, MB or GB")
+    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+
+
+def parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"expected a boolean (1/0, true/false), got {text!r}")
+
+
+def parse_hierarchical(text: str) -> str:
+    """``auto``, or a boolean as ``on``/``off``."""
+    return "auto" if text.strip().lower() == "auto" else ("on" if parse_bool(text) else "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """One setting: its Config field, its variable, how it is parsed and documented."""
+
+    field: str
+    var: str
+    parse: Callable[[str], object]
+    default: str     #: as the docs show it; its first `value` parses to the field's default
+    unit: str
+    doc: str
+    horovod: tuple[str, ...] = ()  #: Horovod's variables, read when ``var`` is unset
+    horovod_shown: str = ""        #: the docs' Horovod column, when not just ``horovod``
+    flag: str = ""                 #: the ``ronderun`` flag that sets it (and its metavar)
+    flag_note: str = ""
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob("fusion_threshold_bytes", "RONDE_FUSION_THRESHOLD", parse_bytes,
+         default='`64MiB` (67108864)', unit='bytes ([size syntax](#sizes))',
+         horovod=('HOROVOD_FUSION_THRESHOLD',), flag='--fusion-threshold-mb MB',
+         flag_note='converted to bytes, `MB x 1048576`; must be >= 0',
+         doc='Largest fused allreduce. Allreduces that are agreed in the same '
+             'negotiation round and share process set, dtype, op, scale factors and '
+             'joined ranks are packed into one buffer up to this many bytes and '
+             'reduced in one transfer. `0` disables fusion. Must be >= 0. On one host '
+             'with single-copy reads (`RONDE_CMA`), where no buffer is involved, the '
+             'groups of one round run as one operation.'),
+    Knob("cycle_time_ms", "RONDE_CYCLE_TIME", float,
+         default='`1.0`', unit='milliseconds',
+         horovod=('HOROVOD_CYCLE_TIME',), flag='--cycle-time-ms MS',
+         flag_note='must be > 0',
+         doc='While the executor is busy moving data, how long newly submitted '
+             'collectives may wait to be announced, so that tensors arriving meanwhile'
+             ' are negotiated (and fused) together. Also the period at which the '
+             'control thread looks for new submissions while the engine is active '
+             '(submissions do not wake it then; a caller that waits drives at once). '
+             'Must be > 0.'),
+    Knob("cache_capacity", "RONDE_CACHE_CAPACITY", int,
+         default='`1024`', unit='entries',
+         horovod=('HOROVOD_CACHE_CAPACITY',),
+         doc='Size of the response cache: names whose metadata is remembered, so a '
+             'repeated collective is announced as a small integer instead of its full '
+             'metadata. `0` disables the cache.'),
+    Knob("transport", "RONDE_TRANSPORT", str,
+         default='`auto`', unit='`auto`, `tcp`, `shm`, `gloo`, `mpi`',
+         flag='--transport {auto,tcp,shm,gloo,mpi}',
+         flag_note='also `--tcp`, `--shm`, `--gloo`, and `--mpi` (which also launches '
+                   'through `mpiexec`)',
+         doc='Data transport of each process set. `auto`: shared memory when all '
+             'members of the set are on one host and the machine is x86-64, '
+             'hierarchical (shm within hosts, tcp across) when the set spans hosts '
+             'with the same number (≥ 2) of members on each, tcp otherwise. `shm` '
+             'forces shared memory (`ConfigError` at `init()` if the set spans hosts).'
+             ' `tcp` forces sockets, also on one host. `gloo` moves the bytes through '
+             "a torch.distributed Gloo process group (needs torch; ronde's "
+             'negotiation, fusion and validation stay on top; reducescatter is an '
+             'allreduce plus a slice there, and allgather pads blocks to the largest).'
+             ' `mpi` moves them with MPI calls through mpi4py (the job must be started'
+             ' by `mpirun`/`mpiexec`/`srun`, or by `ronderun --mpi`, so that MPI and '
+             'ronde agree on ranks; float16/bfloat16 reductions use a numpy-backed '
+             'user op). `ronderun --gloo/--tcp/--shm` are shorthands; `ronderun --mpi`'
+             " also launches through the environment's `mpiexec`."),
+    Knob("start_timeout_s", "RONDE_START_TIMEOUT", float,
+         default='`30`', unit='seconds',
+         horovod=('HOROVOD_START_TIMEOUT',), flag='--start-timeout S',
+         flag_note='always set for the workers (default `$RONDE_START_TIMEOUT`, else '
+                   "`$HOROVOD_START_TIMEOUT`, else 30); also the launcher's own rendezvous"
+                   ' timeout',
+         doc='How long start-up may take: reaching the rendezvous and all ranks '
+             "arriving there, connecting to every peer, the peers' shared-memory "
+             'segments appearing. Must be > 0.'),
+    Knob("peer_timeout_s", "RONDE_PEER_TIMEOUT", float,
+         default='`10`', unit='seconds',
+         doc='When a peer has not answered a negotiation round for this long, log a '
+             'warning naming it ("is their Python process blocked?"). Only a warning. '
+             'Must be > 0.'),
+    Knob("shutdown_timeout_s", "RONDE_SHUTDOWN_TIMEOUT", float,
+         default='`10`', unit='seconds',
+         doc='At `shutdown()`, how long to wait for every rank to announce its '
+             'shutdown, and then for agreed work to drain, before leaving anyway. Must'
+             ' be > 0.'),
+    Knob("stall_check_time_s", "RONDE_STALL_CHECK_TIME", float,
+         default='`60`', unit='seconds',
+         horovod=('HOROVOD_STALL_CHECK_TIME_SECONDS',), flag='--stall-check-warning-time-seconds S',
+         flag_note='must be >= 0',
+         doc='Rank 0 warns about a collective that some ranks submitted and others '
+             'have not, once it has waited this long.'),
+    Knob("stall_shutdown_time_s", "RONDE_STALL_SHUTDOWN_TIME", float,
+         default='`300`', unit='seconds',
+         horovod=('HOROVOD_STALL_SHUTDOWN_TIME_SECONDS',), flag='--stall-check-shutdown-time-seconds S',
+         flag_note='must be >= 0 (but see the warning about 0)',
+         doc='A stalled collective older than this fails with `StallError` on the '
+             'ranks that submitted it. Also the longest a rank waits for a peer that '
+             'answers no negotiation round, or moves no data in a collective, before '
+             'raising `PeerLostError` naming it ("stopped responding", "alive but not '
+             'taking part"). `0` means never (Horovod\'s meaning). A peer whose process'
+             ' dies is reported at once, whatever this is; a host that vanishes '
+             'without closing its connections within about 10 s (TCP keepalive).'),
+    Knob("deadlock_time_s", "RONDE_DEADLOCK_TIME", float,
+         default='`5`', unit='seconds',
+         doc='Crossed collectives: a rank whose threads only wait on collectives '
+             "(nothing submitted or completed, and the process's CPU idle) for this "
+             'long tells its peers (again after another such period, if it still is); '
+             'once every rank has said so twice in a row while collectives are '
+             'pending, none of them can ever complete, and they fail on every rank '
+             'with `DeadlockError` (pending barriers last: a rank that went on to a '
+             'barrier is where the others arrive next). A rank still computing (CPU '
+             'busy) or still moving agreed data never counts as waiting. `0` turns '
+             "this off (then only the stall inspector's limits apply). Must be >= 0."),
+    Knob("stall_check_enabled", "RONDE_STALL_CHECK", parse_bool,
+         default='`1` (on)', unit='boolean',
+         horovod_shown='`HOROVOD_STALL_CHECK_DISABLE` (inverted)',
+         doc='Turns the stall inspector (warnings and `StallError`) on or off. '
+             '`HOROVOD_STALL_CHECK_DISABLE=1` turns it off.'),
+    Knob("timeline_path", "RONDE_TIMELINE", str,
+         default='empty', unit='file path',
+         horovod=('HOROVOD_TIMELINE',), flag='--timeline-filename FILE',
+         flag_note='see [timeline.md](timeline.md)',
+         doc='Write a Chrome-trace timeline (see [timeline.md](timeline.md)). Rank 0 '
+             'writes the path as given (as Horovod does); with `{rank}` in the path '
+             'every rank writes its own file.'),
+    Knob("timeline_mark_cycles", "RONDE_TIMELINE_MARK_CYCLES", parse_bool,
+         default='`0`', unit='boolean',
+         horovod=('HOROVOD_TIMELINE_MARK_CYCLES',),
+         doc='Add an instant event for every negotiation round to the timeline.'),
+    Knob("bind_addr", "RONDE_BIND_ADDR", str,
+         default='empty', unit='IP address',
+         flag='--bind-addr ADDR',
+         flag_note="also where the launcher's rendezvous service listens",
+         doc="Address the worker's listening socket (peer connections) binds to, and "
+             'that it advertises to its peers. Empty: `127.0.0.1` for a job on one '
+             'host, else all interfaces (`0.0.0.0`) advertising the address that '
+             'routes to the rendezvous host. Under `torchrun` it is also where rank 0 '
+             "serves the rendezvous. `ronderun --bind-addr` also binds the launcher's "
+             'rendezvous service there.'),
+    Knob("shm_segment_bytes", "RONDE_SHM_SEGMENT", parse_bytes,
+         default='`64MiB`', unit='bytes ([size syntax](#sizes))',
+         doc="Data region of each rank's shared-memory segment (plus a 4 KiB header), "
+             'per process set on the shm transport. Collectives larger than the '
+             'segment run in pieces; a fused allreduce that fits is packed straight '
+             "into it. Must be at least 64 KiB. Each rank maps every member's segment,"
+             ' so a host uses about `local ranks x this` of `/dev/shm` memory per shm '
+             'process set.'),
+    Knob("small_allreduce_bytes", "RONDE_SMALL_ALLREDUCE", parse_bytes,
+         default='`64KiB`', unit='bytes ([size syntax](#sizes))',
+         doc='tcp transport only: allreduces up to this size use recursive doubling '
+             '(fewer, larger messages: latency-bound), larger ones the ring '
+             '(bandwidth-bound).'),
+    Knob("inline_bytes", "RONDE_INLINE_BYTES", parse_bytes,
+         default='`4096` (4 KiB)', unit='bytes',
+         doc='A cached allreduce of at most this many bytes travels inside the '
+             'negotiation message itself; every rank reduces all contributions '
+             'locally, in rank order, so the whole collective costs one message '
+             'exchange. Not when the same message carries a larger allreduce of the '
+             'same reduction (process set, dtype, op, scales): then the small one '
+             'fuses into that transfer. At most 256 KiB of inline data ride in one '
+             'round. `0` turns it off.'),
+    Knob("cma", "RONDE_CMA", parse_bool,
+         default='`1`', unit='boolean',
+         doc='Shared-memory transport: allreduces, allgathers, broadcasts, alltoalls '
+             "and reducescatters of 256 KiB or more copy straight between the ranks' "
+             'own buffers with Linux cross-memory attach (`process_vm_readv`, and '
+             "`process_vm_writev` for the allreduce's gather where every rank may "
+             'write), one copy instead of two and no fusion buffer. Where Yama '
+             "restricts ptrace to descendants (`ptrace_scope` 1, Ubuntu's default) "
+             'each rank allows same-user peers with `prctl(PR_SET_PTRACER, '
+             'PR_SET_PTRACER_ANY)` at start-up (see troubleshooting.md). All ranks '
+             'test it at the first such collective and agree; if any rank is refused '
+             'reads (Yama scope 2 or 3, a container without ptrace rights), every rank'
+             " uses the shared segments; if only writes are refused, the allreduce's "
+             "gather reads instead. The allreduce's blocks are sized by each owner's "
+             'measured time (no knob). `0` turns it all off (and leaves the ptrace '
+             'setting alone).'),
+    Knob("hugepages", "RONDE_HUGEPAGES", parse_bool,
+         default='`1`', unit='boolean',
+         doc="With single-copy reads (`RONDE_CMA`): before peers read a rank's "
+             'tensors, the rank moves the 2 MiB blocks of memory holding them onto '
+             'transparent huge pages (`madvise(MADV_COLLAPSE)`, Linux 6.1+), each '
+             'block once, the second time it is seen; peers then copy from it about 3x'
+             ' faster (the kernel pins 4 KiB pages one by one). Contents are '
+             "unchanged; a small tensor's neighbours in the same 2 MiB block move too;"
+             ' a block is only moved when at least 90 % of it is resident already, so '
+             'resident memory grows by at most a tenth of what moves. Nothing happens '
+             'where the kernel lacks it or THP is `never`. Where it is in use, '
+             "`init()` also sets glibc's malloc mmap threshold to 32 MiB and trim "
+             'threshold to 64 MiB (`mallopt`: where glibc settles by itself once a '
+             'program freed a block that large), so tensors allocated afterwards come '
+             'from the heap, which can move onto huge pages, instead of mappings '
+             'wedged between shared libraries, which cannot. `0` leaves memory and '
+             'malloc alone (and keeps any `MADV_NOHUGEPAGE` you set).'),
+    Knob("shm_control", "RONDE_SHM_CONTROL", parse_bool,
+         default='`1`', unit='boolean',
+         doc='Negotiation frames between ranks on the same host (x86-64) go through '
+             'shared-memory mailboxes instead of the control sockets (a round trip in '
+             'well under a microsecond when the peer is awake, instead of ~50 us of '
+             'system calls and wake-ups). The sockets still carry doorbells for '
+             'sleeping peers, oversize frames and failure notices, and still report a '
+             'dead peer. `0`: sockets only.'),
+    Knob("spin_time_us", "RONDE_SPIN_TIME", float,
+         default='`200`', unit='microseconds',
+         doc='How long a thread waiting on a handle keeps *driving* the engine '
+             '(running the next negotiation round and the agreed collectives itself, '
+             'see architecture.md) and polling before it sleeps; also how long a round'
+             " polls a same-host peer's mailbox before sleeping in `select`. Polling "
+             'yields the CPU and the GIL. `0`: callers never drive or poll; the '
+             "engine's threads do all the work (two thread hand-offs per collective, "
+             '~3x the latency of small ones).'),
+    Knob("torch_device_path", "RONDE_TORCH_DEVICE_PATH", str,
+         default='`auto`', unit='`auto`, `always`, `never`',
+         doc='`ronde.torch`: `auto` keeps CUDA tensors on the GPU (allreduce and '
+             'broadcast, through a NCCL group per process set) when NCCL is available '
+             'and every member of the set has a GPU of its own (ranks sharing a GPU '
+             'stage through page-locked host memory, with one warning); `always` also '
+             'sends CPU tensors through that path with Gloo (how it is tested without '
+             'GPUs); `never` copies device tensors to the host for every collective.'),
+    Knob("hierarchical", "RONDE_HIERARCHICAL_ALLREDUCE", parse_hierarchical,
+         default='`auto`', unit='`auto`, `1`/`on`, `0`/`off`',
+         horovod=('HOROVOD_HIERARCHICAL_ALLREDUCE',),
+         doc='For a process set spanning several hosts with the same number (≥ 2) of '
+             'members on each: allreduce as a shared-memory reduce-scatter within each'
+             ' host, a tcp ring across hosts, and a shared-memory allgather. `auto` '
+             'and `on` use it whenever the layout allows; `off` always uses the flat '
+             'tcp ring.'),
+    Knob("log_level", "RONDE_LOG_LEVEL", str,
+         default="empty (the logger's level is left alone)", unit='level name',
+         horovod=('HOROVOD_LOG_LEVEL',), flag='--log-level LEVEL',
+         doc='Level of the `ronde` logger: `DEBUG`, `INFO`, `WARNING`, `ERROR` '
+             '(case-insensitive). An unknown name is a `ConfigError` naming the '
+             'variable.'),
+)
+
+#: set by a launcher (ronderun, the testing helpers) for its workers, not by users
+LAUNCHER_VARIABLES = frozenset({
+    "RONDE_RANK", "RONDE_SIZE", "RONDE_LOCAL_RANK", "RONDE_LOCAL_SIZE", "RONDE_CROSS_RANK",
+    "RONDE_CROSS_SIZE", "RONDE_HOSTNAME", "RONDE_SECRET", "RONDE_RENDEZVOUS_ADDR",
+    "RONDE_RENDEZVOUS_PORT", "RONDE_JOB_ID", "RONDE_LAUNCHER", "RONDE_REMOTE_SHELL",
+    "RONDE_TESTING_FN", "RONDE_TESTING_DIR",
+    # read by scripts/ and tests, not by ronde: a setting of theirs is no typo
+    "RONDE_MXNET_CORE", "RONDE_MXNET_VENV", "RONDE_MXNET_PYTHON", "RONDE_FAKE_HOST"})
+
+
+def env_table() -> str:
+    """The markdown table of every variable (docs/configuration.md)."""
+    rows = ["| variable | Horovod fallback | default | unit | meaning |", "|---|---|---|---|---|"]
+    for k in KNOBS:
+        horovod = k.horovod_shown or (", ".join(f"`{v}`" for v in k.horovod) or "-")
+        rows.append(f"| `{k.var}` | {horovod} | {k.default} | {k.unit} | {k.doc} |")
+    return "\n".join(rows)
+
+
+def flag_table() -> str:
+    """The markdown table of the ``ronderun`` flags that set knobs."""
+    rows = ["| flag | sets | note |", "|---|---|---|"]
+    rows += [f"| `{k.flag}` | `{k.var}` | {k.flag_note} |" for k in KNOBS if k.flag]
+    return "\n".join(rows)
+
+
+_BLOCKS = {"knobs": env_table, "flags": flag_table}
+
+
+def render(text: str) -> str:
+    """``text`` with every ``<!-- NAME:start -->...<!-- NAME:end -->`` block regenerated."""
+    for name, make in _BLOCKS.items():
+        pattern = re.compile(rf"(<!-- {name}:start -->\n).*?(\n<!-- {name}:end -->)", re.S)
+        if not pattern.search(text):
+            raise ValueError(f"no <!-- {name}:start/end --> block in the file")
+        text = pattern.sub(lambda m: m.group(1) + make() + m.group(2), text)
+    return text
+
+
+if __name__ == "__main__":  # python -m ronde._knobs --write docs/configuration.md
+    if len(sys.argv) != 3 or sys.argv[1] != "--write":
+        sys.exit("usage: python -m ronde._knobs --write docs/configuration.md")
+    with open(sys.argv[2], encoding="utf-8") as fh:
+        old = fh.read()
+    with open(sys.argv[2], "w", encoding="utf-8") as fh:
+        fh.write(render(old))

@@ -1,0 +1,182 @@
+"""The shape of the house, checked from the source (nothing is imported or run).
+
+- the import graph of ``src/ronde`` has no cycles (imports under ``TYPE_CHECKING``
+  are type hints, not dependencies, and are left out);
+- no transport module imports the engine (``ronde.core``): transports sit below it;
+- the backend bindings (torch, tensorflow, jax, mxnet) never import one another.
+  Keras is the exception by design: it runs on a backend and uses that backend's
+  binding (``ronde.keras._bridge``), and ``tf.keras`` being Keras 3,
+  ``ronde.tensorflow`` exposes ronde.keras's optimizer and callbacks;
+- no module reaches a private (``_name``) attribute of a module in another package,
+  whether imported by name or read from the module;
+- no module is over 500 lines.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from collections import defaultdict
+
+import pytest
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+BACKENDS = ("torch", "tensorflow", "jax", "mxnet")
+MAX_LINES = 500
+
+
+def _modules() -> dict[str, str]:
+    found = {}
+    for folder, _, files in os.walk(os.path.join(SRC, "ronde")):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(folder, f)
+                rel = os.path.relpath(path, SRC)[:-3].replace(os.sep, ".")
+                found[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _package(module: str) -> str:
+    """The package a module belongs to: ``ronde.core`` for ``ronde.core.engine``,
+    ``ronde`` for the top-level ``ronde._api``."""
+    path = MODULES[module]
+    return module if path.endswith("__init__.py") else module.rpartition(".")[0]
+
+
+def _targets(module: str, node: ast.AST) -> list[tuple[str, str | None]]:
+    """(module imported, name taken from it or None) for one import statement."""
+    if isinstance(node, ast.Import):
+        return [(a.name, None) for a in node.names]
+    assert isinstance(node, ast.ImportFrom)
+    base = module if MODULES[module].endswith("__init__.py") else module.rpartition(".")[0]
+    for _ in range(max(node.level - 1, 0)):
+        base = base.rpartition(".")[0]
+    target = (f"{base}.{node.module}" if node.module else base) if node.level else node.module
+    out: list[tuple[str, str | None]] = []
+    for alias in node.names:
+        sub = f"{target}.{alias.name}"
+        out.append((sub, None) if sub in MODULES else (target, alias.name))
+    return out
+
+
+def _owner(name: str) -> str | None:
+    while name not in MODULES and "." in name:
+        name = name.rpartition(".")[0]
+    return name if name in MODULES else None
+
+
+def _scan() -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
+    graph: dict[str, set[str]] = defaultdict(set)
+    private: list[tuple[str, str, str]] = []
+    for module, path in MODULES.items():
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read(), path)
+        hints = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                 and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+        aliases: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)) or id(node) in hints:
+                continue
+            for (target, name), alias in zip(_targets(module, node), node.names):
+                owner = _owner(target) if target.startswith("ronde") else None
+                if owner is None:
+                    continue
+                if owner != module:
+                    graph[module].add(owner)
+                if name is None:
+                    aliases[alias.asname or alias.name.split(".")[0]] = owner
+                elif name.startswith("_") and not name.startswith("__"):
+                    private.append((module, owner, name))
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                target = f"{aliases[node.value.id]}.{node.attr}"
+                if target not in MODULES:  # a private submodule is a module, not a name
+                    private.append((module, aliases[node.value.id], node.attr))
+    return graph, private
+
+
+GRAPH, PRIVATE = _scan()
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(set(graph) | {w for ws in graph.values() for w in ws}):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_scan_sees_the_imports():
+    # guards the checks below against an empty graph (a broken scan passes them all)
+    assert "ronde.core.engine" in GRAPH["ronde._runtime"]
+    assert "ronde.transport.shm.single_copy" in GRAPH["ronde.transport.shm.communicator"]
+    assert len(MODULES) > 100
+
+
+def test_no_import_cycles():
+    assert _cycles(GRAPH) == []
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_transport_imports_the_engine():
+    bad = [(m, t) for m, ts in GRAPH.items() if m.startswith("ronde.transport")
+           for t in ts if t.startswith("ronde.core")]
+    assert bad == []
+
+
+def _backend(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in BACKENDS else None
+
+
+def test_no_backend_binding_imports_another():
+    bad = [(m, t) for m, ts in GRAPH.items() for t in ts
+           if _backend(m) and _backend(t) and _backend(m) != _backend(t)]
+    assert bad == []
+
+
+def test_no_private_name_crosses_a_package():
+    bad = [f"{m} uses {t}.{n}" for m, t, n in PRIVATE if _package(m) != _package(t)
+           and not _package(m).startswith(_package(t) + ".")]
+    assert bad == []
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_module_size(module):
+    with open(MODULES[module], encoding="utf-8") as fh:
+        lines = sum(1 for _ in fh)
+    assert lines <= MAX_LINES, f"{module} has {lines} lines; split it along a seam"
