@@ -25,14 +25,13 @@ import traceback
 from typing import Any, Callable
 
 from . import _config
-from ._errors import (ConfigError, DeadlockError, PeerLostError, RendezvousError, ShutdownError,
-                      StallError)
+from ._errors import DeadlockError, PeerLostError, RendezvousError, ShutdownError, StallError
 from .core.engine import Engine
 from .runner import env as worker_env
 from .runner import rendezvous
 from .transport import mesh as mesh_mod
 from .transport.net import route_address
-from .transport.base import Communicator, P2PCommunicator, SelfCommunicator
+from .transport import factory as factory_mod
 
 log = logging.getLogger("ronde")
 
@@ -144,33 +143,6 @@ def _rendezvous(wenv: worker_env.WorkerEnv, cfg: _config.Config, info: dict[str,
             time.sleep(0.05)
 
 
-def _choose_transport(cfg: _config.Config, topo: Topology, members: list[int]) -> str:
-    same_host = len({topo.hosts[r] for r in members}) == 1
-    if cfg.transport == "shm":
-        if not same_host:
-            raise ConfigError(
-                "RONDE_TRANSPORT=shm needs every rank of the process set on one host; use "
-                "RONDE_TRANSPORT=tcp (or auto) for multi-host jobs")
-        if platform.machine().lower() not in ("x86_64", "amd64"):
-            raise ConfigError(
-                "RONDE_TRANSPORT=shm relies on x86-64 memory ordering and is not available on "
-                f"{platform.machine()}; use RONDE_TRANSPORT=tcp")
-        return "shm"
-    if cfg.transport == "tcp":
-        return "tcp"
-    x86 = platform.machine().lower() in ("x86_64", "amd64")
-    if same_host and x86:
-        return "shm"
-    if x86 and cfg.hierarchical != "off":
-        per_host: dict[str, int] = {}
-        for r in members:
-            per_host[topo.hosts[r]] = per_host.get(topo.hosts[r], 0) + 1
-        counts = set(per_host.values())
-        if len(counts) == 1 and counts.pop() > 1:
-            return "hierarchical"
-    return "tcp"
-
-
 def _control_mailboxes(cfg: _config.Config, topo: Topology, rank: int, size: int,
                        key: str) -> Any:
     """Shared-memory negotiation mailboxes with the ranks on this host (see
@@ -190,139 +162,111 @@ def _control_mailboxes(cfg: _config.Config, topo: Topology, rank: int, size: int
 
 
 def init(process_sets: list[Any] | None = None) -> Runtime:
-    """Build the runtime (see module docstring)."""
+    """Build the runtime, in four steps: settings, peers, communicators, engine."""
     global _generation, _atexit_registered
-    cfg = _config.load()
-    if cfg.log_level:
-        level = {"TRACE": "DEBUG", "FATAL": "CRITICAL"}.get(cfg.log_level.upper(),
-                                                            cfg.log_level.upper())
-        logging.getLogger("ronde").setLevel(level)
+    cfg = _settings()
     wenv = worker_env.detect()
     _generation += 1
     gen = _generation
-    rank, size = wenv.rank, wenv.size
-    mesh = None
-    secret = wenv.secret or b""
-    if size == 1:
-        hosts = [wenv.host]
-        ctl: dict[int, socket.socket] = {}
-    else:
-        rdv_host = wenv.rendezvous[0] if wenv.rendezvous else "127.0.0.1"
-        local_job = wenv.rendezvous_mode == "file" or _is_loopback(rdv_host)
-        bind = cfg.bind_addr or ("127.0.0.1" if local_job else "0.0.0.0")
-        listener = mesh_mod.listen(bind)
-        advertised = bind if bind not in ("0.0.0.0", "") else route_address(rdv_host)
-        info = {"rank": rank, "size": size, "generation": gen, "host": wenv.host,
-                "addr": advertised, "port": listener.getsockname()[1]}
-        store = None
-        if cfg.transport == "gloo" and rank == 0:
-            from .transport import torch_dist
-
-            store = torch_dist.master_store(bind, cfg.start_timeout_s)
-            info["store_port"] = store.port
-        try:
-            peers, secret = _rendezvous(wenv, cfg, info)
-        except BaseException:
-            listener.close()
-            raise
-        hosts = [str(p.get("host")) for p in peers]
-        mesh = mesh_mod.Mesh(rank, size, gen, secret, listener, peers, cfg.start_timeout_s)
-        mesh.connect()
-        ctl = mesh.ctl
-        if cfg.transport == "gloo":
-            from .transport import torch_dist
-
-            torch_dist.init_world(rank, size, str(peers[0]["addr"]),
-                                  int(peers[0]["store_port"]), cfg.start_timeout_s, store)
-    topo = Topology.build(rank, hosts)
-    holder: dict[str, Engine] = {}
-    mpi_world = None
-    if cfg.transport == "mpi":
-        from .transport import mpi as mpi_mod
-
-        mpi_world = mpi_mod.check_world(rank, size)
-
-    def aborted() -> BaseException | None:
-        eng = holder.get("engine")
-        return eng.failed if eng is not None else None
-
-    from .transport.segments import job_key
-
-    key = job_key(wenv.job_id or f"pid{os.getppid()}")
-    transports: dict[int, str] = {}
-
-    def make_comm(ps_id: int, members: list[int]) -> Communicator | None:
-        if mpi_world is not None:
-            from .transport.mpi import MPICommunicator
-
-            transports[ps_id] = "mpi"
-            return MPICommunicator.create(mpi_world, members, rank)
-        if cfg.transport == "gloo" and size > 1:
-            from .transport import torch_dist
-
-            group = torch_dist.new_group(members, size)  # collective over every rank
-            transports[ps_id] = "gloo"
-            if rank not in members:
-                return None
-            return torch_dist.TorchDistCommunicator(group, rank, members)
-        if rank not in members:
-            return None
-        if len(members) == 1:
-            transports[ps_id] = "self"
-            return SelfCommunicator()
-        kind = _choose_transport(cfg, topo, members)
-        transports[ps_id] = kind
-        if kind == "shm":
-            from .transport.shm import ShmCommunicator
-
-            return ShmCommunicator(rank, members, f"{key}-g{gen}-ps{ps_id}",
-                                   cfg.shm_segment_bytes, aborted, cfg.start_timeout_s,
-                                   cfg.stall_shutdown_time_s, cfg.cma, cfg.hugepages)
-        from .transport.tcp import SocketP2P
-
-        assert mesh is not None
-
-        def tcp(group: list[int]) -> Communicator:
-            p2p = SocketP2P(rank, group, mesh.data, lambda r: f"{r} (host {topo.hosts[r]})",
-                            aborted, cfg.stall_shutdown_time_s)
-            return P2PCommunicator(p2p, cfg.small_allreduce_bytes)
-
-        if kind == "hierarchical":
-            from .transport.hierarchical import HierarchicalCommunicator
-            from .transport.shm import ShmCommunicator
-
-            me = topo.hosts[rank]
-            local = [r for r in members if topo.hosts[r] == me]
-            hosts_in_order = list(dict.fromkeys(topo.hosts[r] for r in members))
-            cross = [[r for r in members if topo.hosts[r] == h][local.index(rank)]
-                     for h in hosts_in_order]
-            shm = ShmCommunicator(rank, local, f"{key}-g{gen}-ps{ps_id}-local",
-                                  cfg.shm_segment_bytes, aborted, cfg.start_timeout_s,
-                                  cfg.stall_shutdown_time_s, cfg.cma, cfg.hugepages)
-            return HierarchicalCommunicator(shm, tcp(cross), tcp(members))
-        return tcp(members)
-
-    world = make_comm(0, list(range(size)))
-    assert world is not None
-    comms = {0: world}
-    engine = Engine(rank, size, cfg, ctl, comms, {0: list(range(size))}, make_comm,
-                    lambda r: f"{r} (host {topo.hosts[r]})",
-                    _control_mailboxes(cfg, topo, rank, size, f"{key}-g{gen}"))
-    holder["engine"] = engine
-    if wenv.rendezvous_mode == "server" and wenv.rendezvous and wenv.secret:
-        engine.on_failure = _lost_peer_reporter(wenv)
-    if cfg.timeline_path:
-        start_timeline(engine, cfg.timeline_path, rank, cfg.timeline_mark_cycles)
-    engine.start()
-    rt = Runtime(cfg, topo, engine, wenv, mesh, gen, transports[0])
-    if rank == 0:
-        log.info("ronde initialised: size=%d hosts=%d transport=%s source=%s; %s", size,
-                 len(set(hosts)), transports[0], wenv.source, cfg.describe())
+    hosts, ctl, mesh = _meet_peers(wenv, cfg, gen)
+    topo = Topology.build(wenv.rank, hosts)
+    engine_box: list[Engine] = []
+    factory = _communicators(cfg, topo, wenv, mesh, gen, engine_box)
+    engine = _start_engine(cfg, topo, wenv, ctl, factory, gen)
+    engine_box.append(engine)
+    rt = Runtime(cfg, topo, engine, wenv, mesh, gen, factory.kinds[0])
+    if wenv.rank == 0:
+        log.info("ronde initialised: size=%d hosts=%d transport=%s source=%s; %s", topo.size,
+                 len(set(hosts)), factory.kinds[0], wenv.source, cfg.describe())
     if not _atexit_registered:
         atexit.register(_atexit_shutdown)
         _install_excepthook()
         _atexit_registered = True
     return rt
+
+
+def _settings() -> _config.Config:
+    """Step 1: the configuration, and the ``ronde`` logger's level."""
+    cfg = _config.load()
+    if cfg.log_level:
+        level = {"TRACE": "DEBUG", "FATAL": "CRITICAL"}.get(cfg.log_level.upper(),
+                                                            cfg.log_level.upper())
+        logging.getLogger("ronde").setLevel(level)
+    return cfg
+
+
+def _meet_peers(wenv: worker_env.WorkerEnv, cfg: _config.Config, gen: int
+                ) -> tuple[list[str], dict[int, socket.socket], mesh_mod.Mesh | None]:
+    """Step 2: rendezvous and connect to every peer; returns every rank's host, the
+    control sockets and the mesh (none of either for a job of one)."""
+    rank, size = wenv.rank, wenv.size
+    if size == 1:
+        return [wenv.host], {}, None
+    rdv_host = wenv.rendezvous[0] if wenv.rendezvous else "127.0.0.1"
+    local_job = wenv.rendezvous_mode == "file" or _is_loopback(rdv_host)
+    bind = cfg.bind_addr or ("127.0.0.1" if local_job else "0.0.0.0")
+    listener = mesh_mod.listen(bind)
+    advertised = bind if bind not in ("0.0.0.0", "") else route_address(rdv_host)
+    info = {"rank": rank, "size": size, "generation": gen, "host": wenv.host,
+            "addr": advertised, "port": listener.getsockname()[1]}
+    store = None
+    if cfg.transport == "gloo" and rank == 0:
+        from .transport import torch_dist
+
+        store = torch_dist.master_store(bind, cfg.start_timeout_s)
+        info["store_port"] = store.port
+    try:
+        peers, secret = _rendezvous(wenv, cfg, info)
+    except BaseException:
+        listener.close()
+        raise
+    mesh = mesh_mod.Mesh(rank, size, gen, secret, listener, peers, cfg.start_timeout_s)
+    mesh.connect()
+    if cfg.transport == "gloo":
+        from .transport import torch_dist
+
+        torch_dist.init_world(rank, size, str(peers[0]["addr"]), int(peers[0]["store_port"]),
+                              cfg.start_timeout_s, store)
+    return [str(p.get("host")) for p in peers], mesh.ctl, mesh
+
+
+def _communicators(cfg: _config.Config, topo: Topology, wenv: worker_env.WorkerEnv,
+                   mesh: mesh_mod.Mesh | None, gen: int, engine_box: list[Engine]
+                   ) -> factory_mod.Factory:
+    """Step 3: the factory of every process set's communicator (see transport/factory.py)."""
+    mpi_world = None
+    if cfg.transport == "mpi":
+        from .transport import mpi as mpi_mod
+
+        mpi_world = mpi_mod.check_world(wenv.rank, wenv.size)
+
+    def aborted() -> BaseException | None:
+        return engine_box[0].failed if engine_box else None
+
+    from .transport.segments import job_key
+
+    key = job_key(wenv.job_id or f"pid{os.getppid()}")
+    ctx = factory_mod.Context(cfg, wenv.rank, wenv.size, topo.hosts, key, gen, aborted, mesh,
+                              mpi_world)
+    return factory_mod.Factory(ctx)
+
+
+def _start_engine(cfg: _config.Config, topo: Topology, wenv: worker_env.WorkerEnv,
+                  ctl: dict[int, socket.socket], factory: factory_mod.Factory,
+                  gen: int) -> Engine:
+    """Step 4: the global set's communicator, the engine on top, its timeline; started."""
+    rank, size = topo.rank, topo.size
+    world = factory(0, list(range(size)))
+    assert world is not None
+    engine = Engine(rank, size, cfg, ctl, {0: world}, {0: list(range(size))}, factory,
+                    factory.ctx.describe,
+                    _control_mailboxes(cfg, topo, rank, size, f"{factory.ctx.key}-g{gen}"))
+    if wenv.rendezvous_mode == "server" and wenv.rendezvous and wenv.secret:
+        engine.on_failure = _lost_peer_reporter(wenv)
+    if cfg.timeline_path:
+        start_timeline(engine, cfg.timeline_path, rank, cfg.timeline_mark_cycles)
+    engine.start()
+    return engine
 
 
 def timeline_path_for(path: str, rank: int) -> str | None:
