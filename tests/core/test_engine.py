@@ -305,12 +305,8 @@ def test_fused_groups_run_as_one_only_on_the_single_copy_path_and_with_fusion_on
     class Comm:
         name, _cma = "shm", True
 
-        @property
-        def single_copy_agreed(self):
+        def fuses_round(self, nbytes, n):
             return self._cma is True
-
-        def cma_eligible(self, nbytes, n):
-            return True
 
     class Eng:
         timeline, rank = None, 0

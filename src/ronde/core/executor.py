@@ -21,7 +21,8 @@ import numpy as np
 from .._errors import (DeadlockError, DuplicateNameError, JoinedError, RondeError, ShutdownError, StallError,
                        TensorMismatchError)
 from ..collectives.ops import ReduceOp
-from . import fusion
+from ..collectives import fusion
+from ..transport.strategies import AllreducePlan, run_allreduce
 from . import inline as inline_mod
 from .negotiation import Response, any_meta, fusion_key
 from .requests import Kind, Meta, Request, resolve_dtype
@@ -129,8 +130,7 @@ class Executor:
         comm = (eng.communicator(item.ps_id)
                 if eng.rank in eng.process_set_members(item.ps_id) else None)
         tensors = sum(len(r.names) for r in group)
-        if (comm is not None and getattr(comm, "single_copy_agreed", False)
-                and comm.cma_eligible(sum(_nbytes(r) for r in group), tensors)):
+        if comm is not None and comm.fuses_round(sum(_nbytes(r) for r in group), tensors):
             return [Response(item.kind, item.ps_id, [n for r in group for n in r.names],
                              [m for r in group for m in r.metas])]
         return group
@@ -272,77 +272,18 @@ class Executor:
                 if req is not None:
                     req.complete(out)
             return
-        if (comm.name == "shm" and not resp.joined and None not in reqs
-                and self._single_copy(resp, reqs, comm, dtype, op, meta0.prescale, post)):
-            return
         shapes = [any_meta(m).shape for m in resp.metas]
         sizes = [_numel(s) for s in shapes]
-        total = sum(sizes)
-        outs = [None if r is None else (r.out if r.out is not None else r.allocate(s, dtype))
-                for r, s in zip(reqs, shapes)]
-        inputs = [None if r is None else r.array for r in reqs]
-        nbytes = total * dtype.itemsize
-        staging = comm.staging(nbytes) if comm.size > 1 else None
-        if staging is not None:
-            self._mark("MEMCPY_IN_FUSION_BUFFER")
-            fusion.pack(staging.view(dtype), inputs, sizes, meta0.prescale)
-            self._mark("TRANSFER")
-            pieces = comm.allreduce_staged(nbytes, dtype, op)
-            self._mark("MEMCPY_OUT_FUSION_BUFFER")
-            try:
-                fusion.unpack_pieces(pieces, outs, sizes, post)
-            finally:
-                comm.release()
-        elif len(reqs) == 1 and reqs[0] is not None and reqs[0].array is not None:
-            out = outs[0]
-            assert out is not None
-            flat_out = out.reshape(-1)
-            self._mark("MEMCPY_IN")
-            if out is not reqs[0].array or meta0.prescale != 1.0:
-                fusion.scaled_copy(flat_out, reqs[0].array.reshape(-1), meta0.prescale)
-            self._mark("TRANSFER")
-            comm.allreduce(flat_out, op)
-            self._mark("SCALE")
-            fusion.scale_inplace(flat_out, post)
-        else:
-            flat = self._fusion.get(nbytes).view(dtype)
-            self._mark("MEMCPY_IN_FUSION_BUFFER")
-            fusion.pack(flat, inputs, sizes, meta0.prescale)
-            self._mark("TRANSFER")
-            comm.allreduce(flat, op)
-            self._mark("MEMCPY_OUT_FUSION_BUFFER")
-            fusion.unpack(flat, outs, sizes, post)
+        plan = AllreducePlan(
+            comm, [None if r is None else r.array for r in reqs],
+            [None if r is None else r.out for r in reqs], sizes, dtype, op, meta0.prescale,
+            post, sum(sizes) * dtype.itemsize, bool(resp.joined) or any(r is None for r in reqs),
+            lambda i: None if reqs[i] is None else reqs[i].allocate(shapes[i], dtype),
+            self._fusion.get, self._mark)
+        outs = run_allreduce(plan)
         for req, out in zip(reqs, outs):
             if req is not None:
                 req.complete(out)
-
-    def _single_copy(self, resp: Response, reqs: list[Any], comm: Any, dtype: np.dtype,
-                     op: ReduceOp, prescale: float, post: float) -> bool:
-        """Reduce straight between the ranks' own tensors (no staging) where the
-        single-copy allreduce takes this response; False, on every rank alike, where it
-        does not. Every member's request is here (none joined), so each tensor's shape
-        is its request's own (negotiation checked they agree)."""
-        nbytes = resp.nbytes if resp.nbytes >= 0 else sum(r.array.nbytes for r in reqs)
-        if not comm.cma_eligible(nbytes, len(reqs)):
-            return False
-        self._mark("MEMCPY_IN")
-        outs, flats = [], []
-        scaled_copy = fusion.scaled_copy
-        for req in reqs:
-            out, arr = req.out, req.array
-            if out is None:
-                out = req.allocate(req.shape, dtype)
-            flat = out.reshape(-1)
-            if out is not arr or prescale != 1.0:
-                scaled_copy(flat, arr.reshape(-1), prescale)
-            outs.append(out)
-            flats.append(flat)
-        self._mark("TRANSFER")
-        if not comm.allreduce_scattered(flats, op, post):
-            return False  # the outputs hold the (prescaled) inputs: the staged path redoes it
-        for req, out in zip(reqs, outs):
-            req.complete(out)
-        return True
 
     def _allgather(self, resp: Response, reqs: list[Request | None], comm: Any,
                    members: list[int]) -> None:
@@ -396,7 +337,7 @@ class Executor:
         recv_rows = [matrix[j][idx] for j in range(n)]
         out = req.allocate((sum(recv_rows),) + meta.shape[1:], dtype)  # type: ignore[union-attr]
         max_count = max((max(s) for s in matrix), default=0) * row
-        kwargs = {"max_count": max_count} if comm.name == "shm" else {}
+        kwargs = {"max_count": max_count} if comm.alltoall_takes_max_count else {}
         comm.alltoallv(req.array.reshape(-1), [s * row for s in send_rows],  # type: ignore[union-attr]
                        out.reshape(-1), [s * row for s in recv_rows], **kwargs)
         req.complete((out, np.asarray(recv_rows, dtype=np.int32)))  # type: ignore[union-attr]
@@ -419,7 +360,7 @@ class Executor:
             scaled = np.empty_like(src)
             fusion.scaled_copy(scaled, src, meta.prescale)
             src = scaled
-        elif comm.name != "shm":
+        elif not comm.reducescatter_keeps_input:
             src = src.copy()  # p2p reducescatter works in place
         out = req.allocate((rows[comm.rank],) + meta.shape[1:], dtype)  # type: ignore[union-attr]
         flat = out.reshape(-1)

@@ -14,7 +14,7 @@ import numpy as np
 
 from .._errors import RondeError
 from ..collectives.ops import ReduceOp, reduce_into
-from . import fusion
+from ..collectives import fusion
 from .negotiation import Response, any_meta
 from .requests import resolve_dtype
 from .timeline import now_us

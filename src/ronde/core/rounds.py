@@ -22,7 +22,7 @@ import numpy as np
 
 from .._errors import ProtocolError
 from ..transport import wire
-from . import fusion
+from ..collectives import fusion
 from .requests import Kind
 
 KIND_ROUND = 3

@@ -13,17 +13,43 @@ import abc
 
 import numpy as np
 
+from typing import Sequence
+
 from .. import collectives as algo
 from ..collectives.ops import ReduceOp
 from ..collectives.p2p import P2P
+from . import strategies
 
 
 class Communicator(abc.ABC):
-    """Collectives among ``size`` ranks; ``rank`` is this process's index in the group."""
+    """Collectives among ``size`` ranks; ``rank`` is this process's index in the group.
+
+    Besides the collectives, a communicator declares what the executor may rely on:
+    its allreduce strategies, in the order to try them (:mod:`.strategies`), and the
+    capabilities below. ``name`` is for people (logs, ``active_transport()``); the
+    executor never reads it.
+    """
 
     rank: int
     size: int
     name: str = "base"
+    #: how a fused allreduce runs here, in order (the first that takes a plan runs it)
+    allreduce_strategies: Sequence[strategies.Strategy] = strategies.DEFAULT
+    #: ``alltoallv`` wants ``max_count`` (the largest block of any rank, in elements)
+    alltoall_takes_max_count: bool = False
+    #: ``reducescatter`` leaves its input alone (else the executor passes a copy)
+    reducescatter_keeps_input: bool = False
+
+    def reads_peers(self, nbytes: int, n_tensors: int) -> bool:
+        """Whether an allreduce of this shape may read the peers' tensors in place
+        (decided from what every member knows alike); False unless the transport can."""
+        return False
+
+    def fuses_round(self, nbytes: int, n_tensors: int) -> bool:
+        """Whether the fused groups of one round, ``nbytes`` in all, may run as one
+        operation (no fusion buffer bounds them): True only where every member already
+        agreed that peers' tensors are read in place."""
+        return False
 
     @abc.abstractmethod
     def allreduce(self, buf: np.ndarray, op: ReduceOp) -> None:

@@ -34,6 +34,7 @@ import numpy as np
 from ...collectives.ops import ReduceOp, reduce_in_rank_order, reduce_into
 from .. import vm
 from ..balance import BlockSplit
+from .. import strategies
 from ..base import Communicator
 from ..hugepages import HugePages, heap_for_tensors
 from ..segments import OwnedSegment, close_maps, create_segment, open_segment, shm_dir
@@ -46,6 +47,9 @@ class ShmCommunicator(Communicator, OwnedSegment):
     """Collectives among the members of one process set that share a host."""
 
     name = "shm"
+    allreduce_strategies = strategies.SHARED_MEMORY
+    alltoall_takes_max_count = True
+    reducescatter_keeps_input = True
 
     def __init__(self, rank: int, members: list[int], key: str, segment_bytes: int,
                  aborted: Callable[[], BaseException | None], timeout_s: float = 30.0,
@@ -337,6 +341,12 @@ class ShmCommunicator(Communicator, OwnedSegment):
     def single_copy_agreed(self) -> bool:
         """True once every member agreed that single-copy reads work (never guessed)."""
         return self._cma is True
+
+    def reads_peers(self, nbytes: int, n_tensors: int) -> bool:
+        return self.cma_eligible(nbytes, n_tensors)
+
+    def fuses_round(self, nbytes: int, n_tensors: int) -> bool:
+        return self._cma is True and self.cma_eligible(nbytes, n_tensors)
 
     def reducescatter(self, buf: np.ndarray, counts: list[int], op: ReduceOp,
                       out: np.ndarray | None = None) -> np.ndarray:

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..collectives.ops import scale_inplace, scaled_copy  # noqa: F401 - the engine's names
+from .ops import scale_inplace, scaled_copy  # noqa: F401 - used by the executor as fusion.*
 
 
 class FusionBuffer:
