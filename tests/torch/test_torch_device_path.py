@@ -48,6 +48,12 @@ def test_device_path_on_a_process_set(np_):
                      env=DEVICE) == ["ok"] * np_
 
 
+@pytest.mark.timeout(120)
+def test_the_optimizer_prepares_the_device_path_before_any_hook_runs():
+    assert run_ranks(2, workers.device_path_prepared_at_construction, timeout_s=100,
+                     env=DEVICE) == ["ok"] * 2
+
+
 def test_ranks_sharing_a_gpu_are_found_by_identity():
     # NCCL refuses two ranks of one communicator on one GPU; the device path finds them
     # from the identities every member reported (global ranks of a process set here)

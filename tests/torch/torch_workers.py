@@ -681,3 +681,32 @@ def side_stream() -> str:
         assert ok.all(), (step, a[:2].tolist(), b[:2].tolist(), c[:2].tolist())
     hvd.shutdown()
     return "ok"
+
+
+def device_path_prepared_at_construction() -> str:
+    """DistributedOptimizer sets the device path up when it is built (the placement check
+    and the process group are collectives): its gradient hooks never start one."""
+    import torch
+
+    import ronde.torch as hvd
+    from ronde.torch import _device
+
+    torch.set_num_threads(1)
+    hvd.init()
+    torch.manual_seed(0)  # the same weights everywhere, with no collective before the optimizer
+    model = torch.nn.Linear(8, 4)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    assert _device.BACKEND._group is not None  # created by the constructor
+
+    def refused(*a, **k):
+        raise AssertionError("a device-path set-up collective ran after construction")
+
+    _device.store_for = _device._gpu_identity = refused
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.ones(3, 8) * (hvd.rank() + 1)).sum().backward()
+        opt.step()
+    w = hvd.allgather(model.weight.detach().reshape(1, -1))
+    assert torch.equal(w[0], w[-1])
+    return "ok"

@@ -77,6 +77,21 @@ def wants_device_path(tensor: torch.Tensor, process_set: Any) -> bool:
     return mode == "always" and tensor.device.type == "cpu" and not tensor.is_sparse
 
 
+def prepare(tensors: Sequence[torch.Tensor], process_set: Any) -> bool:
+    """Set up the device path for ``tensors`` now, where the caller is (never in a hook).
+
+    The placement check (every member on a GPU of its own) and the process group's
+    creation are collectives over the set; ``DistributedOptimizer`` calls this at
+    construction, on every member, so its gradient hooks find both done. Returns
+    whether these tensors take the device path.
+    """
+    sample = next((t for t in tensors if t.is_cuda), tensors[0] if tensors else None)
+    if sample is None or not wants_device_path(sample, process_set):
+        return False
+    BACKEND.ensure(sample, process_set)
+    return True
+
+
 class TorchDeviceBackend:
     """Runs the engine's device collectives with torch.distributed (see module doc)."""
 

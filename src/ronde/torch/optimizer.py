@@ -42,6 +42,7 @@ from ..frameworks.naming import (as_table, auto_parameter_name, check_unique, gr
                                  parameter_differences)
 from ..process_sets import ProcessSet, global_process_set
 from . import _collectives as C
+from . import _device
 from ._tensors import dtype_name
 from .compression import Compression
 
@@ -94,6 +95,8 @@ class _DistributedMixin:
         self._ronde_validated = False
         self._ronde_synchronized = False
         self._ronde_should_sync = True
+        if self._ronde_member:  # the device path's collectives now, not in a hook
+            _device.prepare([p for p in self._ronde_params if not p.is_sparse], process_set)
         self._ronde_hooks = [p.register_post_accumulate_grad_hook(self._ronde_hook)
                              for p in self._ronde_params] if self._ronde_member else []
 
