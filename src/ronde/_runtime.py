@@ -170,6 +170,7 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
     gen = _generation
     hosts, ctl, mesh = _meet_peers(wenv, cfg, gen)
     topo = Topology.build(wenv.rank, hosts)
+    _tune_heap(cfg, topo)
     engine_box: list[Engine] = []
     factory = _communicators(cfg, topo, wenv, mesh, gen, engine_box)
     engine = _start_engine(cfg, topo, wenv, ctl, factory, gen)
@@ -193,6 +194,23 @@ def _settings() -> _config.Config:
                                                             cfg.log_level.upper())
         logging.getLogger("ronde").setLevel(level)
     return cfg
+
+
+def _tune_heap(cfg: _config.Config, topo: Topology) -> None:
+    """Once, at init: where peers on this host may read this rank's tensors in place
+    (shm with ``RONDE_CMA`` and ``RONDE_HUGEPAGES``, another rank here, transparent huge
+    pages available), set malloc's thresholds so tensors come from the heap, whose
+    blocks can move onto huge pages (see transport/hugepages.py)."""
+    if not (cfg.cma and cfg.hugepages and topo.local_size > 1
+            and cfg.transport in ("auto", "shm")):
+        return
+    from .transport import hugepages
+
+    if hugepages.HugePages(True).active and hugepages.heap_for_tensors() \
+            and topo.local_rank == 0:
+        log.info("ronde: malloc's mmap threshold set to %d MiB and trim threshold to %d MiB "
+                 "(RONDE_HUGEPAGES=0 leaves malloc alone)", hugepages.MMAP_THRESHOLD >> 20,
+                 2 * hugepages.MMAP_THRESHOLD >> 20)
 
 
 def _meet_peers(wenv: worker_env.WorkerEnv, cfg: _config.Config, gen: int

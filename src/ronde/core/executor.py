@@ -22,6 +22,7 @@ from .._errors import (DeadlockError, DuplicateNameError, JoinedError, RondeErro
                        TensorMismatchError)
 from ..collectives.ops import ReduceOp
 from ..collectives import fusion
+from ..collectives.allreduce import even_counts
 from ..transport.strategies import AllreducePlan, run_allreduce
 from . import inline as inline_mod
 from .negotiation import Response, any_meta, fusion_key
@@ -350,8 +351,7 @@ class Executor:
         n = len(members)
         first = meta.shape[0] if meta.shape else 1
         row = _numel(meta.shape[1:])
-        base, extra = divmod(first, n)
-        rows = [base + (1 if i < extra else 0) for i in range(n)]
+        rows = even_counts(first, n)
         op, post = ReduceOp(meta.op), meta.postscale
         if op == ReduceOp.AVERAGE:
             op, post = ReduceOp.SUM, post / n

@@ -88,10 +88,6 @@ class FrameReader:
         return payload
 
 
-def ranks_text(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks))
-
-
 def main_thread_stack() -> str:
     """The main thread's current Python stack (what a stalled rank is doing).
 

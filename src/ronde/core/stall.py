@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from .._config import Config
 from .negotiation import Negotiator
-from .rounds import ranks_text
+from .._text import ranks_text
 
 log = logging.getLogger(__name__)
 

@@ -27,6 +27,7 @@ import time
 from typing import IO, Any, Mapping, Sequence
 
 from .._errors import ConfigError
+from .._text import ranks_text
 from .env import worker_env_vars
 from .hosts import RankSlot, is_local, layout
 from ..transport.net import route_address
@@ -287,11 +288,11 @@ class _Job:
             sig = self.signals[0]
             code = 130 if sig == signal.SIGINT else 128 + sig
             cause = (f"interrupted by {signal.Signals(sig).name}; stopped rank(s) "
-                     f"{summary.ranks_text(running) or 'none'}")
+                     f"{ranks_text(running) or 'none'}")
             return self._finish(LaunchResult(code, None, codes, cause), [f"ronderun: {cause}"])
         if reason == "timeout":
             cause = (f"job timed out after {self.timeout_s:g}s (--timeout); killed the ranks "
-                     f"still running: {summary.ranks_text(running) or 'none'}")
+                     f"still running: {ranks_text(running) or 'none'}")
             return self._finish(LaunchResult(124, None, codes, cause), [f"ronderun: {cause}"])
         first, message = summary.first_failure(self.workers, list(self.server.failures))
         assert first is not None

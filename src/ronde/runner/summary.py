@@ -39,10 +39,6 @@ def shell_code(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def ranks_text(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks))
-
-
 def primary_reports(failures: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Failures reported by the ranks themselves, not as a consequence of another."""
     return [f for f in failures if not f.get("secondary") and isinstance(f.get("rank"), int)]

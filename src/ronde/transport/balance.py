@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from ..collectives.allreduce import even_counts
+
 #: how far the next split moves towards the one measured to be even (1: all the way)
 STEP = 0.5
 #: no block shrinks below this share of an equal one
@@ -29,12 +31,10 @@ CAPACITY = 64
 
 def even(total: int, n: int) -> list[tuple[int, int]]:
     """``n`` contiguous blocks of ``total`` elements, sizes differing by at most one."""
-    base, extra = divmod(total, n)
     out, lo = [], 0
-    for i in range(n):
-        hi = lo + base + (1 if i < extra else 0)
-        out.append((lo, hi))
-        lo = hi
+    for count in even_counts(total, n):
+        out.append((lo, lo + count))
+        lo += count
     return out
 
 

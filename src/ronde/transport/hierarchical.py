@@ -19,13 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..collectives.allreduce import even_counts as _split
 from ..collectives.ops import ReduceOp
 from .base import Communicator
-
-
-def _split(n_items: int, parts: int) -> list[int]:
-    base, extra = divmod(n_items, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
 class HierarchicalCommunicator(Communicator):

@@ -36,7 +36,7 @@ from .. import vm
 from ..balance import BlockSplit
 from .. import strategies
 from ..base import Communicator
-from ..hugepages import HugePages, heap_for_tensors
+from ..hugepages import HugePages
 from ..segments import OwnedSegment, close_maps, create_segment, open_segment, shm_dir
 from . import single_copy
 from .protocol import (ATTACHED, CMA_MIN_BYTES, CMA_OK, DONE, HEADER_BYTES, PID, PROBE,
@@ -106,9 +106,7 @@ class ShmCommunicator(Communicator, OwnedSegment):
         #: single-copy allreduce blocks, sized by each owner's measured speed
         self.split = BlockSplit(self.size)
         #: moves memory that peers read onto huge pages (see hugepages.py)
-        self.hugepages = HugePages(hugepages and cma)
-        if self.hugepages.active:
-            heap_for_tensors()  # tensors allocated from now on: on collapsible memory
+        self.hugepages = HugePages(hugepages and cma)  # malloc: tuned once by init()
         self.publish(PID, os.getpid())
         self.publish(PROBE, int(self._probe.ctypes.data))
         self.publish(ATTACHED, 1)  # I have mapped every peer's segment
