@@ -259,7 +259,10 @@ def _communicators(cfg: _config.Config, topo: Topology, wenv: worker_env.WorkerE
         mpi_world = mpi_mod.check_world(wenv.rank, wenv.size)
 
     def aborted() -> BaseException | None:
-        return engine_box[0].failed if engine_box else None
+        # the engine's Event: one attribute read per check while nothing failed
+        if not engine_box or not engine_box[0].aborted.is_set():
+            return None
+        return engine_box[0].failed
 
     from .transport.segments import job_key
 

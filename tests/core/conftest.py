@@ -37,7 +37,7 @@ class EngineGroup:
                      ) -> Communicator | None:
                 if r not in members:
                     return None
-                p2p = SocketP2P(r, members, data[r], str, lambda: holder["e"].aborted())
+                p2p = SocketP2P(r, members, data[r], str, lambda: holder["e"].failed)
                 return P2PCommunicator(p2p, self.cfg.small_allreduce_bytes)
 
             eng = Engine(r, n, self.cfg, ctl[r], {0: make(0, list(range(n)))},

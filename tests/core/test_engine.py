@@ -341,3 +341,15 @@ def test_fused_groups_run_as_one_only_on_the_single_copy_path_and_with_fusion_on
     got = [ex.queue.get_nowait() for _ in range(3)]
     assert [r.names for r in got] == [["a"], ["b"], ["c"]]
     assert all(r.followers is None for r in got)
+
+
+def test_the_first_failure_sets_the_abort_event_and_is_kept(engines):
+    from ronde import PeerLostError
+
+    g = engines(2)
+    e = g.engines[0]
+    assert not e.aborted.is_set() and e.failed is None
+    first = PeerLostError("rank 1 is gone", rank=1)
+    e.fail(first)
+    e.fail(RuntimeError("later"))
+    assert e.aborted.wait(1.0) and e.failed is first

@@ -69,6 +69,7 @@ class Engine:
         self._shutdown_announced = False
         self._shutdown_at = 0.0
         self._error: BaseException | None = None
+        self.aborted = threading.Event()  #: set with the first failure (see ``failed``)
         self.on_failure: Callable[[BaseException], None] | None = None  # first one only
         self._ps_members: dict[int, list[int]] = {k: list(v) for k, v in process_sets.items()}
         self._comms = comms
@@ -220,6 +221,7 @@ class Engine:
             first = self._error is None
             if first:
                 self._error = exc
+                self.aborted.set()
         self._fail_all(self._error or exc)
         if first and isinstance(exc, PeerLostError):
             self.exchange.tell_peers(exc)
@@ -355,11 +357,9 @@ class Engine:
                     self.exchange.fill(obj)
 
     def _drain_wake_pipe(self) -> None:
-        try:
+        with contextlib.suppress(BlockingIOError):
             while os.read(self._wake_r, 4096):
                 pass
-        except BlockingIOError:
-            pass
         # cleared before the outbox is read again (next iteration), so a submission
         # racing with this still leaves a byte or is seen
         self._wake_pending = False

@@ -14,7 +14,7 @@ import logging
 import math
 import queue
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import numpy as np
 
@@ -30,7 +30,31 @@ from .requests import Kind, Meta, Request, resolve_dtype
 from .timeline import now_us
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .._config import Config
+    from ..transport.base import Communicator
+    from .timeline import Timeline
+
+
+class ExecutorContext(Protocol):
+    """What the executor (and the inline reductions) may use of the engine: its rank and
+    settings, the communicators, the pending requests, and where to report a failure.
+    The :class:`~ronde.core.engine.Engine` provides it; tests pass a small stand-in."""
+
+    rank: int
+    cfg: "Config"
+    timeline: "Timeline | None"
+
+    def communicator(self, ps_id: int) -> "Communicator": ...
+
+    def process_set_members(self, ps_id: int) -> list[int]: ...
+
+    def take(self, name: str) -> "Request | None": ...
+
+    def take_many(self, names: list[str]) -> "list[Request | None]": ...
+
+    def apply_process_set_change(self, change: tuple[str, int, list[int]]) -> None: ...
+
+    def fail_from_executor(self, exc: BaseException, resp: Response) -> None: ...
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +77,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 class Executor:
     """Consumes :class:`Response` objects on a dedicated thread."""
 
-    def __init__(self, engine: "Engine") -> None:
+    def __init__(self, engine: ExecutorContext) -> None:
         self.engine = engine
         self.queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         #: a response is running (on this thread, or on a caller that claimed it)

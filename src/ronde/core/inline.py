@@ -20,10 +20,10 @@ from .requests import resolve_dtype
 from .timeline import now_us
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .executor import ExecutorContext
 
 
-def run_batch(eng: "Engine", resps: list[Response]) -> None:
+def run_batch(eng: "ExecutorContext", resps: list[Response]) -> None:
     """Reduce a round's consecutive inline responses (on the thread that ran the round).
     Those with the same dtype, op and scale are reduced as one vector: each rank's bytes
     joined in the agreed order, so per element the same additions in the same order as
@@ -39,7 +39,7 @@ def run_batch(eng: "Engine", resps: list[Response]) -> None:
         i = j
 
 
-def _group(eng: "Engine", group: list[Response], metas: list[Any]) -> None:
+def _group(eng: "ExecutorContext", group: list[Response], metas: list[Any]) -> None:
     reqs = eng.take_many([resp.names[0] for resp in group])  # None: not a member
     if not any(reqs):
         return
