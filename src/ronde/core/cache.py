@@ -9,10 +9,18 @@ id. LRU with ``RONDE_CACHE_CAPACITY`` entries, deterministic everywhere.
 from __future__ import annotations
 
 import collections
-from typing import Any
+from typing import Any, Iterable, NamedTuple
 
 from .._errors import ProtocolError
 from .requests import Meta
+
+
+class CacheEntry(NamedTuple):
+    """What the cache remembers of one name: per rank its raw (wire) and parsed metadata."""
+
+    name: str
+    raws: dict[int, list[Any]]
+    metas: dict[int, Meta]
 
 
 class ResponseCache:
@@ -20,8 +28,9 @@ class ResponseCache:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._by_id: collections.OrderedDict[
-            int, tuple[str, dict[int, list[Any]], dict[int, Meta]]] = collections.OrderedDict()
+        self._by_id: collections.OrderedDict[int, CacheEntry] = collections.OrderedDict()
+        #: the entry under an id, or None (``dict.get``: the steady path's hot lookup)
+        self.get = self._by_id.get
         self._by_name: dict[str, int] = {}
         self._next_id = 0
         #: changes whenever an id's name or metadata may have changed (each put): what
@@ -33,7 +42,7 @@ class ResponseCache:
         cid = self._by_name.get(name)
         if cid is None:
             return None
-        if self._by_id[cid][1].get(rank) != raw_meta:
+        if self._by_id[cid].raws.get(rank) != raw_meta:
             return None
         return cid
 
@@ -43,6 +52,12 @@ class ResponseCache:
             return name, raws[rank], metas[rank]
         except KeyError:
             raise ProtocolError(f"rank {rank} referred to unknown cache entry {cid}") from None
+
+    def mark_used(self, cids: Iterable[int]) -> None:
+        """Mark entries that exist (just looked up) recently used, in this order."""
+        move = self._by_id.move_to_end
+        for cid in cids:
+            move(cid)
 
     def touch(self, cid: int) -> bool:
         """Mark ``cid`` recently used; False if it was evicted meanwhile."""
@@ -58,13 +73,13 @@ class ResponseCache:
         raws = {r: _raw(m) for r, m in metas.items()}
         cid = self._by_name.get(name)
         if cid is not None:
-            self._by_id[cid] = (name, raws, dict(metas))
+            self._by_id[cid] = CacheEntry(name, raws, dict(metas))
             self._by_id.move_to_end(cid)
             return
         cid = self._next_id
         self._next_id += 1
         self._by_name[name] = cid
-        self._by_id[cid] = (name, raws, dict(metas))
+        self._by_id[cid] = CacheEntry(name, raws, dict(metas))
         while len(self._by_id) > self.capacity:
             old_id, (old_name, _, _) = self._by_id.popitem(last=False)
             del self._by_name[old_name]

@@ -59,7 +59,7 @@ class SteadyRounds:
         first = messages[0].get("a")
         if not first or any(len(m) != 1 or m.get("a") != first for m in messages):
             return None
-        by_id = self.neg.cache._by_id
+        cache = self.neg.cache
         shortest = min(len(b) for b in blobs) if blobs else 0
         where = (len(first), _cid(first[0]), _cid(first[-1]))
         last = self._rounds.get(where)
@@ -77,8 +77,7 @@ class SteadyRounds:
                 resp = Response(kind, ps_id, list(names), list(metas), inline=inline)
                 resp.nbytes = nbytes
                 out.append(resp)
-            for cid in last[3]:  # recently used, in the order the general path touches them
-                by_id.move_to_end(cid)
+            cache.mark_used(last[3])  # in the order the general path touches them
             return out
         found = self._groups(first, blobs, shortest)
         if found is None:
@@ -87,8 +86,7 @@ class SteadyRounds:
         order = [a if type(a) is int else a[0] for a in first]
         if len(set(order)) != len(order):
             return None  # a name twice: the general path reports it
-        for cid in order:  # recently used, in the order the general path touches them
-            by_id.move_to_end(cid)
+        cache.mark_used(order)  # recently used, in the order the general path touches them
         if len(self._rounds) >= _ROUNDS_KEPT and where not in self._rounds:
             self._rounds.clear()
         self._rounds[where] = (self.neg.cache.version, first, [
@@ -101,7 +99,7 @@ class SteadyRounds:
         """The responses of a steady round's announcements (see :meth:`responses`)
         and, for each, where its inline data lies in the frames (or None); None where
         one of them needs the general path."""
-        by_id, memo = self.neg.cache._by_id, self._ids
+        get, memo = self.neg.cache.get, self._ids
         threshold = self.neg.fusion_threshold_bytes
         out: list[Response] = []
         spans: list[tuple[int, int] | None] = []
@@ -115,7 +113,7 @@ class SteadyRounds:
                 cid, span = ann[0], ann
             else:
                 return None
-            entry = by_id.get(cid)
+            entry = get(cid)
             if entry is None:
                 return None
             known = memo.get(cid)
@@ -131,7 +129,7 @@ class SteadyRounds:
                 off, length = span[1], span[2]
                 if blobs is None or off < 0 or length != nbytes or off + length > shortest:
                     raise ProtocolError("a rank sent inline data out of bounds")
-                resp = Response(kind, ps_id, [entry[0]], [entry[2]],
+                resp = Response(kind, ps_id, [entry.name], [entry.metas],
                                 inline=[b[off: off + length] for b in blobs])
                 resp.nbytes = nbytes
                 out.append(resp)
@@ -140,17 +138,17 @@ class SteadyRounds:
             if key is not None and threshold > 0:
                 group = open_groups.get(key)
                 if group is not None and group.nbytes + nbytes <= threshold:
-                    group.names.append(entry[0])
-                    group.metas.append(entry[2])
+                    group.names.append(entry.name)
+                    group.metas.append(entry.metas)
                     group.nbytes += nbytes
                     continue
-                group = Response(kind, ps_id, [entry[0]], [entry[2]])
+                group = Response(kind, ps_id, [entry.name], [entry.metas])
                 group.nbytes = nbytes
                 open_groups[key] = group
                 out.append(group)
                 spans.append(None)
                 continue
-            resp = Response(kind, ps_id, [entry[0]], [entry[2]])
+            resp = Response(kind, ps_id, [entry.name], [entry.metas])
             resp.nbytes = nbytes
             out.append(resp)
             spans.append(None)
@@ -160,7 +158,7 @@ class SteadyRounds:
               ) -> tuple[Kind, int, tuple[Any, ...] | None, int] | None:
         """(kind, process set, fusion key or None, bytes) of a cache entry, or None when
         its rounds must take the general path (not every rank of the job in it)."""
-        metas = entry[2]
+        metas = entry.metas
         meta = metas.get(0)
         if meta is None or len(metas) != self.neg.size \
                 or len(self.neg.process_sets.get(meta.ps_id, ())) != self.neg.size:
