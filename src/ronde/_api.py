@@ -124,47 +124,46 @@ def is_initialized() -> bool:
 
 #: the running job's runtime (raises NotInitializedError before init)
 runtime = _state.require
-_runtime_or_raise = _state.require
 
 
 def rank() -> int:
     """This process's rank, 0..size()-1."""
-    return _runtime_or_raise().topo.rank
+    return runtime().topo.rank
 
 
 def size() -> int:
     """Number of processes in the job."""
-    return _runtime_or_raise().topo.size
+    return runtime().topo.size
 
 
 def local_rank() -> int:
     """Rank among the processes on this host (use it to pin a device)."""
-    return _runtime_or_raise().topo.local_rank
+    return runtime().topo.local_rank
 
 
 def local_size() -> int:
     """Number of processes on this host."""
-    return _runtime_or_raise().topo.local_size
+    return runtime().topo.local_size
 
 
 def cross_rank() -> int:
     """Index of this host among the hosts that run a process with this local rank."""
-    return _runtime_or_raise().topo.cross_rank
+    return runtime().topo.cross_rank
 
 
 def cross_size() -> int:
     """Number of hosts that run a process with this local rank."""
-    return _runtime_or_raise().topo.cross_size
+    return runtime().topo.cross_size
 
 
 def is_homogeneous() -> bool:
     """True when every host runs the same number of processes."""
-    return _runtime_or_raise().topo.homogeneous
+    return runtime().topo.homogeneous
 
 
 def active_transport() -> str:
     """The transport of the global process set: ``shm``, ``tcp`` or ``self``."""
-    return _runtime_or_raise().transport
+    return runtime().transport
 
 
 # -- plumbing shared with the framework bindings -----------------------------------------
@@ -230,7 +229,7 @@ def as_array(tensor: Any, what: str) -> np.ndarray:
 def submit(kind: Kind, array: np.ndarray | None, name: str | None, process_set: ProcessSet | None,
            **kwargs: Any) -> Handle:
     """Hand one request to the engine and return its handle (bindings use this)."""
-    rt = _runtime_or_raise()
+    rt = runtime()
     ps_id, name = _scoped(rt, kind, name, process_set)
     req = Request(kind, name, array, ps_id=ps_id, **kwargs)
     return rt.engine.submit(req).handle
@@ -306,7 +305,7 @@ def allreduce_async(tensor: Any, average: bool | None = None, name: str | None =
     if resolved == ReduceOp.ADASUM:
         raise UnsupportedError("allreduce: op=Adasum is not supported yet; use Average or Sum")
     # the hot path of a training step (one call per gradient): no keyword forwarding
-    rt = _runtime_or_raise()
+    rt = runtime()
     ps_id, name = _scoped(rt, Kind.ALLREDUCE, name, process_set)
     req = Request(Kind.ALLREDUCE, name, arr, ps_id=ps_id, op=resolved,
                   prescale=prescale_factor, postscale=postscale_factor, out=out, alloc=alloc)
@@ -364,7 +363,7 @@ def alltoall_async(tensor: Any, splits: Sequence[int] | None = None, name: str |
     arr = as_array(tensor, "alltoall")
     if arr.ndim == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension")
-    rt = _runtime_or_raise()
+    rt = runtime()
     ps = process_set if process_set is not None else global_process_set
     n = len(ps.ranks) if ps.ranks is not None else rt.topo.size
     if splits is not None:
@@ -432,7 +431,7 @@ def join(device: int = -1, process_set: ProcessSet | None = None) -> int:
     allreduces with zeros, and ``Average`` still divides by the number of ranks in
     the set, as in Horovod. Other collectives fail with ``JoinedError`` meanwhile.
     """
-    rt = _runtime_or_raise()
+    rt = runtime()
     ps_id = _ps_id(process_set)
     req = Request(Kind.JOIN, f"join.{ps_id}", None, ps_id=ps_id)
     return int(rt.engine.submit(req).handle.wait())
@@ -441,7 +440,7 @@ def join(device: int = -1, process_set: ProcessSet | None = None) -> int:
 # -- process sets --------------------------------------------------------------------------
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     """Register a process set; every rank must call this with the same ranks."""
-    rt = _runtime_or_raise()
+    rt = runtime()
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     ranks = sorted(int(r) for r in ps.ranks or ())
     if not ranks or ranks[0] < 0 or ranks[-1] >= rt.topo.size or len(set(ranks)) != len(ranks):
@@ -454,7 +453,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a process set (collective over all ranks)."""
-    rt = _runtime_or_raise()
+    rt = runtime()
     if process_set.process_set_id in (None, 0):
         return False
     ps_id = process_set.process_set_id
@@ -473,13 +472,13 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """
     from . import _runtime
 
-    rt = _runtime_or_raise()
+    rt = runtime()
     _runtime.start_timeline(rt.engine, file_path, rt.topo.rank, mark_cycles)
 
 
 def stop_timeline() -> None:
     """Stop and close the timeline started by ``start_timeline`` or ``RONDE_TIMELINE``."""
-    rt = _runtime_or_raise()
+    rt = runtime()
     tl, rt.engine.timeline = rt.engine.timeline, None
     if tl is not None:
         tl.close()

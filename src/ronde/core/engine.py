@@ -428,9 +428,9 @@ class Engine:
                 r.t_announce = stamp
                 tl.phase(r.name, "QUEUE", r.t_submit or stamp, stamp)
         announced, blob = self._announce(reqs) if reqs else (None, b"")
-        out = rounds.Outgoing(announced, joins, ps_reqs, abort, ask,
-                              rounds.main_thread_stack() if send_stack else None, shut, waiting)
-        return out.encode(), blob
+        return rounds.outgoing(announced, joins, ps_reqs, abort, ask,
+                               rounds.main_thread_stack() if send_stack else None, shut,
+                               waiting), blob
 
     def _round(self, direct: list[Response] | None) -> None:
         """One negotiation round (hold ``_drive``). Responses whose data moves go to the

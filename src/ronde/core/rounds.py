@@ -15,7 +15,6 @@ import struct
 import sys
 import threading
 import traceback
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -212,37 +211,36 @@ _JSON_LEN = struct.Struct("!I")
 INLINE_ROUND_BYTES = 256 * 1024
 
 
-@dataclass
-class Outgoing:
-    """What this rank says in one round; :meth:`encode` gives the frame's JSON part.
+def outgoing(announced: Any, joins: list[int], ps_requests: list[Any],
+             abort: dict[str, Any] | None, ask_stacks: list[int], stack: str | None,
+             shutdown: bool, waiting: int | None) -> dict[str, Any]:
+    """The JSON part of what this rank says in one round (a key only when it says
+    something; one letter each, to keep frames small).
 
-    The keys, one letter to keep frames small, are read back by the negotiator
-    (``a``, ``j``, ``ps``, ``s``), the steady path (``a``), the crossed-collectives
-    watch (``w``) and the stall inspector (``x``, ``k``, ``st``); a key is present
-    only when it says something.
+    ``a`` new announcements (or cache ids) and ``j`` process sets joined, ``ps`` process
+    set requests, ``s`` shutting down: read by the negotiator (``a`` also by the steady
+    path); ``w`` only waiting, at this progress count: the crossed-collectives watch;
+    ``x`` rank 0 aborts stalled collectives, ``k`` ranks asked for their stacks, ``st``
+    my main thread's stack: the stall inspector. Called once per round: plain ``if``s.
     """
-
-    announced: Any = None      #: "a": new announcements (or cache ids)
-    joins: list[int] = field(default_factory=list)  #: "j": process sets joined
-    ps_requests: list[Any] = field(default_factory=list)  #: "ps": add/remove requests
-    abort: dict[str, Any] | None = None  #: "x": rank 0 aborts stalled collectives
-    ask_stacks: list[int] = field(default_factory=list)  #: "k": ranks asked for stacks
-    stack: str | None = None   #: "st": my main thread's stack, when asked
-    shutdown: bool = False     #: "s": I am shutting down
-    waiting: int | None = None  #: "w": I only wait, at this progress count
-
-    def encode(self) -> dict[str, Any]:
-        msg: dict[str, Any] = {}
-        for key, value in (("a", self.announced), ("j", self.joins),
-                           ("ps", self.ps_requests), ("x", self.abort),
-                           ("k", self.ask_stacks), ("st", self.stack)):
-            if value:
-                msg[key] = value
-        if self.shutdown:
-            msg["s"] = 1
-        if self.waiting is not None:
-            msg["w"] = self.waiting
-        return msg
+    msg: dict[str, Any] = {}
+    if announced:
+        msg["a"] = announced
+    if joins:
+        msg["j"] = joins
+    if ps_requests:
+        msg["ps"] = ps_requests
+    if abort:
+        msg["x"] = abort
+    if ask_stacks:
+        msg["k"] = ask_stacks
+    if stack:
+        msg["st"] = stack
+    if shutdown:
+        msg["s"] = 1
+    if waiting is not None:
+        msg["w"] = waiting
+    return msg
 
 
 def pack_round(msg: dict[str, Any], blob: bytes) -> bytes:

@@ -17,6 +17,14 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Sequence
 
 
+def divided(grad: Any, size: int) -> Any:
+    """``grad / size`` for a dense gradient of any framework, or a ``tf.IndexedSlices``
+    (its values divided, its indices kept)."""
+    if hasattr(grad, "indices") and hasattr(grad, "dense_shape"):
+        return type(grad)(grad.values / size, grad.indices, grad.dense_shape)
+    return grad / size
+
+
 def layer_variables(local_layers: Any, layer_type: type) -> list[Any]:
     """The trainable variables of ``local_layers`` (one layer, a collection, or None).
 
@@ -55,15 +63,16 @@ class LocalSources:
 
 def reduce_except_local(grads: Sequence[Any], sources: Sequence[Any], local: LocalSources,
                         reduce: Callable[[list[Any], list[Any]], list[Any]],
-                        scale: Callable[[Any], Any] | None) -> list[Any]:
-    """Reduce the gradients of non-local sources with ``reduce``; ``scale`` the rest.
+                        divide_by: int | None) -> list[Any]:
+    """Reduce the gradients of non-local sources with ``reduce``; divide the rest.
 
     Args:
         grads: one gradient (or None) per source.
         sources: the variables, in the same order.
         local: the worker-local variables.
         reduce: ``(grads, sources) -> reduced grads`` for the shared ones (one call).
-        scale: applied to each local gradient that is not None (None: keep as is).
+        divide_by: the set's size, each local gradient's divisor (None: kept as is,
+            ``scale_local_gradients=False``).
     """
     if not len(local):
         return reduce(list(grads), list(sources))
@@ -73,8 +82,8 @@ def reduce_except_local(grads: Sequence[Any], sources: Sequence[Any], local: Loc
         reduced = reduce([grads[i] for i in shared], [sources[i] for i in shared])
         for i, g in zip(shared, reduced):
             out[i] = g
-    if scale is not None:
+    if divide_by is not None:
         for i, v in enumerate(sources):
             if v in local and out[i] is not None:
-                out[i] = scale(out[i])
+                out[i] = divided(out[i], divide_by)
     return out

@@ -127,13 +127,9 @@ class _DistributedMixin:
     def _ronde_reduce(self, grads: list[Any], variables: Sequence[Any],
                       extra_post: float) -> list[Any]:
         o = self._ronde
-        scale = None
-        if o.scale_local:
-            size = set_size(o.process_set)
-            scale = lambda g: _divided(g, size)  # noqa: E731
         return reduce_except_local(grads, variables, o.local,
                                    lambda g, v: self._ronde_reduce_all(g, v, extra_post),
-                                   scale)
+                                   set_size(o.process_set) if o.scale_local else None)
 
     def _ronde_reduce_all(self, grads: list[Any], variables: Sequence[Any],
                           extra_post: float) -> list[Any]:
@@ -156,13 +152,6 @@ class _DistributedMixin:
         for i, out in zip(where, outs):
             result[i] = out
         return result
-
-
-def _divided(g: Any, size: int) -> Any:
-    values = getattr(g, "values", None)
-    if values is not None and hasattr(g, "indices") and hasattr(g, "dense_shape"):
-        return type(g)(values / size, g.indices, g.dense_shape)   # tf.IndexedSlices
-    return g / size
 
 
 def _label(v: Any, i: int) -> str:

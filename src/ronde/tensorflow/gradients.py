@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import tensorflow as tf
 
@@ -142,9 +142,9 @@ class _DistributedTapeMixin:
             return reduce_gradients(g, v, o["prefix"], o["op"], o["pre"], o["post"],
                                     o["compression"], o["sparse_as_dense"], o["process_set"])
 
-        scale = _divide_by(_api.set_size(o["process_set"])) if o["scale_local"] else None
+        size = _api.set_size(o["process_set"]) if o["scale_local"] else None
         reduced = reduce_except_local(flat_grads, flat_sources, self._ronde_local, reduce,
-                                      scale)
+                                      size)
         mark_reduced(reduced)
         return tf.nest.pack_sequence_as(grads, reduced, expand_composites=False)
 
@@ -158,14 +158,6 @@ class _DistributedTapeMixin:
         local = [(s, g) for s, g in zip(sources, grads) if s in self._ronde_local]
         shared = [(s, g) for s, g in zip(sources, grads) if s not in self._ronde_local]
         return local, shared
-
-
-def _divide_by(size: int) -> Callable[[Any], Any]:
-    def scale(g: Any) -> Any:
-        if isinstance(g, tf.IndexedSlices):
-            return tf.IndexedSlices(g.values / size, g.indices, g.dense_shape)
-        return g / size
-    return scale
 
 
 def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",

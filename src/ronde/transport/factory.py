@@ -27,7 +27,7 @@ from .._config import Config
 from .._errors import ConfigError
 from .base import Communicator, P2PCommunicator, SelfCommunicator
 
-#: what a builder needs to know about the job
+#: the engine's failure, or None while it runs
 Aborted = Callable[[], "BaseException | None"]
 
 

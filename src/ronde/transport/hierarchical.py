@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..collectives.allreduce import even_counts as _split
+from ..collectives.allreduce import even_counts
 from ..collectives.ops import ReduceOp
 from .base import Communicator
 
@@ -34,7 +34,7 @@ class HierarchicalCommunicator(Communicator):
         self.rank, self.size = flat.rank, flat.size
 
     def allreduce(self, buf: np.ndarray, op: ReduceOp) -> None:
-        counts = _split(buf.size, self.local.size)
+        counts = even_counts(buf.size, self.local.size)
         block = self.local.reducescatter(buf, counts, op)
         self.cross.allreduce(block, op)
         self.local.allgatherv(block, buf, counts)
