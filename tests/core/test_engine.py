@@ -7,6 +7,8 @@ import pytest
 
 from ronde import DuplicateNameError, JoinedError, TensorMismatchError
 from ronde.collectives.ops import ReduceOp
+from ronde.core import protocol
+from ronde.core.protocol import SILENT, RoundMessage
 from ronde.core.requests import Kind, Request
 
 pytestmark = pytest.mark.timeout(60)
@@ -49,8 +51,8 @@ def test_fused_groups_of_one_round_all_complete(engines):
 
 
 def _announce(neg, rank, names, nbytes_each=12, op=ReduceOp.SUM):
-    return {"a": [neg.encode_announcement(rank, n, ar(n, np.ones(nbytes_each // 4, np.float32),
-                                                       op).meta()) for n in names]}
+    return RoundMessage(tuple(neg.encode_announcement(
+        rank, n, ar(n, np.ones(nbytes_each // 4, np.float32), op).meta()) for n in names))
 
 
 def test_negotiator_fuses_compatible_tensors_up_to_the_threshold():
@@ -63,7 +65,8 @@ def test_negotiator_fuses_compatible_tensors_up_to_the_threshold():
     assert [r.names for r in out] == [names[0:3], names[3:6], names[6:7]]  # 3 x 12 B <= 40 B
     # different ops never share a buffer
     neg = Negotiator(2, {0: [0, 1]}, fusion_threshold_bytes=1 << 20, cache_capacity=16)
-    msgs = [{"a": _announce(neg, r, ["a"])["a"] + _announce(neg, r, ["b"], op=ReduceOp.MAX)["a"]}
+    msgs = [RoundMessage(_announce(neg, r, ["a"]).announced
+                         + _announce(neg, r, ["b"], op=ReduceOp.MAX).announced)
             for r in range(2)]
     assert [r.names for r in neg.apply_round(msgs)] == [["a"], ["b"]]
 
@@ -72,10 +75,10 @@ def test_negotiator_waits_for_every_rank_and_replays_from_cache():
     from ronde.core.negotiation import Negotiator
 
     neg = Negotiator(2, {0: [0, 1]}, fusion_threshold_bytes=1 << 20, cache_capacity=16)
-    assert neg.apply_round([_announce(neg, 0, ["x"]), {}]) == []
-    assert [r.names for r in neg.apply_round([{}, _announce(neg, 1, ["x"])])] == [["x"]]
+    assert neg.apply_round([_announce(neg, 0, ["x"]), SILENT]) == []
+    assert [r.names for r in neg.apply_round([SILENT, _announce(neg, 1, ["x"])])] == [["x"]]
     again = _announce(neg, 0, ["x"])
-    assert again == {"a": [0]}  # only the cache id travels now
+    assert protocol.encode(again) == {"a": [0]}  # only the cache id travels now
     assert [r.names for r in neg.apply_round([again, _announce(neg, 1, ["x"])])] == [["x"]]
 
 
@@ -90,7 +93,7 @@ def test_response_cache_announces_ids_on_repeat(engines):
     raw = g.engines[0].submit  # noqa: F841 - the cache hit path is exercised below
     enc = g.engines[0].negotiator.encode_announcement(
         0, "w", ar("w", np.ones(4)).meta())
-    assert isinstance(enc, int)
+    assert isinstance(enc, protocol.ById)
 
 
 @pytest.mark.parametrize("field", ["shape", "dtype", "op"])
@@ -181,10 +184,10 @@ def test_cache_entry_evicted_in_the_round_that_completes_it():
     neg = Negotiator(2, {0: [0, 1]}, fusion_threshold_bytes=0, cache_capacity=2)
     for name in ("x", "y"):  # the cache is full: x is the least recently used
         neg.apply_round([_announce(neg, 0, [name]), _announce(neg, 1, [name])])
-    assert neg.apply_round([_announce(neg, 0, ["w"]), {}]) == []  # w waits for rank 1
+    assert neg.apply_round([_announce(neg, 0, ["w"]), SILENT]) == []  # w waits for rank 1
     x0, x1 = _announce(neg, 0, ["x"]), _announce(neg, 1, ["x"])
-    assert x0 == x1 == {"a": [0]}
-    out = neg.apply_round([x0, {"a": _announce(neg, 1, ["w"])["a"] + x1["a"]}])
+    assert protocol.encode(x0) == protocol.encode(x1) == {"a": [0]}
+    out = neg.apply_round([x0, RoundMessage(_announce(neg, 1, ["w"]).announced + x1.announced)])
     assert [(r.names, r.error) for r in out] == [(["w"], None), (["x"], None)]
     assert neg.cached_id(0, "x", ar("x", np.ones(3, np.float32)).meta()) is not None
 
@@ -213,7 +216,7 @@ def test_steady_round_gives_what_the_general_path_gives():
 
     def run(fast: bool):
         neg = Negotiator(2, {0: [0, 1]}, fusion_threshold_bytes=100, cache_capacity=8)
-        steady, groups = neg.steady.responses, neg.steady._groups
+        steady, groups = neg.steady.replay, neg.steady._from_templates
         taken, worked_out = [], []
 
         def counted(*a):
@@ -225,7 +228,7 @@ def test_steady_round_gives_what_the_general_path_gives():
             worked_out.append(len(taken))
             return groups(*a)
 
-        neg.steady.responses, neg.steady._groups = counted, counted_groups
+        neg.steady.replay, neg.steady._from_templates = counted, counted_groups
         announcers = [rounds.Announcer(neg.cache, r, 16) for r in range(2)]
         names = [f"t{i}" for i in range(6)]
         seen = []
@@ -238,11 +241,11 @@ def test_steady_round_gives_what_the_general_path_gives():
             msgs, blobs = [], []
             for r in range(2):
                 if fast:
-                    ann, blob = announcers[r](reqs[r])
+                    ann, _, blob = announcers[r](reqs[r])
                 else:
                     ann, blob = rounds.announcements(
                         reqs[r], lambda n, raw, r=r: neg.cached_id(r, n, raw), 16)
-                msgs.append({"a": ann})
+                msgs.append(RoundMessage(tuple(ann)))
                 blobs.append(bytes(blob))
             out = neg.apply_round(msgs, blobs)
             seen.append([(r.names, r.inline) for r in out])
@@ -252,9 +255,10 @@ def test_steady_round_gives_what_the_general_path_gives():
     assert fast[:2] == slow[:2]
     # the shortcut ran once the ids were cached, and again once the changed one was
     assert fast[2] == [False, True, True, False, True, True]
-    # tried at steps 0 and 3 (new metadata: the general path), worked out at 1 and 4,
-    # replayed from the memo at 2 and 5
-    assert fast[3] == [0, 1, 3, 4]
+    # the general path at steps 0 and 3 (new metadata; it records what the next round
+    # replays): the per-id templates are consulted at 1 and 4 (answering) and at 3
+    # (t1 has none, so the general path runs); 2 and 5 replay whole from the round memo
+    assert fast[3] == [1, 3, 4]
     inline = [next(tuple(b) for _, b in step if b) for step in fast[0][1:]]
     assert len(set(inline)) == len(inline) == 5  # inline data every step, fresh bytes
     assert any(len(names) > 1 for step in fast[0] for names, _ in step)  # and fusion
@@ -276,20 +280,21 @@ def test_small_allreduces_fuse_into_a_larger_one_of_their_message_instead_of_inl
         return neg.cached_id(0, n, raw)
 
     # make every name known to the cache (inline data rides only with cached ids)
-    msgs = [{"a": rounds.announcements(small + [other, big], cached, 16)[0]}] * 2
+    msgs = [RoundMessage(tuple(rounds.announcements(small + [other, big], cached, 16)[0]))] * 2
     assert len(neg.apply_round(msgs, [b"", b""])) >= 1
     alone, blob = rounds.announcements(small, cached, 16)
-    assert all(isinstance(a, list) for a in alone) and len(blob) == 48  # inline
+    assert all(isinstance(a, protocol.Inline) for a in alone) and len(blob) == 48  # inline
     mixed, blob = rounds.announcements(small + [other, big], cached, 16)
-    assert all(isinstance(a, int) for a in mixed[:3])  # fused with "big" instead
-    assert isinstance(mixed[3], list) and len(blob) == 16  # the int32 one is inline
-    assert isinstance(mixed[4], int)
+    assert all(isinstance(a, protocol.ById) for a in mixed[:3])  # fused with "big" instead
+    assert isinstance(mixed[3], protocol.Inline) and len(blob) == 16  # the int32 one is inline
+    assert isinstance(mixed[4], protocol.ById)
 
     # ranks that decided differently (their messages differed) still agree on the result:
     # the tensors move through the data path, fused, with no inline data
     inline_msg, inline_blob = rounds.announcements(small, cached, 16)
-    plain = [neg.cached_id(1, r.name, r.meta()) for r in small]
-    out = neg.apply_round([{"a": inline_msg}, {"a": plain}], [inline_blob, b""])
+    plain = tuple(protocol.ById(neg.cached_id(1, r.name, r.meta())) for r in small)
+    out = neg.apply_round([RoundMessage(tuple(inline_msg)), RoundMessage(plain)],
+                          [inline_blob, b""])
     assert [r.inline for r in out] == [None] and out[0].names == ["s0", "s1", "s2"]
 
 
@@ -299,7 +304,7 @@ def test_fused_groups_run_as_one_only_on_the_single_copy_path_and_with_fusion_on
     # RONDE_FUSION_THRESHOLD=0 ("no fusion") must keep every allreduce on its own.
     from ronde._config import load
     from ronde.core.executor import Executor
-    from ronde.core.negotiation import Response
+    from ronde.core.negotiation import Response, fusion_key
     from ronde.core.requests import Meta
 
     class Comm:
@@ -323,8 +328,11 @@ def test_fused_groups_run_as_one_only_on_the_single_copy_path_and_with_fusion_on
 
     meta = Meta(ar("x", np.ones(1 << 16, np.float32)).meta())
 
-    def responses():
-        return [Response(Kind.ALLREDUCE, 0, [n], [{0: meta, 1: meta}]) for n in "abc"]
+    def responses():  # as the negotiator agrees them: each with its fusion key
+        out = [Response(Kind.ALLREDUCE, 0, [n], [{0: meta, 1: meta}]) for n in "abc"]
+        for r in out:
+            r.fuse_key = fusion_key(0, meta)
+        return out
 
     ex = Executor(Eng("64MiB"))
     ex.dispatch(responses(), None)

@@ -14,11 +14,18 @@ import pytest
 
 from ronde import ProtocolError, RondeError
 from ronde.core.rounds import FrameReader as _FrameReader
-from ronde.core.rounds import pack_round as _pack_round
-from ronde.core.rounds import unpack_round as _unpack_round
+from ronde.core.protocol import SILENT, from_wire
+from ronde.core.protocol import unpack_round as _unpack_round
+from ronde.transport import wire
 from ronde.core.negotiation import Negotiator
 from ronde.core.requests import Kind, Request
 from ronde.runner.rendezvous import RendezvousServer, register
+
+
+def _pack_round(msg: object, blob: bytes) -> bytes:
+    """A round payload with any JSON part, as a hostile peer could send it."""
+    body = wire.dumps(msg)
+    return struct.pack("!I", len(body)) + body + blob
 
 pytestmark = pytest.mark.timeout(120)
 N_FRAMES = 10_000
@@ -52,12 +59,12 @@ def test_negotiation_decoder_survives_random_and_mutated_messages():
     warm = [Request(Kind.ALLREDUCE, f"t{i}", np.ones(1, np.float32)).meta() for i in range(3)]
     for i in range(N_FRAMES):
         neg = Negotiator(2, {0: [0, 1]}, 1 << 20, 8)
-        neg.apply_round([{"a": [[f"t{j}", m] for j, m in enumerate(warm)]}] * 2)  # cache ids 0..2
+        neg.apply_round([from_wire({"a": [[f"t{j}", m] for j, m in enumerate(warm)]})] * 2)  # ids 0..2
         base = _valid_round(rng)
         payload = os.urandom(rng.randint(0, 64)) if i % 3 == 0 else _mutate(base, rng)
         try:
             msg, blob = _unpack_round(payload, 1)
-            neg.apply_round([{}, msg], [b"", blob])
+            neg.apply_round([SILENT, msg], [b"", blob])
             accepted += 1
         except RondeError:
             pass  # the only acceptable failure: a typed, named protocol error
@@ -84,7 +91,7 @@ def test_negotiation_survives_well_formed_json_with_hostile_fields():
         try:
             payload = _pack_round(msg, b"")  # type: ignore[arg-type]
             m, blob = _unpack_round(payload, 1)
-            neg.apply_round([good, m], [b"", blob])
+            neg.apply_round([from_wire(good), m], [b"", blob])
         except RondeError:
             pass
 

@@ -9,7 +9,7 @@ import tempfile
 import pytest
 
 from ronde._errors import ProtocolError
-from ronde.core import rounds
+from ronde.core import protocol, rounds
 from ronde.transport import mailbox, wire
 from ronde.transport.mailbox import Mailboxes
 
@@ -90,8 +90,8 @@ def test_frame_reader_skips_doorbells():
     x, y = socket.socketpair()
     try:
         reader = rounds.FrameReader(y)
-        frame = wire.encode_frame(rounds.KIND_ROUND, b"payload")
-        x.sendall(rounds.DOORBELL + rounds.DOORBELL + frame + rounds.DOORBELL)
+        frame = wire.encode_frame(protocol.KIND_ROUND, b"payload")
+        x.sendall(protocol.DOORBELL + protocol.DOORBELL + frame + protocol.DOORBELL)
         reader.fill()
         assert reader.has_frame()
         assert reader.peek() == b"payload"
@@ -107,7 +107,7 @@ def test_a_doorbell_with_a_payload_is_a_protocol_error():
     x, y = socket.socketpair()
     try:
         reader = rounds.FrameReader(y)
-        x.sendall(wire.encode_frame(rounds.KIND_DOORBELL, b"junk"))
+        x.sendall(wire.encode_frame(protocol.KIND_DOORBELL, b"junk"))
         reader.fill()
         with pytest.raises(ProtocolError):
             reader.has_frame()
@@ -161,10 +161,10 @@ def test_a_peer_that_posts_its_last_round_and_exits_is_not_lost(pair, monkeypatc
     monkeypatch.setattr(a, "take", late_take)
     try:
         ex = Exchange(0, {1: x}, a, load({"RONDE_SPIN_TIME": "0"}), str)
-        b.post(1, rounds.pack_round({"s": 1}, b"tail"))
+        b.post(1, protocol.pack_round(protocol.RoundMessage(shutdown=True), b"tail"))
         y.close()
-        messages, blobs = [{}, {}], [b"", b""]
-        ex.run(1, rounds.pack_round({}, b""), messages, blobs, lambda: None, set())
-        assert messages[1] == {"s": 1} and blobs[1] == b"tail"
+        messages, blobs = [protocol.SILENT] * 2, [b"", b""]
+        ex.run(1, protocol.pack_round(protocol.SILENT), messages, blobs, lambda: None, set())
+        assert messages[1].shutdown and blobs[1] == b"tail"
     finally:
         x.close()

@@ -46,6 +46,10 @@ class ResponseCache:
             return None
         return cid
 
+    def id_of(self, name: str) -> int | None:
+        """The id ``name`` is cached under, or None."""
+        return self._by_name.get(name)
+
     def expand(self, cid: int, rank: int) -> tuple[str, list[Any], Meta]:
         try:
             name, raws, metas = self._by_id[cid]

@@ -4,7 +4,7 @@ Where it sits in the engine cycle: each rank's control thread asks its
 :class:`WaitWatch` every 0.25 s whether the rank is only *waiting*: a thread sleeps on a
 collective's handle, nothing was submitted or completed for ``RONDE_DEADLOCK_TIME``, and
 the process used almost no CPU meanwhile (a thread still computing may yet submit what
-the others wait for). Then the rank says so once in its next round frame (``w``, with the
+the others wait for). Then the rank says so once in its next round frame (``RoundMessage.waiting``: the
 negotiator's progress count it saw). Every rank's :class:`~.negotiation.Negotiator` applies
 :func:`responses` to each round: once every rank is waiting (or shut down) while
 collectives are pending, none of them can ever complete, and the same pending entries fail
@@ -16,8 +16,9 @@ ranks make progress.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from .protocol import RoundMessage
 from .requests import KIND_NAMES, WAITERS, Kind
 from .responses import Response
 
@@ -65,11 +66,11 @@ def ps_request_name(action: str, key: tuple[int, ...]) -> str:
     return f"process_set.add.{list(key)}" if action == "add" else f"process_set.{action}.{key[0]}"
 
 
-def responses(neg: "Negotiator", messages: list[dict[str, Any]],
+def responses(neg: "Negotiator", messages: list[RoundMessage],
               out: list[Response]) -> list[Response]:
     """Crossed collectives: fail pending entries once every rank is only waiting.
 
-    A rank's ``w`` (it has slept on a handle for ``RONDE_DEADLOCK_TIME`` with nothing
+    A rank's ``waiting`` (it has slept on a handle for ``RONDE_DEADLOCK_TIME`` with nothing
     submitted or completed and its CPU idle) holds until a round produces any
     response or the rank announces something; it counts only if it was sent knowing
     every response so far (its value is the ``progress`` count it saw). When every
@@ -83,7 +84,7 @@ def responses(neg: "Negotiator", messages: list[dict[str, Any]],
     nothing else is left.
     """
     for rank, msg in enumerate(messages):
-        if msg.get("a") or msg.get("j") or msg.get("ps"):
+        if msg.moves():
             neg.waiting.discard(rank)
     if out:
         neg.progress += 1
@@ -91,9 +92,7 @@ def responses(neg: "Negotiator", messages: list[dict[str, Any]],
         neg.waiting_armed = False
         return []
     for rank, msg in enumerate(messages):
-        seen = msg.get("w")
-        if seen is not None and not (msg.get("a") or msg.get("j") or msg.get("ps")) \
-                and seen == neg.progress:
+        if msg.waiting is not None and msg.waiting == neg.progress and not msg.moves():
             neg.waiting.add(rank)
     if not (neg.entries or neg.ps_votes) \
             or len(neg.waiting | neg.shutdown) < neg.size:

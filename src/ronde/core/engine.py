@@ -37,7 +37,7 @@ from ..transport.base import Communicator
 from .exchange import Exchange
 from .executor import Executor
 from .negotiation import Negotiator, Response
-from . import crossed, rounds
+from . import crossed, protocol, rounds
 from .requests import WAITERS, Kind, Request
 from .stall import StallInspector
 from .timeline import Timeline, now_us
@@ -63,8 +63,8 @@ class Engine:
         self._pending: dict[str, Request] = {}
         self._outbox: list[Request] = []
         self._joins: list[int] = []
-        self._ps_requests: list[list[Any]] = []
-        self._abort_msg: dict[str, Any] | None = None
+        self._ps_requests: list[protocol.ProcessSetRequest] = []
+        self._abort_msg: protocol.Abort | None = None
         self._shutdown_requested = False
         self._shutdown_announced = False
         self._shutdown_at = 0.0
@@ -176,7 +176,8 @@ class Engine:
             if req.name in self._pending:
                 raise DuplicateNameError(f"{req.name!r} is already pending")
             self._pending[req.name] = req
-            self._ps_requests.append([action, arg])
+            self._ps_requests.append(protocol.ProcessSetRequest(
+                action, tuple(sorted(arg)) if action == "add" else (arg,)))
         self.wake()
         return req
 
@@ -408,7 +409,7 @@ class Engine:
         while not self.executor.idle() and time.monotonic() < deadline and self._error is None:
             time.sleep(0.001)
 
-    def _build_message(self) -> tuple[dict[str, Any], bytes]:
+    def _build_message(self) -> tuple[protocol.RoundMessage, bytes]:
         with self._lock:
             reqs, self._outbox = self._outbox, []
             joins, self._joins = self._joins, []
@@ -427,21 +428,21 @@ class Engine:
             for r in reqs:
                 r.t_announce = stamp
                 tl.phase(r.name, "QUEUE", r.t_submit or stamp, stamp)
-        announced, blob = self._announce(reqs) if reqs else (None, b"")
-        return rounds.outgoing(announced, joins, ps_reqs, abort, ask,
-                               rounds.main_thread_stack() if send_stack else None, shut,
-                               waiting), blob
+        announced, wired, blob = self._announce(reqs) if reqs else ((), None, b"")
+        return protocol.RoundMessage(announced, tuple(joins), tuple(ps_reqs), abort, tuple(ask),
+                                     rounds.main_thread_stack() if send_stack else None, shut,
+                                     waiting, wire_announced=wired), blob
 
     def _round(self, direct: list[Response] | None) -> None:
         """One negotiation round (hold ``_drive``). Responses whose data moves go to the
         executor, or into ``direct`` when the caller may run them itself (see
         :meth:`Executor.claim`)."""
         msg, blob = self._build_message()
-        messages: list[dict[str, Any]] = [{} for _ in range(self.size)]
+        messages = [protocol.SILENT] * self.size
         blobs: list[bytes] = [b""] * self.size
         messages[self.rank], blobs[self.rank] = msg, blob
         if self.exchange.readers:
-            self.exchange.run(self._rounds + 1, rounds.pack_round(msg, blob), messages,
+            self.exchange.run(self._rounds + 1, protocol.pack_round(msg, blob), messages,
                               blobs, self._reraise_error, self.negotiator.shutdown)
         self._rounds += 1
         responses = self.negotiator.apply_round(messages, blobs)
@@ -456,16 +457,14 @@ class Engine:
                         if req is not None and req.t_announce:
                             tl.phase(name, "NEGOTIATE", req.t_announce, stamp,
                                      {"error": resp.error} if resp.error else None)
-        if self.rank in (messages[0].get("k") or ()):
+        if self.rank in messages[0].ask_stacks:
             self._send_stack = True
             self.wake()
         for r, m in enumerate(messages):
-            if isinstance(m.get("st"), str) and self.rank == 0:
-                self.stall.record_stack(r, m["st"])
-        for m in messages:
-            if m.get("x"):
-                x = m["x"]
-                responses = self.negotiator.abort(x.get("names", []), str(x.get("message")),
+            if m.stack and self.rank == 0:
+                self.stall.record_stack(r, m.stack)
+            if m.abort:
+                responses = self.negotiator.abort(m.abort.names, m.abort.message,
                                                   "stall") + responses
         self.executor.dispatch(responses, direct)
 

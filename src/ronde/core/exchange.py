@@ -34,7 +34,7 @@ from typing import Any, Callable
 from .._config import Config
 from .._errors import PeerLostError
 from ..transport import mailbox, wire
-from . import rounds
+from . import protocol, rounds
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ class Exchange:
         self.cfg = cfg
         self.describe_rank = describe_rank
         self.readers = {r: rounds.FrameReader(s) for r, s in ctl_socks.items()}
+        self.decoder = protocol.Decoder()
         for s in ctl_socks.values():
             s.setblocking(False)
         self.mailboxes = mailboxes
@@ -102,7 +103,7 @@ class Exchange:
                 mb.set_sleeping(False)
 
     # -- one round ------------------------------------------------------------------------
-    def run(self, round_no: int, payload: bytes, messages: list[dict[str, Any]],
+    def run(self, round_no: int, payload: bytes, messages: list[protocol.RoundMessage],
             blobs: list[bytes], failed: Callable[[], BaseException | None],
             shut_down: set[int]) -> None:
         """Send ``payload`` as this rank's frame of ``round_no`` to every live peer and
@@ -112,7 +113,7 @@ class Exchange:
         local = {r for r in live if mb is not None and r in mb.peers}
         remote = [r for r in live if r not in local]
         # the socket frame (a copy of the payload) only when some peer needs it
-        frame = (wire.encode_frame(rounds.KIND_ROUND, payload)
+        frame = (wire.encode_frame(protocol.KIND_ROUND, payload)
                  if remote or (local and len(payload) > mailbox.SLOT_BYTES) else b"")
         to_send = {r: memoryview(frame) for r in remote}
         via_socket = set(remote)  # peers whose frame this round comes over the socket
@@ -121,7 +122,7 @@ class Exchange:
             if mb.post(round_no, payload):
                 mailbox.fence()
                 for r in local.intersection(mb.sleepers()):
-                    to_send[r] = memoryview(rounds.DOORBELL)
+                    to_send[r] = memoryview(protocol.DOORBELL)
             else:
                 for r in local:
                     to_send[r] = memoryview(frame)
@@ -134,7 +135,7 @@ class Exchange:
             for r in list(to_recv):
                 got = self._take(r, round_no, via_socket)
                 if got is not None:
-                    messages[r], blobs[r] = rounds.unpack_round(got, r)
+                    messages[r], blobs[r] = self.decoder.unpack(got, r)
                     to_recv.discard(r)
                     self._check_notice(messages[r], r)
             if not (to_send or to_recv):
@@ -188,7 +189,7 @@ class Exchange:
             return reader.pop()
         early = reader.peek()  # before the mailbox says "on the socket": only a notice
         if early is not None:
-            self._check_notice(rounds.unpack_round(early, r)[0], r)
+            self._check_notice(protocol.unpack_round(early, r)[0], r)
         got = self.mailboxes.take(r, round_no)  # type: ignore[union-attr]
         if got is None:
             return None
@@ -226,14 +227,14 @@ class Exchange:
                 return r
         raise KeyError(sock)
 
-    def _check_notice(self, msg: dict[str, Any], r: int) -> None:
+    def _check_notice(self, msg: protocol.RoundMessage, r: int) -> None:
         """A peer's failure notice ("rank X was lost") ends this rank the same way."""
-        notice = msg.get("f")
+        notice = msg.notice
         if notice:
-            lost = int(notice[0]) if notice[0] is not None else r
+            lost = notice.rank if notice.rank is not None else r
             raise PeerLostError(
                 f"rank {self.describe_rank(lost)} was lost (rank {r} reports: "
-                f"{notice[1]})", rank=lost)
+                f"{notice.message})", rank=lost)
 
     def peer_closed(self, r: int, shut_down: set[int]) -> None:
         if r in shut_down:
@@ -247,8 +248,8 @@ class Exchange:
     def tell_peers(self, exc: PeerLostError) -> None:
         """Before leaving, tell every live peer which rank was lost, so that they blame
         that rank rather than this one when this process exits."""
-        frame = wire.encode_frame(rounds.KIND_ROUND,
-                                  rounds.pack_round({"f": [exc.rank, str(exc)]}, b""))
+        frame = wire.encode_frame(protocol.KIND_ROUND, protocol.pack_round(
+            protocol.RoundMessage(notice=protocol.Notice(exc.rank, str(exc)))))
         for r, reader in self.readers.items():
             if r in self.gone or r == exc.rank:
                 continue

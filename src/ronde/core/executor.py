@@ -24,8 +24,8 @@ from ..collectives.ops import ReduceOp
 from ..collectives import fusion
 from ..collectives.allreduce import even_counts
 from ..transport.strategies import AllreducePlan, run_allreduce
-from . import inline as inline_mod
-from .negotiation import Response, any_meta, fusion_key
+from . import inline as inline_mod, planner
+from .negotiation import Response, any_meta
 from .requests import Kind, Meta, Request, resolve_dtype
 from .timeline import now_us
 
@@ -140,25 +140,13 @@ class Executor:
                 self.engine.fail_from_executor(exc, part)
 
     def _parts(self, item: Response) -> list[Response]:
-        """What to run for ``item``: itself, and the fused groups that follow it (see
-        :meth:`dispatch`) either one by one or, when the single-copy allreduce will
-        take them, as one operation (no fusion buffer is involved there, so the fusion
-        threshold has nothing to bound: one operation saves a synchronisation and a
-        table exchange per group). Decided here, in the agreed order of execution,
-        from state that every rank has at this same point: the same on every rank."""
-        followers = item.followers
-        if not followers:
-            return [item]
-        item.followers = None
-        group = [item, *followers]
+        """What to run for ``item`` (``planner.parts``): with its followers as one
+        operation where this rank's communicator takes them so."""
         eng = self.engine
         comm = (eng.communicator(item.ps_id)
-                if eng.rank in eng.process_set_members(item.ps_id) else None)
-        tensors = sum(len(r.names) for r in group)
-        if comm is not None and comm.fuses_round(sum(_nbytes(r) for r in group), tensors):
-            return [Response(item.kind, item.ps_id, [n for r in group for n in r.names],
-                             [m for r in group for m in r.metas])]
-        return group
+                if item.followers and eng.rank in eng.process_set_members(item.ps_id)
+                else None)
+        return planner.parts(item, comm.fuses_round if comm is not None else None)
 
     def _loop(self) -> None:
         while True:
@@ -243,22 +231,8 @@ class Executor:
         can run with the one before it (same process set, dtype, op and scales, with
         only inline ones between) rides along as that one's follower (:meth:`_parts`);
         followers are attached before anything is handed out."""
-        plan: list[Response] = []
-        lead: Response | None = None
-        lead_key: tuple[Any, ...] | None = None
-        fusing = self.engine.cfg.fusion_threshold_bytes > 0  # 0: no fusion at all
-        for resp in responses:
-            if resp.inline is not None:
-                plan.append(resp)
-                continue
-            key = _follow_key(resp) if fusing else None
-            if lead is not None and key is not None and key == lead_key:
-                if lead.followers is None:
-                    lead.followers = []
-                lead.followers.append(resp)
-                continue
-            lead, lead_key = (resp, key) if key is not None else (None, None)
-            plan.append(resp)
+        # 0: no fusion at all
+        plan = planner.chain(responses, self.engine.cfg.fusion_threshold_bytes > 0)
         inline: list[Response] = []
         for resp in plan:
             if resp.inline is not None:
@@ -412,20 +386,6 @@ def _device_backend(resp: Response) -> Any:
                          "tensors, but no device backend is registered in this process "
                          "(import the framework binding, e.g. ronde.torch, on every rank)")
     return found
-
-
-def _nbytes(resp: Response) -> int:
-    if resp.nbytes >= 0:
-        return resp.nbytes
-    return sum(any_meta(m).nbytes for m in resp.metas)
-
-
-def _follow_key(resp: Response) -> tuple[Any, ...] | None:
-    """What makes two fused allreduces of one round candidates to run as one."""
-    if resp.kind != Kind.ALLREDUCE or resp.error or resp.joined or not resp.metas:
-        return None
-    meta = any_meta(resp.metas[0])
-    return None if meta.device else fusion_key(resp.ps_id, meta)
 
 
 _HANDLERS: dict[Kind, Callable[..., None]] = {

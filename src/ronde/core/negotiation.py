@@ -12,7 +12,7 @@ per-rank metadata is remembered under a small integer id, and later announcement
 of the same name with the same metadata send only that id.
 
 Small cached allreduces can go further: a rank may attach the tensor's bytes to its
-announcement (``[cid, offset, length]`` into the round frame's binary section). When
+announcement (:class:`~.protocol.Inline`: a span of the round frame's binary part). When
 every member attached its bytes, the response carries them (``inline``) and each
 rank reduces them itself, in rank order: one message exchange in all, no data-plane
 round trip. Otherwise the executor runs the collective as usual.
@@ -26,10 +26,11 @@ from typing import Any, Iterable
 
 from .._errors import ProtocolError, RondeError
 from .cache import ResponseCache
+from .protocol import ById, ByName, Inline, ProcessSetRequest, RoundMessage, check_inline
 from .requests import KIND_NAMES, Kind, Meta, describe
 from .responses import Response, any_meta, fusion_key  # noqa: F401 - re-exported
-from . import crossed
-from .steady import SteadyRounds
+from . import crossed, planner
+from .steady import SteadyMemo
 
 log = logging.getLogger(__name__)
 
@@ -68,19 +69,20 @@ class Negotiator:
         self.ps_votes: dict[tuple[str, tuple[int, ...]], set[int]] = {}
         self._next_ps_id = max(process_sets) + 1 if process_sets else 1
         self.round = 0
-        #: training's steady state, worked out without table entries (steady.py)
-        self.steady = SteadyRounds(self)
+        #: training's steady state: a memo in front of the general path (steady.py)
+        self.steady = SteadyMemo(self)
 
     # -- building my message -------------------------------------------------------
-    def encode_announcement(self, rank: int, name: str, raw_meta: list[Any]) -> Any:
+    def encode_announcement(self, rank: int, name: str, raw_meta: list[Any]
+                            ) -> ById | ByName:
         cid = self.cache.lookup(name, rank, raw_meta)
-        return cid if cid is not None else [name, raw_meta]
+        return ById(cid) if cid is not None else ByName(name, raw_meta)
 
     def cached_id(self, rank: int, name: str, raw_meta: list[Any]) -> int | None:
         return self.cache.lookup(name, rank, raw_meta)
 
     # -- applying a round ------------------------------------------------------------
-    def apply_round(self, messages: list[dict[str, Any]],
+    def apply_round(self, messages: list[RoundMessage],
                     blobs: list[bytes] | None = None) -> list[Response]:
         """Apply every rank's message of this round (index = rank); return responses.
 
@@ -96,37 +98,36 @@ class Negotiator:
                 OverflowError) as exc:
             raise ProtocolError(f"malformed negotiation message: {exc!r}") from None
 
-    def _apply_round(self, messages: list[dict[str, Any]],
+    def _apply_round(self, messages: list[RoundMessage],
                      blobs: list[bytes] | None) -> list[Response]:
         self.round += 1
-        fast = self.steady.responses(messages, blobs)
-        if fast is not None:
-            if fast:
-                self.progress += 1
-                if self.waiting:
-                    self.waiting.clear()
-            return fast
+        out = self.steady.replay(messages, blobs)
+        if out is None:
+            out = self._general(messages, blobs)
+        out.extend(self._crossed(messages, out))
+        return out
+
+    def _general(self, messages: list[RoundMessage],
+                 blobs: list[bytes] | None) -> list[Response]:
+        """The general path: table entries, validation, the cache, process sets, joins."""
         out: list[Response] = []
         # Expand cache ids against the state at the start of the round, before any update.
         expanded: list[list[tuple[str, Meta, int | None, bytes | None]]] = []
         for rank, msg in enumerate(messages):
             items: list[tuple[str, Meta, int | None, bytes | None]] = []
             blob = blobs[rank] if blobs is not None else b""
-            for ann in msg.get("a", ()):
-                if isinstance(ann, int):
-                    name, _, meta = self.cache.expand(ann, rank)
-                    items.append((name, meta, ann, None))
-                elif isinstance(ann, list) and len(ann) == 2 and isinstance(ann[0], str):
-                    items.append((ann[0], Meta(ann[1]), None, None))
-                elif (isinstance(ann, list) and len(ann) == 3
-                      and all(isinstance(v, int) for v in ann)):
-                    cid, off, length = ann
-                    name, _, meta = self.cache.expand(cid, rank)
-                    if off < 0 or length != meta.nbytes or off + length > len(blob):
-                        raise ProtocolError(f"rank {rank} sent inline data out of bounds")
-                    items.append((name, meta, cid, blob[off: off + length]))
+            for ann in msg.announced:
+                if type(ann) is ById:
+                    name, _, meta = self.cache.expand(ann.cid, rank)
+                    items.append((name, meta, ann.cid, None))
+                elif type(ann) is ByName:
+                    items.append((ann.name, Meta(ann.raw), None, None))
                 else:
-                    raise ProtocolError(f"malformed announcement from rank {rank}")
+                    assert type(ann) is Inline
+                    name, _, meta = self.cache.expand(ann.cid, rank)
+                    check_inline(ann, meta.nbytes, len(blob), f"rank {rank}")
+                    items.append((name, meta, ann.cid,
+                                  blob[ann.offset: ann.offset + ann.length]))
             expanded.append(items)
         for rank, items in enumerate(expanded):
             for idx, (name, meta, cid, data) in enumerate(items):
@@ -143,15 +144,14 @@ class Negotiator:
                 if data is not None:
                     entry.data[rank] = data
         for rank, msg in enumerate(messages):
-            for ps_id in msg.get("j", ()):
-                self.joined.setdefault(int(ps_id), {})[rank] = self.round
-            if msg.get("s"):
+            for ps_id in msg.joins:
+                self.joined.setdefault(ps_id, {})[rank] = self.round
+            if msg.shutdown:
                 self.shutdown.add(rank)
-            for req in msg.get("ps", ()):
+            for req in msg.ps_requests:
                 out.extend(self._process_set_request(rank, req))
         out.extend(self._decide())
         out.extend(self._joins_complete())
-        out.extend(self._crossed(messages, out))
         return out
 
     def abort(self, names: Iterable[str], message: str, error_type: str) -> list[Response]:
@@ -167,7 +167,7 @@ class Negotiator:
             self.waiting_armed = False
         return out
 
-    def _crossed(self, messages: list[dict[str, Any]], out: list[Response]) -> list[Response]:
+    def _crossed(self, messages: list[RoundMessage], out: list[Response]) -> list[Response]:
         return crossed.responses(self, messages, out)
 
     # -- internals ---------------------------------------------------------------------
@@ -221,11 +221,20 @@ class Negotiator:
             inline = None
             if len(entry.data) == len(members) and not joined_here:
                 inline = [entry.data[r] for r in members]
-            ready.append((entry.order, Response(first.kind, first.ps_id, [entry.name],
-                                                [dict(entry.metas)], joined=joined_here,
-                                                inline=inline)))
+            resp = Response(first.kind, first.ps_id, [entry.name], [dict(entry.metas)],
+                            joined=joined_here, inline=inline)
+            key = None
+            if first.kind == Kind.ALLREDUCE:
+                key = fusion_key(first.ps_id, first, joined_here)
+                resp.nbytes = first.nbytes
+                if inline is None:
+                    resp.fuse_key = key
+            if not joined_here and len(members) == self.size:
+                self.steady.remember(entry.name, first.kind, first.ps_id, key,
+                                     first.nbytes if key is not None else -1)
+            ready.append((entry.order, resp))
         ready.sort(key=lambda item: item[0])
-        return self._fuse([resp for _, resp in ready])
+        return planner.fused([resp for _, resp in ready], self.fusion_threshold_bytes)
 
     def _validate(self, entry: _Entry, members: list[int],
                   joined: frozenset[int]) -> tuple[str, str] | None:
@@ -288,29 +297,6 @@ class Negotiator:
                             f"of {len(members)} ranks", "mismatch")
         return None
 
-    def _fuse(self, responses: list[Response]) -> list[Response]:
-        """Pack consecutive-compatible allreduces into one response, up to the threshold."""
-        out: list[Response] = []
-        open_groups: dict[tuple[Any, ...], Response] = {}
-        for resp in responses:
-            if (resp.kind != Kind.ALLREDUCE or resp.error or resp.inline is not None
-                    or self.fusion_threshold_bytes <= 0):
-                out.append(resp)
-                continue
-            meta = next(iter(resp.metas[0].values()))
-            key = fusion_key(resp.ps_id, meta, resp.joined)
-            nbytes = meta.nbytes
-            group = open_groups.get(key)
-            if group is not None and group.nbytes + nbytes <= self.fusion_threshold_bytes:
-                group.names.extend(resp.names)
-                group.metas.extend(resp.metas)
-                group.nbytes += nbytes
-                continue
-            open_groups[key] = resp
-            resp.nbytes = nbytes
-            out.append(resp)
-        return out
-
     def _joins_complete(self) -> list[Response]:
         out = []
         for ps_id, joined in list(self.joined.items()):
@@ -322,11 +308,9 @@ class Negotiator:
                 out.append(Response(Kind.JOIN, ps_id, [f"join.{ps_id}"], [{}], value=last))
         return out
 
-    def _process_set_request(self, rank: int, req: Any) -> list[Response]:
-        if not (isinstance(req, list) and len(req) == 2 and req[0] in ("add", "remove")):
-            raise ProtocolError(f"malformed process-set request from rank {rank}")
-        action, arg = req
-        key = (action, tuple(sorted(int(r) for r in arg)) if action == "add" else (int(arg),))
+    def _process_set_request(self, rank: int, req: ProcessSetRequest) -> list[Response]:
+        action = req.action
+        key = (action, req.key)
         voters = self.ps_votes.setdefault(key, set())
         voters.add(rank)
         if len(voters) < self.size:

@@ -1,6 +1,6 @@
 """What negotiation agrees on: :class:`Response`, one unit of work for the executor.
 
-Every rank's :class:`~ronde.core.negotiation.Negotiator` (and its steady-state shortcut,
+Every rank's :class:`~ronde.core.negotiation.Negotiator` (and its steady-state memo,
 ``steady.py``) computes the same list of responses in the same order; the executor
 (``executor.py``) runs them.
 """
@@ -27,7 +27,7 @@ class Response:
     """One unit of work for the executor: a (possibly fused) collective, or an error."""
 
     __slots__ = ("kind", "ps_id", "names", "metas", "joined", "error", "error_type", "value",
-                 "inline", "followers", "nbytes")
+                 "inline", "followers", "nbytes", "fuse_key")
 
     def __init__(self, kind: Kind, ps_id: int, names: list[str], metas: list[dict[int, Meta]],
                  joined: frozenset[int] = frozenset(), error: str | None = None,
@@ -47,6 +47,8 @@ class Response:
         self.followers: list[Response] | None = None
         #: the bytes of its tensors together, where the negotiator worked it out (else -1)
         self.nbytes = -1
+        #: allreduces with equal keys may be fused (``planner.group``); None: never
+        self.fuse_key: tuple[Any, ...] | None = None
 
     def __repr__(self) -> str:
         return f"<Response {KIND_NAMES[self.kind]} ps={self.ps_id} {self.names[:3]}{'...' if len(self.names) > 3 else ''}{' ERROR' if self.error else ''}>"

@@ -1,17 +1,16 @@
-"""Round frames: what one rank sends every peer in a negotiation round.
+"""Round frames on the control sockets, and this rank's announcements.
 
-Where it sits in the engine cycle: the control thread packs its announcements into one
-frame per round (:func:`pack_round`: a JSON part, then the binary part carrying inline
-allreduce data) and reads each peer's frame incrementally with a :class:`FrameReader`
-(bounded: a length over the limit is a :class:`~ronde.ProtocolError` before anything is
-allocated).
+Where it sits in the engine cycle: the control thread turns its new requests into typed
+announcements (:class:`Announcer`, :func:`announcements`; the message types and their
+encoding are in ``protocol.py``) and reads each peer's frame incrementally with a
+:class:`FrameReader` (bounded: a length over the limit is a :class:`~ronde.ProtocolError`
+before anything is allocated).
 """
 
 from __future__ import annotations
 
 import os
 import socket
-import struct
 import sys
 import threading
 import traceback
@@ -22,12 +21,10 @@ import numpy as np
 from .._errors import ProtocolError
 from ..transport import wire
 from ..collectives import fusion
+from .protocol import (KIND_DOORBELL, KIND_ROUND, Announcement, ById, ByName, Inline,
+                       encode_announcements)
 from .requests import Kind
 
-KIND_ROUND = 3
-#: an empty frame that only wakes a peer sleeping in ``select`` (shm mailboxes)
-KIND_DOORBELL = 4
-DOORBELL = wire.encode_frame(KIND_DOORBELL, b"")
 _READ_BYTES = 1 << 16
 
 
@@ -105,14 +102,13 @@ def main_thread_stack() -> str:
 
 
 def announcements(reqs: list[Any], cached_id: Any, inline_bytes: int
-                  ) -> tuple[list[Any], bytes]:
-    """The ``"a"`` entries of a round message for ``reqs`` and its binary part.
+                  ) -> tuple[list[Announcement], bytes]:
+    """The announcements of ``reqs`` and the binary part of the round frame.
 
     A request whose name and metadata are in the response cache (``cached_id(name,
-    meta)`` is not None) goes as its id; a small cached allreduce also carries its
-    (prescaled) bytes, ``[id, offset, length]`` into the binary part, up to
-    ``inline_bytes`` each and ``INLINE_ROUND_BYTES`` per round. Anything else goes as
-    ``[name, meta]``.
+    meta)`` is not None) goes as :class:`ById`; a small cached allreduce also carries its
+    (prescaled) bytes, as :class:`Inline` into the binary part, up to ``inline_bytes``
+    each and ``INLINE_ROUND_BYTES`` per round. Anything else goes :class:`ByName`.
 
     Not inline, though small: an allreduce whose message also carries a larger one with
     the same reduction (process set, dtype, op, scales). That one moves through the data
@@ -124,7 +120,7 @@ def announcements(reqs: list[Any], cached_id: Any, inline_bytes: int
     ranks disagree on inlining and the round's general path moves it through the data
     path, which is always correct.
     """
-    out: list[Any] = []
+    out: list[Announcement] = []
     parts: list[bytes] = []
     used = 0
     left = inline_bytes and INLINE_ROUND_BYTES
@@ -134,59 +130,63 @@ def announcements(reqs: list[Any], cached_id: Any, inline_bytes: int
         raw = r.meta()
         cid = cached_id(r.name, raw)
         if cid is None:
-            out.append([r.name, raw])
+            out.append(ByName(r.name, raw))
             continue
         arr = r.array
         if r.kind == allreduce and arr is not None and arr.nbytes <= inline_bytes \
                 and arr.nbytes <= left and not (moving and _reduction(r) in moving):
             data = prescaled_bytes(arr, r.prescale)
             n = len(data)
-            out.append([cid, used, n])
+            out.append(Inline(cid, used, n))
             parts.append(data)
             used += n
             left -= n
         else:
-            out.append(cid)
+            out.append(ById(cid))
     return out, b"".join(parts)
 
 
 class Announcer:
-    """A rank's ``"a"`` entries (:func:`announcements`), remembered for the lists of
+    """A rank's announcements (:func:`announcements`), remembered for the lists of
     requests that went entirely by cache id.
 
     Training announces the same names with the same metadata step after step; when
     this round's requests match remembered ones (names and metadata, in order) and the
-    response cache has not changed since (its ``version``), the entries are the same:
-    only the inline bytes are taken afresh. That skips a cache lookup per request
+    response cache has not changed since (its ``version``), the announcements are the
+    same: only the inline bytes are taken afresh. That skips a cache lookup per request
     (ResNet-50's 161 gradients: 0.2-0.3 ms a step in a training process, 0.03 with
     the memo). Several lists are kept (a step may take several rounds), by their
-    length and end names, then compared in full.
+    length and end names, then compared in full. Returns the announcements, their wire
+    form (see ``protocol.encode``) and the binary part.
     """
 
     def __init__(self, cache: Any, rank: int, inline_bytes: int) -> None:
         self.cache, self.rank, self.inline_bytes = cache, rank, inline_bytes
-        #: (count, first name, last name) -> (cache version, [(name, meta)...], entries,
-        #: indices of the inline ones)
-        self._memo: dict[tuple[int, str, str], tuple[int, list[Any], list[Any], list[int]]] = {}
+        #: (count, first name, last name) -> (cache version, [(name, meta)...],
+        #: announcements, their wire form, indices of the inline ones)
+        self._memo: dict[tuple[int, str, str], tuple[int, list[Any], tuple[Announcement, ...],
+                                                     list[Any], list[int]]] = {}
 
-    def __call__(self, reqs: list[Any]) -> tuple[list[Any], bytes]:
+    def __call__(self, reqs: list[Any]) -> tuple[tuple[Announcement, ...], list[Any], bytes]:
         keys = [(r.name, r.meta()) for r in reqs]
         where = (len(reqs), reqs[0].name, reqs[-1].name)
         memo = self._memo.get(where)
         if memo is not None and memo[0] == self.cache.version and memo[1] == keys:
-            inline = memo[3]
+            inline = memo[4]
             blob = b"".join([prescaled_bytes(reqs[i].array, reqs[i].prescale)
                              for i in inline]) if inline else b""
-            return list(memo[2]), blob
+            return memo[2], memo[3], blob
         lookup, rank = self.cache.lookup, self.rank
         out, blob = announcements(reqs, lambda name, raw: lookup(name, rank, raw),
                                   self.inline_bytes)
-        if all(type(a) is int or len(a) == 3 for a in out):  # every request by its id
+        typed = tuple(out)
+        encoded = encode_announcements(typed)
+        if not any(type(a) is ByName for a in out):  # every request by its id
             if len(self._memo) >= _MEMO_ENTRIES and where not in self._memo:
                 self._memo.clear()
-            self._memo[where] = (self.cache.version, keys, list(out),
-                                 [i for i, a in enumerate(out) if type(a) is not int])
-        return out, blob
+            self._memo[where] = (self.cache.version, keys, typed, encoded,
+                                 [i for i, a in enumerate(out) if type(a) is Inline])
+        return typed, encoded, blob
 
 
 #: request lists remembered by an Announcer; past this, it starts afresh
@@ -206,56 +206,8 @@ def _reduction(r: Any) -> tuple[Any, ...]:
     return (r.ps_id, r.dtype, r.op, r.prescale, r.postscale)
 
 
-_JSON_LEN = struct.Struct("!I")
 #: at most this many inline bytes ride in one round message
 INLINE_ROUND_BYTES = 256 * 1024
-
-
-def outgoing(announced: Any, joins: list[int], ps_requests: list[Any],
-             abort: dict[str, Any] | None, ask_stacks: list[int], stack: str | None,
-             shutdown: bool, waiting: int | None) -> dict[str, Any]:
-    """The JSON part of what this rank says in one round (a key only when it says
-    something; one letter each, to keep frames small).
-
-    ``a`` new announcements (or cache ids) and ``j`` process sets joined, ``ps`` process
-    set requests, ``s`` shutting down: read by the negotiator (``a`` also by the steady
-    path); ``w`` only waiting, at this progress count: the crossed-collectives watch;
-    ``x`` rank 0 aborts stalled collectives, ``k`` ranks asked for their stacks, ``st``
-    my main thread's stack: the stall inspector. Called once per round: plain ``if``s.
-    """
-    msg: dict[str, Any] = {}
-    if announced:
-        msg["a"] = announced
-    if joins:
-        msg["j"] = joins
-    if ps_requests:
-        msg["ps"] = ps_requests
-    if abort:
-        msg["x"] = abort
-    if ask_stacks:
-        msg["k"] = ask_stacks
-    if stack:
-        msg["st"] = stack
-    if shutdown:
-        msg["s"] = 1
-    if waiting is not None:
-        msg["w"] = waiting
-    return msg
-
-
-def pack_round(msg: dict[str, Any], blob: bytes) -> bytes:
-    body = wire.dumps(msg)
-    return _JSON_LEN.pack(len(body)) + body + blob
-
-
-def unpack_round(payload: bytes, rank: int) -> tuple[dict[str, Any], bytes]:
-    if len(payload) < _JSON_LEN.size:
-        raise ProtocolError(f"rank {rank} sent a truncated negotiation message")
-    (n,) = _JSON_LEN.unpack_from(payload)
-    if n > len(payload) - _JSON_LEN.size:
-        raise ProtocolError(f"rank {rank} sent a negotiation message with a bad length")
-    body = payload[_JSON_LEN.size: _JSON_LEN.size + n]
-    return as_dict(wire.loads(body), rank), payload[_JSON_LEN.size + n:]
 
 
 def prescaled_bytes(arr: np.ndarray, prescale: float) -> bytes:
@@ -264,9 +216,3 @@ def prescaled_bytes(arr: np.ndarray, prescale: float) -> bytes:
     scaled = np.empty_like(arr)
     fusion.scaled_copy(scaled.reshape(-1), arr.reshape(-1), prescale)
     return scaled.tobytes()
-
-
-def as_dict(obj: Any, rank: int) -> dict[str, Any]:
-    if not isinstance(obj, dict):
-        raise ProtocolError(f"rank {rank} sent a malformed negotiation message")
-    return obj

@@ -11,10 +11,11 @@ every rank (flag ``x``) with a :class:`~ronde.StallError` that repeats those sta
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Callable
 
 from .._config import Config
 from .negotiation import Negotiator
+from .protocol import Abort
 from .._text import ranks_text
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ class StallInspector:
         #: what the ranks asked for their stacks were doing (rank -> stack text)
         self.stacks: dict[int, str] = {}
 
-    def check(self, negotiator: Negotiator) -> tuple[list[int], dict[str, Any] | None]:
+    def check(self, negotiator: Negotiator) -> tuple[list[int], Abort | None]:
         """Ranks to ask for their stacks, and the abort message to send (or None)."""
         cfg = self.cfg
         stalled = negotiator.stalled(cfg.stall_check_time_s)
@@ -60,7 +61,7 @@ class StallInspector:
                    f"(RONDE_STALL_SHUTDOWN_TIME): {'; '.join(lines)}; the missing ranks never "
                    "submitted these collectives (a different code path, or fewer batches: "
                    f"see join())" + doing)
-            abort = {"names": abort_names, "message": msg}
+            abort = Abort(tuple(abort_names), msg)
             for n in abort_names:
                 self._warned.discard(n)
         return sorted(ask), abort

@@ -1,174 +1,165 @@
-"""Training's steady state: rounds in which every rank announced the same cached ids.
+"""Training's steady state: a memo in front of the negotiator's general path.
 
 Where it sits in the engine cycle: the :class:`~ronde.core.negotiation.Negotiator` asks
-:meth:`SteadyRounds.responses` first for each round. When every rank announced the same
-response-cache ids in the same order and nothing else (a training step repeating the
-last one), the responses follow from the ids alone: no table entries, no validation
-(each id stands for metadata every rank used together before), and what each id
-needs is worked out once and kept. A round seen before (the same ids, the cache
-unchanged since: its ``version``) replays its groups from a memo: one list
-comparison instead of a lookup per tensor. Anything else returns None and takes the
-general path, which gives the same responses, in the same order.
+:meth:`SteadyMemo.replay` first for each round. A round qualifies when every rank
+announced the same response-cache ids in the same order and nothing else (a training
+step repeating earlier ones) and nothing is pending: its responses are then a function
+of the ids alone. The memo holds what the general path decided for each id (one
+*template* per id, recorded by :meth:`SteadyMemo.remember` when the general path
+completed that id with every rank of the job announcing it), and whole rounds already
+replayed. A qualifying round is answered from the templates, fused by the same planner
+(``planner.group``), with the cache touched in the same order: the responses the general
+path would give. A round seen before (the same ids, the cache unchanged since: its
+``version``) is one list comparison. Anything else (an id without a template, a template
+whose cache entry changed, a name twice) returns None: the general path runs, and
+records what the next round can replay.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .._errors import ProtocolError
+from . import planner
+from .protocol import ByName, Inline, RoundMessage, check_inline
 from .requests import Kind, Meta
-from .responses import Response, fusion_key
+from .responses import Response
 
 if TYPE_CHECKING:
     from .negotiation import Negotiator
 
-#: steady rounds remembered; past this, start afresh
+#: rounds remembered whole; past this, start afresh
 _ROUNDS_KEPT = 32
 
 
-class SteadyRounds:
-    """The steady-state shortcut of one negotiator, and what it remembers."""
+class _Template(NamedTuple):
+    """What the general path decided for one cache id, valid while ``entry`` is the
+    cache's entry for it."""
+
+    entry: Any
+    kind: Kind
+    ps_id: int
+    name: str
+    metas: dict[int, Meta]
+    key: tuple[Any, ...] | None
+    nbytes: int
+
+
+class SteadyMemo:
+    """The steady-state memo of one negotiator (see the module docstring)."""
 
     def __init__(self, neg: "Negotiator") -> None:
         self.neg = neg
-        #: cache id -> (its cache entry, what a steady round needs of it)
-        self._ids: dict[int, tuple[Any, Any]] = {}
-        #: steady rounds seen, by (count, first id, last id): (cache version, their
-        #: announcements, their groups, their ids)
-        self._rounds: dict[tuple[int, Any, Any], tuple[int, list[Any], list[Any],
-                                                       list[int]]] = {}
+        self._ids: dict[int, _Template] = {}
+        #: rounds replayed, by (count, first id, last id): (cache version, their
+        #: announcements, their responses as tuples, their ids in order)
+        self._rounds: dict[tuple[int, int, int], tuple[int, Any, list[Any], list[int]]] = {}
 
     def clear(self) -> None:
         """Forget everything (the process sets changed)."""
         self._ids.clear()
         self._rounds.clear()
 
-    def responses(self, messages: list[dict[str, Any]],
-                  blobs: list[bytes] | None) -> list[Response] | None:
-        """The responses of a round in which every rank announced the same cached ids in
-        the same order and nothing else (training's steady state), or None.
+    def remember(self, name: str, kind: Kind, ps_id: int, key: tuple[Any, ...] | None,
+                 nbytes: int) -> None:
+        """The general path completed ``name`` with every rank of the job and no join:
+        remember its decision under the name's cache id."""
+        cache = self.neg.cache
+        cid = cache.id_of(name)
+        entry = cache.get(cid) if cid is not None else None
+        if entry is None:
+            return
+        if len(self._ids) > 2 * cache.capacity:
+            self._ids.clear()  # ids evicted from the cache leave their templates behind
+        self._ids[cid] = _Template(entry, kind, ps_id, name, entry.metas, key, nbytes)
 
-        Such a round needs no table entries and no validation: each id stands for
-        metadata every rank used together before. It gives what the general path (with
-        :meth:`Negotiator._fuse`) gives, in the same order, and touches the cache in the
-        same order; what it needs per id is worked out once and kept (:meth:`_info`).
-        """
+    def replay(self, messages: list[RoundMessage],
+               blobs: list[bytes] | None) -> list[Response] | None:
+        """The responses of a qualifying round (module docstring), or None."""
         neg = self.neg
         if neg.entries or any(neg.joined.values()):
             return None
-        first = messages[0].get("a")
-        if not first or any(len(m) != 1 or m.get("a") != first for m in messages):
+        first = messages[0]
+        ann = first.announced
+        if not first.only_announces():
             return None
-        cache = self.neg.cache
+        for m in messages:
+            if m is not first and (m.announced != ann or not m.only_announces()):
+                return None
+        if type(ann[0]) is ByName or type(ann[-1]) is ByName:
+            return None
         shortest = min(len(b) for b in blobs) if blobs else 0
-        where = (len(first), _cid(first[0]), _cid(first[-1]))
+        where = (len(ann), ann[0][0], ann[-1][0])
         last = self._rounds.get(where)
-        if last is not None and last[0] == self.neg.cache.version and last[1] == first:
-            # the same ids as a steady round before, the cache unchanged since: the same
-            # groups (fresh objects: the executor attaches followers to them)
+        cache = neg.cache
+        if last is not None and last[0] == cache.version and last[1] == ann:
             out = []
-            for kind, ps_id, names, metas, span, nbytes in last[2]:
-                inline = None
+            for kind, ps_id, names, metas, span, nbytes, key in last[2]:
+                resp = Response(kind, ps_id, list(names), list(metas))
                 if span is not None:
-                    off, length = span
-                    if blobs is None or off < 0 or off + length > shortest:
-                        raise ProtocolError("a rank sent inline data out of bounds")
-                    inline = [b[off: off + length] for b in blobs]
-                resp = Response(kind, ps_id, list(names), list(metas), inline=inline)
-                resp.nbytes = nbytes
+                    resp.inline = _slices(blobs, span, shortest)
+                resp.nbytes, resp.fuse_key = nbytes, key
                 out.append(resp)
             cache.mark_used(last[3])  # in the order the general path touches them
             return out
-        found = self._groups(first, blobs, shortest)
+        found = self._from_templates(ann)
         if found is None:
             return None
-        out, spans = found
-        order = [a if type(a) is int else a[0] for a in first]
-        if len(set(order)) != len(order):
-            return None  # a name twice: the general path reports it
-        cache.mark_used(order)  # recently used, in the order the general path touches them
+        items, order = found
+        out = []
+        kept = []
+        for members in planner.group(items, neg.fusion_threshold_bytes):
+            tpl, span = members[0]
+            if len(members) == 1:
+                resp = Response(tpl.kind, tpl.ps_id, [tpl.name], [tpl.metas])
+                resp.nbytes = tpl.nbytes
+                if span is not None:
+                    check_inline(span, tpl.nbytes, shortest, "a rank")
+                    resp.inline = _slices(blobs, span[1:], shortest)
+                else:
+                    resp.fuse_key = tpl.key
+            else:
+                resp = Response(tpl.kind, tpl.ps_id, [t.name for t, _ in members],
+                                [t.metas for t, _ in members])
+                resp.nbytes = sum(t.nbytes for t, _ in members)
+                resp.fuse_key = tpl.key
+            out.append(resp)
+            kept.append((resp.kind, resp.ps_id, tuple(resp.names), tuple(resp.metas),
+                         None if span is None else span[1:], resp.nbytes, resp.fuse_key))
+        cache.mark_used(order)
         if len(self._rounds) >= _ROUNDS_KEPT and where not in self._rounds:
             self._rounds.clear()
-        self._rounds[where] = (self.neg.cache.version, first, [
-            (r.kind, r.ps_id, tuple(r.names), tuple(r.metas), span, r.nbytes)
-            for r, span in zip(out, spans)], order)
+        self._rounds[where] = (cache.version, ann, kept, order)
         return out
 
-    def _groups(self, first: list[Any], blobs: list[bytes] | None, shortest: int
-                ) -> tuple[list[Response], list[tuple[int, int] | None]] | None:
-        """The responses of a steady round's announcements (see :meth:`responses`)
-        and, for each, where its inline data lies in the frames (or None); None where
-        one of them needs the general path."""
-        get, memo = self.neg.cache.get, self._ids
-        threshold = self.neg.fusion_threshold_bytes
-        out: list[Response] = []
-        spans: list[tuple[int, int] | None] = []
-        open_groups: dict[tuple[Any, ...], Response] = {}
-        for ann in first:
-            span = None
-            if type(ann) is int:
-                cid = ann
-            elif (type(ann) is list and len(ann) == 3 and type(ann[0]) is int
-                  and type(ann[1]) is int and type(ann[2]) is int):
-                cid, span = ann[0], ann
+    def _from_templates(self, ann: tuple[Any, ...]
+                        ) -> tuple[list[tuple[Any, int, tuple[_Template, Any]]], list[int]] | None:
+        """``planner.group``'s items for the announcements, from the templates (an
+        inline one never fuses), and the ids in order; None where one needs the general
+        path."""
+        get, templates = self.neg.cache.get, self._ids
+        items: list[tuple[Any, int, tuple[_Template, Any]]] = []
+        order: list[int] = []
+        for a in ann:
+            if type(a) is ByName:
+                return None
+            cid = a[0]
+            tpl = templates.get(cid)
+            if tpl is None or get(cid) is not tpl.entry:
+                return None
+            order.append(cid)
+            if type(a) is Inline:
+                items.append((None, tpl.nbytes, (tpl, a)))
             else:
-                return None
-            entry = get(cid)
-            if entry is None:
-                return None
-            known = memo.get(cid)
-            if known is None or known[0] is not entry:
-                if len(memo) > 2 * self.neg.cache.capacity:
-                    memo.clear()  # ids evicted from the cache leave their memo behind
-                known = memo[cid] = (entry, self._info(entry))
-            info = known[1]
-            if info is None:
-                return None
-            kind, ps_id, key, nbytes = info
-            if span is not None:
-                off, length = span[1], span[2]
-                if blobs is None or off < 0 or length != nbytes or off + length > shortest:
-                    raise ProtocolError("a rank sent inline data out of bounds")
-                resp = Response(kind, ps_id, [entry.name], [entry.metas],
-                                inline=[b[off: off + length] for b in blobs])
-                resp.nbytes = nbytes
-                out.append(resp)
-                spans.append((off, length))
-                continue
-            if key is not None and threshold > 0:
-                group = open_groups.get(key)
-                if group is not None and group.nbytes + nbytes <= threshold:
-                    group.names.append(entry.name)
-                    group.metas.append(entry.metas)
-                    group.nbytes += nbytes
-                    continue
-                group = Response(kind, ps_id, [entry.name], [entry.metas])
-                group.nbytes = nbytes
-                open_groups[key] = group
-                out.append(group)
-                spans.append(None)
-                continue
-            resp = Response(kind, ps_id, [entry.name], [entry.metas])
-            resp.nbytes = nbytes
-            out.append(resp)
-            spans.append(None)
-        return out, spans
-
-    def _info(self, entry: tuple[str, Any, dict[int, Meta]]
-              ) -> tuple[Kind, int, tuple[Any, ...] | None, int] | None:
-        """(kind, process set, fusion key or None, bytes) of a cache entry, or None when
-        its rounds must take the general path (not every rank of the job in it)."""
-        metas = entry.metas
-        meta = metas.get(0)
-        if meta is None or len(metas) != self.neg.size \
-                or len(self.neg.process_sets.get(meta.ps_id, ())) != self.neg.size:
-            return None
-        key = None
-        if meta.kind == Kind.ALLREDUCE:
-            key = fusion_key(meta.ps_id, meta)
-        return meta.kind, meta.ps_id, key, meta.nbytes
+                items.append((tpl.key, tpl.nbytes, (tpl, None)))
+        if len(set(order)) != len(order):
+            return None  # a name twice: the general path reports it
+        return items, order
 
 
-def _cid(ann: Any) -> Any:
-    """The cache id of a steady announcement (an id, or [id, offset, length])."""
-    return ann if type(ann) is int else ann[0] if type(ann) is list and ann else None
+def _slices(blobs: list[bytes] | None, span: tuple[int, int], shortest: int) -> list[bytes]:
+    """Every rank's bytes at ``span`` of its frame's binary part."""
+    off, length = span
+    if blobs is None or off < 0 or off + length > shortest:
+        raise ProtocolError("a rank sent inline data out of bounds")
+    return [b[off: off + length] for b in blobs]
