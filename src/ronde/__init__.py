@@ -15,7 +15,7 @@ from ._errors import (AuthenticationError, ConfigError, DuplicateNameError, Join
                       NotInitializedError, PeerLostError, ProtocolError, RendezvousError,
                       RondeError, ShutdownError, StallError, TensorMismatchError,
                       ArgumentError, CollectiveError, DeadlockError, HorovodInternalError,
-                      ProcessSetError, UnsupportedError)
+                      HostsUpdatedInterrupt, ProcessSetError, UnsupportedError)
 from ._ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .process_sets import ProcessSet, global_process_set
 

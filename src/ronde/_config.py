@@ -52,6 +52,9 @@ class Config:
     spin_time_us: float = 200.0
     torch_device_path: str = "auto"
     log_level: str = ""
+    elastic_timeout_s: float = 600.0
+    reset_limit: int = 0
+    elastic_poll_s: float = 1.0
 
     def describe(self) -> str:
         return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
@@ -118,11 +121,14 @@ def _validate(cfg: Config) -> None:
     if cfg.transport not in TRANSPORTS:
         raise ConfigError(
             f"RONDE_TRANSPORT={cfg.transport!r} is not one of {', '.join(TRANSPORTS)}")
-    for name in ("cycle_time_ms", "start_timeout_s", "peer_timeout_s", "shutdown_timeout_s"):
+    for name in ("cycle_time_ms", "start_timeout_s", "peer_timeout_s", "shutdown_timeout_s",
+                 "elastic_timeout_s", "elastic_poll_s"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}")
     if cfg.deadlock_time_s < 0:
         raise ConfigError("RONDE_DEADLOCK_TIME must be >= 0 (0: never report crossed collectives)")
+    if cfg.reset_limit < 0:
+        raise ConfigError("RONDE_RESET_LIMIT must be >= 0 (0: no limit)")
     if cfg.spin_time_us < 0:
         raise ConfigError("RONDE_SPIN_TIME must be >= 0 (0: never spin)")
     if cfg.fusion_threshold_bytes < 0:

@@ -95,6 +95,23 @@ class JoinedError(HorovodInternalError, ValueError):
     """An operation other than allreduce ran while some ranks had joined."""
 
 
+class HostsUpdatedInterrupt(RondeError):
+    """Raised at the same ``State.commit()`` on every rank of an elastic job when the
+    launcher added or removed hosts: ``hvd.elastic.run`` re-forms the job, keeping the
+    progress since the last commit. ``skip_sync``: only hosts were removed, so every
+    remaining rank already holds the state."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("the hosts of this elastic job changed" +
+                         (" (removed only)" if skip_sync else ""))
+        self.skip_sync = skip_sync
+
+
+class WorkerRemovedError(RondeError):
+    """This elastic worker's slot is not in the re-formed job (its host was removed,
+    or the job shrank to ``--max-np``); ``hvd.elastic.run`` ends the process with code 0."""
+
+
 for _cls in list(globals().values()):
     if isinstance(_cls, type) and issubclass(_cls, RondeError):
         _cls.__module__ = "ronde"  # tracebacks say ronde.PeerLostError, the public name

@@ -27,7 +27,7 @@ ERRORS = ["RondeError", "HorovodInternalError", "CollectiveError", "ConfigError"
           "NotInitializedError", "TensorMismatchError", "DuplicateNameError", "PeerLostError",
           "StallError", "DeadlockError", "RendezvousError", "AuthenticationError",
           "ProtocolError", "ShutdownError", "JoinedError", "UnsupportedError",
-          "ProcessSetError", "ArgumentError"]
+          "ProcessSetError", "ArgumentError", "HostsUpdatedInterrupt"]
 #: Horovod's build-introspection functions (what this installation can use)
 BUILD = ["mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built",
          "rocm_built", "ddl_built", "ccl_built", "mpi_threads_supported"]
@@ -53,7 +53,7 @@ FACADES: dict[str, list[str]] = {
         "poll", "synchronize", "join", "barrier", "broadcast_object", "allgather_object",
         "TorchHandle", "Compression", "Compressor", "DistributedOptimizer",
         "broadcast_parameters", "broadcast_optimizer_state", "broadcast_state", "SyncBatchNorm",
-        "TooManyPassesError"],
+        "TooManyPassesError", "elastic"],
     "ronde.tensorflow": COMMON + [
         "rank_op", "size_op", "local_rank_op", "local_size_op", "process_set_included_op",
         "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",

@@ -128,6 +128,23 @@ KNOBS: tuple[Knob, ...] = (
          doc='How long start-up may take: reaching the rendezvous and all ranks '
              "arriving there, connecting to every peer, the peers' shared-memory "
              'segments appearing. Must be > 0.'),
+    Knob("elastic_timeout_s", "RONDE_ELASTIC_TIMEOUT", float,
+         default='`600`', unit='seconds',
+         horovod=('HOROVOD_ELASTIC_TIMEOUT',), flag='--elastic-timeout S',
+         flag_note='must be > 0',
+         doc='Elastic jobs: how long the launcher waits for `--min-np` slots (at start '
+             'and after losing hosts) before failing the job; a worker waits as long, '
+             'plus `RONDE_START_TIMEOUT`, for the next generation to form. Must be > 0.'),
+    Knob("reset_limit", "RONDE_RESET_LIMIT", int,
+         default='`0`', unit='resets (`0`: no limit)',
+         horovod=('HOROVOD_RESET_LIMIT',), flag='--reset-limit N',
+         doc='Elastic jobs: fail once the job has re-formed this many times (counted by '
+             'the launcher, and by each worker for its own resets). Must be >= 0.'),
+    Knob("elastic_poll_s", "RONDE_ELASTIC_POLL", float,
+         default='`1.0`', unit='seconds',
+         doc="Elastic jobs: how often each worker asks the launcher for host changes "
+             "(a daemon thread; `commit()` reads the answer without a round trip). "
+             'Must be > 0.'),
     Knob("peer_timeout_s", "RONDE_PEER_TIMEOUT", float,
          default='`10`', unit='seconds',
          doc='When a peer has not answered a negotiation round for this long, log a '
@@ -293,7 +310,7 @@ LAUNCHER_VARIABLES = frozenset({
     "RONDE_RANK", "RONDE_SIZE", "RONDE_LOCAL_RANK", "RONDE_LOCAL_SIZE", "RONDE_CROSS_RANK",
     "RONDE_CROSS_SIZE", "RONDE_HOSTNAME", "RONDE_SECRET", "RONDE_RENDEZVOUS_ADDR",
     "RONDE_RENDEZVOUS_PORT", "RONDE_JOB_ID", "RONDE_LAUNCHER", "RONDE_REMOTE_SHELL",
-    "RONDE_TESTING_FN", "RONDE_TESTING_DIR",
+    "RONDE_TESTING_FN", "RONDE_TESTING_DIR", "RONDE_ELASTIC", "RONDE_SLOT",
     # read by scripts/ and tests, not by ronde: a setting of theirs is no typo
     "RONDE_MXNET_CORE", "RONDE_MXNET_VENV", "RONDE_MXNET_PYTHON", "RONDE_FAKE_HOST"})
 

@@ -168,7 +168,8 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
     wenv = worker_env.detect()
     _generation += 1
     gen = _generation
-    hosts, ctl, mesh = _meet_peers(wenv, cfg, gen)
+    wenv, gen, hosts, ctl, mesh = _meet_peers(wenv, cfg, gen)
+    _generation = gen
     topo = Topology.build(wenv.rank, hosts)
     _tune_heap(cfg, topo)
     engine_box: list[Engine] = []
@@ -214,12 +215,16 @@ def _tune_heap(cfg: _config.Config, topo: Topology) -> None:
 
 
 def _meet_peers(wenv: worker_env.WorkerEnv, cfg: _config.Config, gen: int
-                ) -> tuple[list[str], dict[int, socket.socket], mesh_mod.Mesh | None]:
-    """Step 2: rendezvous and connect to every peer; returns every rank's host, the
-    control sockets and the mesh (none of either for a job of one)."""
+                ) -> tuple[worker_env.WorkerEnv, int, list[str], dict[int, socket.socket],
+                           mesh_mod.Mesh | None]:
+    """Step 2: rendezvous and connect to every peer; returns the worker's place (an
+    elastic job's rendezvous hands out rank, size and generation), every rank's host,
+    the control sockets and the mesh (none of either for a job of one)."""
+    if wenv.elastic:
+        return _meet_elastic(wenv, cfg)
     rank, size = wenv.rank, wenv.size
     if size == 1:
-        return [wenv.host], {}, None
+        return wenv, gen, [wenv.host], {}, None
     rdv_host = wenv.rendezvous[0] if wenv.rendezvous else "127.0.0.1"
     local_job = wenv.rendezvous_mode == "file" or _is_loopback(rdv_host)
     bind = cfg.bind_addr or ("127.0.0.1" if local_job else "0.0.0.0")
@@ -245,7 +250,57 @@ def _meet_peers(wenv: worker_env.WorkerEnv, cfg: _config.Config, gen: int
 
         torch_dist.init_world(rank, size, str(peers[0]["addr"]), int(peers[0]["store_port"]),
                               cfg.start_timeout_s, store)
-    return [str(p.get("host")) for p in peers], mesh.ctl, mesh
+    return wenv, gen, [str(p.get("host")) for p in peers], mesh.ctl, mesh
+
+
+def _meet_elastic(wenv: worker_env.WorkerEnv, cfg: _config.Config
+                  ) -> tuple[worker_env.WorkerEnv, int, list[str], dict[int, socket.socket],
+                             mesh_mod.Mesh | None]:
+    """Step 2 in an elastic job: register this worker's slot and wait (up to
+    ``RONDE_ELASTIC_TIMEOUT``) until the driver has formed the next generation."""
+    from ._errors import ConfigError, WorkerRemovedError
+
+    if cfg.transport == "gloo":
+        raise ConfigError("RONDE_TRANSPORT=gloo is not supported in an elastic job; use "
+                          "shm/tcp (the default) or mpi")
+    assert wenv.rendezvous is not None and wenv.secret is not None
+    rdv_host = wenv.rendezvous[0]
+    bind = cfg.bind_addr or ("127.0.0.1" if _is_loopback(rdv_host) else "0.0.0.0")
+    listener = mesh_mod.listen(bind)
+    advertised = bind if bind not in ("0.0.0.0", "") else route_address(rdv_host)
+    info = {"elastic": True, "host": wenv.host, "slot": wenv.slot, "addr": advertised,
+            "port": listener.getsockname()[1], "pid": os.getpid()}
+    wait_s = cfg.elastic_timeout_s + cfg.start_timeout_s
+    try:
+        reply = rendezvous.exchange(wenv.rendezvous, wenv.secret, info, wait_s)
+    except BaseException:
+        listener.close()
+        raise
+    if reply.get("kind") == "removed":
+        listener.close()
+        raise WorkerRemovedError(f"slot {wenv.slot} of host {wenv.host} is not part of the "
+                                 "re-formed job")
+    try:
+        rank, size, gen = int(reply["rank"]), int(reply["size"]), int(reply["generation"])
+        peers = reply["peers"]
+        if not (isinstance(peers, list) and len(peers) == size and 0 <= rank < size):
+            raise ValueError
+    except (KeyError, TypeError, ValueError):
+        listener.close()
+        raise RendezvousError("malformed elastic rendezvous reply") from None
+    hosts = [str(p.get("host")) for p in peers]
+    from .elastic import notify
+
+    notify.formed_after(float(reply.get("notice") or 0.0))
+    wenv = dataclasses.replace(wenv, rank=rank, size=size,
+                               local_rank=[h for h in hosts[:rank]].count(hosts[rank]),
+                               local_size=hosts.count(hosts[rank]))
+    if size == 1:
+        listener.close()
+        return wenv, gen, hosts, {}, None
+    mesh = mesh_mod.Mesh(rank, size, gen, wenv.secret, listener, peers, cfg.start_timeout_s)
+    mesh.connect()
+    return wenv, gen, hosts, mesh.ctl, mesh
 
 
 def _communicators(cfg: _config.Config, topo: Topology, wenv: worker_env.WorkerEnv,

@@ -26,7 +26,7 @@ from typing import Any
 import mxnet as mx
 import numpy as np
 
-from .. import _objects
+from .. import _objects, _state
 from .._errors import TensorMismatchError
 from .._ops import ReduceOp
 from ..frameworks.host_reduce import NUMPY_COMPRESSION as Compression, wire_dtype_of
@@ -152,7 +152,7 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._ronde_compression = compression
         self._ronde_prefix = prefix or ""
         self._ronde_ps = process_set
-        self._ronde_validated = False
+        self._ronde_validated = -1  # the job generation checked in (see ronde.torch)
 
     def _ronde_validate(self, params: list[Any]) -> None:
         table = as_table((p.name, np.dtype(p.dtype), p.shape) for p in params)
@@ -163,13 +163,13 @@ class DistributedTrainer(mx.gluon.Trainer):
             raise TensorMismatchError(
                 f"DistributedTrainer: the trainable parameters differ across ranks: {diff}; "
                 "build the same model on every rank")
-        self._ronde_validated = True
+        self._ronde_validated = _state.require().generation
 
     def _allreduce_grads(self) -> None:
         if not self._ronde_ps.included():
             return  # outside the process set: a local step, as DistributedOptimizer
         params = [p for p in self._params if p.grad_req != "null"]
-        if not self._ronde_validated:
+        if self._ronde_validated != _state.require().generation:
             self._ronde_validate(params)
         grads = []
         for p in params:

@@ -63,6 +63,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the host/rank layout and worker commands at start")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="wall-clock limit for the whole job; exit 124 when reached")
+    el = p.add_argument_group("elastic jobs (ranks may leave and join; see docs/elastic.md)")
+    el.add_argument("--min-np", type=int, default=None,
+                    help="run elastically with at least this many ranks")
+    el.add_argument("--max-np", type=int, default=None,
+                    help="at most this many ranks (default: every slot found)")
+    el.add_argument("--host-discovery-script", default=None, metavar="SCRIPT",
+                    help="prints the available hosts, one 'host' or 'host:slots' per line")
+    el.add_argument("--slots-per-host", "--slots", dest="slots_per_host", type=int, default=None,
+                    help="slots of a discovered host without a count (default 1)")
+    el.add_argument("--elastic-timeout", type=float, default=None, metavar="SECONDS",
+                    help="how long to wait for --min-np slots (default: "
+                         "$RONDE_ELASTIC_TIMEOUT, $HOROVOD_ELASTIC_TIMEOUT or 600)")
+    el.add_argument("--reset-limit", type=int, default=None,
+                    help="fail the job after this many re-formations")
+    el.add_argument("--blacklist-cooldown-range", type=float, nargs=2, default=None,
+                    metavar=("LO", "HI"),
+                    help="a failed host comes back after a random LO..HI seconds "
+                         "(default: never)")
     knobs = p.add_argument_group("worker settings (set RONDE_* variables for the workers)")
     knobs.add_argument("--transport", choices=TRANSPORTS, default=None,
                        help="data transport (RONDE_TRANSPORT)")
@@ -155,7 +173,8 @@ def _validate(args: argparse.Namespace) -> float:
             raise ConfigError(f"RONDE_START_TIMEOUT must be positive, got {raw}")
     if args.np is not None and args.np <= 0:
         raise ConfigError(f"-np must be at least 1, got {args.np}")
-    if args.np is None and not (args.hosts or args.hostfile):
+    if args.np is None and not (args.hosts or args.hostfile or args.host_discovery_script
+                                or args.min_np):
         raise ConfigError("-np is required when no -H/--hosts or --hostfile is given")
     return start_timeout
 
@@ -183,6 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = worker_settings(args)
         if args.bind_addr:
             os.environ["RONDE_BIND_ADDR"] = args.bind_addr  # the launcher's server, too
+        if _is_elastic(args):
+            return _run_elastic(args, command, settings, start_timeout)
         if args.mpi:
             from .mpi_launch import run_mpi
 
@@ -194,6 +215,48 @@ def main(argv: Sequence[str] | None = None) -> int:
             ssh_identity=args.ssh_identity_file)
     except ConfigError as exc:
         _fail(str(exc))
+    return result.returncode
+
+
+def _is_elastic(args: argparse.Namespace) -> bool:
+    return args.min_np is not None or args.max_np is not None \
+        or args.host_discovery_script is not None
+
+
+def _env_number(names: Sequence[str], default: float) -> float:
+    for name in names:
+        raw = os.environ.get(name)
+        if raw:
+            try:
+                return float(raw)
+            except ValueError:
+                raise ConfigError(f"{name}={raw!r} is not a number") from None
+    return default
+
+
+def _run_elastic(args: argparse.Namespace, command: list[str], settings: dict[str, str],
+                 start_timeout: float) -> int:
+    from .elastic import parse_cooldown, run_elastic
+
+    if args.mpi:
+        raise ConfigError("--mpi cannot run an elastic job (--min-np/--max-np/"
+                          "--host-discovery-script): MPI's world has a fixed size")
+    if args.host_discovery_script and (args.hosts or args.hostfile):
+        raise ConfigError("--host-discovery-script and -H/--hostfile exclude each other")
+    min_np = args.min_np if args.min_np is not None else (args.np or 1)
+    timeout = args.elastic_timeout if args.elastic_timeout is not None else _env_number(
+        ("RONDE_ELASTIC_TIMEOUT", "HOROVOD_ELASTIC_TIMEOUT"), 600.0)
+    limit = args.reset_limit
+    if limit is None and (os.environ.get("RONDE_RESET_LIMIT")
+                          or os.environ.get("HOROVOD_RESET_LIMIT")):
+        limit = int(_env_number(("RONDE_RESET_LIMIT", "HOROVOD_RESET_LIMIT"), 0))
+    result = run_elastic(
+        command, args.np, min_np, args.max_np, hosts=args.hosts, hostfile=args.hostfile,
+        discovery_script=args.host_discovery_script, slots_per_host=args.slots_per_host or 1,
+        elastic_timeout_s=timeout, reset_limit=limit,
+        cooldown=parse_cooldown(args.blacklist_cooldown_range), env=settings,
+        start_timeout_s=start_timeout, output_dir=args.output_filename,
+        timeout_s=args.timeout, ssh_port=args.ssh_port, ssh_identity=args.ssh_identity_file)
     return result.returncode
 
 

@@ -15,6 +15,9 @@ docs/launcher.md repeats it for users):
 ``RONDE_RENDEZVOUS_PORT``  its port
 ``RONDE_SECRET``           per-job secret (hex) every ronde connection authenticates with
 ``RONDE_JOB_ID``           identifier of this job (names shared-memory segments and logs)
+``RONDE_ELASTIC``          ``1`` in an elastic job (``--min-np``...): rank and size are
+                           handed out by the rendezvous at every ``init()``
+``RONDE_SLOT``             an elastic worker's slot on its host
 =========================  ===========================================================
 
 The ``HOROVOD_RANK``/``HOROVOD_SIZE``/... equivalents are set too, for scripts that
@@ -51,6 +54,10 @@ class WorkerEnv:
     job_id: str = ""
     #: how to rendezvous without a launcher service: "server", "rank0", "file" or "none"
     rendezvous_mode: str = "server"
+    #: an elastic job's worker: rank and size come from the rendezvous at each init()
+    elastic: bool = False
+    #: its slot on its host (elastic jobs)
+    slot: int = 0
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -87,6 +94,8 @@ def detect(env: Mapping[str, str] | None = None) -> WorkerEnv:
             host=hostname, source="ronderun", rendezvous=explicit_rdv, secret=secret,
             job_id=env.get("RONDE_JOB_ID", ""),
             rendezvous_mode="server" if explicit_rdv else ("none" if size == 1 else "file"),
+            elastic=env.get("RONDE_ELASTIC") == "1" and explicit_rdv is not None,
+            slot=_int(env, "RONDE_SLOT", 0),
         )
     if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env):
         rank, size = _int(env, "RANK"), _int(env, "WORLD_SIZE")

@@ -106,6 +106,20 @@ class RendezvousServer:
                 self.failures.append(msg)
             conn.close()
             return
+        if msg.get("kind") == "query":
+            self._reply(conn, self.answer(msg))
+            conn.close()
+            return
+        self._register(conn, msg)
+
+    def answer(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """The reply to a worker's query (``{"kind": "query", "what": ...}``); an elastic
+        job's server answers ``"hosts"`` with the launcher's latest host notice."""
+        return {"kind": "hosts", "timestamp": 0, "update": 0}
+
+    def _register(self, conn: socket.socket, msg: dict[str, Any]) -> None:
+        """A worker's registration: hold it until every rank of its generation has
+        registered, then answer them all with the table."""
         try:
             rank, generation = int(msg["rank"]), int(msg["generation"])
             size = int(msg["size"])
@@ -171,6 +185,17 @@ def missing_ranks_message(missing: list[int], size: int, timeout_s: float) -> st
 def register(address: tuple[str, int], secret: bytes, info: dict[str, Any],
              timeout_s: float) -> list[dict[str, Any]]:
     """Register with the rendezvous server and return the peer table (rank order)."""
+    reply = exchange(address, secret, info, timeout_s)
+    peers = reply.get("peers")
+    if not isinstance(peers, list) or len(peers) != info["size"]:
+        raise RendezvousError("malformed rendezvous table")
+    return peers
+
+
+def exchange(address: tuple[str, int], secret: bytes, info: dict[str, Any],
+             timeout_s: float) -> dict[str, Any]:
+    """Send a registration and wait for the server's answer (retrying the connection
+    while the server is not up yet); an ``error`` answer raises ``RendezvousError``."""
     deadline = time.monotonic() + timeout_s
     last_exc: Exception | None = None
     sock = None
@@ -213,10 +238,24 @@ def register(address: tuple[str, int], secret: bytes, info: dict[str, Any],
         raise RendezvousError("malformed rendezvous reply")
     if reply.get("kind") == "error":
         raise RendezvousError(str(reply.get("message")))
-    peers = reply.get("peers")
-    if not isinstance(peers, list) or len(peers) != info["size"]:
-        raise RendezvousError("malformed rendezvous table")
-    return peers
+    return reply
+
+
+def query(address: tuple[str, int], secret: bytes, what: dict[str, Any],
+          timeout_s: float = 2.0) -> dict[str, Any] | None:
+    """Ask the rendezvous service something (see ``RendezvousServer.answer``); None when
+    it cannot be reached or answers nonsense (never raises)."""
+    try:
+        sock = wire.connect(address[0], address[1], secret, timeout_s)
+        try:
+            wire.send_frame(sock, KIND_JSON, wire.dumps(dict(what, kind="query")))
+            _, payload = wire.recv_frame(sock, time.monotonic() + timeout_s, _MAX_REGISTER_BYTES)
+        finally:
+            sock.close()
+        reply = wire.loads(payload)
+        return reply if isinstance(reply, dict) else None
+    except Exception:  # noqa: BLE001 - a best-effort query
+        return None
 
 
 def report_failure(address: tuple[str, int], secret: bytes, rank: int, message: str,

@@ -43,6 +43,7 @@ from .compression import Compression, Compressor  # noqa: E402
 from .optimizer import DistributedOptimizer  # noqa: E402
 from .state import broadcast_optimizer_state, broadcast_parameters, broadcast_state  # noqa: E402
 from .sync_batch_norm import SyncBatchNorm  # noqa: E402
+from . import elastic  # noqa: E402,F401
 
 
 def nccl_built() -> bool:

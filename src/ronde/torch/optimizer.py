@@ -33,7 +33,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
-from .. import _api, _objects
+from .. import _api, _objects, _state
 from .._errors import ProcessSetError, RondeError, TensorMismatchError, UnsupportedError
 from .._ops import ReduceOp
 from ..frameworks.accumulation import PassCounter
@@ -92,7 +92,9 @@ class _DistributedMixin:
         self._ronde_group_of = {id(q): gid for gid, members in self._ronde_groups.items()
                                 for q in members}
         self._ronde_ready: dict[int, set[int]] = {}
-        self._ronde_validated = False
+        #: the job generation the parameters were checked in (an elastic reset starts a
+        #: new one, with new ranks that check too: every rank must, in step)
+        self._ronde_validated = -1
         self._ronde_synchronized = False
         self._ronde_should_sync = True
         if self._ronde_member:  # the device path's collectives now, not in a hook
@@ -187,7 +189,7 @@ class _DistributedMixin:
             raise TensorMismatchError(
                 f"DistributedOptimizer: the trainable parameters differ across ranks: {diff}; "
                 "build the same model on every rank (and pass the same named_parameters)")
-        self._ronde_validated = True
+        self._ronde_validated = _state.require().generation
 
     def synchronize(self) -> None:
         """Wait until every gradient is reduced (starting those not started yet).
@@ -199,7 +201,7 @@ class _DistributedMixin:
             self._ronde_synchronized = True
             return
         try:
-            if not self._ronde_validated:
+            if self._ronde_validated != _state.require().generation:
                 self._ronde_validate()
             if not self._ronde_handles and all(p.grad is None for p in self._ronde_params):
                 raise RondeError("optimizer.step()/synchronize() found no gradients on rank "

@@ -1,0 +1,111 @@
+"""The elastic reset loop behind every binding's ``hvd.elastic.run``.
+
+Where it sits: the decorated training function runs inside :func:`run_fn`. When a peer
+is lost, every survivor's pending collective raises
+:class:`~ronde.HorovodInternalError` (a :class:`~ronde.PeerLostError` naming the lost
+rank); the loop restores the last commit, re-forms the job (``shutdown()`` then
+``init()`` in this process: the launcher hands out the new ranks, survivors first, in
+their old order), runs the state's reset callbacks and syncs the state from the new
+rank 0, then calls the function again. A :class:`~ronde.HostsUpdatedInterrupt` (hosts
+added or removed, raised at the same ``commit()`` on every rank) re-forms the job the
+same way, keeping the uncommitted progress.
+
+Fixed here, where Horovod goes wrong: whether to sync after a reset is decided by every
+rank together (a max-allreduce of "I need it"), so ranks that came back for different
+reasons, and ranks that just joined, never disagree on it (horovod#3494: survivors below
+``--min-np`` that recovered deadlocked in ``sync``). Errors that a reset cannot cure
+(mismatched shapes, a duplicate name, a rank that returned early) are not retried: they
+end the job with their own message.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable, TypeVar
+
+from .._errors import (HorovodInternalError, HostsUpdatedInterrupt, PeerLostError, RondeError,
+                       WorkerRemovedError)
+
+log = logging.getLogger("ronde")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def resettable(exc: BaseException) -> bool:
+    """Whether re-forming the job can cure ``exc``: a lost peer, or Horovod's plain
+    ``HorovodInternalError`` (what a script raises to ask for a reset). Its subclasses
+    that name a bug (a mismatch, a duplicate name, a shutdown) are not."""
+    return isinstance(exc, PeerLostError) or type(exc) is HorovodInternalError
+
+
+def reset() -> None:
+    """Re-form the job: shut ronde down here and initialise again (the launcher's
+    elastic rendezvous hands out the new rank and size)."""
+    from .. import _api
+
+    _api.shutdown()
+    _api.init()
+
+
+def run_fn(func: F, reset: Callable[[], None] = reset) -> F:
+    """``func(state, *args, **kwargs)`` run elastically (see the module docstring)."""
+
+    @functools.wraps(func)
+    def wrapper(state: Any, *args: Any, **kwargs: Any) -> Any:
+        from . import notify
+        from .. import _api
+
+        notify.latest()  # start watching for host changes now
+        limit = _reset_limit()
+        resets = 0
+        need_sync = True
+        while True:
+            try:
+                if _agree_on_sync(need_sync):
+                    state.sync()
+                return func(state, *args, **kwargs)
+            except HostsUpdatedInterrupt as exc:
+                need_sync = not exc.skip_sync
+                why = "hosts changed"
+            except RondeError as exc:
+                if not resettable(exc):
+                    raise
+                state.restore()
+                need_sync = True
+                why = f"{type(exc).__name__}: {exc}"
+            resets += 1
+            if limit is not None and resets > limit:
+                raise RondeError(f"elastic: {resets} resets exceed the reset limit of {limit} "
+                                 "(--reset-limit / RONDE_RESET_LIMIT); the last was: "
+                                 f"{why}") from None
+            log.warning("ronde elastic: rank %d resets (%s)", _api.rank(), why)
+            try:
+                reset()
+            except WorkerRemovedError as exc:
+                log.warning("ronde elastic: %s; this worker ends", exc)
+                raise SystemExit(0) from None
+            state.on_reset()
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _agree_on_sync(mine: bool) -> bool:
+    """Every rank's vote, max-reduced: sync if any rank needs it (a new rank always
+    does: its first call comes here with ``need_sync`` true)."""
+    import numpy as np
+
+    from .. import _api
+    from ..collectives.ops import ReduceOp
+
+    if _api.size() == 1:
+        return mine
+    got = _api.allreduce(np.array([1 if mine else 0], np.int32), op=ReduceOp.MAX,
+                         name="ronde.elastic.sync_vote")
+    return bool(got[0])
+
+
+def _reset_limit() -> int | None:
+    from .._config import load
+
+    return load().reset_limit or None

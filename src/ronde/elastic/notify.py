@@ -1,0 +1,96 @@
+"""Host-change notices from the launcher, as a worker sees them.
+
+Where it sits: in an elastic job (``ronderun --min-np/--max-np/--host-discovery-script``)
+the launcher's driver announces every change of the host set with a timestamp and what
+changed (:data:`ADDED`, :data:`REMOVED`, both). Each worker polls the launcher's
+rendezvous service for the latest notice from a daemon thread, about once a second
+(``RONDE_ELASTIC_POLL``), so that ``State.commit()`` costs no round trip: it reads
+:func:`latest` and agrees with the other ranks on rank 0's view
+(``State.check_host_updates``).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import threading
+import time
+
+NO_UPDATE, REMOVED, ADDED, MIXED = 0, 1, 2, 3
+
+
+class HostUpdateResult(enum.IntFlag):
+    """What changed in the host set (Horovod's names)."""
+
+    no_update = NO_UPDATE
+    removed = REMOVED
+    added = ADDED
+    mixed = MIXED
+
+
+_lock = threading.Lock()
+_latest: tuple[float, int] = (0.0, NO_UPDATE)
+_poller: threading.Thread | None = None
+
+
+def latest() -> tuple[float, int]:
+    """The newest notice seen: ``(timestamp, update bits)``; ``(0, 0)`` if none."""
+    _ensure_polling()
+    with _lock:
+        return _latest
+
+
+#: the newest notice the running generation already took into account
+_formed_after = 0.0
+
+
+def formed_after(timestamp: float) -> None:
+    """The launcher formed this generation after the notice of ``timestamp``
+    (``init()`` of an elastic worker): that notice and older ones need no reset."""
+    global _formed_after
+    with _lock:
+        _formed_after = timestamp
+
+
+def baseline() -> float:
+    """The timestamp of the newest notice the running generation already reflects."""
+    with _lock:
+        return _formed_after
+
+
+def record(timestamp: float, update: int) -> None:
+    """Take a notice (the poller, or a test)."""
+    global _latest
+    with _lock:
+        if timestamp > _latest[0]:
+            _latest = (timestamp, int(update))
+
+
+def _ensure_polling() -> None:
+    global _poller
+    if _poller is not None or os.environ.get("RONDE_ELASTIC") != "1":
+        return
+    from ..runner import env as worker_env
+
+    wenv = worker_env.detect()
+    if not (wenv.rendezvous and wenv.secret):
+        return
+    with _lock:
+        if _poller is not None:
+            return
+        _poller = threading.Thread(target=_poll, args=(wenv.rendezvous, wenv.secret),
+                                   name="ronde-elastic-notices", daemon=True)
+        _poller.start()
+
+
+def _poll(address: tuple[str, int], secret: bytes) -> None:
+    from ..runner.rendezvous import query
+
+    from .._config import load
+
+    period = load().elastic_poll_s
+    while True:
+        reply = query(address, secret, {"what": "hosts"})
+        if reply is not None and isinstance(reply.get("timestamp"), (int, float)):
+            record(float(reply["timestamp"]), int(reply.get("update") or 0))
+        time.sleep(period)

@@ -1,0 +1,489 @@
+"""Elastic jobs in the launcher: hosts that come and go, workers that fail, ranks re-dealt.
+
+``ronderun --min-np A [--max-np B] (--host-discovery-script S | -H ... | --hostfile F)``
+runs an elastic job (Horovod's elastic driver, see docs/elastic.md):
+
+* **Hosts** come from the discovery script (run about once a second; each output line
+  is ``host`` or ``host:slots``, ``--slots-per-host`` when no count is given), or from
+  the fixed host list. Hosts keep the order in which they were first seen.
+* **Assignment**: a generation's ranks are *slots* (host, local slot). Hosts that hold
+  a surviving worker come first, and on each host the survivors first, in their old
+  order, so rank 0 is always a survivor and ``sync()`` copies the state from one; new
+  slots fill in up to ``--max-np``. Only new slots get a new process.
+* **Rendezvous** (:class:`ElasticRendezvous`): a worker registers its slot (``init()``
+  after a reset does it again); when every slot of the generation has registered, each
+  gets its rank, the size and the peer table. A registered slot that is no longer in
+  the job is told so (the worker ends with code 0).
+* **A failed worker** (non-zero exit) has its host blacklisted (for a time drawn from
+  ``--blacklist-cooldown-range``, else for good), unless that would leave fewer than
+  ``--min-np`` slots: then only its slot is left out. The survivors, which saw the
+  peer's loss as ``HorovodInternalError``, are re-formed without it; ``--reset-limit``
+  bounds how often. Fewer than ``--min-np`` slots left: the driver waits up to
+  ``--elastic-timeout`` for discovery to find more, then fails the job.
+* **Hosts changed** (discovery): new slots are started, and the workers are told (a
+  notice with a timestamp); they raise ``HostsUpdatedInterrupt`` together at their next
+  ``commit()`` and re-form.
+* **Hung workers**: when some workers of a generation registered and others have not
+  within ``--start-timeout`` (a stalled rank), the missing ones are stopped and count as
+  failed.
+* **The end**: the job is over when no worker is left. It succeeded when the workers of
+  the last generation exited with 0. Once one of them exits 0 the job no longer
+  re-forms: a rank that returns early makes the others' pending collectives fail with
+  an error naming it (horovod#3852: no silent stop, no hang).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+import secrets
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Any, Callable, Mapping, Sequence
+
+from .._errors import ConfigError
+from ..transport.net import route_address
+from .env import worker_env_vars
+from .hosts import HostSpec, RankSlot, is_local, parse_hostfile_lines, resolve_hosts
+from .launch import SETTLE_S, LaunchResult, _Job, _remote_argv, _Worker
+from .elastic_rendezvous import ElasticRendezvous, Slot
+from .summary import failure_lines
+
+
+
+#: how often the discovery script runs
+DISCOVER_EVERY_S = 1.0
+
+
+# -- discovery ---------------------------------------------------------------------------
+class Discovery:
+    """Where the hosts come from: a fixed list, or a script run again and again."""
+
+    def __init__(self, fixed: list[HostSpec] | None = None, script: str | None = None,
+                 slots_per_host: int = 1) -> None:
+        self.fixed, self.script, self.slots_per_host = fixed, script, slots_per_host
+
+    def find(self) -> list[HostSpec]:
+        """The hosts available now (raises ConfigError when the script fails)."""
+        if self.script is None:
+            return list(self.fixed or [])
+        try:
+            out = subprocess.run([self.script] if os.path.isfile(self.script)
+                                 else shlex.split(self.script), capture_output=True,
+                                 text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise ConfigError(f"--host-discovery-script {self.script}: {exc}") from None
+        if out.returncode != 0:
+            raise ConfigError(f"--host-discovery-script {self.script} exited with "
+                              f"{out.returncode}: {out.stderr.strip()[-500:]}")
+        lines = []
+        for line in out.stdout.splitlines():
+            line = line.strip()
+            if line and not line.startswith("#"):
+                host, sep, slots = line.rpartition(":")
+                if not sep or not slots.isdigit():  # "host" (or an IPv6 address)
+                    line = f"{line} slots={self.slots_per_host}"
+                else:
+                    line = f"{host} slots={slots}"
+                lines.append(line)
+        return parse_hostfile_lines(lines, f"the output of {self.script}")
+
+
+@dataclasses.dataclass
+class Blacklist:
+    """Hosts that failed, until when (``inf``: for good)."""
+
+    cooldown: tuple[float, float] | None = None
+    until: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def add(self, host: str) -> None:
+        if self.cooldown is None:
+            self.until[host] = float("inf")
+        else:
+            self.until[host] = time.monotonic() + random.uniform(*self.cooldown)
+
+    def blocked(self, host: str) -> bool:
+        return self.until.get(host, 0.0) > time.monotonic()
+
+
+def assign(hosts: list[HostSpec], survivors: list[Slot], max_np: int | None,
+           left_out: set[Slot] = frozenset()) -> list[Slot]:  # type: ignore[assignment]
+    """The next generation's slots in rank order (see the module docstring): hosts with
+    survivors first, survivors first on each host in their old order, then new slots up
+    to ``max_np``."""
+    alive = [s for s in survivors if any(h.name == s[0] for h in hosts)]
+    order = sorted(hosts, key=lambda h: (0 if any(s[0] == h.name for s in alive) else 1))
+    room = None if max_np is None else max(0, max_np - len(alive))
+    new: dict[str, list[int]] = {}
+    for h in order:
+        for i in range(h.slots):
+            if room is not None and room <= 0:
+                break
+            slot = (h.name, i)
+            if slot not in alive and slot not in left_out:
+                new.setdefault(h.name, []).append(i)
+                if room is not None:
+                    room -= 1
+    out: list[Slot] = []
+    for h in order:
+        out.extend(s for s in alive if s[0] == h.name)
+        out.extend((h.name, i) for i in new.get(h.name, []))
+    return out
+
+
+def slot_layout(slots: list[Slot]) -> list[RankSlot]:
+    """Rank, local and cross rank of each slot of a generation (as ``init()`` derives them)."""
+    hosts = [h for h, _ in slots]
+    order: list[str] = []
+    for h in hosts:
+        if h not in order:
+            order.append(h)
+    out = []
+    for rank, (h, _) in enumerate(slots):
+        local = [r for r in range(len(slots)) if hosts[r] == h]
+        out.append(RankSlot(rank, h, local.index(rank), len(local), order.index(h), len(order)))
+    return out
+
+
+class ElasticDriver:
+    """Runs an elastic job on top of the launcher's process handling (``launch._Job``)."""
+
+    def __init__(self, job: Any, discovery: Discovery, min_np: int, max_np: int | None,
+                 np: int | None, make_worker: Callable[[int, Slot, RankSlot], Any],
+                 elastic_timeout_s: float, reset_limit: int | None,
+                 blacklist: Blacklist, start_timeout_s: float) -> None:
+        self.job, self.discovery = job, discovery
+        self.min_np, self.max_np, self.np = min_np, max_np, np
+        self.make_worker = make_worker
+        self.elastic_timeout_s, self.reset_limit = elastic_timeout_s, reset_limit
+        self.blacklist, self.start_timeout_s = blacklist, start_timeout_s
+        self.server: ElasticRendezvous = job.server
+        self.assignment: list[Slot] = []
+        self.by_slot: dict[Slot, Any] = {}
+        self.left_out: set[Slot] = set()
+        self.hosts: list[HostSpec] = []
+        self.resets = 0
+        self.finishing = False
+        self.short_since: float | None = None  # fewer than min_np slots since then
+        self.fatal = ""
+        self._handled: set[int] = set()
+        self._last_discovery = 0.0
+
+    # -- start ---------------------------------------------------------------------------
+    def start(self) -> None:
+        deadline = time.monotonic() + self.elastic_timeout_s
+        while True:
+            self.hosts = self._available(self.discovery.find())
+            if sum(h.slots for h in self.hosts) >= self.min_np:
+                break
+            if time.monotonic() > deadline or self.job.signals:
+                raise ConfigError(
+                    f"elastic: only {sum(h.slots for h in self.hosts)} slot(s) available "
+                    f"after {self.elastic_timeout_s:g}s, --min-np needs {self.min_np}")
+            time.sleep(DISCOVER_EVERY_S)
+        first = self.max_np if self.np is None else min(self.np, self.max_np or self.np)
+        self._form(assign(self.hosts, [], first), removed=[])
+        self._last_discovery = time.monotonic()
+
+    # -- one step of the job's loop --------------------------------------------------------
+    def step(self) -> str:
+        """Handle exits, discovery and waits; the job's end reason, or ""."""
+        for w in self.job.workers:
+            if w.returncode is None or id(w) in self._handled:
+                continue
+            self._handled.add(id(w))
+            self._exited(w)
+            if self.fatal:
+                return "failure"
+        now = time.monotonic()
+        if self.discovery.script is not None and now - self._last_discovery > DISCOVER_EVERY_S:
+            self._last_discovery = now
+            try:
+                found = self._available(self.discovery.find())
+            except ConfigError as exc:
+                self._say("%s (keeping the last host list)", exc)
+                found = self.hosts
+            if [(h.name, h.slots) for h in found] != [(h.name, h.slots) for h in self.hosts]:
+                self.hosts = found
+                self._change(failure=False)
+        elif self.short_since is not None:
+            self.hosts = self._available(self.discovery.find())
+            self._change(failure=False)
+        if self.short_since is not None and now - self.short_since > self.elastic_timeout_s:
+            self.fatal = (f"elastic: fewer than --min-np {self.min_np} slots for "
+                          f"{self.elastic_timeout_s:g}s (--elastic-timeout)")
+            return "failure"
+        self._stop_hung(now)
+        if self.fatal:
+            return "failure"
+        formed = [self.by_slot[s] for s in self.server.formed() if s in self.by_slot]
+        if self.finishing and formed and all(w.returncode == 0 for w in formed):
+            for w in self.job.workers:  # started for a generation that never formed
+                if w.alive:
+                    w.removed = w.signalled = True
+                    w.killpg(signal.SIGTERM)
+            return "done"
+        if not any(w.alive for w in self.job.workers):
+            self.fatal = self.fatal or "elastic: no worker is left"
+            return "failure"
+        return ""
+
+    # -- internals -------------------------------------------------------------------------
+    def _say(self, fmt: str, *args: Any) -> None:
+        """A line of the driver's on the launcher's stderr (``ronderun: elastic: ...``)."""
+        text = "ronderun: elastic: " + (fmt % args if args else fmt) + "\n"
+        with self.job.out_lock:
+            try:
+                self.job.stderr.write(text)
+                self.job.stderr.flush()
+            except (OSError, ValueError):
+                pass
+
+    def _available(self, hosts: list[HostSpec]) -> list[HostSpec]:
+        return [h for h in hosts if not self.blacklist.blocked(h.name)]
+
+    def _exited(self, w: Any) -> None:
+        slot = w.elastic_slot
+        if getattr(w, "removed", False) or slot not in self.assignment:
+            return
+        if w.returncode == 0:
+            self.finishing = True
+            return
+        if w.signalled and not getattr(w, "hung", False):
+            return  # stopped by the driver (its host left the job)
+        if self.finishing:
+            if slot in self.server.formed():
+                self.fatal = "elastic: a worker failed after the job started to finish"
+            return
+        self.job.failed_workers.append(w)
+        host = slot[0]
+        rest = sum(h.slots for h in self.hosts if h.name != host)
+        if rest >= self.min_np:
+            self.blacklist.add(host)
+            self.hosts = [h for h in self.hosts if h.name != host]
+            self._say("worker %s on %s failed (%s); host blacklisted", slot[1], host,
+                        w.returncode)
+        else:
+            self.left_out.add(slot)
+            self._say("worker %s on %s failed (%s); slot left out", slot[1], host,
+                        w.returncode)
+        self._change(failure=True)
+
+    def _change(self, failure: bool) -> None:
+        if self.finishing:
+            return
+        survivors = [s for s in self.assignment if s in self.by_slot
+                     and self.by_slot[s].alive and not getattr(self.by_slot[s], "removed", False)]
+        nxt = assign(self.hosts, survivors, self.max_np, self.left_out)
+        if len(nxt) < self.min_np:
+            if self.short_since is None:
+                self.short_since = time.monotonic()
+                self._say("%d slot(s) available, --min-np is %d; waiting up to "
+                            "%gs for more", len(nxt), self.min_np, self.elastic_timeout_s)
+            return
+        self.short_since = None
+        if nxt == self.assignment and not failure:
+            return
+        if self.reset_limit is not None and self.resets >= self.reset_limit:
+            self.fatal = f"elastic: the job re-formed {self.resets} times (--reset-limit)"
+            return
+        self.resets += 1
+        removed = [s for s in self.assignment if s not in nxt]
+        added = [s for s in nxt if s not in self.assignment]
+        for s in removed:
+            w = self.by_slot.get(s)
+            if w is not None and w.alive:
+                w.removed = True
+                if self.blacklist.blocked(s[0]):
+                    w.signalled = True
+                    w.killpg(signal.SIGTERM)
+        self._form(nxt, removed)
+        if not failure:
+            from ..elastic.notify import ADDED, REMOVED
+
+            self.server.announce((ADDED if added else 0) | (REMOVED if removed else 0))
+
+    def _form(self, slots: list[Slot], removed: list[Slot]) -> None:
+        self._say("generation %d: %s", self.server.generation + 1,
+                 ", ".join(f"{h}[{i}]" for h, i in slots))
+        self.assignment = slots
+        self.server.set_assignment(slots, removed)
+        for rank_slot, slot in zip(slot_layout(slots), slots):
+            w = self.by_slot.get(slot)
+            if w is not None and w.alive:
+                continue
+            w = self.make_worker(len(self.job.workers), slot, rank_slot)
+            w.elastic_slot = slot
+            self.by_slot[slot] = w
+            self.job.workers.append(w)
+            self.job._spawn(w)
+
+    def _stop_hung(self, now: float) -> None:
+        held, since = self.server.waiting()
+        if since is None or now - since < self.start_timeout_s:
+            return
+        for s in self.assignment:
+            w = self.by_slot.get(s)
+            if s not in held and w is not None and w.alive:
+                self._say("worker %s[%d] did not come back to the rendezvous "
+                            "within %gs; stopping it", s[0], s[1], self.start_timeout_s)
+                w.hung = True
+                w.signalled = True
+                w.killpg(signal.SIGKILL)
+
+
+def parse_cooldown(values: Sequence[float] | None) -> tuple[float, float] | None:
+    if not values:
+        return None
+    lo, hi = float(values[0]), float(values[1])
+    if lo < 0 or hi < lo:
+        raise ConfigError(f"--blacklist-cooldown-range {lo:g} {hi:g}: need 0 <= LO <= HI")
+    return lo, hi
+
+
+class ElasticJob(_Job):
+    """``launch._Job`` with a changing set of workers, driven by :class:`ElasticDriver`.
+    Workers are numbered in the order they start (the ``[N]`` of their output lines)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__([], *args, **kwargs)
+        self.failed_workers: list[Any] = []
+        self.driver: ElasticDriver | None = None
+
+    def run(self) -> LaunchResult:
+        assert self.driver is not None
+        restore: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                restore[signum] = signal.signal(signum, self._on_signal)
+        reason = ""
+        start = time.monotonic()
+        running: list[int] = []
+        try:
+            try:
+                self.driver.start()
+            except ConfigError as exc:
+                self.driver.fatal = str(exc)
+                reason = "failure"
+            while not reason:
+                self._record(0.1)
+                if self.signals:
+                    reason = "signal"
+                elif self.timeout_s is not None and time.monotonic() - start > self.timeout_s:
+                    reason = "timeout"
+                else:
+                    reason = self.driver.step()
+            if reason == "failure":
+                settle = time.monotonic() + SETTLE_S
+                while any(w.alive for w in self.workers) and time.monotonic() < settle:
+                    self._record(0.05)
+            running = [w.slot.rank for w in self.workers if w.alive]
+            if reason != "done":
+                self._stop_all()
+        finally:
+            self._kill_all()
+            for num, old in restore.items():
+                signal.signal(num, old)
+        for w in self.workers:
+            for t in w.threads:
+                t.join(timeout=2.0)
+        if reason == "failure":
+            return self._failed(running)
+        return self._result(reason, running)
+
+    def _failed(self, running: list[int]) -> LaunchResult:
+        codes = [w.returncode for w in self.workers]
+        failed = [w for w in self.workers if w.returncode not in (None, 0)
+                  and not w.signalled] or self.failed_workers
+        if failed:
+            first = min(failed, key=lambda w: w.exit_time or 0.0)
+            code, cause, lines = failure_lines(first, "", self.workers)
+        else:
+            first, code, cause, lines = None, 1, "", []
+        fatal = self.driver.fatal if self.driver else ""
+        if fatal:
+            cause = fatal if not cause else f"{fatal}; {cause}"
+            lines = [f"ronderun: {fatal}", *lines]
+        return self._finish(LaunchResult(code, first.slot.rank if first else None, codes,
+                                         cause), lines)
+
+
+def run_elastic(command: Sequence[str], np: int | None, min_np: int, max_np: int | None,
+                hosts: str | None = None, hostfile: str | None = None,
+                discovery_script: str | None = None, slots_per_host: int = 1,
+                elastic_timeout_s: float = 600.0, reset_limit: int | None = None,
+                cooldown: tuple[float, float] | None = None,
+                env: Mapping[str, str] | None = None, start_timeout_s: float = 30.0,
+                output_dir: str | None = None, timeout_s: float | None = None,
+                ssh_port: int | None = None, ssh_identity: str | None = None,
+                stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> LaunchResult:
+    """Run ``command`` as an elastic job (see the module docstring); what ``ronderun
+    --min-np ...`` calls. Returns how the job ended, as ``launch.run`` does."""
+    stdout = sys.stdout if stdout is None else stdout
+    stderr = sys.stderr if stderr is None else stderr
+    command = list(command)
+    if not command:
+        raise ConfigError("no command given; write e.g. ronderun -np 2 --min-np 1 python train.py")
+    if min_np < 1 or (max_np is not None and max_np < min_np):
+        raise ConfigError(f"--min-np {min_np} / --max-np {max_np}: need 1 <= min <= max")
+    if discovery_script is None and not (hosts or hostfile):
+        hosts = f"localhost:{max(np or 0, max_np or 0, min_np)}"
+    discovery = Discovery(None if discovery_script else resolve_hosts(hosts, hostfile),
+                          discovery_script, slots_per_host)
+    local_only = discovery_script is None and all(is_local(h.name)
+                                                  for h in discovery.fixed or [])
+    bind_env = os.environ.get("RONDE_BIND_ADDR", "")
+    bind = "127.0.0.1" if local_only else (bind_env or "0.0.0.0")
+    secret = secrets.token_bytes(32)
+    job_id = f"ronde-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        server = ElasticRendezvous(secret, host=bind, start_timeout_s=start_timeout_s)
+    except OSError as exc:
+        raise ConfigError(f"the rendezvous service cannot listen on {bind}: {exc.strerror}; "
+                          "check --bind-addr / RONDE_BIND_ADDR") from None
+    out_dir = os.fspath(output_dir) if output_dir else None
+    try:
+        server.start()
+
+        def make_worker(wid: int, slot: Slot, where: RankSlot) -> _Worker:
+            local = is_local(slot[0])
+            advertise = "127.0.0.1" if local else (
+                bind_env if bind_env and bind_env not in ("0.0.0.0", "::")
+                else route_address(slot[0]))
+            variables = worker_env_vars(
+                rank=where.rank, size=len(driver.assignment), local_rank=where.local_rank,
+                local_size=where.local_size, cross_rank=where.cross_rank,
+                cross_size=where.cross_size, host=slot[0], rendezvous=(advertise, server.port),
+                secret=secret, job_id=job_id)
+            variables.update(PYTHONUNBUFFERED="1", RONDE_ELASTIC="1", RONDE_SLOT=str(slot[1]),
+                             RONDE_ELASTIC_TIMEOUT=f"{elastic_timeout_s:g}",
+                             RONDE_START_TIMEOUT=f"{start_timeout_s:g}")
+            if reset_limit is not None:
+                variables["RONDE_RESET_LIMIT"] = str(reset_limit)
+            variables.update(env or {})
+            shown_slot = RankSlot(wid, slot[0], slot[1], where.local_size, where.cross_rank,
+                                  where.cross_size)
+            if out_dir is not None:
+                os.makedirs(os.path.join(out_dir, f"rank.{wid}"), exist_ok=True)
+            if local:
+                return _Worker(shown_slot, command, {**os.environ, **variables}, command)
+            argv = _remote_argv(slot[0], command, variables, ssh_port, ssh_identity)
+            return _Worker(shown_slot, argv, dict(os.environ), argv)
+
+        job = ElasticJob(stdout, stderr, out_dir, timeout_s, server)
+        driver = ElasticDriver(job, discovery, min_np, max_np, np, make_worker,
+                               elastic_timeout_s, reset_limit, Blacklist(cooldown),
+                               start_timeout_s)
+        job.driver = driver
+        return job.run()
+    finally:
+        server.close()
+        from ..transport.segments import remove_job_segments
+
+        remove_job_segments(job_id)

@@ -1,0 +1,98 @@
+"""Elastic PyTorch jobs end to end: real ronderun elastic driver, real worker processes.
+
+Hosts are loopback addresses (127.0.0.1, .2, .3: separate hosts for ronde, no ssh).
+Each job trains tests/elastic/torch_elastic_worker.py, which checks nothing itself:
+rank 0 writes every epoch's processed indices, and these tests check that each epoch
+used every sample exactly once, whatever happened meanwhile.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import stat
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+from ronde.runner.elastic import run_elastic  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.elastic]
+WORKER = os.path.join(os.path.dirname(__file__), "torch_elastic_worker.py")
+N = 60
+
+
+def _job(tmp_path, np=None, min_np=2, max_np=None, hosts=None, discovery=None, env=None,
+         reset_limit=None, timeout=150.0):
+    out, err = io.StringIO(), io.StringIO()
+    result_file = tmp_path / "result.json"
+    variables = {"ELASTIC_OUT": str(result_file), "ELASTIC_MARK": str(tmp_path / "mark"),
+                 "ELASTIC_N": str(N), "ELASTIC_HOSTS_FILE": str(tmp_path / "hosts"),
+                 "RONDE_ELASTIC_POLL": "0.2", **(env or {})}
+    script = None
+    if discovery is not None:
+        (tmp_path / "hosts").write_text("".join(f"{h}\n" for h in discovery))
+        script = tmp_path / "discover.sh"
+        script.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
+        script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    res = run_elastic([sys.executable, WORKER], np, min_np, max_np, hosts=hosts,
+                      discovery_script=str(script) if script else None, env=variables,
+                      start_timeout_s=20.0, elastic_timeout_s=30.0, reset_limit=reset_limit,
+                      timeout_s=timeout, stdout=out, stderr=err)
+    result = json.loads(result_file.read_text()) if result_file.exists() else None
+    return res, result, out.getvalue() + err.getvalue()
+
+
+def _exactly_once(result):
+    assert result is not None
+    for epoch in result["epochs"]:
+        assert epoch == list(range(N))  # every sample once: none repeated, none lost
+
+
+def test_survivors_go_on_without_a_worker_that_died(tmp_path):
+    res, result, text = _job(tmp_path, np=3, min_np=2, hosts="127.0.0.1:1,127.0.0.2:1,127.0.0.3:1",
+                             env={"ELASTIC_DIE": "127.0.0.3:3"})
+    assert res.returncode == 0, text
+    _exactly_once(result)
+    assert result["sizes"][0] == 3 and result["sizes"][-1] == 2 and result["size"] == 2
+    assert result["resets"] >= 1
+    assert "127.0.0.3 failed" in text and "PeerLostError" in text
+
+
+def test_a_host_found_by_discovery_joins_and_gets_the_state(tmp_path):
+    res, result, text = _job(tmp_path, min_np=2, discovery=["127.0.0.1", "127.0.0.2"],
+                             env={"ELASTIC_ADD_HOST": "127.0.0.3", "ELASTIC_ADD_STEP": "2",
+                                  "ELASTIC_STEP_SLEEP": "0.3"})
+    assert res.returncode == 0, text
+    _exactly_once(result)
+    assert result["sizes"][0] == 2 and result["sizes"][-1] == 3 and result["size"] == 3
+    assert "HostsUpdatedInterrupt" not in text or "resets (hosts changed)" in text
+
+
+def test_below_min_np_the_survivor_waits_and_recovers(tmp_path):
+    # horovod#3494: a survivor left below --min-np must wait for the job to re-form and
+    # then agree with the newcomer on syncing (a deadlock in Horovod)
+    res, result, text = _job(tmp_path, min_np=2, max_np=2, discovery=["127.0.0.1", "127.0.0.2"],
+                             env={"ELASTIC_DIE": "127.0.0.2:3", "ELASTIC_DIE_ADDS": "127.0.0.3"})
+    assert res.returncode == 0, text
+    _exactly_once(result)
+    assert result["size"] == 2 and "waiting up to" in text
+
+
+def test_the_reset_limit_ends_the_job(tmp_path):
+    res, result, text = _job(tmp_path, np=3, min_np=1, hosts="127.0.0.1:1,127.0.0.2:1,127.0.0.3:1",
+                             env={"ELASTIC_DIE": "127.0.0.3:3,127.0.0.2:5"}, reset_limit=1)
+    assert res.returncode != 0 and result is None
+    assert "--reset-limit" in text
+
+
+def test_a_rank_returning_early_fails_the_job_with_its_name(tmp_path):
+    # horovod#3852: one rank leaving the training function must neither hang the job nor
+    # end it silently: the others' next collective fails, naming the rank
+    res, result, text = _job(tmp_path, np=2, min_np=2, hosts="127.0.0.1:1,127.0.0.2:1",
+                             env={"ELASTIC_EARLY_RETURN_HOST": "127.0.0.2"}, timeout=90)
+    assert res.returncode != 0 and result is None, text
+    assert "shut down" in text
