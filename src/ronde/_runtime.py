@@ -25,7 +25,8 @@ import traceback
 from typing import Any, Callable
 
 from . import _config
-from ._errors import DeadlockError, PeerLostError, RendezvousError, ShutdownError, StallError
+from ._errors import (DeadlockError, PeerLostError, RendezvousError, RondeError, ShutdownError,
+                      StallError)
 from .core.engine import Engine
 from .runner import env as worker_env
 from .runner import rendezvous
@@ -388,6 +389,12 @@ def _lost_peer_reporter(wenv: Any) -> Callable[[BaseException], None]:
 def shutdown(rt: Runtime) -> None:
     if _dying:
         rt.engine.cfg = dataclasses.replace(rt.engine.cfg, shutdown_timeout_s=0.5)
+        if rt.wenv.elastic:
+            # an elastic worker dying of an exception is a lost peer, not one that
+            # finished: leave without announcing a shutdown, so that the survivors'
+            # collectives fail with PeerLostError and the job re-forms without it
+            rt.engine.fail(RondeError(f"rank {rt.topo.rank} is exiting on an uncaught "
+                                      "exception"))
     rt.engine.shutdown()
     for t in _reports:
         t.join(timeout=1.0)

@@ -72,6 +72,17 @@ def test_a_host_found_by_discovery_joins_and_gets_the_state(tmp_path):
     assert "HostsUpdatedInterrupt" not in text or "resets (hosts changed)" in text
 
 
+def test_a_host_removed_by_discovery_leaves_cleanly(tmp_path):
+    # the removed host's worker ends with code 0 at the commit where every rank sees
+    # the change; rank 0 moves to the remaining host, which has the state already
+    res, result, text = _job(tmp_path, min_np=1, discovery=["127.0.0.1", "127.0.0.2"],
+                             env={"ELASTIC_SET_HOSTS": "2:127.0.0.2", "ELASTIC_STEP_SLEEP": "0.3"})
+    assert res.returncode == 0, text
+    _exactly_once(result)
+    assert result["sizes"][0] == 2 and result["sizes"][-1] == 1 and result["size"] == 1
+    assert "this worker ends" in text
+
+
 def test_below_min_np_the_survivor_waits_and_recovers(tmp_path):
     # horovod#3494: a survivor left below --min-np must wait for the job to re-form and
     # then agree with the newcomer on syncing (a deadlock in Horovod)

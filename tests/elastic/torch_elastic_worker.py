@@ -12,6 +12,8 @@ injected by environment:
   discovery file if set (a replacement machine arriving);
 * ``ELASTIC_ADD_HOST``/``ELASTIC_ADD_STEP``: rank 0 appends that host to the discovery
   file at that step (hosts join while training runs);
+* ``ELASTIC_SET_HOSTS=step:host,host``: rank 0 rewrites the discovery file at that step
+  (hosts removed while training runs);
 * ``ELASTIC_EARLY_RETURN_HOST``: that host's worker returns from training at step 3.
 
 Rank 0 writes ``{"epochs": [...], "sizes": [...], "resets": n}`` as JSON to ELASTIC_OUT.
@@ -69,6 +71,10 @@ def train(state):
                     and step == int(os.environ.get("ELASTIC_ADD_STEP", "-1")):
                 with open(os.environ["ELASTIC_HOSTS_FILE"], "a") as f:
                     f.write(os.environ["ELASTIC_ADD_HOST"] + "\n")
+            plan = os.environ.get("ELASTIC_SET_HOSTS", "")
+            if hvd.rank() == 0 and plan and step == int(plan.split(":", 1)[0]):
+                with open(os.environ["ELASTIC_HOSTS_FILE"], "w") as f:
+                    f.write("\n".join(plan.split(":", 1)[1].split(",")) + "\n")
             time.sleep(float(os.environ.get("ELASTIC_STEP_SLEEP", "0")))
             x = torch.tensor(idx, dtype=torch.float32).reshape(-1, 1) / N
             opt.zero_grad()

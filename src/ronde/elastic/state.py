@@ -74,6 +74,20 @@ class State:
         if stamp > prev:
             raise HostsUpdatedInterrupt(update == notify.REMOVED)
 
+    # Horovod's private spellings, which its own elastic test scripts use
+    @property
+    def _last_updated_timestamp(self) -> float:
+        return self._last_updated
+
+    @_last_updated_timestamp.setter
+    def _last_updated_timestamp(self, value: float) -> None:
+        self._last_updated = value
+
+    @property
+    def _host_messages(self) -> "_Notices":
+        """``.empty()``: no host change announced since the last one acted on."""
+        return _Notices(self)
+
     def save(self) -> None:
         """Save the state in host memory (what ``restore()`` returns to)."""
         raise NotImplementedError
@@ -88,6 +102,15 @@ class State:
 
     def reset(self) -> None:
         """Adjust to the new job after a reset, before ``sync()`` (default: nothing)."""
+
+
+class _Notices:
+    def __init__(self, state: State) -> None:
+        self._state = state
+
+    def empty(self) -> bool:
+        newest = notify.latest()[0]
+        return newest <= max(self._state._last_updated, notify.baseline())
 
 
 class ObjectState(State):

@@ -64,9 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="wall-clock limit for the whole job; exit 124 when reached")
     el = p.add_argument_group("elastic jobs (ranks may leave and join; see docs/elastic.md)")
-    el.add_argument("--min-np", type=int, default=None,
+    el.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int, default=None,
                     help="run elastically with at least this many ranks")
-    el.add_argument("--max-np", type=int, default=None,
+    el.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int, default=None,
                     help="at most this many ranks (default: every slot found)")
     el.add_argument("--host-discovery-script", default=None, metavar="SCRIPT",
                     help="prints the available hosts, one 'host' or 'host:slots' per line")

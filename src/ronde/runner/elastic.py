@@ -187,7 +187,7 @@ class ElasticDriver:
                     f"elastic: only {sum(h.slots for h in self.hosts)} slot(s) available "
                     f"after {self.elastic_timeout_s:g}s, --min-np needs {self.min_np}")
             time.sleep(DISCOVER_EVERY_S)
-        first = self.max_np if self.np is None else min(self.np, self.max_np or self.np)
+        first = self.max_np  # as Horovod: every slot found, up to --max-np
         self._form(assign(self.hosts, [], first), removed=[])
         self._last_discovery = time.monotonic()
 
