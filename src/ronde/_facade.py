@@ -61,13 +61,13 @@ FACADES: dict[str, list[str]] = {
         "broadcast_object", "broadcast_object_fn", "allgather_object", "broadcast_variables",
         "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer",
         "SyncBatchNormalization", "Compression", "Compressor", "callbacks", "keras", "util", "vars_to_refs", "refs_to_vars",
-        "broadcast_global_variables"],
+        "broadcast_global_variables", "elastic"],
     "ronde.keras": COMMON + [
         "join", "barrier", "Compression", "allreduce", "allgather", "broadcast",
         "reducescatter", "broadcast_object", "allgather_object", "broadcast_variables",
         "broadcast_model", "DistributedOptimizer", "PartialDistributedOptimizer",
         "is_distributed", "load_model",
-        "callbacks"],
+        "callbacks", "elastic"],
     "ronde.jax": COMMON + [
         "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
         "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall",
@@ -75,7 +75,7 @@ FACADES: dict[str, list[str]] = {
         "join", "barrier", "broadcast_object", "allgather_object", "JaxHandle",
         "Compression", "Compressor", "DistributedOptimizer", "DistributedState",
         "allreduce_gradients", "reduce_gradients", "broadcast_parameters",
-        "broadcast_optimizer_state", "broadcast_variables"],
+        "broadcast_optimizer_state", "broadcast_variables", "elastic"],
     "ronde.mxnet": COMMON + [
         "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_",
         "fused_allreduce_", "allgather", "grouped_allgather", "broadcast", "broadcast_",

@@ -48,8 +48,9 @@ def reset() -> None:
     _api.init()
 
 
-def run_fn(func: F, reset: Callable[[], None] = reset) -> F:
-    """``func(state, *args, **kwargs)`` run elastically (see the module docstring)."""
+def run_fn(func: F, reset: Callable[[], None] | None = None) -> F:
+    """``func(state, *args, **kwargs)`` run elastically (see the module docstring);
+    ``reset`` re-forms the job (default: this module's :func:`reset`)."""
 
     @functools.wraps(func)
     def wrapper(state: Any, *args: Any, **kwargs: Any) -> Any:
@@ -81,13 +82,17 @@ def run_fn(func: F, reset: Callable[[], None] = reset) -> F:
                                  f"{why}") from None
             log.warning("ronde elastic: rank %d resets (%s)", _api.rank(), why)
             try:
-                reset()
+                (reset or _reset_default)()
             except WorkerRemovedError as exc:
                 log.warning("ronde elastic: %s; this worker ends", exc)
                 raise SystemExit(0) from None
             state.on_reset()
 
     return wrapper  # type: ignore[return-value]
+
+
+def _reset_default() -> None:
+    reset()  # looked up at call time (tests replace it)
 
 
 def _agree_on_sync(mine: bool) -> bool:

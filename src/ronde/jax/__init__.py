@@ -40,3 +40,5 @@ from .optimizer import (DistributedOptimizer, DistributedState, allreduce_gradie
                         reduce_gradients)
 from .state import broadcast_optimizer_state, broadcast_parameters, broadcast_variables
 
+
+from . import elastic  # noqa: E402,F401

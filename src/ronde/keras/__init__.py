@@ -102,3 +102,4 @@ def broadcast_variables(variables: Any, root_rank: int = 0,
         v.assign(value)
 
 
+from . import elastic  # noqa: E402,F401

@@ -58,8 +58,8 @@ from .util import _cache, _executing_eagerly, _make_subgraph, refs_to_vars, vars
 
 
 def __getattr__(name: str) -> Any:
-    # callbacks and keras subclass keras.callbacks.Callback: import Keras on first use.
-    if name in ("callbacks", "keras"):
+    # callbacks, keras and elastic subclass keras classes: import Keras on first use.
+    if name in ("callbacks", "keras", "elastic"):
         import importlib
 
         module = importlib.import_module(f"{__name__}.{name}")

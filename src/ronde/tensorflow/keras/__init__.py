@@ -12,4 +12,6 @@ from ...keras import callbacks  # noqa: F401
 from ..compression import Compression  # noqa: F401
 from ..functions import broadcast_variables  # noqa: F401
 
+from . import elastic  # noqa: F401,E402 - TensorFlow's run (its op errors translated)
+
 __all__ = list(_facade.FACADES[__name__])

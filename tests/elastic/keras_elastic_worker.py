@@ -1,0 +1,62 @@
+"""An elastic Keras ``fit`` for tests/elastic: hosts join at the end of the first epoch.
+
+Rank 0 appends ``ELASTIC_ADD_HOST`` to the discovery file when the first epoch begins;
+epochs are slow enough (``ELASTIC_BATCH_SLEEP`` per batch) for the launcher to announce
+the change before that epoch's closing commit, so every rank re-forms right at the
+epoch boundary: the case of horovod#2844, where the commit saved the epoch before it
+was advanced and the epoch ran again. Rank 0 writes the epochs it started (counted from
+the start of training) and ``state.epoch`` at each reset to ``ELASTIC_OUT``.
+"""
+
+import json
+import os
+import time
+
+import keras
+import numpy as np
+
+import ronde.keras as hvd
+
+EPOCHS = 3
+hvd.init()
+rng = np.random.RandomState(0)
+x = rng.rand(64, 4).astype("float32")
+y = x.sum(axis=1, keepdims=True)
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+started, resets = [], []
+state.register_reset_callbacks([lambda: resets.append(state.epoch)])
+epoch_cb = hvd.elastic.UpdateEpochStateCallback(state)
+
+
+class Mark(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        overall = epoch_cb.initial_epoch + epoch
+        started.append(overall)
+        if hvd.rank() == 0 and overall == 0 and os.environ.get("ELASTIC_ADD_HOST"):
+            with open(os.environ["ELASTIC_HOSTS_FILE"], "a") as f:
+                f.write(os.environ["ELASTIC_ADD_HOST"] + "\n")
+
+    def on_train_batch_end(self, batch, logs=None):
+        time.sleep(float(os.environ.get("ELASTIC_BATCH_SLEEP", "0")))
+
+
+# Horovod's examples list the commit first: the order that used to lose the epoch
+callbacks = [hvd.elastic.CommitStateCallback(state, batches_per_commit=1000),
+             hvd.elastic.UpdateBatchStateCallback(state), epoch_cb, Mark()]
+
+
+@hvd.elastic.run
+def train(state):
+    r, n = hvd.rank(), hvd.size()
+    state.model.fit(x[r::n], y[r::n], batch_size=4, epochs=EPOCHS - state.epoch,
+                    callbacks=callbacks, verbose=0)
+
+
+train(state)
+if hvd.rank() == 0:
+    with open(os.environ["ELASTIC_OUT"], "w") as f:
+        json.dump({"started": started, "resets_at": resets, "epoch": state.epoch,
+                   "size": hvd.size()}, f)
+hvd.shutdown()

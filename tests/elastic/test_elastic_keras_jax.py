@@ -1,0 +1,118 @@
+"""Elastic Keras ``fit`` and JAX loops end to end (real elastic driver and processes)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import stat
+import sys
+
+import pytest
+
+from ronde.runner.elastic import run_elastic
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.elastic]
+HERE = os.path.dirname(__file__)
+
+
+def _job(tmp_path, worker, hosts=None, discovery=None, min_np=1, env=None, timeout=200.0):
+    out, err = io.StringIO(), io.StringIO()
+    result_file = tmp_path / "result.json"
+    variables = {"ELASTIC_OUT": str(result_file), "ELASTIC_MARK": str(tmp_path / "mark"),
+                 "ELASTIC_HOSTS_FILE": str(tmp_path / "hosts"), "RONDE_ELASTIC_POLL": "0.2",
+                 "TF_CPP_MIN_LOG_LEVEL": "3", **(env or {})}
+    script = None
+    if discovery is not None:
+        (tmp_path / "hosts").write_text("".join(f"{h}\n" for h in discovery))
+        script = tmp_path / "discover.sh"
+        script.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
+        script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    res = run_elastic([sys.executable, os.path.join(HERE, worker)], None, min_np, None,
+                      hosts=hosts, discovery_script=str(script) if script else None,
+                      env=variables, start_timeout_s=60.0, elastic_timeout_s=60.0,
+                      timeout_s=timeout, stdout=out, stderr=err)
+    result = json.loads(result_file.read_text()) if result_file.exists() else None
+    return res, result, out.getvalue() + err.getvalue()
+
+
+def test_keras_fit_reformed_at_an_epoch_end_goes_on_with_the_next_epoch(tmp_path):
+    pytest.importorskip("keras")
+    pytest.importorskip("tensorflow")
+    res, result, text = _job(tmp_path, "keras_elastic_worker.py",
+                             discovery=["127.0.0.1", "127.0.0.2"], min_np=2,
+                             env={"ELASTIC_ADD_HOST": "127.0.0.3", "ELASTIC_BATCH_SLEEP": "0.3"})
+    assert res.returncode == 0, text
+    assert result["size"] == 3 and result["epoch"] == 3
+    assert result["resets_at"] == [1]  # re-formed once, after epoch 0 was done and counted
+    assert result["started"] == [0, 1, 2]  # no epoch twice (horovod#2844)
+
+
+def test_jax_state_survives_a_lost_rank(tmp_path):
+    pytest.importorskip("jax")
+    res, result, text = _job(tmp_path, "jax_elastic_worker.py", hosts="127.0.0.1:1,127.0.0.2:1",
+                             env={"ELASTIC_DIE_HOST": "127.0.0.2"})
+    assert res.returncode == 0, text
+    # 3 committed steps at size 2 (each adds 1 + 2), then 5 at size 1 (each adds 1)
+    assert result["sizes"] == [2, 2, 2, 1, 1, 1, 1, 1]
+    assert result["w"] == [3 * 3 + 5] * 3
+
+
+def _tf_state_worker():
+    import tensorflow as tf
+
+    import ronde.tensorflow as hvd
+
+    hvd.init()
+    v = tf.Variable([float(hvd.rank())] * 2)
+    state = hvd.elastic.TensorFlowState([v], epoch=hvd.rank())
+    v.assign([5.0, 5.0])
+    state.epoch = 9
+    state.restore()  # back to what was saved at construction
+    restored = (v.numpy().tolist(), state.epoch)
+    state.sync()  # rank 0's everywhere
+    synced = (v.numpy().tolist(), state.epoch)
+
+    hvd.shutdown()
+    return restored, synced
+
+
+def test_tensorflow_state_restores_and_syncs():
+    pytest.importorskip("tensorflow")
+    from ronde.testing import run_ranks
+
+    out = run_ranks(2, _tf_state_worker, timeout_s=120)
+    assert list(out[0]) == [([0.0, 0.0], 0), ([0.0, 0.0], 0)]
+    assert list(out[1]) == [([1.0, 1.0], 1), ([0.0, 0.0], 0)]
+
+
+def test_tensorflow_run_turns_op_errors_of_a_lost_peer_into_peer_lost_error(monkeypatch):
+    tf = pytest.importorskip("tensorflow")
+    import ronde.elastic.loop as loop
+    from ronde.tensorflow.elastic import run
+
+    calls = []
+    monkeypatch.setattr(loop, "_agree_on_sync", lambda mine: False)
+    monkeypatch.setattr("ronde._api.rank", lambda: 0)
+    monkeypatch.setattr(loop, "reset", lambda: calls.append("reset"))
+
+    class St:
+        def restore(self):
+            calls.append("restore")
+
+        def on_reset(self):
+            calls.append("on_reset")
+
+    tries = iter([tf.errors.UnknownError(None, None, "PeerLostError: rank 1 lost"), None])
+
+    def train(state):
+        exc = next(tries)
+        if exc is not None:
+            raise exc
+        return "ok"
+
+    assert run(train)(St()) == "ok"
+    assert calls == ["restore", "reset", "on_reset"]
+    other = tf.errors.UnknownError(None, None, "something else")
+    with pytest.raises(tf.errors.UnknownError):
+        run(lambda s: (_ for _ in ()).throw(other))(St())
