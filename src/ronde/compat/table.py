@@ -62,15 +62,11 @@ NOTES: dict[tuple[str, str], str] = {
         "as Horovod: the output alone without `splits`, `(output, received_splits)` with"),
 }
 
-_ELASTIC = "elastic training is planned (issue 19), not built yet"
 _TF1_BROADCAST = ("TF1 graph-session API, gone from TF 2.x / Keras 3; use "
                   "`broadcast_variables` or the Keras broadcast callback")
 
 #: (Horovod module, name) -> why ronde does not have it (every name absent from a facade)
 MISSING: dict[tuple[str, str], str] = {
-    **{(module, "elastic"): _ELASTIC
-       for module in ("horovod.torch", "horovod.tensorflow", "horovod.tensorflow.keras",
-                      "horovod.keras")},
     **{(module, "broadcast_global_variables"): _TF1_BROADCAST
        for module in ("horovod.tensorflow.keras", "horovod.keras")},
     ("horovod.tensorflow", "BroadcastGlobalVariablesHook"): _TF1_BROADCAST,

@@ -102,4 +102,12 @@ def broadcast_variables(variables: Any, root_rank: int = 0,
         v.assign(value)
 
 
-from . import elastic  # noqa: E402,F401
+def __getattr__(name: str) -> Any:
+    # the elastic states import this package: load them on first use
+    if name == "elastic":
+        import importlib
+
+        module = importlib.import_module(f"{__name__}.elastic")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
