@@ -107,3 +107,18 @@ def test_a_rank_returning_early_fails_the_job_with_its_name(tmp_path):
                              env={"ELASTIC_EARLY_RETURN_HOST": "127.0.0.2"}, timeout=90)
     assert res.returncode != 0 and result is None, text
     assert "shut down" in text
+
+
+def test_the_elastic_example_survives_a_killed_worker(tmp_path):
+    pytest.importorskip("sklearn")
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples",
+                           "pytorch_digits_elastic.py")
+    out, err = io.StringIO(), io.StringIO()
+    res = run_elastic([sys.executable, example, "--kill-host", "127.0.0.3"], 3, 1, None,
+                      hosts="127.0.0.1:1,127.0.0.2:1,127.0.0.3:1", start_timeout_s=20.0,
+                      elastic_timeout_s=30.0, timeout_s=150.0, stdout=out, stderr=err)
+    text = out.getvalue() + err.getvalue()
+    assert res.returncode == 0, text
+    assert "epoch 2: 3 rank(s)" in text and "epoch 8: 2 rank(s)" in text
+    accuracy = float(text.split("test accuracy ")[1].split()[0])
+    assert accuracy > 0.9, text

@@ -90,6 +90,11 @@ class ElasticShards:
         for part in parts:
             self.processed[np.asarray(part, dtype=np.int64)] = True
 
+    def processed_count(self) -> int:
+        """Committed indices, plus this rank's records since times the number of ranks."""
+        pending = sum(len(r) for r in self._recorded)
+        return int(self.processed.sum()) + pending * self.size
+
     def drop_records(self) -> None:
         """Forget what was recorded since the last gather (a restore)."""
         self._recorded.clear()

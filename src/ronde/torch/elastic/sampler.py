@@ -49,8 +49,10 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     @property
     def processed_num(self) -> int:
-        """Indices of this epoch committed as processed (on every rank)."""
-        return int(self.shards.processed.sum())
+        """Indices of this epoch processed: those committed, plus this rank's records
+        since the last commit times the number of ranks (Horovod's count, which
+        assumes every rank recorded as many)."""
+        return self.shards.processed_count()
 
     def set_epoch(self, epoch: int) -> None:
         self.shards.set_epoch(epoch)
