@@ -19,6 +19,11 @@ def registered(process_set_id: int) -> "ProcessSet | None":
     return _registered.get(process_set_id)
 
 
+def added() -> list["ProcessSet"]:
+    """The process sets added to the running job (not the global one), in id order."""
+    return [ps for ps_id, ps in sorted(_registered.items()) if ps_id != 0]
+
+
 class ProcessSet:
     """A group of ranks that can run collectives among themselves."""
 
@@ -32,6 +37,13 @@ class ProcessSet:
         self.ranks = list(ranks)
         self._my_rank = my_rank
         _registered[ps_id] = self
+
+    def as_global(self, ranks: list[int], my_rank: int) -> None:
+        """This set now spans the whole job (an elastic job shrank to it): collectives
+        on it run on the global set; it is not registered as a set of its own."""
+        self.process_set_id = 0
+        self.ranks = list(ranks)
+        self._my_rank = my_rank
 
     def _unbind(self) -> None:
         if self.process_set_id is not None:

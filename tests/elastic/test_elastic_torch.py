@@ -52,6 +52,38 @@ def _exactly_once(result):
         assert epoch == list(range(N))  # every sample once: none repeated, none lost
 
 
+def test_kill_drop_and_add_hosts_at_np_4(tmp_path):
+    # The E3: -np 4 --min-np 2 --max-np 4 on localhost:2 and 127.0.0.1:2; a worker
+    # of the second host is SIGKILLed at step 20 and discovery drops that host; later a
+    # third host 127.0.0.2:2 appears. Every sample once per epoch, the final weights
+    # bitwise equal on every rank, the learning rate following the size, a process set
+    # surviving the resets.
+    res, result, text = _job(
+        tmp_path, np=4, min_np=2, max_np=4, discovery=["localhost:2", "127.0.0.1:2"],
+        env={"ELASTIC_N": "320", "ELASTIC_EPOCHS": "3", "ELASTIC_DIE": "127.0.0.1/1:20",
+             "ELASTIC_DIE_HOSTS": "localhost:2", "ELASTIC_ADD_HOST": "127.0.0.2:2",
+             "ELASTIC_ADD_STEP": "34", "ELASTIC_STEP_SLEEP": "0.05", "ELASTIC_PS": "1"},
+        timeout=120)
+    assert res.returncode == 0, text
+    assert result["epochs"] and all(e == list(range(320)) for e in result["epochs"])
+    sizes = result["sizes"]
+    assert sizes[0] == 4 and 2 in sizes and sizes[-1] == 4, sizes
+    assert result["weights_equal"] and result["size"] == 4
+    assert result["lr"] == pytest.approx(0.01 * 4)
+
+
+def test_a_preempted_worker_commits_and_leaves_as_a_removal(tmp_path):
+    # SIGTERM (a preemption notice): the worker leaves at its next commit, every rank
+    # re-forms there keeping the committed progress; its host is not blacklisted and its
+    # exit is not a failure
+    res, result, text = _job(tmp_path, np=3, min_np=2, hosts="127.0.0.1:1,127.0.0.2:1,127.0.0.3:1",
+                             env={"ELASTIC_TERM": "127.0.0.3/0:3"})
+    assert res.returncode == 0, text
+    _exactly_once(result)
+    assert result["sizes"][0] == 3 and result["sizes"][-1] == 2
+    assert "leaves (SIGTERM)" in text and "blacklisted" not in text and "failed" not in text
+
+
 def test_survivors_go_on_without_a_worker_that_died(tmp_path):
     res, result, text = _job(tmp_path, np=3, min_np=2, hosts="127.0.0.1:1,127.0.0.2:1,127.0.0.3:1",
                              env={"ELASTIC_DIE": "127.0.0.3:3"})
@@ -70,6 +102,16 @@ def test_a_host_found_by_discovery_joins_and_gets_the_state(tmp_path):
     _exactly_once(result)
     assert result["sizes"][0] == 2 and result["sizes"][-1] == 3 and result["size"] == 3
     assert "HostsUpdatedInterrupt" not in text or "resets (hosts changed)" in text
+
+
+def test_two_host_changes_within_a_second_both_take_effect(tmp_path):
+    # notices carry a sequence number, not a whole-second timestamp
+    res, result, text = _job(tmp_path, min_np=2, discovery=["127.0.0.1", "127.0.0.2"],
+                             env={"ELASTIC_ADDS": "2:127.0.0.3,3:127.0.0.4",
+                                  "ELASTIC_STEP_SLEEP": "0.3"})
+    assert res.returncode == 0, text
+    _exactly_once(result)
+    assert result["size"] == 4 and result["sizes"][0] == 2
 
 
 def test_a_host_removed_by_discovery_leaves_cleanly(tmp_path):

@@ -7,20 +7,28 @@ every rank, rolled back with the state), so rank 0 can check at each epoch's end
 every sample was used exactly once, however the job re-formed meanwhile. Faults are
 injected by environment:
 
-* ``ELASTIC_DIE=host:step[,host:step]``: the first worker on that host exits with code 1
-  (no shutdown) at that step, after appending ``ELASTIC_DIE_ADDS`` (a host) to the
-  discovery file if set (a replacement machine arriving);
+* ``ELASTIC_DIE=host:step[,host/slot:step]``: the first worker on that host (or that
+  slot) dies at that step: SIGKILL, after appending ``ELASTIC_DIE_ADDS`` (a host) to the
+  discovery file (a replacement machine arriving) or rewriting it with
+  ``ELASTIC_DIE_HOSTS`` (comma-separated: its host leaves discovery) if set;
+* ``ELASTIC_TERM=host/slot:step``: that worker gets SIGTERM (preemption) at that step;
+* ``ELASTIC_PS=1``: a process set of ranks 0 and 1 is added at start; every step
+  allreduces on it too (it must survive resets);
 * ``ELASTIC_ADD_HOST``/``ELASTIC_ADD_STEP``: rank 0 appends that host to the discovery
-  file at that step (hosts join while training runs);
+  file at that step (hosts join while training runs); ``ELASTIC_ADDS=step:host,...``
+  for several;
 * ``ELASTIC_SET_HOSTS=step:host,host``: rank 0 rewrites the discovery file at that step
   (hosts removed while training runs);
 * ``ELASTIC_EARLY_RETURN_HOST``: that host's worker returns from training at step 3.
 
-Rank 0 writes ``{"epochs": [...], "sizes": [...], "resets": n}`` as JSON to ELASTIC_OUT.
+Rank 0 writes ``{"epochs": [...], "sizes": [...], "resets": n, "size": n, "lr": x,
+"weights_equal": bool}`` as JSON to ELASTIC_OUT (``weights_equal``: every rank's final
+parameters are bitwise rank 0's).
 """
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -33,14 +41,17 @@ EPOCHS = int(os.environ.get("ELASTIC_EPOCHS", "2"))
 BATCH = 4
 COMMIT_EVERY = 2
 HOST = os.environ.get("RONDE_HOSTNAME", "")
+SLOT = os.environ.get("RONDE_SLOT", "0")
 FIRST_LIFE = os.environ.get("ELASTIC_MARK", "") and not os.path.exists(
     os.environ["ELASTIC_MARK"] + "." + HOST)
+LR = 0.01
 
 hvd.init()
 torch.manual_seed(0)
 model = torch.nn.Linear(1, 1)
-opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR * hvd.size()),
                                named_parameters=model.named_parameters())
+pair = hvd.add_process_set([0, 1]) if os.environ.get("ELASTIC_PS") else None
 sampler = hvd.elastic.ElasticSampler(list(range(N)), shuffle=True, seed=3)
 state = hvd.elastic.TorchState(model, opt, sampler=sampler, epoch=0, step=0, seen=[],
                                sizes=[], epochs=[])
@@ -49,6 +60,8 @@ resets = [0]
 
 def on_reset():
     resets[0] += 1
+    for group in opt.param_groups:  # the learning rate follows the size
+        group["lr"] = LR * hvd.size()
 
 
 state.register_reset_callbacks([on_reset])
@@ -59,18 +72,31 @@ def train(state):
     while state.epoch < EPOCHS:
         for idx in state.sampler.batches(BATCH):
             step = state.step
-            if FIRST_LIFE and f"{HOST}:{step}" in os.environ.get("ELASTIC_DIE", "").split(","):
+            plans = os.environ.get("ELASTIC_DIE", "").split(",")
+            if FIRST_LIFE and (f"{HOST}:{step}" in plans or f"{HOST}/{SLOT}:{step}" in plans):
                 open(os.environ["ELASTIC_MARK"] + "." + HOST, "w").close()
                 if os.environ.get("ELASTIC_DIE_ADDS"):
                     with open(os.environ["ELASTIC_HOSTS_FILE"], "a") as f:
                         f.write(os.environ["ELASTIC_DIE_ADDS"] + "\n")
-                os._exit(1)
+                if os.environ.get("ELASTIC_DIE_HOSTS"):
+                    with open(os.environ["ELASTIC_HOSTS_FILE"], "w") as f:
+                        f.write(os.environ["ELASTIC_DIE_HOSTS"].replace(",", "\n") + "\n")
+                os.kill(os.getpid(), signal.SIGKILL)
+            if f"{HOST}/{SLOT}:{step}" in os.environ.get("ELASTIC_TERM", "").split(","):
+                os.kill(os.getpid(), signal.SIGTERM)  # preempted: leaves at the next commit
+            if pair is not None and pair.included():
+                hvd.allreduce(torch.ones(1), name="pair", process_set=pair)
             if HOST == os.environ.get("ELASTIC_EARLY_RETURN_HOST") and step == 3:
                 return "early"
             if hvd.rank() == 0 and os.environ.get("ELASTIC_ADD_HOST") \
                     and step == int(os.environ.get("ELASTIC_ADD_STEP", "-1")):
                 with open(os.environ["ELASTIC_HOSTS_FILE"], "a") as f:
                     f.write(os.environ["ELASTIC_ADD_HOST"] + "\n")
+            for item in filter(None, os.environ.get("ELASTIC_ADDS", "").split(",")):
+                at, host = item.split(":", 1)
+                if hvd.rank() == 0 and step == int(at):
+                    with open(os.environ["ELASTIC_HOSTS_FILE"], "a") as f:
+                        f.write(host + "\n")
             plan = os.environ.get("ELASTIC_SET_HOSTS", "")
             if hvd.rank() == 0 and plan and step == int(plan.split(":", 1)[0]):
                 with open(os.environ["ELASTIC_HOSTS_FILE"], "w") as f:
@@ -96,9 +122,13 @@ def train(state):
 
 
 out = train(state)
-if hvd.rank() == 0 and out == "done":
-    with open(os.environ["ELASTIC_OUT"], "w") as f:
-        json.dump({"epochs": state.epochs, "sizes": state.sizes, "resets": resets[0],
-                   "size": hvd.size()}, f)
+if out == "done":
+    mine = torch.cat([p.detach().flatten() for p in model.parameters()]).numpy().tobytes()
+    every = hvd.allgather_object(mine, name="final.weights")
+    if hvd.rank() == 0:
+        with open(os.environ["ELASTIC_OUT"], "w") as f:
+            json.dump({"epochs": state.epochs, "sizes": state.sizes, "resets": resets[0],
+                       "size": hvd.size(), "lr": opt.param_groups[0]["lr"],
+                       "weights_equal": all(w == every[0] for w in every)}, f)
 hvd.shutdown()
 sys.exit(0)

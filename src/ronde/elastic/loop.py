@@ -41,11 +41,30 @@ def resettable(exc: BaseException) -> bool:
 
 def reset() -> None:
     """Re-form the job: shut ronde down here and initialise again (the launcher's
-    elastic rendezvous hands out the new rank and size)."""
-    from .. import _api
+    elastic rendezvous hands out the new rank and size), then add again the process
+    sets the job had, as the same objects, where their ranks still exist (horovod#4021:
+    they were lost). A rank that joins adds its own at ``init(process_sets=...)``, in
+    the order the script gives; survivors add theirs in the order they had them."""
+    from .. import _api, process_sets
 
+    kept = list(dict.fromkeys(_carried + process_sets.added()))
+    _carried[:] = kept  # a set that spans the whole job for a while is kept for later
     _api.shutdown()
     _api.init()
+    size = _api.size()
+    for ps in kept:
+        ranks = ps.ranks or []
+        if ranks == list(range(size)):
+            ps.as_global(ranks, _api.rank())  # the whole job now: the global set
+        elif ranks and ranks[-1] < size:
+            _api.add_process_set(ps)
+        else:
+            log.warning("ronde elastic: process set %s dropped: the job now has %d ranks",
+                        ranks, size)
+
+
+#: process sets this worker carries across resets (see :func:`reset`)
+_carried: list[Any] = []
 
 
 def run_fn(func: F, reset: Callable[[], None] | None = None) -> F:
@@ -58,6 +77,7 @@ def run_fn(func: F, reset: Callable[[], None] | None = None) -> F:
         from .. import _api
 
         notify.latest()  # start watching for host changes now
+        notify.watch_preemption()
         limit = _reset_limit()
         resets = 0
         need_sync = True
@@ -67,6 +87,8 @@ def run_fn(func: F, reset: Callable[[], None] | None = None) -> F:
                     state.sync()
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as exc:
+                if notify.preempted():
+                    _leave()
                 need_sync = not exc.skip_sync
                 why = "hosts changed"
             except RondeError as exc:
@@ -89,6 +111,19 @@ def run_fn(func: F, reset: Callable[[], None] | None = None) -> F:
             state.on_reset()
 
     return wrapper  # type: ignore[return-value]
+
+
+def _leave() -> None:
+    """This rank was asked to stop (SIGTERM) and every rank has seen it at this commit:
+    tell the launcher (a removal, not a failure), shut down, exit with code 0."""
+    from .. import _api
+    from . import notify
+
+    log.warning("ronde elastic: rank %d leaves the job (SIGTERM), its state committed",
+                _api.rank())
+    notify.tell_leaving()
+    _api.shutdown()
+    raise SystemExit(0)
 
 
 def _reset_default() -> None:

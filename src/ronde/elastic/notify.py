@@ -66,6 +66,63 @@ def record(timestamp: float, update: int) -> None:
             _latest = (timestamp, int(update))
 
 
+_preempted = False
+
+
+def preempted() -> bool:
+    """This worker got SIGTERM (and leaves at the next commit)."""
+    return _preempted
+
+
+def watch_preemption() -> None:
+    """In an elastic worker's main thread: the first SIGTERM asks this rank to leave at
+    its next ``commit()`` (the other ranks see it there and re-form without it); a
+    second one ends the process at once."""
+    import signal
+
+    if os.environ.get("RONDE_ELASTIC") != "1" \
+            or threading.current_thread() is not threading.main_thread():
+        return
+
+    def on_term(signum: int, frame: object) -> None:
+        global _preempted
+        if _preempted:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        _preempted = True
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
+def any_preempted() -> bool:
+    """Collective in an elastic job: whether any rank got SIGTERM (a max-allreduce);
+    False at once outside elastic jobs."""
+    if os.environ.get("RONDE_ELASTIC") != "1":
+        return False
+    import numpy as np
+
+    from .. import _api
+    from ..collectives.ops import ReduceOp
+
+    if not _api.is_initialized() or _api.size() == 1:
+        return _preempted
+    got = _api.allreduce(np.array([1 if _preempted else 0], np.int32), op=ReduceOp.MAX,
+                         name="ronde.elastic.leaving")
+    return bool(got[0])
+
+
+def tell_leaving() -> None:
+    """Tell the launcher this worker leaves by itself (best effort)."""
+    from ..runner import env as worker_env
+    from ..runner.rendezvous import query
+
+    wenv = worker_env.detect()
+    if wenv.rendezvous and wenv.secret:
+        query(wenv.rendezvous, wenv.secret, {"what": "leave", "host": wenv.host,
+                                             "slot": wenv.slot})
+
+
 def _ensure_polling() -> None:
     global _poller
     if _poller is not None or os.environ.get("RONDE_ELASTIC") != "1":

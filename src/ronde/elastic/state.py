@@ -71,6 +71,8 @@ class State:
         # rank 0's view for everyone (a rank that joined since has its own ``prev``)
         prev, stamp, update = self._bcast_object((prev, stamp, update))
         self._last_updated = stamp
+        if notify.any_preempted():  # a rank got SIGTERM: it leaves, the others re-form
+            raise HostsUpdatedInterrupt(False)
         if stamp > prev:
             raise HostsUpdatedInterrupt(update == notify.REMOVED)
 

@@ -194,6 +194,14 @@ class ElasticDriver:
     # -- one step of the job's loop --------------------------------------------------------
     def step(self) -> str:
         """Handle exits, discovery and waits; the job's end reason, or ""."""
+        for slot in self.server.take_leaving():
+            w = self.by_slot.get(slot)
+            if w is not None and slot in self.assignment:
+                w.removed = True  # its exit is a removal, not a failure
+                self.left_out.add(slot)
+                self._say("worker %s[%d] leaves (SIGTERM); its state was committed",
+                          slot[0], slot[1])
+                self._change(failure=False)
         for w in self.job.workers:
             if w.returncode is None or id(w) in self._handled:
                 continue

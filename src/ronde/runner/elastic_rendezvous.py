@@ -35,7 +35,10 @@ class ElasticRendezvous(RendezvousServer):
         self._is_formed = True
         self.generation = 0
         self._removed: set[Slot] = set()
+        #: (sequence number, update bits) of the latest host notice: a counter, not a
+        #: clock, so two changes within a second are two notices
         self.notice: tuple[float, int] = (0.0, 0)
+        self._leaving: list[Slot] = []
 
     # -- the driver's side -------------------------------------------------------------
     def set_assignment(self, slots: list[Slot], removed: Sequence[Slot] = ()) -> None:
@@ -50,7 +53,7 @@ class ElasticRendezvous(RendezvousServer):
     def announce(self, update: int) -> None:
         """Tell the workers the hosts changed (they read it through ``answer``)."""
         with self._lock:
-            self.notice = (time.time(), update)
+            self.notice = (self.notice[0] + 1, update)
 
     def waiting(self) -> tuple[list[Slot], float | None]:
         """Slots registered and not yet answered, and since when the oldest waits."""
@@ -65,9 +68,23 @@ class ElasticRendezvous(RendezvousServer):
 
     # -- the workers' side -------------------------------------------------------------
     def answer(self, msg: dict[str, Any]) -> dict[str, Any]:
+        if msg.get("what") == "leave":  # a preempted worker leaves by itself
+            try:
+                slot = (str(msg["host"]), int(msg["slot"]))
+            except (KeyError, TypeError, ValueError):
+                return {"kind": "error", "message": "malformed leave request"}
+            with self._lock:
+                self._leaving.append(slot)
+            return {"kind": "ok"}
         with self._lock:
             stamp, update = self.notice
         return {"kind": "hosts", "timestamp": stamp, "update": update}
+
+    def take_leaving(self) -> list[Slot]:
+        """Slots whose workers said they leave (SIGTERM), since the last call."""
+        with self._lock:
+            out, self._leaving = self._leaving, []
+        return out
 
     def _register(self, conn: socket.socket, msg: dict[str, Any]) -> None:
         try:
