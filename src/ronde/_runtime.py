@@ -290,10 +290,8 @@ def _meet_elastic(wenv: worker_env.WorkerEnv, cfg: _config.Config
         listener.close()
         raise RendezvousError("malformed elastic rendezvous reply") from None
     hosts = [str(p.get("host")) for p in peers]
-    from .elastic import notify
-
-    notify.formed_after(float(reply.get("notice") or 0.0))
     wenv = dataclasses.replace(wenv, rank=rank, size=size,
+                               notice=float(reply.get("notice") or 0.0),
                                local_rank=[h for h in hosts[:rank]].count(hosts[rank]),
                                local_size=hosts.count(hosts[rank]))
     if size == 1:

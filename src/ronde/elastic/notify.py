@@ -40,22 +40,13 @@ def latest() -> tuple[float, int]:
         return _latest
 
 
-#: the newest notice the running generation already took into account
-_formed_after = 0.0
-
-
-def formed_after(timestamp: float) -> None:
-    """The launcher formed this generation after the notice of ``timestamp``
-    (``init()`` of an elastic worker): that notice and older ones need no reset."""
-    global _formed_after
-    with _lock:
-        _formed_after = timestamp
-
-
 def baseline() -> float:
-    """The timestamp of the newest notice the running generation already reflects."""
-    with _lock:
-        return _formed_after
+    """The newest notice the running generation already reflects (the launcher formed
+    it after that one: it and older ones need no reset); 0 outside elastic jobs."""
+    from .. import _state
+
+    rt = _state.current()
+    return rt.wenv.notice if rt is not None else 0.0
 
 
 def record(timestamp: float, update: int) -> None:

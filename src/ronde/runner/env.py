@@ -58,6 +58,8 @@ class WorkerEnv:
     elastic: bool = False
     #: its slot on its host (elastic jobs)
     slot: int = 0
+    #: the launcher's newest host notice when this generation formed (elastic jobs)
+    notice: float = 0.0
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
