@@ -30,6 +30,7 @@ state = hvd.elastic.TorchState(model, opt, step=0)
 x = torch.randn(32, width)
 y = torch.randint(0, 10, (32,))
 log = []
+commits = []
 
 
 @hvd.elastic.run
@@ -45,7 +46,9 @@ def train(state):
         opt.step()
         state.step += 1
         if COMMIT_EVERY and state.step % COMMIT_EVERY == 0:
+            t0 = time.perf_counter()
             state.commit()
+            commits.append(time.perf_counter() - t0)
         log.append((time.time(), hvd.size()))
 
 
@@ -53,5 +56,5 @@ start = time.time()
 train(state)
 if hvd.rank() == 0:
     with open(OUT, "w") as f:
-        json.dump({"log": log, "start": start}, f)
+        json.dump({"log": log, "start": start, "commits": commits}, f)
 hvd.shutdown()

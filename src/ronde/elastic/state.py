@@ -31,6 +31,7 @@ class State:
         from .._objects import broadcast_object
 
         self._bcast_object = bcast_object or broadcast_object
+        self._default_bcast = bcast_object is None or bcast_object is broadcast_object
         self._rank = get_rank or rank
         self._reset_callbacks: list[Callable[[], None]] = []
         self._last_updated = 0.0
@@ -68,10 +69,15 @@ class State:
         prev = max(self._last_updated, notify.baseline())
         if stamp <= prev:
             stamp, update = prev, 0
-        # rank 0's view for everyone (a rank that joined since has its own ``prev``)
-        prev, stamp, update = self._bcast_object((prev, stamp, update))
+        # rank 0's view for everyone (a rank that joined since has its own ``prev``),
+        # and whether any rank got SIGTERM
+        if self._default_bcast:
+            prev, stamp, update, leaving = _rank0_view_and_any_leaving(prev, stamp, update)
+        else:
+            prev, stamp, update = self._bcast_object((prev, stamp, update))
+            leaving = notify.any_preempted()
         self._last_updated = stamp
-        if notify.any_preempted():  # a rank got SIGTERM: it leaves, the others re-form
+        if leaving:  # a rank got SIGTERM: it leaves, the others re-form without it
             raise HostsUpdatedInterrupt(False)
         if stamp > prev:
             raise HostsUpdatedInterrupt(update == notify.REMOVED)
@@ -104,6 +110,23 @@ class State:
 
     def reset(self) -> None:
         """Adjust to the new job after a reset, before ``sync()`` (default: nothing)."""
+
+
+def _rank0_view_and_any_leaving(prev: float, stamp: float, update: int
+                                ) -> tuple[float, float, int, bool]:
+    """One max-allreduce: rank 0's (prev, stamp, update), every rank's SIGTERM flag
+    (notice numbers are small non-negative integers: exact in float64)."""
+    import numpy as np
+
+    from .. import _api
+    from ..collectives.ops import ReduceOp
+
+    if not _api.is_initialized() or _api.size() == 1:
+        return prev, stamp, update, notify.preempted()
+    mine = [prev, stamp, update] if _api.rank() == 0 else [0.0, 0.0, 0.0]
+    got = _api.allreduce(np.array(mine + [1.0 if notify.preempted() else 0.0]),
+                         op=ReduceOp.MAX, name="ronde.elastic.check")
+    return float(got[0]), float(got[1]), int(got[2]), bool(got[3])
 
 
 class _Notices:
