@@ -1,36 +1,58 @@
-"""An elastic JAX loop for tests/elastic: ``JaxState`` keeps params (a pytree) across a
-lost rank. Rank 0 writes the final params and the sizes it trained at to ELASTIC_OUT."""
+"""An elastic JAX loop for tests/elastic: ``JaxState`` keeps params and an optax state
+(pytrees) across a lost rank and a joining one. Rank 0 writes the final params, the
+sizes it trained at and whether every rank ended with rank 0's params to ELASTIC_OUT.
+
+``ELASTIC_DIE_HOST``: that host's worker dies at step 3 (once); ``ELASTIC_ADD_AT``
+(``step:host``): rank 0 lists that host in the discovery file at that step."""
 
 import json
 import os
 
+import time
+
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 import ronde.jax as hvd
 
 hvd.init()
 HOST = os.environ.get("RONDE_HOSTNAME", "")
 MARK = os.environ["ELASTIC_MARK"] + "." + HOST
-state = hvd.elastic.JaxState(params={"w": jnp.zeros(3)}, step=0, sizes=[])
+STEPS = int(os.environ.get("ELASTIC_STEPS", "8"))
+tx = optax.sgd(0.1, momentum=0.9)
+params = {"w": jnp.zeros(3)}
+state = hvd.elastic.JaxState(params=params, opt_state=tx.init(params), step=0, sizes=[])
 
 
 @hvd.elastic.run
 def train(state):
-    while state.step < 8:
+    while state.step < STEPS:
         if HOST == os.environ.get("ELASTIC_DIE_HOST") and state.step == 3 \
                 and not os.path.exists(MARK):
             open(MARK, "w").close()
             os._exit(1)
+        add = os.environ.get("ELASTIC_ADD_AT", "")
+        if add and hvd.rank() == 0 and state.step == int(add.split(":", 1)[0]):
+            with open(os.environ["ELASTIC_HOSTS_FILE"], "a") as f:
+                f.write(add.split(":", 1)[1] + "\n")
+        time.sleep(float(os.environ.get("ELASTIC_STEP_SLEEP", "0")))
         grad = hvd.allreduce(jnp.ones(3) * (hvd.rank() + 1), name="g", op=hvd.Sum)
-        state.params = {"w": state.params["w"] + grad}
+        if os.environ.get("ELASTIC_OPTAX"):
+            updates, state.opt_state = tx.update({"w": grad}, state.opt_state, state.params)
+            state.params = optax.apply_updates(state.params, updates)
+        else:
+            state.params = {"w": state.params["w"] + grad}
         state.sizes.append(hvd.size())
         state.step += 1
         state.commit()
 
 
 train(state)
+mine = np.asarray(state.params["w"]).tobytes()
+every = hvd.allgather_object(mine, name="final")
 if hvd.rank() == 0:
     with open(os.environ["ELASTIC_OUT"], "w") as f:
-        json.dump({"w": np.asarray(state.params["w"]).tolist(), "sizes": state.sizes}, f)
+        json.dump({"w": np.asarray(state.params["w"]).tolist(), "sizes": state.sizes,
+                   "equal": all(x == every[0] for x in every)}, f)
 hvd.shutdown()

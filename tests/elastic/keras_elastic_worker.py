@@ -17,7 +17,9 @@ import numpy as np
 
 import ronde.keras as hvd
 
-EPOCHS = 3
+EPOCHS = int(os.environ.get("ELASTIC_EPOCHS", "3"))
+HOST = os.environ.get("RONDE_HOSTNAME", "")
+MARK = os.environ.get("ELASTIC_MARK", "/nonexistent") + "." + HOST
 hvd.init()
 rng = np.random.RandomState(0)
 x = rng.rand(64, 4).astype("float32")
@@ -25,7 +27,7 @@ y = x.sum(axis=1, keepdims=True)
 model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
 model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
 state = hvd.elastic.KerasState(model, batch=0, epoch=0)
-started, resets = [], []
+started, resets, ended = [], [], []
 state.register_reset_callbacks([lambda: resets.append(state.epoch)])
 epoch_cb = hvd.elastic.UpdateEpochStateCallback(state)
 
@@ -37,6 +39,19 @@ class Mark(keras.callbacks.Callback):
         if hvd.rank() == 0 and overall == 0 and os.environ.get("ELASTIC_ADD_HOST"):
             with open(os.environ["ELASTIC_HOSTS_FILE"], "a") as f:
                 f.write(os.environ["ELASTIC_ADD_HOST"] + "\n")
+        # ELASTIC_DIE_AT_EPOCH=host:epoch: that host's worker dies as that epoch begins
+        die = os.environ.get("ELASTIC_DIE_AT_EPOCH", "")
+        if die == f"{HOST}:{overall}" and not os.path.exists(MARK):
+            open(MARK, "w").close()
+            os._exit(1)
+        # ELASTIC_ADD_AT_EPOCH=epoch:host: rank 0 lists that host as that epoch begins
+        add = os.environ.get("ELASTIC_ADD_AT_EPOCH", "")
+        if add and hvd.rank() == 0 and overall == int(add.split(":", 1)[0]):
+            with open(os.environ["ELASTIC_HOSTS_FILE"], "a") as f:
+                f.write(add.split(":", 1)[1] + "\n")
+
+    def on_epoch_end(self, epoch, logs=None):
+        ended.append((epoch_cb.initial_epoch + epoch, hvd.size()))
 
     def on_train_batch_end(self, batch, logs=None):
         time.sleep(float(os.environ.get("ELASTIC_BATCH_SLEEP", "0")))
@@ -58,5 +73,5 @@ train(state)
 if hvd.rank() == 0:
     with open(os.environ["ELASTIC_OUT"], "w") as f:
         json.dump({"started": started, "resets_at": resets, "epoch": state.epoch,
-                   "size": hvd.size()}, f)
+                   "size": hvd.size(), "ended": ended}, f)
 hvd.shutdown()

@@ -5,30 +5,26 @@ from __future__ import annotations
 import io
 import json
 import os
-import stat
 import sys
 
 import pytest
 
+from elastic_jobs import discovery_script
 from ronde.runner.elastic import run_elastic
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.elastic]
 HERE = os.path.dirname(__file__)
 
 
-def _job(tmp_path, worker, hosts=None, discovery=None, min_np=1, env=None, timeout=200.0):
+def _job(tmp_path, worker, hosts=None, discovery=None, min_np=1, env=None, timeout=200.0,
+         max_np=None):
     out, err = io.StringIO(), io.StringIO()
     result_file = tmp_path / "result.json"
     variables = {"ELASTIC_OUT": str(result_file), "ELASTIC_MARK": str(tmp_path / "mark"),
                  "ELASTIC_HOSTS_FILE": str(tmp_path / "hosts"), "RONDE_ELASTIC_POLL": "0.2",
                  "TF_CPP_MIN_LOG_LEVEL": "3", **(env or {})}
-    script = None
-    if discovery is not None:
-        (tmp_path / "hosts").write_text("".join(f"{h}\n" for h in discovery))
-        script = tmp_path / "discover.sh"
-        script.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
-        script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    res = run_elastic([sys.executable, os.path.join(HERE, worker)], None, min_np, None,
+    script = discovery_script(tmp_path, discovery) if discovery is not None else None
+    res = run_elastic([sys.executable, os.path.join(HERE, worker)], None, min_np, max_np,
                       hosts=hosts, discovery_script=str(script) if script else None,
                       env=variables, start_timeout_s=60.0, elastic_timeout_s=60.0,
                       timeout_s=timeout, stdout=out, stderr=err)
@@ -56,6 +52,31 @@ def test_jax_state_survives_a_lost_rank(tmp_path):
     # 3 committed steps at size 2 (each adds 1 + 2), then 5 at size 1 (each adds 1)
     assert result["sizes"] == [2, 2, 2, 1, 1, 1, 1, 1]
     assert result["w"] == [3 * 3 + 5] * 3
+
+
+def test_keras_fit_across_2_1_2_ranks(tmp_path):
+    pytest.importorskip("keras")
+    pytest.importorskip("tensorflow")
+    res, result, text = _job(tmp_path, "keras_elastic_worker.py",
+                             discovery=["127.0.0.1", "127.0.0.2"], min_np=1,
+                             env={"ELASTIC_EPOCHS": "4", "ELASTIC_BATCH_SLEEP": "0.15",
+                                  "ELASTIC_DIE_AT_EPOCH": "127.0.0.2:1",
+                                  "ELASTIC_ADD_AT_EPOCH": "2:127.0.0.3"})
+    assert res.returncode == 0, text
+    ended = result["ended"]
+    assert [e for e, _ in ended] == [0, 1, 2, 3]  # every epoch completed once
+    assert ended[0][1] == 2 and 1 in [n for _, n in ended] and result["size"] == 2
+    assert result["epoch"] == 4
+
+
+def test_jax_optax_loop_across_a_resize(tmp_path):
+    pytest.importorskip("optax")
+    res, result, text = _job(tmp_path, "jax_elastic_worker.py",
+                             discovery=["127.0.0.1", "127.0.0.2"], min_np=1, max_np=3,
+                             env={"ELASTIC_OPTAX": "1", "ELASTIC_STEPS": "24",
+                                  "ELASTIC_ADD_AT": "4:127.0.0.3", "ELASTIC_STEP_SLEEP": "0.2"})
+    assert res.returncode == 0, text
+    assert result["sizes"][0] == 2 and result["sizes"][-1] == 3 and result["equal"]
 
 
 def _tf_state_worker():

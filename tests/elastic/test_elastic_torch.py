@@ -11,13 +11,13 @@ from __future__ import annotations
 import io
 import json
 import os
-import stat
 import sys
 
 import pytest
 
 pytest.importorskip("torch")
 
+from elastic_jobs import discovery_script
 from ronde.runner.elastic import run_elastic  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.elastic]
@@ -32,12 +32,7 @@ def _job(tmp_path, np=None, min_np=2, max_np=None, hosts=None, discovery=None, e
     variables = {"ELASTIC_OUT": str(result_file), "ELASTIC_MARK": str(tmp_path / "mark"),
                  "ELASTIC_N": str(N), "ELASTIC_HOSTS_FILE": str(tmp_path / "hosts"),
                  "RONDE_ELASTIC_POLL": "0.2", **(env or {})}
-    script = None
-    if discovery is not None:
-        (tmp_path / "hosts").write_text("".join(f"{h}\n" for h in discovery))
-        script = tmp_path / "discover.sh"
-        script.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
-        script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    script = discovery_script(tmp_path, discovery) if discovery is not None else None
     res = run_elastic([sys.executable, WORKER], np, min_np, max_np, hosts=hosts,
                       discovery_script=str(script) if script else None, env=variables,
                       start_timeout_s=20.0, elastic_timeout_s=30.0, reset_limit=reset_limit,
@@ -140,6 +135,21 @@ def test_the_reset_limit_ends_the_job(tmp_path):
                              env={"ELASTIC_DIE": "127.0.0.3:3,127.0.0.2:5"}, reset_limit=1)
     assert res.returncode != 0 and result is None
     assert "--reset-limit" in text
+
+
+def test_every_host_blacklisted_ends_with_its_message(tmp_path):
+    res, result, text = _job(tmp_path, np=2, min_np=2, hosts="127.0.0.1:1,127.0.0.2:1",
+                             env={"ELASTIC_DIE": "127.0.0.1:2,127.0.0.2:2"}, timeout=90)
+    assert res.returncode != 0 and result is None
+    assert "no worker is left" in text or "fewer than --min-np" in text
+
+
+def test_min_np_unreachable_ends_with_its_message(tmp_path):
+    out, err = io.StringIO(), io.StringIO()
+    res = run_elastic([sys.executable, WORKER], 3, 3, None, hosts="127.0.0.1:1,127.0.0.2:1",
+                      elastic_timeout_s=2.0, timeout_s=60.0, stdout=out, stderr=err)
+    assert res.returncode != 0
+    assert "only 2 slot(s) available after 2s, --min-np needs 3" in err.getvalue()
 
 
 def test_a_rank_returning_early_fails_the_job_with_its_name(tmp_path):

@@ -207,6 +207,10 @@ def test_the_loop_restores_resets_and_retries(monkeypatch):
     with pytest.raises(TensorMismatchError):
         run_fn(lambda s: (_ for _ in ()).throw(TensorMismatchError("bug")),
                reset=lambda: None)(St(bcast_object=lambda o: o, get_rank=lambda: 0))
+    # an exception of the user's own propagates as it is (no reset, no exit 0)
+    with pytest.raises(KeyError, match="users"):
+        run_fn(lambda s: {}["users"], reset=lambda: None)(
+            St(bcast_object=lambda o: o, get_rank=lambda: 0))
 
 
 def test_elastic_rendezvous_forms_generations_and_removes_slots():

@@ -41,9 +41,11 @@ class StateHandler:
         """The job re-formed (new rank and size), before any sync."""
 
 
-class ModelStateHandler(StateHandler):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__(model)
+class _StateDictHandler(StateHandler):
+    """Saves a deep copy of ``value.state_dict()``; restores it with ``load_state_dict``."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__(value)
         self.save()
 
     def save(self) -> None:
@@ -52,21 +54,13 @@ class ModelStateHandler(StateHandler):
     def restore(self) -> None:
         self.value.load_state_dict(self._saved)
 
+
+class ModelStateHandler(_StateDictHandler):
     def sync(self) -> None:
         broadcast_parameters(self.value.state_dict(), root_rank=0)
 
 
-class OptimizerStateHandler(StateHandler):
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        super().__init__(optimizer)
-        self.save()
-
-    def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self) -> None:
-        self.value.load_state_dict(self._saved)
-
+class OptimizerStateHandler(_StateDictHandler):
     def sync(self) -> None:
         broadcast_optimizer_state(self.value, root_rank=0)
 
