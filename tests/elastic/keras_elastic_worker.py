@@ -57,9 +57,11 @@ class Mark(keras.callbacks.Callback):
         time.sleep(float(os.environ.get("ELASTIC_BATCH_SLEEP", "0")))
 
 
-# Horovod's examples list the commit first: the order that used to lose the epoch
-callbacks = [hvd.elastic.CommitStateCallback(state, batches_per_commit=1000),
-             hvd.elastic.UpdateBatchStateCallback(state), epoch_cb, Mark()]
+# Horovod's examples list the commit before the update callbacks: the order that used to
+# lose the epoch. Mark goes first: its epoch-end record must precede a commit that
+# re-forms the job (Keras stops calling callbacks once one raises)
+callbacks = [Mark(), hvd.elastic.CommitStateCallback(state, batches_per_commit=1000),
+             hvd.elastic.UpdateBatchStateCallback(state), epoch_cb]
 
 
 @hvd.elastic.run

@@ -32,6 +32,20 @@ log = logging.getLogger("ronde")
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def as_ronde_error(exc: BaseException) -> RondeError | None:
+    """``exc`` as the ronde error behind it, or None: a framework may wrap ronde's error
+    in its own (TensorFlow turns an exception inside a graph's Python op into an
+    ``UnknownError`` whose message names it), or chain it."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, RondeError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    if "PeerLostError" in str(exc) and type(exc).__module__.startswith("tensorflow"):
+        return PeerLostError(str(exc))
+    return None
+
+
 def resettable(exc: BaseException) -> bool:
     """Whether re-forming the job can cure ``exc``: a lost peer, or Horovod's plain
     ``HorovodInternalError`` (what a script raises to ask for a reset). Its subclasses
@@ -91,8 +105,9 @@ def run_fn(func: F, reset: Callable[[], None] | None = None) -> F:
                     _leave()
                 need_sync = not exc.skip_sync
                 why = "hosts changed"
-            except RondeError as exc:
-                if not resettable(exc):
+            except Exception as raised:
+                exc = as_ronde_error(raised)
+                if exc is None or not resettable(exc):
                     raise
                 state.restore()
                 need_sync = True
