@@ -8,8 +8,8 @@ every sample was used exactly once, however the job re-formed meanwhile. Faults 
 injected by environment:
 
 * ``ELASTIC_DIE=host:step[,host/slot:step]``: the first worker on that host (or that
-  slot) dies at that step: SIGKILL, after appending ``ELASTIC_DIE_ADDS`` (a host) to the
-  discovery file (a replacement machine arriving) or rewriting it with
+  slot) dies at that step: SIGKILL, after adding ``ELASTIC_DIE_ADDS`` (a host) to the
+  discovery file's pending list (a replacement machine arriving 2 s later) or rewriting it with
   ``ELASTIC_DIE_HOSTS`` (comma-separated: its host leaves discovery) if set;
 * ``ELASTIC_TERM=host/slot:step``: that worker gets SIGTERM (preemption) at that step;
 * ``ELASTIC_PS=1``: a process set of ranks 0 and 1 is added at start; every step
@@ -75,8 +75,8 @@ def train(state):
             plans = os.environ.get("ELASTIC_DIE", "").split(",")
             if FIRST_LIFE and (f"{HOST}:{step}" in plans or f"{HOST}/{SLOT}:{step}" in plans):
                 open(os.environ["ELASTIC_MARK"] + "." + HOST, "w").close()
-                if os.environ.get("ELASTIC_DIE_ADDS"):
-                    with open(os.environ["ELASTIC_HOSTS_FILE"], "a") as f:
+                if os.environ.get("ELASTIC_DIE_ADDS"):  # listed 2 s later (elastic_jobs)
+                    with open(os.environ["ELASTIC_HOSTS_FILE"] + ".pending", "a") as f:
                         f.write(os.environ["ELASTIC_DIE_ADDS"] + "\n")
                 if os.environ.get("ELASTIC_DIE_HOSTS"):
                     with open(os.environ["ELASTIC_HOSTS_FILE"], "w") as f:
