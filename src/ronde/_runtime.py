@@ -290,10 +290,12 @@ def _meet_elastic(wenv: worker_env.WorkerEnv, cfg: _config.Config
         listener.close()
         raise RendezvousError("malformed elastic rendezvous reply") from None
     hosts = [str(p.get("host")) for p in peers]
+    from .runner.hosts import places
+
+    where = places(hosts)[rank]
     wenv = dataclasses.replace(wenv, rank=rank, size=size,
                                notice=float(reply.get("notice") or 0.0),
-                               local_rank=[h for h in hosts[:rank]].count(hosts[rank]),
-                               local_size=hosts.count(hosts[rank]))
+                               local_rank=where.local_rank, local_size=where.local_size)
     if size == 1:
         listener.close()
         return wenv, gen, hosts, {}, None

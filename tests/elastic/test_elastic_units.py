@@ -15,7 +15,8 @@ from ronde import HorovodInternalError, HostsUpdatedInterrupt, PeerLostError, Te
 from ronde.elastic import ObjectState, notify
 from ronde.elastic.loop import resettable, run_fn
 from ronde.elastic.sampler import ElasticShards
-from ronde.runner.elastic import Blacklist, Discovery, assign, slot_layout
+from ronde.runner.elastic import Blacklist, Discovery, assign
+from ronde.runner.hosts import places
 from ronde.runner.elastic_rendezvous import ElasticRendezvous
 from ronde.runner.hosts import HostSpec
 from ronde.runner.rendezvous import exchange, query
@@ -32,7 +33,7 @@ def test_assignment_keeps_survivors_first_so_rank_0_is_one():
     # a slot left out (its worker failed) is not dealt again; a lost host's survivor goes
     assert assign(hosts, [("z", 0), ("a", 1)], None, {("a", 0)}) == \
         [("a", 1), ("b", 0), ("b", 1), ("c", 0)]
-    layout = slot_layout([("b", 1), ("a", 0), ("b", 0)])
+    layout = places(["b", "a", "b"])
     assert [(s.rank, s.local_rank, s.local_size, s.cross_rank) for s in layout] == \
         [(0, 0, 2, 0), (1, 0, 1, 1), (2, 1, 2, 0)]
 

@@ -101,6 +101,7 @@ class RayExecutor:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from ..runner.env import worker_env_vars
+        from ..runner.hosts import places
         from ..runner.rendezvous import RendezvousServer
         from ._actor import RondeWorker
 
@@ -143,13 +144,11 @@ class RayExecutor:
                                         start_timeout_s=float(self.settings.timeout_s)).start()
         job_id = f"ronde-ray-{secrets.token_hex(4)}"
         calls = []
-        for rank, (actor, node_id) in enumerate(zip(self.workers, placed)):
-            same = [r for r, n in enumerate(placed) if n == node_id]
-            crossing = [n for n in order if n in placed]
+        for actor, where in zip(self.workers, places(placed)):
             variables = worker_env_vars(
-                rank=rank, size=self.num_workers, local_rank=same.index(rank),
-                local_size=len(same), cross_rank=crossing.index(node_id),
-                cross_size=len(crossing), host=node_id,
+                rank=where.rank, size=self.num_workers, local_rank=where.local_rank,
+                local_size=where.local_size, cross_rank=where.cross_rank,
+                cross_size=where.cross_size, host=where.host,
                 rendezvous=(driver_ip, self._server.port), secret=secret, job_id=job_id)
             variables["RONDE_START_TIMEOUT"] = str(self.settings.timeout_s)
             variables.update(extra_env_vars or {})

@@ -35,7 +35,6 @@ runs an elastic job (Horovod's elastic driver, see docs/elastic.md):
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import random
 import secrets
@@ -43,14 +42,13 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
 from typing import IO, Any, Callable, Mapping, Sequence
 
 from .._errors import ConfigError
 from ..transport.net import route_address
 from .env import worker_env_vars
-from .hosts import HostSpec, RankSlot, is_local, parse_hostfile_lines, resolve_hosts
+from .hosts import HostSpec, RankSlot, is_local, parse_hostfile_lines, places, resolve_hosts
 from .launch import SETTLE_S, LaunchResult, _Job, _remote_argv, _Worker
 from .elastic_rendezvous import ElasticRendezvous, Slot
 from .summary import failure_lines
@@ -134,20 +132,6 @@ def assign(hosts: list[HostSpec], survivors: list[Slot], max_np: int | None,
     for h in order:
         out.extend(s for s in alive if s[0] == h.name)
         out.extend((h.name, i) for i in new.get(h.name, []))
-    return out
-
-
-def slot_layout(slots: list[Slot]) -> list[RankSlot]:
-    """Rank, local and cross rank of each slot of a generation (as ``init()`` derives them)."""
-    hosts = [h for h, _ in slots]
-    order: list[str] = []
-    for h in hosts:
-        if h not in order:
-            order.append(h)
-    out = []
-    for rank, (h, _) in enumerate(slots):
-        local = [r for r in range(len(slots)) if hosts[r] == h]
-        out.append(RankSlot(rank, h, local.index(rank), len(local), order.index(h), len(order)))
     return out
 
 
@@ -322,7 +306,7 @@ class ElasticDriver:
                  ", ".join(f"{h}[{i}]" for h, i in slots))
         self.assignment = slots
         self.server.set_assignment(slots, removed)
-        for rank_slot, slot in zip(slot_layout(slots), slots):
+        for rank_slot, slot in zip(places([h for h, _ in slots]), slots):
             w = self.by_slot.get(slot)
             if w is not None and w.alive:
                 continue
@@ -366,10 +350,7 @@ class ElasticJob(_Job):
 
     def run(self) -> LaunchResult:
         assert self.driver is not None
-        restore: dict[int, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                restore[signum] = signal.signal(signum, self._on_signal)
+        restore = self._catch_signals()
         reason = ""
         start = time.monotonic()
         running: list[int] = []

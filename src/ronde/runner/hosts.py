@@ -278,3 +278,16 @@ def is_local(host: str) -> bool:
     if addr is not None and (addr.is_loopback or addr.is_unspecified):
         return True
     return name in _own_names_and_addresses()
+
+
+def places(hosts: list[str]) -> list[RankSlot]:
+    """Rank, local and cross rank of each rank, given every rank's host (in rank order):
+    what a launcher tells its workers (cross rank = the host's index in order of first
+    appearance). Shared by ronderun's elastic driver, Ray and Spark."""
+    order = list(dict.fromkeys(hosts))
+    out = []
+    for rank, host in enumerate(hosts):
+        local = [r for r, h in enumerate(hosts) if h == host]
+        out.append(RankSlot(rank, host, local.index(rank), len(local), order.index(host),
+                            len(order)))
+    return out

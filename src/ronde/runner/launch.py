@@ -236,12 +236,17 @@ class _Job:
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.signals.append(signum)
 
-    # -- the job -----------------------------------------------------------------
-    def run(self) -> LaunchResult:
+    def _catch_signals(self) -> dict[int, Any]:
+        """SIGINT/SIGTERM recorded (main thread only); returns the handlers to restore."""
         restore: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
                 restore[signum] = signal.signal(signum, self._on_signal)
+        return restore
+
+    # -- the job -----------------------------------------------------------------
+    def run(self) -> LaunchResult:
+        restore = self._catch_signals()
         reason = ""
         start = time.monotonic()
         try:

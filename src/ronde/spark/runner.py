@@ -104,15 +104,15 @@ def _run_task(call: tuple[Any, ...], rdv: tuple[str, int], secret: bytes, job_id
     from pyspark import BarrierTaskContext
 
     from ..runner.env import worker_env_vars
+    from ..runner.hosts import places
 
     ctx = BarrierTaskContext.get()
     rank = ctx.partitionId()
     hosts = [info.address.rsplit(":", 1)[0] for info in ctx.getTaskInfos()]
-    order = list(dict.fromkeys(hosts))
-    same = [r for r, h in enumerate(hosts) if h == hosts[rank]]
+    where = places(hosts)[rank]
     variables = worker_env_vars(
-        rank=rank, size=len(hosts), local_rank=same.index(rank), local_size=len(same),
-        cross_rank=order.index(hosts[rank]), cross_size=len(order), host=hosts[rank],
+        rank=rank, size=len(hosts), local_rank=where.local_rank, local_size=where.local_size,
+        cross_rank=where.cross_rank, cross_size=where.cross_size, host=where.host,
         rendezvous=rdv, secret=secret, job_id=job_id)
     variables["RONDE_START_TIMEOUT"] = f"{timeout:g}"
     variables.update(extra)
