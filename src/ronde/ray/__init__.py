@@ -16,11 +16,13 @@ Each worker is a Ray actor, placed with a placement group (``cpus_per_worker`` C
 consecutive ranks and one ``local_rank`` each), the rendezvous service runs in the
 driver (this process), and each actor gets the job secret in its environment. Inside a
 worker a plain ``ronde.init()`` (or ``ronde.torch.init()``...) finds its place. Needs
-``pip install 'ronde[ray]'`` (imported on first use). See docs/ray.md.
+``pip install 'ronde[ray]'`` (imported on first use). ``min_workers``/``max_workers``
+make the job elastic (``ronde/ray/elastic.py``). See docs/ray.md.
 """
 
 from __future__ import annotations
 
+from .elastic import ElasticRayExecutor
 from .executor import RayExecutor, RaySettings
 
-__all__ = ["RayExecutor", "RaySettings"]
+__all__ = ["ElasticRayExecutor", "RayExecutor", "RaySettings"]

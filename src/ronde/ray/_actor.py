@@ -38,6 +38,22 @@ class RondeWorker:
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return _guarded(fn, *args, **kwargs)
 
+    def run_elastic(self, call: Callable[[], Any]) -> Any:
+        """One worker of an elastic job: ``call()`` (an ``@elastic.run`` function resets
+        inside). A raise is left to the driver, which kills this actor so the peers see
+        a lost peer and re-form (a shutdown here would end their job instead); a worker
+        the re-formed job no longer needs returns None."""
+        from .. import _api
+
+        try:
+            result = call()
+        except SystemExit as exc:
+            if exc.code not in (0, None):
+                raise
+            result = None  # removed from the job (WorkerRemovedError): not a failure
+        _api.shutdown()
+        return result
+
     def shutdown_ronde(self) -> None:
         from .. import _api
 

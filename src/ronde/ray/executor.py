@@ -45,8 +45,15 @@ class RayExecutor:
         cpus_per_worker: CPUs reserved per worker.
         use_gpu: reserve GPUs (``gpus_per_worker``, default 1 with ``use_gpu``).
         gpus_per_worker: GPUs reserved per worker.
-        min_workers, max_workers, reset_limit, cooldown_range, elastic_timeout: the
-            elastic variant; not built yet (``UnsupportedError`` when given).
+        min_workers, max_workers: an elastic job (``ronde/ray/elastic.py``): at least
+            ``min_workers`` ranks, at most ``max_workers`` (default: every slot of the
+            cluster); the workers are started by :meth:`run`, one per slot, and the job
+            re-forms when nodes come and go or a worker fails.
+        reset_limit: the most re-formations of an elastic job (default: no limit).
+        cooldown_range: ``(lo, hi)`` seconds a failed node stays blacklisted (drawn
+            uniformly; default: for good).
+        elastic_timeout: seconds an elastic job may wait below ``min_workers``.
+        override_discovery: Horovod's; the hosts are always the Ray nodes.
     """
 
     def __init__(self, settings: RaySettings | None = None, num_workers: int | None = None,
@@ -56,16 +63,30 @@ class RayExecutor:
                  max_workers: int | None = None, reset_limit: int | None = None,
                  cooldown_range: tuple[int, int] | None = None,
                  elastic_timeout: int = 600, override_discovery: bool = True) -> None:
-        from .._errors import UnsupportedError
-
-        if min_workers is not None or max_workers is not None:
-            raise UnsupportedError("RayExecutor(min_workers=/max_workers=): elastic training "
-                                   "on Ray is not built yet; use ronderun --min-np for now")
-        if num_workers is None and num_hosts is None:
+        self.elastic = min_workers is not None or max_workers is not None
+        if self.elastic:
+            self.min_workers = int(min_workers if min_workers is not None else 1)
+            self.max_workers = None if max_workers is None else int(max_workers)
+            if self.min_workers < 1 or (self.max_workers is not None
+                                        and self.max_workers < self.min_workers):
+                raise ConfigError(f"RayExecutor: min_workers={min_workers}, max_workers="
+                                  f"{max_workers}: need 1 <= min_workers <= max_workers")
+            if num_hosts is not None:
+                raise ConfigError("RayExecutor: num_hosts is not for an elastic executor "
+                                  "(min_workers/max_workers): its hosts are the cluster's "
+                                  "nodes")
+            num_workers = num_workers or self.min_workers
+        elif num_workers is None and num_hosts is None:
             raise ConfigError("RayExecutor needs num_workers (or num_hosts and "
                               "num_workers_per_host)")
         if num_workers is not None and num_hosts is not None:
             raise ConfigError("RayExecutor: give num_workers or num_hosts, not both")
+        self.reset_limit = reset_limit
+        self.cooldown_range = None if cooldown_range is None else \
+            (float(cooldown_range[0]), float(cooldown_range[1]))
+        self.elastic_timeout = elastic_timeout
+        self.extra_env_vars: dict[str, str] = {}
+        self._executable: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None
         self.settings = settings or RaySettings()
         self.num_hosts = num_hosts
         self.num_workers = num_workers if num_workers is not None \
@@ -95,8 +116,14 @@ class RayExecutor:
               executable_kwargs: dict[str, Any] | None = None,
               extra_env_vars: dict[str, str] | None = None) -> None:
         """Place the workers, deal the ranks, start the rendezvous; optionally build
-        ``executable_cls(*args, **kwargs)`` in every worker (see :meth:`execute`)."""
+        ``executable_cls(*args, **kwargs)`` in every worker (see :meth:`execute`). An
+        elastic executor only records these: its workers start at each :meth:`run`."""
         ray = _ray()
+        self.extra_env_vars = dict(extra_env_vars or {})
+        if self.elastic:
+            self._executable = (executable_cls, tuple(executable_args or ()),
+                                dict(executable_kwargs or {}))
+            return
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -184,6 +211,11 @@ class RayExecutor:
     def run_remote(self, fn: Callable[..., Any], args: Sequence[Any] | None = None,
                    kwargs: dict[str, Any] | None = None) -> list[Any]:
         """``fn(*args, **kwargs)`` on every worker; returns the Ray object refs (rank order)."""
+        if self.elastic:
+            from .._errors import UnsupportedError
+
+            raise UnsupportedError("RayExecutor.run_remote: an elastic job's workers come "
+                                   "and go; use run()")
         self._started()
         return [w.run.remote(fn, tuple(args or ()), dict(kwargs or {})) for w in self.workers]
 
@@ -191,16 +223,32 @@ class RayExecutor:
             kwargs: dict[str, Any] | None = None, callbacks: Any = None) -> list[Any]:
         """``fn(*args, **kwargs)`` on every worker; the results in rank order. The first
         worker to fail makes this raise with its error (``RondeError`` naming the rank,
-        the worker's exception chained)."""
+        the worker's exception chained). Elastic: the job runs until the workers of its
+        last generation return (``fn`` is an ``@hvd.elastic.run`` function or calls
+        one); their results in rank order."""
+        if self.elastic:
+            from .elastic import run_elastic
+
+            return run_elastic(self, fn, tuple(args or ()), dict(kwargs or {}))
         return self._gather(self.run_remote(fn, args, kwargs))
 
     def execute(self, fn: Callable[[Any], Any], callbacks: Any = None) -> list[Any]:
-        """``fn(executable)`` on every worker (the object ``start`` built); rank order."""
+        """``fn(executable)`` on every worker (the object ``start`` built); rank order.
+        Elastic: each worker builds its executable when it starts, then runs ``fn``."""
+        if self.elastic:
+            from .elastic import run_elastic
+
+            return run_elastic(self, _with_executable, (fn, self._executable), {})
         self._started()
         return self._gather([w.execute.remote(fn) for w in self.workers])
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(executable)`` on rank 0 only."""
+        if self.elastic:
+            from .._errors import UnsupportedError
+
+            raise UnsupportedError("RayExecutor.execute_single: not for an elastic job "
+                                   "(as Horovod); use execute()")
         self._started()
         return self._gather([self.workers[0].execute.remote(fn)])[0]
 
@@ -229,6 +277,12 @@ class RayExecutor:
                 rank, first = primary[0]
                 raise RondeError(f"RayExecutor: rank {rank} failed: {_short(first)}") from first
         return ray.get(refs)
+
+
+def _with_executable(fn: Callable[[Any], Any],
+                     executable: tuple[Any, tuple[Any, ...], dict[str, Any]] | None) -> Any:
+    cls, args, kwargs = executable or (None, (), {})
+    return fn(cls(*args, **kwargs) if cls is not None else None)
 
 
 def _secondary(exc: BaseException) -> bool:

@@ -67,6 +67,11 @@ class Discovery:
                  slots_per_host: int = 1) -> None:
         self.fixed, self.script, self.slots_per_host = fixed, script, slots_per_host
 
+    @property
+    def dynamic(self) -> bool:
+        """Whether the hosts may change (the driver asks again about once a second)."""
+        return self.script is not None
+
     def find(self) -> list[HostSpec]:
         """The hosts available now (raises ConfigError when the script fails)."""
         if self.script is None:
@@ -136,7 +141,16 @@ def assign(hosts: list[HostSpec], survivors: list[Slot], max_np: int | None,
 
 
 class ElasticDriver:
-    """Runs an elastic job on top of the launcher's process handling (``launch._Job``)."""
+    """Runs an elastic job on top of a job that starts and watches workers.
+
+    The job is ``launch._Job``'s process handling for ``ronderun`` (:class:`ElasticJob`),
+    or Ray's actors (``ronde/ray/elastic.py``). What the driver uses of it: ``workers``
+    (every worker started, in start order), ``_spawn(worker)``, ``failed_workers``,
+    ``signals``, ``server`` (an :class:`ElasticRendezvous`), ``stderr``, ``out_lock``
+    and optionally ``name`` (what its lines start with; default ``ronderun``). What it uses of a worker: ``returncode`` (None while running),
+    ``alive``, ``killpg(signal)``, ``signalled`` (stopped by the driver), ``exit_time``
+    and ``slot``; it sets ``elastic_slot``, ``removed`` and ``hung`` on it.
+    """
 
     def __init__(self, job: Any, discovery: Discovery, min_np: int, max_np: int | None,
                  np: int | None, make_worker: Callable[[int, Slot, RankSlot], Any],
@@ -194,7 +208,7 @@ class ElasticDriver:
             if self.fatal:
                 return "failure"
         now = time.monotonic()
-        if self.discovery.script is not None and now - self._last_discovery > DISCOVER_EVERY_S:
+        if self.discovery.dynamic and now - self._last_discovery > DISCOVER_EVERY_S:
             self._last_discovery = now
             try:
                 found = self._available(self.discovery.find())
@@ -229,7 +243,8 @@ class ElasticDriver:
     # -- internals -------------------------------------------------------------------------
     def _say(self, fmt: str, *args: Any) -> None:
         """A line of the driver's on the launcher's stderr (``ronderun: elastic: ...``)."""
-        text = "ronderun: elastic: " + (fmt % args if args else fmt) + "\n"
+        who = getattr(self.job, "name", "ronderun")
+        text = f"{who}: elastic: " + (fmt % args if args else fmt) + "\n"
         with self.job.out_lock:
             try:
                 self.job.stderr.write(text)
@@ -328,6 +343,24 @@ class ElasticDriver:
                 w.hung = True
                 w.signalled = True
                 w.killpg(signal.SIGKILL)
+
+
+def elastic_worker_vars(slot: Slot, where: RankSlot, size: int, rendezvous: tuple[str, int],
+                        secret: bytes, job_id: str, elastic_timeout_s: float,
+                        start_timeout_s: float, reset_limit: int | None) -> dict[str, str]:
+    """The environment of an elastic job's worker: the worker contract of
+    ``runner/env.py`` for its first place, and its slot (the rank, size and peers of
+    each generation come from the rendezvous)."""
+    variables = worker_env_vars(
+        rank=where.rank, size=size, local_rank=where.local_rank, local_size=where.local_size,
+        cross_rank=where.cross_rank, cross_size=where.cross_size, host=slot[0],
+        rendezvous=rendezvous, secret=secret, job_id=job_id)
+    variables.update(RONDE_ELASTIC="1", RONDE_SLOT=str(slot[1]),
+                     RONDE_ELASTIC_TIMEOUT=f"{elastic_timeout_s:g}",
+                     RONDE_START_TIMEOUT=f"{start_timeout_s:g}")
+    if reset_limit is not None:
+        variables["RONDE_RESET_LIMIT"] = str(reset_limit)
+    return variables
 
 
 def parse_cooldown(values: Sequence[float] | None) -> tuple[float, float] | None:
@@ -445,16 +478,10 @@ def run_elastic(command: Sequence[str], np: int | None, min_np: int, max_np: int
             advertise = "127.0.0.1" if local else (
                 bind_env if bind_env and bind_env not in ("0.0.0.0", "::")
                 else route_address(slot[0]))
-            variables = worker_env_vars(
-                rank=where.rank, size=len(driver.assignment), local_rank=where.local_rank,
-                local_size=where.local_size, cross_rank=where.cross_rank,
-                cross_size=where.cross_size, host=slot[0], rendezvous=(advertise, server.port),
-                secret=secret, job_id=job_id)
-            variables.update(PYTHONUNBUFFERED="1", RONDE_ELASTIC="1", RONDE_SLOT=str(slot[1]),
-                             RONDE_ELASTIC_TIMEOUT=f"{elastic_timeout_s:g}",
-                             RONDE_START_TIMEOUT=f"{start_timeout_s:g}")
-            if reset_limit is not None:
-                variables["RONDE_RESET_LIMIT"] = str(reset_limit)
+            variables = elastic_worker_vars(
+                slot, where, len(driver.assignment), (advertise, server.port), secret, job_id,
+                elastic_timeout_s, start_timeout_s, reset_limit)
+            variables["PYTHONUNBUFFERED"] = "1"
             variables.update(env or {})
             shown_slot = RankSlot(wid, slot[0], slot[1], where.local_size, where.cross_rank,
                                   where.cross_size)
