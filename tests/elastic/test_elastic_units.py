@@ -15,7 +15,7 @@ from ronde import HorovodInternalError, HostsUpdatedInterrupt, PeerLostError, Te
 from ronde.elastic import ObjectState, notify
 from ronde.elastic.loop import resettable, run_fn
 from ronde.elastic.sampler import ElasticShards
-from ronde.runner.elastic import Blacklist, Discovery, assign
+from ronde.runner.elastic_driver import Blacklist, Discovery, assign
 from ronde.runner.hosts import places
 from ronde.runner.elastic_rendezvous import ElasticRendezvous
 from ronde.runner.hosts import HostSpec

@@ -22,7 +22,6 @@ make the job elastic (``ronde/ray/elastic.py``). See docs/ray.md.
 
 from __future__ import annotations
 
-from .elastic import ElasticRayExecutor
-from .executor import RayExecutor, RaySettings
+from .executor import ElasticRayExecutor, RayExecutor, RaySettings
 
 __all__ = ["ElasticRayExecutor", "RayExecutor", "RaySettings"]

@@ -30,7 +30,7 @@ import time
 from typing import Any, Callable
 
 from .._errors import ConfigError, RondeError
-from ..runner.elastic import Blacklist, ElasticDriver, elastic_worker_vars
+from ..runner.elastic_driver import Blacklist, ElasticDriver, elastic_worker_vars
 from ..runner.elastic_rendezvous import ElasticRendezvous, Slot
 from ..runner.hosts import HostSpec, RankSlot
 
@@ -218,51 +218,6 @@ class _Call:
         return self.fn(*self.args, **self.kwargs)
 
 
-class ElasticRayExecutor:
-    """Horovod's older elastic Ray API (deprecated there since 0.25), kept for scripts
-    that use it: ``ElasticRayExecutor(ElasticRayExecutor.create_settings(min_num_proc=2),
-    cpus_per_slot=1).start(); .run(worker_fn)``. It is a :class:`RayExecutor` with
-    ``min_workers``/``max_workers``."""
-
-    @staticmethod
-    def create_settings(min_num_proc: int = 1, max_num_proc: int | None = None,
-                        reset_limit: int | None = None, elastic_timeout: int = 600,
-                        timeout_s: int = 30, ssh_identity_file: str | None = None,
-                        nics: Any = None, min_np: int | None = None,
-                        max_np: int | None = None, **kwargs: Any) -> dict[str, Any]:
-        """The job's limits (``min_np``/``max_np`` are the deprecated spellings)."""
-        return {"min": min_np if min_np is not None else min_num_proc,
-                "max": max_np if max_np is not None else max_num_proc,
-                "reset_limit": reset_limit, "elastic_timeout": elastic_timeout,
-                "timeout_s": timeout_s}
-
-    def __init__(self, settings: dict[str, Any], use_gpu: bool = False,
-                 cpus_per_slot: int = 1, gpus_per_slot: int | None = None,
-                 env_vars: dict[str, str] | None = None, override_discovery: bool = True
-                 ) -> None:
-        from .executor import RayExecutor, RaySettings
-
-        if gpus_per_slot and not use_gpu:
-            raise ConfigError("ElasticRayExecutor: gpus_per_slot is set but use_gpu is False")
-        self._executor = RayExecutor(
-            RaySettings(timeout_s=settings["timeout_s"]), cpus_per_worker=cpus_per_slot,
-            use_gpu=use_gpu, gpus_per_worker=gpus_per_slot, min_workers=settings["min"],
-            max_workers=settings["max"], reset_limit=settings["reset_limit"],
-            elastic_timeout=settings["elastic_timeout"])
-        self._env = dict(env_vars or {})
-
-    def start(self) -> None:
-        self._executor.start(extra_env_vars=self._env)
-
-    def run(self, worker_fn: Callable[[], Any], callbacks: Any = None) -> list[Any]:
-        """``worker_fn()`` on every worker of the elastic job; the last generation's
-        results in rank order."""
-        return self._executor.run(worker_fn)
-
-    def shutdown(self) -> None:
-        self._executor.shutdown()
-
-
 def _last_line(exc: BaseException | None) -> str:
     if exc is None:
         return ""
@@ -270,4 +225,4 @@ def _last_line(exc: BaseException | None) -> str:
     return (lines[-1] if lines else type(exc).__name__)[:500]
 
 
-__all__ = ["ElasticRayExecutor", "RayDiscovery", "RayElasticJob", "run_elastic"]
+__all__ = ["RayDiscovery", "RayElasticJob", "run_elastic"]
