@@ -270,7 +270,7 @@ def _meet_elastic(wenv: worker_env.WorkerEnv, cfg: _config.Config
     listener = mesh_mod.listen(bind)
     advertised = bind if bind not in ("0.0.0.0", "") else route_address(rdv_host)
     info = {"elastic": True, "host": wenv.host, "slot": wenv.slot, "addr": advertised,
-            "port": listener.getsockname()[1], "pid": os.getpid()}
+            "port": listener.getsockname()[1], "pid": os.getpid(), "node": wenv.node}
     wait_s = cfg.elastic_timeout_s + cfg.start_timeout_s
     try:
         reply = rendezvous.exchange(wenv.rendezvous, wenv.secret, info, wait_s)
@@ -289,7 +289,7 @@ def _meet_elastic(wenv: worker_env.WorkerEnv, cfg: _config.Config
     except (KeyError, TypeError, ValueError):
         listener.close()
         raise RendezvousError("malformed elastic rendezvous reply") from None
-    hosts = [str(p.get("host")) for p in peers]
+    hosts = [str(p.get("node") or p.get("host")) for p in peers]  # machines, for locality
     from .runner.hosts import places
 
     where = places(hosts)[rank]

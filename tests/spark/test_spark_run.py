@@ -24,24 +24,6 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.spark]
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "pytorch_mnist.py")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def spark():
-    from pyspark.sql import SparkSession
-
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-    session = (SparkSession.builder.master("local[2]").appName("ronde-tests")
-               .config("spark.ui.enabled", "false")
-               .config("spark.driver.host", "127.0.0.1")
-               .config("spark.driver.bindAddress", "127.0.0.1")
-               .config("spark.executorEnv.PYTHONPATH", os.pathsep.join(sys.path))
-               .getOrCreate())
-    session.sparkContext.setLogLevel("ERROR")
-    pyspark.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    yield session
-    session.stop()
-
-
 def _allreduce(scale):
     import ronde
 

@@ -239,9 +239,12 @@ class ElasticDriver:
         self.job.failed_workers.append(w)
         host = slot[0]
         rest = sum(h.slots for h in self.hosts if h.name != host)
-        if rest >= self.min_np:
+        replaced = getattr(self.discovery, "replaces_failed", False)
+        if rest >= self.min_np or replaced:
             self.blacklist.add(host)
             self.hosts = [h for h in self.hosts if h.name != host]
+            if replaced:  # the discovery offers the slot again under a new name (Spark)
+                self.hosts = self._available(self.discovery.find())
             self._say("worker %s on %s failed (%s); host blacklisted", slot[1], host,
                         w.returncode)
         else:

@@ -39,6 +39,8 @@ class ElasticRendezvous(RendezvousServer):
         #: clock, so two changes within a second are two notices
         self.notice: tuple[float, int] = (0.0, 0)
         self._leaving: list[Slot] = []
+        #: slot -> the error text a worker reported before it ended (Spark's tasks)
+        self._errors: dict[Slot, str] = {}
 
     # -- the driver's side -------------------------------------------------------------
     def set_assignment(self, slots: list[Slot], removed: Sequence[Slot] = ()) -> None:
@@ -68,6 +70,14 @@ class ElasticRendezvous(RendezvousServer):
 
     # -- the workers' side -------------------------------------------------------------
     def answer(self, msg: dict[str, Any]) -> dict[str, Any]:
+        if msg.get("what") == "failed":  # a worker's last words before it ends
+            try:
+                slot, text = (str(msg["host"]), int(msg["slot"])), str(msg["error"])[-20000:]
+            except (KeyError, TypeError, ValueError):
+                return {"kind": "error", "message": "malformed failure report"}
+            with self._lock:
+                self._errors[slot] = text
+            return {"kind": "ok"}
         if msg.get("what") == "leave":  # a preempted worker leaves by itself
             try:
                 slot = (str(msg["host"]), int(msg["slot"]))
@@ -79,6 +89,11 @@ class ElasticRendezvous(RendezvousServer):
         with self._lock:
             stamp, update = self.notice
         return {"kind": "hosts", "timestamp": stamp, "update": update}
+
+    def reported_error(self, slot: Slot) -> str | None:
+        """The error a worker of ``slot`` reported before it ended, if any."""
+        with self._lock:
+            return self._errors.get(slot)
 
     def take_leaving(self) -> list[Slot]:
         """Slots whose workers said they leave (SIGTERM), since the last call."""

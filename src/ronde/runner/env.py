@@ -18,6 +18,9 @@ docs/launcher.md repeats it for users):
 ``RONDE_ELASTIC``          ``1`` in an elastic job (``--min-np``...): rank and size are
                            handed out by the rendezvous at every ``init()``
 ``RONDE_SLOT``             an elastic worker's slot on its host
+``RONDE_NODE``             the machine an elastic worker runs on, where its slot's host
+                           is a logical name (``ronde.spark.run_elastic``); ranks on one
+                           machine share memory
 =========================  ===========================================================
 
 The ``HOROVOD_RANK``/``HOROVOD_SIZE``/... equivalents are set too, for scripts that
@@ -58,6 +61,8 @@ class WorkerEnv:
     elastic: bool = False
     #: its slot on its host (elastic jobs)
     slot: int = 0
+    #: the machine it runs on when ``host`` is a logical slot name (``RONDE_NODE``)
+    node: str = ""
     #: the launcher's newest host notice when this generation formed (elastic jobs)
     notice: float = 0.0
 
@@ -97,7 +102,7 @@ def detect(env: Mapping[str, str] | None = None) -> WorkerEnv:
             job_id=env.get("RONDE_JOB_ID", ""),
             rendezvous_mode="server" if explicit_rdv else ("none" if size == 1 else "file"),
             elastic=env.get("RONDE_ELASTIC") == "1" and explicit_rdv is not None,
-            slot=_int(env, "RONDE_SLOT", 0),
+            slot=_int(env, "RONDE_SLOT", 0), node=env.get("RONDE_NODE", ""),
         )
     if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env):
         rank, size = _int(env, "RANK"), _int(env, "WORLD_SIZE")

@@ -12,11 +12,13 @@
 each calling ``ronde.init()`` as under ``ronderun``; the rendezvous service runs in the
 driver. Needs ``pip install 'ronde[spark]'`` (imported on first use) and Java 17. See
 docs/spark.md. Under Spark's own ``TorchDistributor`` a plain ``ronde.init()`` works
-too (it reads torchrun's environment).
+too (it reads torchrun's environment). ``ronde.spark.run_elastic`` runs an elastic job
+on Spark tasks (``spark/elastic.py``).
 """
 
 from __future__ import annotations
 
+from .elastic import run_elastic
 from .runner import run
 
-__all__ = ["run"]
+__all__ = ["run", "run_elastic"]
