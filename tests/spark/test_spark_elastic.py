@@ -27,13 +27,14 @@ def _gather_ranks():
 
     ronde.init()
     got = ronde.allgather(np.array([ronde.rank()]), name="ranks")
-    return got.tolist(), ronde.rank()
+    return got.tolist(), ronde.rank(), ronde.local_rank(), ronde.local_size()
 
 
 def test_a_plain_function_runs_on_every_slot():
     got = ronde.spark.run_elastic(_gather_ranks, num_proc=2, min_num_proc=2, max_num_proc=2,
                                   start_timeout=30)
-    assert got == [([0, 1], 0), ([0, 1], 1)]
+    # both tasks on this machine (RONDE_NODE): local ranks 0 and 1 of 2
+    assert got == [([0, 1], 0, 0, 2), ([0, 1], 1, 1, 2)]
 
 
 def _train(marker, steps):
