@@ -264,14 +264,26 @@ KNOBS: tuple[Knob, ...] = (
              'from the heap, which can move onto huge pages, instead of mappings '
              'wedged between shared libraries, which cannot. `0` leaves memory and '
              'malloc alone (and keeps any `MADV_NOHUGEPAGE` you set).'),
-    Knob("shm_control", "RONDE_SHM_CONTROL", parse_bool,
-         default='`1`', unit='boolean',
+    Knob("shm_control", "RONDE_SHM_CONTROL", parse_hierarchical,
+         default='`auto`', unit='`auto`, boolean',
          doc='Negotiation frames between ranks on the same host (x86-64) go through '
              'shared-memory mailboxes instead of the control sockets (a round trip in '
              'well under a microsecond when the peer is awake, instead of ~50 us of '
              'system calls and wake-ups). The sockets still carry doorbells for '
              'sleeping peers, oversize frames and failure notices, and still report a '
-             'dead peer. `0`: sockets only.'),
+             'dead peer. `auto`: mailboxes while the ranks on the host are no more '
+             'than its cores (beyond that a rank waiting for a frame is better woken '
+             'by the kernel when the frame arrives: measured 4-15x faster at 4-8 '
+             'ranks on 2 cores); `1`: always; `0`: sockets only.'),
+    Knob("coordinator_min", "RONDE_COORDINATOR_MIN", int,
+         default='`3`', unit='ranks',
+         doc='From this many ranks on (and where no same-host mailboxes carry the '
+             'negotiation, see `RONDE_SHM_CONTROL`), each negotiation round goes through '
+             'rank 0: every rank sends it its frame and receives all frames back (3(N-1)'
+             ' messages a round instead of N(N-1); every rank still decides from the '
+             'same frames). Below it, frames go all-to-all (one hop: faster for few '
+             'ranks: measured faster at 2 ranks, slower from 3). `0`: always '
+             'all-to-all.'),
     Knob("spin_time_us", "RONDE_SPIN_TIME", float,
          default='`200`', unit='microseconds',
          doc='How long a thread waiting on a handle keeps *driving* the engine '

@@ -14,7 +14,6 @@ import dataclasses
 import json
 import logging
 import os
-import platform
 import secrets
 import socket
 import sys
@@ -24,7 +23,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from . import _config
+from . import _config, _cores as cores_mod
 from ._errors import (DeadlockError, PeerLostError, RendezvousError, RondeError, ShutdownError,
                       StallError)
 from .core.engine import Engine
@@ -144,24 +143,6 @@ def _rendezvous(wenv: worker_env.WorkerEnv, cfg: _config.Config, info: dict[str,
             time.sleep(0.05)
 
 
-def _control_mailboxes(cfg: _config.Config, topo: Topology, rank: int, size: int,
-                       key: str) -> Any:
-    """Shared-memory negotiation mailboxes with the ranks on this host (see
-    ``transport/mailbox.py``), or None (RONDE_SHM_CONTROL=0, not x86-64, no such peer)."""
-    if not cfg.shm_control or size == 1:
-        return None
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None  # the slots rely on total store order
-    peers = [r for r in range(size) if r != rank and topo.hosts[r] == topo.hosts[rank]]
-    if not peers:
-        return None
-    from .transport.mailbox import Mailboxes
-    from .transport.segments import shm_dir
-
-    return Mailboxes(rank, peers, lambda r: os.path.join(shm_dir(), f"ronde-{key}-ctl-{r}"),
-                     cfg.start_timeout_s)
-
-
 def init(process_sets: list[Any] | None = None) -> Runtime:
     """Build the runtime, in four steps: settings, peers, communicators, engine."""
     global _generation, _atexit_registered
@@ -232,7 +213,7 @@ def _meet_peers(wenv: worker_env.WorkerEnv, cfg: _config.Config, gen: int
     listener = mesh_mod.listen(bind)
     advertised = bind if bind not in ("0.0.0.0", "") else route_address(rdv_host)
     info = {"rank": rank, "size": size, "generation": gen, "host": wenv.host,
-            "addr": advertised, "port": listener.getsockname()[1]}
+            "addr": advertised, "port": listener.getsockname()[1], "cpus": cores_mod.my_cpus()}
     store = None
     if cfg.transport == "gloo" and rank == 0:
         from .transport import torch_dist
@@ -246,6 +227,7 @@ def _meet_peers(wenv: worker_env.WorkerEnv, cfg: _config.Config, gen: int
         raise
     mesh = mesh_mod.Mesh(rank, size, gen, secret, listener, peers, cfg.start_timeout_s)
     mesh.connect()
+    wenv = dataclasses.replace(wenv, host_cores=cores_mod.cores_by_rank(peers))
     if cfg.transport == "gloo":
         from .transport import torch_dist
 
@@ -270,7 +252,8 @@ def _meet_elastic(wenv: worker_env.WorkerEnv, cfg: _config.Config
     listener = mesh_mod.listen(bind)
     advertised = bind if bind not in ("0.0.0.0", "") else route_address(rdv_host)
     info = {"elastic": True, "host": wenv.host, "slot": wenv.slot, "addr": advertised,
-            "port": listener.getsockname()[1], "pid": os.getpid(), "node": wenv.node}
+            "port": listener.getsockname()[1], "pid": os.getpid(), "node": wenv.node,
+            "cpus": cores_mod.my_cpus()}
     wait_s = cfg.elastic_timeout_s + cfg.start_timeout_s
     try:
         reply = rendezvous.exchange(wenv.rendezvous, wenv.secret, info, wait_s)
@@ -295,7 +278,8 @@ def _meet_elastic(wenv: worker_env.WorkerEnv, cfg: _config.Config
     where = places(hosts)[rank]
     wenv = dataclasses.replace(wenv, rank=rank, size=size,
                                notice=float(reply.get("notice") or 0.0),
-                               local_rank=where.local_rank, local_size=where.local_size)
+                               local_rank=where.local_rank, local_size=where.local_size,
+                               host_cores=cores_mod.cores_by_rank(peers, hosts))
     if size == 1:
         listener.close()
         return wenv, gen, hosts, {}, None
@@ -335,9 +319,12 @@ def _start_engine(cfg: _config.Config, topo: Topology, wenv: worker_env.WorkerEn
     rank, size = topo.rank, topo.size
     world = factory(0, list(range(size)))
     assert world is not None
+    if cores_mod.mailbox_hosts(cfg, topo, wenv.host_cores):
+        cfg = dataclasses.replace(cfg, coordinator_min=0)  # every rank alike (see there)
     engine = Engine(rank, size, cfg, ctl, {0: world}, {0: list(range(size))}, factory,
                     factory.ctx.describe,
-                    _control_mailboxes(cfg, topo, rank, size, f"{factory.ctx.key}-g{gen}"))
+                    cores_mod.control_mailboxes(cfg, topo, rank, size, f"{factory.ctx.key}-g{gen}",
+                                       wenv.host_cores))
     if wenv.rendezvous_mode == "server" and wenv.rendezvous and wenv.secret:
         engine.on_failure = _lost_peer_reporter(wenv)
     if cfg.timeline_path:

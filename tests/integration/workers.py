@@ -446,9 +446,10 @@ def _before_gather_reads(action) -> None:
     """Call ``action()`` before each single-copy read of the gather phase (after this
     rank published REDUCED, until its next op starts)."""
     from ronde.transport.shm import communicator as shm
+    from ronde.transport.shm import counters
     from ronde.transport.shm import single_copy as cma
 
-    real_read, real_publish = cma.read_into, shm.ShmCommunicator.publish
+    real_read, real_publish = cma.read_into, counters.Counters.publish
     phase = [""]
 
     def publish(self, idx, t):
@@ -463,7 +464,13 @@ def _before_gather_reads(action) -> None:
             action()
         real_read(pid, local, remote)
 
-    cma.read_into, shm.ShmCommunicator.publish = read, publish
+    cma.read_into, counters.Counters.publish = read, publish
+    import types
+
+    import ronde as hvd
+
+    comm = hvd._api.runtime().engine.communicator(0)  # built at init: its bound publish
+    comm.publish = types.MethodType(publish, comm.counters)
 
 
 def _refuse_writes() -> None:
@@ -792,3 +799,43 @@ def threads_waiting() -> str:
     if errors:
         raise errors[0]
     return "ok"
+
+
+def at_scale() -> tuple:
+    """The collectives that negotiation through the coordinator must get right at any
+    size: small (inline) and large allreduces, allgather with uneven rows, broadcast
+    from the last rank, alltoall, a process set of the odd ranks, a shape mismatch
+    (typed error on every rank), a join with uneven work. Returns (coordinated, ok)."""
+    import ronde as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    for i in range(20):  # steady state: the cached, inline path
+        got = hvd.allreduce(np.array([r + i], np.float32), op=hvd.Sum, name="small")
+        assert got[0] == n * i + n * (n - 1) / 2, got
+    big = hvd.allreduce(np.full(300_007, r, np.float64), op=hvd.Sum, name="big")
+    assert np.all(big == n * (n - 1) / 2)
+    rows = hvd.allgather(np.full((r + 1, 2), r, np.int32), name="rows")
+    assert rows.shape == (n * (n + 1) // 2, 2)
+    assert [int(v) for v in rows[:, 0]] == [k for k in range(n) for _ in range(k + 1)]
+    b = hvd.broadcast(np.array([r * 10]), root_rank=n - 1, name="b")
+    assert b[0] == (n - 1) * 10
+    a2a = hvd.alltoall(np.arange(n, dtype=np.int64) + 100 * r, name="a2a")
+    assert [int(v) for v in a2a] == [100 * k + r for k in range(n)]
+    odd = hvd.add_process_set([k for k in range(n) if k % 2])
+    if r % 2:
+        s = hvd.allreduce(np.array([1.0]), op=hvd.Sum, name="odd", process_set=odd)
+        assert s[0] == n // 2
+    try:
+        hvd.allreduce(np.ones(5 if r == n - 1 else 4, np.float32), name="mismatched")
+    except hvd.TensorMismatchError as exc:
+        assert f"rank {n - 1} sent float32[5]" in str(exc), exc
+    else:
+        raise AssertionError("no mismatch error")
+    for step in range(r + 1):  # uneven batches
+        hvd.allreduce(np.ones(3), name="uneven")
+    last = hvd.join()
+    assert last == n - 1, last
+    coordinated = hvd._api.runtime().engine.exchange.coordinated
+    hvd.shutdown()
+    return coordinated, "ok"

@@ -27,9 +27,10 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from ._contenders import PEERS, Contender, JobFailedError, select_contenders
+from ._contenders import PEERS, select_contenders
 from ._mpi import MPI_PEERS
-from ._report import Point, combine, points_from_json, print_tables
+from ._report import points_from_json, print_tables
+from ._runs import _points, run_rounds
 from ._stats import DEFAULT_SIZES_BYTES, format_bytes, parse_sizes
 from ._timing import COLLECTIVES, Settings
 
@@ -48,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Benchmark ronde's collectives against Gloo, MPICH and Open MPI.")
     p.add_argument("case", help=f"what to measure: {', '.join(CASES)}, a comma list of "
                                 "these, or all; separate commands: train (training "
-                                "throughput vs DDP), multihost (simulated hosts, root)")
+                                "throughput vs DDP), multihost (simulated hosts, root), "
+                                "scale (costs against N, beside Gloo)")
     p.add_argument("--np", type=int, default=2, help="ranks per job (default 2)")
     p.add_argument("--sizes", default=None,
                    help="allreduce sizes: comma list (4B,1KiB,64MiB) or range A..B in powers "
@@ -121,40 +123,6 @@ def machine_info() -> dict[str, Any]:
             "python": platform.python_version()}
 
 
-def run_rounds(contenders: Sequence[Contender], rounds: int, np_: int, cases: Sequence[str],
-               sizes: Sequence[int], settings: Settings, timeout_s: float,
-               coll_sizes: Sequence[int] | None = None) -> dict[str, list[dict[str, Any]]]:
-    """Run every contender ``rounds`` times, interleaved; per impl, its job summaries."""
-    raw: dict[str, list[dict[str, Any]]] = {c.impl: [] for c in contenders}
-    for r in range(rounds):
-        k = r % len(contenders)
-        for c in [*contenders[k:], *contenders[:k]]:
-            t0 = time.monotonic()
-            print(f"round {r + 1}/{rounds}: {c.impl} ...", end="", file=sys.stderr, flush=True)
-            try:
-                raw[c.impl].append(c.run(np_, cases, sizes, settings, timeout_s, coll_sizes))
-                print(f" {time.monotonic() - t0:.1f} s", file=sys.stderr)
-            except (JobFailedError, OSError) as e:
-                print(f" failed, its points lack this round\n{e}", file=sys.stderr)
-    return raw
-
-
-def _points(contenders: Sequence[Contender], cases: Sequence[str], np_: int,
-            raw: dict[str, list[dict[str, Any]]]) -> list[Point]:
-    points: list[Point] = []
-    for c in contenders:
-        for case in cases:
-            per_round = [doc["results"].get(case, []) for doc in raw[c.impl]]
-            if case != "fusion":
-                points.extend(combine(case, c.impl, c.transport, np_, per_round))
-                continue
-            for variant in ("single", "tensors", "views"):
-                points.extend(combine(f"fusion.{variant}", c.impl, c.transport, np_,
-                                      [[s for s in summaries if s.get("variant") == variant]
-                                       for summaries in per_round]))
-    return points
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the command line, run the rounds, print JSON lines and tables."""
     raw = list(sys.argv[1:] if argv is None else argv)
@@ -162,6 +130,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .train import main as train_main
 
         return train_main(raw[1:])
+    if raw[:1] == ["scale"]:  # costs against the number of ranks, beside Gloo
+        from .scale import main as scale_main
+
+        return scale_main(raw[1:])
     if raw[:1] == ["multihost"]:  # simulated hosts (needs root)
         from .multihost import main as multihost_main
 

@@ -45,7 +45,7 @@ def _wrap(owner: Any, attr: str, label: str) -> None:
 
 def _instrument() -> None:
     from ..core import engine, exchange, executor, negotiation
-    from ..transport.shm import communicator, single_copy
+    from ..transport.shm import counters, single_copy
 
     _wrap(engine.Engine, "_build_message", "round.build")
     _wrap(exchange.Exchange, "run", "round.exchange")
@@ -56,7 +56,7 @@ def _instrument() -> None:
     _wrap(single_copy, "read_into", "data.read")
     _wrap(single_copy, "write_into", "data.write")
     _wrap(single_copy, "reduce_in_rank_order", "data.read+reduce")
-    _wrap(communicator.ShmCommunicator, "wait_all", "data.wait")
+    _wrap(counters.Counters, "wait_all", "data.wait")
 
 
 def small_page_share(arrays: Sequence[np.ndarray]) -> float | None:

@@ -1,6 +1,6 @@
 """Training throughput: ronde's DistributedOptimizer vs DDP (Gloo) vs one process.
 
-``python -m ronde.bench.train [--np 2] [--steps 30] [--models cnn,transformer]``
+``python -m ronde.bench.train [--np 2 | --np 1,2,4,8] [--steps 30] [--models cnn,transformer]``
 measures samples/s of a small CNN (3x32x32 inputs) and a small transformer encoder
 (sequence 32, width 128) on the CPU, one thread per rank, for:
 
@@ -130,7 +130,8 @@ def _run_single(model_name: str, batch: int, steps: int, warmup: int, timeout_s:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; see the module docstring."""
     p = argparse.ArgumentParser(prog="python -m ronde.bench.train", description=__doc__)
-    p.add_argument("--np", type=int, default=2)
+    p.add_argument("--np", default="2", help="ranks, or a comma list (1,2,4,8): a "
+                   "scaling table with the efficiency of each")
     p.add_argument("--models", default="cnn,transformer")
     p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     p.add_argument("--steps", type=int, default=30)
@@ -146,35 +147,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..testing import run_ranks
     from . import train as importable  # run_ranks imports the worker by module name
 
+    counts = [int(n) for n in str(args.np).split(",") if n.strip()]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
     rows = []
     for model_name in models:
-        best: dict[str, float] = {}
-        for _ in range(args.rounds):
-            runs = {
-                "single": lambda: _run_single(model_name, args.batch, args.steps, args.warmup,
-                                              args.timeout_s),
-                "ronde": lambda: run_ranks(args.np, importable.ronde_worker, model_name, args.batch,
-                                           args.steps, args.warmup, timeout_s=args.timeout_s,
-                                           env={"OMP_NUM_THREADS": "1"})[0],
-                "ddp": lambda: _run_ddp(args.np, model_name, args.batch, args.steps,
-                                        args.warmup, args.timeout_s),
-            }
-            for name, fn in runs.items():
-                rate = fn()
-                best[name] = max(best.get(name, 0.0), rate)
-        for name, rate in best.items():
-            point = {"case": "train", "model": model_name, "contender": name,
-                     "np": 1 if name == "single" else args.np, "batch_per_rank": args.batch,
-                     "samples_per_s": round(rate, 1)}
+        best: dict[tuple[str, int], float] = {}
+        for _ in range(args.rounds):  # interleaved: every contender and N once a round
+            runs: list[tuple[str, int, Any]] = [("single", 1, lambda n: _run_single(
+                model_name, args.batch, args.steps, args.warmup, args.timeout_s))]
+            for n in counts:
+                if n < 2:
+                    continue
+                runs.append(("ronde", n, lambda n: run_ranks(
+                    n, importable.ronde_worker, model_name, args.batch, args.steps,
+                    args.warmup, timeout_s=args.timeout_s, env={"OMP_NUM_THREADS": "1"})[0]))
+                runs.append(("ddp", n, lambda n: _run_ddp(n, model_name, args.batch,
+                                                          args.steps, args.warmup,
+                                                          args.timeout_s)))
+            for name, n, fn in runs:
+                rate = fn(n)
+                best[(name, n)] = max(best.get((name, n), 0.0), rate)
+        for (name, n), rate in best.items():
+            point = {"case": "train", "model": model_name, "contender": name, "np": n,
+                     "batch_per_rank": args.batch, "samples_per_s": round(rate, 1)}
             print(json.dumps(point), flush=True)
         rows.append((model_name, best))
-    print(f"\n{'model':<12} {'single':>10} {'ronde np=' + str(args.np):>12} "
-          f"{'ddp np=' + str(args.np):>12} {'ronde/ddp':>10} {'ronde/single':>13}")
+    print("\n| model | N | single | ronde | ddp | ronde/ddp | ronde eff. | ddp eff. | "
+          f"ronde eff. within {cores} cores |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for model_name, best in rows:
-        print(f"{model_name:<12} {best['single']:>10.1f} {best['ronde']:>12.1f} "
-              f"{best['ddp']:>12.1f} {best['ronde'] / best['ddp']:>10.2f} "
-              f"{best['ronde'] / best['single']:>13.2f}")
-    print("(samples/s; one thread per rank; best of rounds)")
+        single = best[("single", 1)]
+        for n in counts:
+            if n < 2:
+                continue
+            r, d = best[("ronde", n)], best[("ddp", n)]
+            print(f"| {model_name} | {n} | {single:.1f} | {r:.1f} | {d:.1f} | {r / d:.2f} | "
+                  f"{r / (n * single):.2f} | {d / (n * single):.2f} | "
+                  f"{r / (min(n, cores) * single):.2f} |")
+    print("(samples/s; one thread per rank; best of rounds; efficiency = throughput(N) / "
+          "(N x single); within cores: / (min(N, cores) x single))")
     return 0
 
 

@@ -34,7 +34,7 @@ from typing import Any, Callable
 from .._config import Config
 from .._errors import PeerLostError
 from ..transport import mailbox, wire
-from . import protocol, rounds
+from . import coordinator, protocol, rounds
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,12 @@ class Exchange:
         for s in ctl_socks.values():
             s.setblocking(False)
         self.mailboxes = mailboxes
+        self.size = len(ctl_socks) + 1
+        #: rounds go through rank 0 (``coordinator.py``) instead of all-to-all; off in a
+        #: job where any host's ranks use mailboxes (``_runtime`` sets that, alike on
+        #: every rank)
+        self.coordinated = (cfg.coordinator_min > 0 and self.size >= cfg.coordinator_min
+                            and mailboxes is None)
         self.gone: set[int] = set()
         self.spin_s = cfg.spin_time_us / 1e6
         self._sleep_lock = threading.Lock()
@@ -108,6 +114,9 @@ class Exchange:
             shut_down: set[int]) -> None:
         """Send ``payload`` as this rank's frame of ``round_no`` to every live peer and
         read one frame from each into ``messages``/``blobs``."""
+        if self.coordinated:
+            coordinator.run(self, round_no, payload, messages, blobs, failed, shut_down)
+            return
         mb = self.mailboxes
         live = self.live()
         local = {r for r in live if mb is not None and r in mb.peers}

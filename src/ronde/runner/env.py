@@ -63,6 +63,9 @@ class WorkerEnv:
     slot: int = 0
     #: the machine it runs on when ``host`` is a logical slot name (``RONDE_NODE``)
     node: str = ""
+    #: per rank, the CPUs the ranks of its host may use together (from the rendezvous
+    #: table; 0 where unknown)
+    host_cores: tuple[int, ...] = ()
     #: the launcher's newest host notice when this generation formed (elastic jobs)
     notice: float = 0.0
 

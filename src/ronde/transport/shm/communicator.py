@@ -6,8 +6,10 @@ a data region. A collective proceeds in *pieces* that fit the data region; for
 each piece the owner copies its input in, bumps ``written``, and peers read what
 they need straight from its segment. Counters are plain int64 stores: on x86-64
 (total store order) a reader that sees a counter also sees the data written before
-it, so no lock is needed. Waits spin briefly, then yield, then sleep, and check the
-engine's abort flag, so a dead peer never leaves a rank spinning.
+it, so no lock is needed. Waits (``counters.py``) spin briefly, then poll with the CPU
+yielded while every member has a core of its own, then sleep on the counter's futex
+until its owner publishes, checking the engine's abort flag, so a dead peer never
+leaves a rank spinning.
 
 Allreduce of N bytes among n ranks (per rank): copy in (N), reduce its own block
 of N/n reading every member's block (N read, N/n written), copy the other blocks
@@ -39,9 +41,10 @@ from ..base import Communicator
 from ..hugepages import HugePages
 from ..segments import OwnedSegment, close_maps, create_segment, open_segment, shm_dir
 from . import single_copy
+from .counters import Counters
 from .protocol import (ATTACHED, CMA_MIN_BYTES, CMA_OK, DONE, HEADER_BYTES, PID, PROBE,
-                       PROBE_VALUE, REDUCED, SLOTS, SMALL_BYTES, TABLE_ENTRIES, TABLE_OFFSET,
-                       WRITTEN, YIELD_S, blocks)
+                       PROBE_VALUE, REDUCED, SMALL_BYTES, TABLE_ENTRIES, TABLE_OFFSET, WRITTEN,
+                       blocks)
 
 class ShmCommunicator(Communicator, OwnedSegment):
     """Collectives among the members of one process set that share a host."""
@@ -59,9 +62,6 @@ class ShmCommunicator(Communicator, OwnedSegment):
         self.rank = members.index(rank)
         self.size = len(members)
         self.segment_bytes = segment_bytes
-        self._aborted = aborted
-        #: fail when a peer makes no progress for this long (0: wait for ever)
-        self.progress_timeout_s = progress_timeout_s
         self._t = 0
         self._open = 0  # counter of a staged allreduce whose pieces are being read
         self._unlinked = False
@@ -69,7 +69,6 @@ class ShmCommunicator(Communicator, OwnedSegment):
         self._path = os.path.join(shm_dir(), f"ronde-{key}-{rank}")
         self._mine = create_segment(self._path, total)
         self._maps: list[mmap.mmap] = []
-        self.headers: list[np.ndarray] = []
         self._data: list[np.ndarray] = []
         self._small: list[list[np.ndarray]] = []
         self.tables: list[np.ndarray] = []
@@ -78,7 +77,6 @@ class ShmCommunicator(Communicator, OwnedSegment):
             mm = self._mine if g == rank else open_segment(
                 os.path.join(shm_dir(), f"ronde-{key}-{g}"), total, deadline)
             self._maps.append(mm)
-            self.headers.append(np.frombuffer(mm, dtype=np.int64, count=SLOTS, offset=0))
             self.tables.append(np.frombuffer(mm, dtype=np.int64, count=2 * TABLE_ENTRIES,
                                              offset=TABLE_OFFSET))
             self._data.append(np.frombuffer(mm, dtype=np.uint8, count=segment_bytes,
@@ -87,7 +85,15 @@ class ShmCommunicator(Communicator, OwnedSegment):
                                               offset=HEADER_BYTES + segment_bytes + p * SMALL_BYTES)
                                 for p in (0, 1)])
         self._scratch = np.empty(SMALL_BYTES, dtype=np.uint8)
+        #: every member's counters and the waits on them; ``publish``, ``wait_for`` and
+        #: ``wait_all`` are its methods (bound here: one call less on every wait)
+        self.counters = Counters(self._maps, self.rank, members, aborted, progress_timeout_s)
+        self.headers = self.counters.headers
         self._my_hdr = self.headers[self.rank]
+        self.publish = self.counters.publish
+        self.wait_for = self.counters.wait_for
+        self.wait_all = self.counters.wait_all
+        self._check = self.counters.check
         # single-copy reads need to know who we are; the probe lets peers test them
         self._probe = np.array([PROBE_VALUE], dtype=np.int64)
         if cma:  # before ATTACHED: peers probe this process only after seeing it
@@ -111,22 +117,7 @@ class ShmCommunicator(Communicator, OwnedSegment):
         self.publish(PROBE, int(self._probe.ctypes.data))
         self.publish(ATTACHED, 1)  # I have mapped every peer's segment
 
-    # -- synchronisation -----------------------------------------------------------------
-    def wait_all(self, idx: int, t: int) -> None:
-        """Wait until every other member's counter ``idx`` reaches ``t``."""
-        for j in range(self.size):
-            if j != self.rank:
-                self.wait_for(j, idx, t)
-
-    def _check(self) -> None:
-        err = self._aborted()
-        if err is not None:
-            raise err
-
-    def publish(self, idx: int, t: int) -> None:
-        """Set my counter ``idx`` to ``t`` (peers waiting for it may go on)."""
-        self._my_hdr[idx] = t
-
+    # -- synchronisation (the waits are in counters.py) ---------------------------------
     def begin(self) -> int:
         """Start a piece: wait until peers finished reading my segment, return its counter."""
         self._unlink_once_mapped()
@@ -230,46 +221,6 @@ class ShmCommunicator(Communicator, OwnedSegment):
                 self.wait_for(j, REDUCED, t)
             np.copyto(buf[lo:hi], self._view(j, dtype, m)[lo:hi])
         self.publish(DONE, t)
-
-    def wait_for(self, j: int, idx: int, t: int) -> None:
-        """Wait until member ``j``'s counter ``idx`` reaches ``t``.
-
-        Spin a little, then poll with the CPU (and the GIL) yielded for up to
-        ``YIELD_S`` (peers of a collective usually arrive within that), then sleep in
-        growing steps, checking the engine's abort flag and the progress timeout.
-        ``time.sleep(0)`` is not a yield here: it costs a timer round trip (~70 us).
-        """
-        hdr = self.headers[j]
-        if hdr[idx] >= t:
-            return
-        for _ in range(64):
-            if hdr[idx] >= t:
-                return
-        start = time.monotonic()
-        polls = 0
-        while hdr[idx] < t:
-            polls += 1
-            os.sched_yield()
-            if polls % 64:
-                continue
-            self._check()
-            if time.monotonic() - start > YIELD_S:
-                break
-        sleep_s = 0.00002
-        while hdr[idx] < t:
-            time.sleep(sleep_s)
-            sleep_s = min(sleep_s * 2, 0.0002)
-            self._check()
-            if self.progress_timeout_s:
-                waited = time.monotonic() - start
-                if waited > self.progress_timeout_s:
-                    from ..._errors import PeerLostError
-
-                    g = self.members[j]
-                    raise PeerLostError(
-                        f"rank {g} made no progress in a shared-memory collective for "
-                        f"{waited:.0f}s; the process is alive but not taking part",
-                        rank=g)
 
     # -- single-copy allreduce (cross-memory attach, see single_copy.py) ------------------------------
     def cma_eligible(self, nbytes: int, n_tensors: int) -> bool:

@@ -14,11 +14,16 @@ from __future__ import annotations
 
 from ..balance import even as blocks  # noqa: F401 - the segment path's split (single-copy balances)
 
-#: counters, then a table of (address, length) pairs for single-copy allreduces
+#: counters, then a table of (address, length) pairs for single-copy allreduces, then
+#: one word per member: which of this owner's counters that member sleeps on (idx + 1,
+#: 0 for none; written only by that member), so the owner wakes it (see ``futex.py``)
 HEADER_BYTES = 64 * 1024
 SLOTS = 16
 TABLE_OFFSET = SLOTS * 8
-TABLE_ENTRIES = (HEADER_BYTES - TABLE_OFFSET) // 16
+#: members beyond this many never sleep on a futex (they sleep in short steps)
+MAX_SLEEPERS = 512
+SLEEPERS_OFFSET = HEADER_BYTES - 8 * MAX_SLEEPERS
+TABLE_ENTRIES = (SLEEPERS_OFFSET - TABLE_OFFSET) // 16
 #: allreduces of at least this size use cross-memory attach when every rank can
 CMA_MIN_BYTES = 256 * 1024
 CMA_CHUNK_BYTES = 1 << 20

@@ -1,0 +1,91 @@
+"""How many cores the ranks of each host have together, and what that decides.
+
+Where it sits: step 2 of ``init()`` (``_runtime.py``) puts each rank's CPU affinity into
+its rendezvous entry; from the table every rank computes, alike, the cores of every
+host (the union of its ranks' affinities: ranks bound to one core each still add up).
+A host with more ranks than cores negotiates over the control sockets rather than
+shared-memory mailboxes (``RONDE_SHM_CONTROL=auto``), and the coordinator
+(``core/coordinator.py``) is used only where no host uses mailboxes, so that both
+sides of every round take the same path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+from typing import Any
+
+from . import _config
+
+log = logging.getLogger("ronde")
+
+
+def my_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity), for its peers on this host."""
+    from .transport.futex import cpus
+
+    return cpus()
+
+
+def host_cores(peers: list[dict[str, Any]], rank: int, hosts: list[str] | None = None) -> int:
+    """CPUs the ranks on this rank's host may use together (the union of their
+    affinities, from the rendezvous table: every rank there computes the same number);
+    0 when a peer did not say (the caller then falls back on this process's own)."""
+    hosts = hosts or [str(p.get("host")) for p in peers]
+    union: set[int] = set()
+    for r, p in enumerate(peers):
+        if hosts[r] != hosts[rank]:
+            continue
+        got = p.get("cpus")
+        if not (isinstance(got, list) and 0 < len(got) <= 65536
+                and all(isinstance(c, int) and 0 <= c < 1 << 20 for c in got)):
+            return 0  # untrusted input: a malformed list counts as unknown
+        union.update(got)
+    return len(union)
+
+
+def cores_by_rank(peers: list[dict[str, Any]], hosts: list[str] | None = None
+                   ) -> tuple[int, ...]:
+    """For every rank, the cores of its host (:func:`host_cores`)."""
+    hosts = hosts or [str(p.get("host")) for p in peers]
+    per_host = {h: host_cores(peers, hosts.index(h), hosts) for h in dict.fromkeys(hosts)}
+    return tuple(per_host[h] for h in hosts)
+
+
+def mailbox_hosts(cfg: _config.Config, topo: Any, cores_by_rank: tuple[int, ...]
+                   ) -> set[str]:
+    """The hosts whose ranks negotiate through shared-memory mailboxes: every rank
+    computes the same set from the rendezvous table (the coordinator is off when it is
+    not empty: both sides of a round must use the same path)."""
+    if cfg.shm_control == "off" or topo.size == 1:
+        return set()
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return set()  # the slots rely on total store order
+    from .transport.futex import cores
+
+    out = set()
+    for h in set(topo.hosts):
+        ranks = [r for r in range(topo.size) if topo.hosts[r] == h]
+        n_cores = (cores_by_rank[ranks[0]] if len(cores_by_rank) == topo.size else 0) \
+            or cores()
+        if len(ranks) > 1 and (cfg.shm_control == "on" or len(ranks) <= n_cores):
+            out.add(h)
+    return out
+
+
+def control_mailboxes(cfg: _config.Config, topo: Any, rank: int, size: int,
+                       key: str, cores_by_rank: tuple[int, ...] = ()) -> Any:
+    """Shared-memory negotiation mailboxes with the ranks on this host (see
+    ``transport/mailbox.py``), or None (RONDE_SHM_CONTROL=0, not x86-64, no such peer,
+    or, with ``auto``, more ranks on this host than cores)."""
+    if topo.hosts[rank] not in mailbox_hosts(cfg, topo, cores_by_rank):
+        log.debug("ronde: negotiation with this host's ranks over the control sockets "
+                  "(RONDE_SHM_CONTROL=%s)", cfg.shm_control)
+        return None
+    peers = [r for r in range(size) if r != rank and topo.hosts[r] == topo.hosts[rank]]
+    from .transport.mailbox import Mailboxes
+    from .transport.segments import shm_dir
+
+    return Mailboxes(rank, peers, lambda r: os.path.join(shm_dir(), f"ronde-{key}-ctl-{r}"),
+                     cfg.start_timeout_s)

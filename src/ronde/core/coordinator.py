@@ -1,0 +1,227 @@
+"""Negotiation through a coordinator: each rank's round frame goes to rank 0, which
+sends every rank all the frames (Horovod's coordinator, without its decisions).
+
+Where it sits: ``exchange.py`` moves a round's frames all-to-all, ``N - 1`` sends and
+receives per rank and ``N(N - 1)`` messages in all: fastest for a few ranks, but at 16
+ranks on 2 cores the system calls and wake-ups of 240 messages per round cost more than
+the collective. From ``RONDE_COORDINATOR_MIN`` ranks on (and without same-host
+mailboxes) a round costs ``3(N - 1)`` messages at most: every rank sends its frame to
+rank 0 and receives one *bundle* of all frames back, so every rank still decides from
+the same inputs, with the same code, as in the all-to-all exchange (nothing of the
+decision moves to rank 0).
+
+Who starts a round: a rank with something to announce sends its frame; rank 0 starts
+the round when a frame arrives (or it has one itself) and sends a *go* to every rank
+whose frame it does not have yet, which makes their control threads take part (in the
+all-to-all exchange the first frame to arrive does that). Failure: rank 0 sees a
+rank's socket close; its error, with the failure notice it sends every live rank
+before it leaves, ends the others' rounds naming the lost rank. A rank that loses rank
+0 fails naming it.
+
+Every byte of a bundle is untrusted: its ranks must be the live ranks, each once, and
+its lengths must lie inside it; each frame then goes through the same decoder as a
+frame from that rank itself.
+"""
+
+from __future__ import annotations
+
+import select
+import struct
+import time
+from typing import Any, Callable
+
+from .._errors import PeerLostError, ProtocolError
+from ..transport import wire
+from . import protocol
+
+#: what the functions here get as ``ex``: the engine's ``exchange.Exchange`` (its readers,
+#: decoder, live ranks and failure helpers; not imported, so that the two modules do not
+#: import each other)
+Exchange = Any
+
+#: rank 0 asks a rank to take part in the round it started
+KIND_GO = 5
+#: rank 0's bundle of every rank's frame for one round
+KIND_BUNDLE = 6
+GO = wire.encode_frame(KIND_GO, b"")
+_COUNT = struct.Struct("<I")
+_ENTRY = struct.Struct("<II")
+ROOT = 0
+
+
+def pack_bundle(frames: dict[int, bytes]) -> bytes:
+    """One bundle frame carrying ``frames`` (rank -> payload)."""
+    parts = [_COUNT.pack(len(frames))]
+    for r, payload in frames.items():
+        parts.append(_ENTRY.pack(r, len(payload)))
+        parts.append(payload)
+    return wire.encode_frame(KIND_BUNDLE, b"".join(parts))
+
+
+def unpack_bundle(payload: bytes, size: int) -> dict[int, bytes]:
+    """The frames of a bundle (rank -> payload), checked: ranks below ``size``, each
+    once, lengths inside the bundle."""
+    try:
+        (count,) = _COUNT.unpack_from(payload)
+        off, out = _COUNT.size, {}
+        for _ in range(count):
+            r, n = _ENTRY.unpack_from(payload, off)
+            off += _ENTRY.size
+            if r in out or r >= size or off + n > len(payload):
+                raise ValueError
+            out[r] = payload[off: off + n]
+            off += n
+    except (struct.error, ValueError):
+        raise ProtocolError("rank 0 sent a malformed negotiation bundle") from None
+    if off != len(payload):
+        raise ProtocolError("rank 0 sent a negotiation bundle with trailing bytes")
+    return out
+
+
+def run(ex: Exchange, round_no: int, payload: bytes, messages: list[Any],
+        blobs: list[bytes], failed: Callable[[], BaseException | None],
+        shut_down: set[int]) -> None:
+    """One round through the coordinator (what :meth:`Exchange.run` does then)."""
+    if ex.rank == ROOT:
+        _run_root(ex, payload, messages, blobs, failed, shut_down)
+    else:
+        _run_member(ex, payload, messages, blobs, failed, shut_down)
+
+
+def _run_root(ex: Exchange, payload: bytes, messages: list[Any], blobs: list[bytes],
+              failed: Callable[[], BaseException | None], shut_down: set[int]) -> None:
+    live = ex.live()
+    got: dict[int, bytes] = {ex.rank: payload}
+    for r in live:
+        frame = _pop(ex, r)
+        if frame is not None:
+            got[r] = frame
+    to_send = {r: memoryview(GO) for r in live if r not in got}
+    waiting = set(live) - set(got)
+    start = time.monotonic()
+    while waiting or to_send:
+        rlist = [ex.readers[r].sock for r in waiting]
+        wlist = [ex.readers[r].sock for r in to_send]
+        readable, writable, _ = select.select(rlist, wlist, [], 0.5)
+        ex._send_some(writable, to_send)
+        for s in readable:
+            r = ex._rank_of(s)
+            reader = ex.readers[r]
+            reader.fill()
+            frame = _pop(ex, r)
+            if frame is not None:
+                got[r] = frame
+                waiting.discard(r)
+            elif reader.eof:
+                ex.peer_closed(r, shut_down)  # raises unless r shut down
+                waiting.discard(r)
+                to_send.pop(r, None)
+        _checks(ex, failed, start, waiting)
+    live = ex.live()
+    for r in live:
+        messages[r], blobs[r] = ex.decoder.unpack(got[r], r)
+        ex._check_notice(messages[r], r)
+    bundle = memoryview(pack_bundle({r: got[r] for r in [ex.rank, *live]}))
+    to_send = {r: bundle for r in live}
+    while to_send:
+        _, writable, _ = select.select([], [ex.readers[r].sock for r in to_send], [], 0.5)
+        ex._send_some(writable, to_send)
+        err = failed()
+        if err is not None:
+            raise err
+
+
+def _run_member(ex: Exchange, payload: bytes, messages: list[Any], blobs: list[bytes],
+                failed: Callable[[], BaseException | None], shut_down: set[int]) -> None:
+    root = ex.readers[ROOT]
+    to_send = {ROOT: memoryview(wire.encode_frame(protocol.KIND_ROUND, payload))}
+    start = time.monotonic()
+    while True:
+        _other_sockets(ex, shut_down)
+        got = _pop_kind(root)
+        if got is not None:
+            kind, body = got
+            if kind == KIND_BUNDLE:
+                break
+            if kind == protocol.KIND_ROUND:  # rank 0's failure notice
+                ex._check_notice(ex.decoder.unpack(body, ROOT)[0], ROOT)
+                raise ProtocolError("rank 0 sent a round frame outside a bundle")
+            if kind != KIND_GO:
+                raise ProtocolError(f"rank 0 sent control frame kind {kind}")
+            continue  # a go: this rank takes part already
+        if root.eof:
+            raise PeerLostError(f"rank {ex.describe_rank(ROOT)} (the negotiation "
+                                "coordinator) exited or lost its connection", rank=ROOT)
+        readable, writable, _ = select.select([root.sock], [root.sock] if to_send else [],
+                                              [], 0.5)
+        ex._send_some(writable, to_send)
+        if readable:
+            root.fill()
+        _checks(ex, failed, start, {ROOT})
+    frames = unpack_bundle(body, ex.size)
+    if ROOT not in frames or ex.rank not in frames:
+        raise ProtocolError("rank 0 sent a negotiation bundle without its or this rank's "
+                            "frame")
+    for r in ex.live():
+        if r in frames:
+            messages[r], blobs[r] = ex.decoder.unpack(frames[r], r)
+            ex._check_notice(messages[r], r)
+        elif r in shut_down:
+            ex.gone.add(r)  # rank 0 saw it leave: so does every rank, in the same round
+        else:
+            raise ProtocolError(f"rank 0 left rank {r} out of a negotiation bundle")
+
+
+def _other_sockets(ex: Exchange, shut_down: set[int]) -> None:
+    """What the sockets to ranks other than rank 0 carry here: only a failure notice
+    (a rank that lost a peer tells everyone) or their close."""
+    for r in ex.live():
+        if r == ROOT:
+            continue
+        reader = ex.readers[r]
+        got = _pop_kind(reader)
+        if got is not None:
+            kind, body = got
+            if kind != protocol.KIND_ROUND:
+                raise ProtocolError(f"rank {r} sent control frame kind {kind} outside the "
+                                    "coordinator's rounds")
+            ex._check_notice(ex.decoder.unpack(body, r)[0], r)
+        elif reader.eof:
+            ex.peer_closed(r, shut_down)
+
+
+def _checks(ex: Exchange, failed: Callable[[], BaseException | None], start: float,
+            waiting: set[int]) -> None:
+    err = failed()
+    if err is not None:
+        raise err
+    limit = ex.cfg.stall_shutdown_time_s
+    waited = time.monotonic() - start
+    if waiting and limit > 0 and waited > limit:
+        r = min(waiting)
+        raise PeerLostError(f"rank {ex.describe_rank(r)} stopped responding for "
+                            f"{waited:.0f}s", rank=r)
+
+
+def _pop(ex: Exchange, r: int) -> bytes | None:
+    """Rank ``r``'s round frame, if complete (rank 0's side: only frames arrive)."""
+    got = _pop_kind(ex.readers[r])
+    if got is None:
+        return None
+    kind, body = got
+    if kind != protocol.KIND_ROUND:
+        raise ProtocolError(f"rank {r} sent control frame kind {kind} to the coordinator")
+    return body
+
+
+def _pop_kind(reader: Any) -> tuple[int, bytes] | None:
+    buf = reader.buf
+    if len(buf) < wire.HEADER_BYTES:
+        return None
+    kind, length = wire.decode_header(bytes(buf[: wire.HEADER_BYTES]))
+    end = wire.HEADER_BYTES + length
+    if len(buf) < end:
+        return None
+    body = bytes(buf[wire.HEADER_BYTES: end])
+    del buf[:end]
+    return kind, body

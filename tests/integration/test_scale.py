@@ -1,0 +1,47 @@
+"""Correctness beyond a few ranks (more ranks than this machine's cores): every
+collective at N = 5 and 8 with negotiation through the coordinator
+(``core/coordinator.py``), and the loss of a rank, the coordinator itself among them,
+named on every survivor."""
+
+from __future__ import annotations
+
+import pytest
+
+from ronde.testing import run_ranks
+
+from . import workers
+from .test_failures import ronderun
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("np_", [5, 8])
+def test_every_collective_through_the_coordinator(np_):
+    got = run_ranks(np_, workers.at_scale, timeout_s=200, env={"RONDE_SHM_CONTROL": "0"})
+    assert got == [(True, "ok")] * np_
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("lost", [0, 3], ids=["coordinator", "member"])
+def test_a_lost_rank_is_named_on_every_survivor_at_np5(tmp_path, lost):
+    proc, elapsed = ronderun(tmp_path, 5, f"""
+        import os, signal, sys, time
+        import numpy as np
+        import ronde as hvd
+        hvd.init()
+        assert hvd._api.runtime().engine.exchange.coordinated
+        try:
+            for i in range(100000):
+                if hvd.rank() == {lost} and i == 30:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                hvd.allreduce(np.ones(16, np.float32), name=f"step{{i % 3}}")
+        except hvd.PeerLostError as exc:
+            print(f"PEERLOST rank={{exc.rank}}: {{exc}}", flush=True)
+            sys.exit(5)
+    """, env={"RONDE_SHM_CONTROL": "0"}, timeout=100)
+    assert proc.returncode != 0
+    lines = proc.stdout.splitlines()
+    for r in set(range(5)) - {lost}:
+        line = next(l for l in lines if l.startswith(f"[{r}]<stdout>:PEERLOST"))
+        assert f"rank={lost}" in line, line
+    summary = [l for l in proc.stderr.splitlines() if l.startswith("ronderun: rank")][0]
+    assert f"rank {lost}" in summary and "SIGKILL" in summary, proc.stderr[-2000:]

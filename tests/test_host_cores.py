@@ -1,0 +1,33 @@
+"""How the ranks of a host count its cores (the union of their CPU affinities, from the
+rendezvous table: every rank there decides alike whether the host is oversubscribed),
+and what that decides: shared-memory mailboxes only while ranks <= cores."""
+
+from __future__ import annotations
+
+from ronde import _config, _cores, _runtime
+
+
+def _peers(*entries):
+    return [{"host": h, "cpus": c} for h, c in entries]
+
+
+def test_the_ranks_of_a_host_count_the_union_of_their_cpus():
+    peers = _peers(("a", [0]), ("a", [1]), ("b", [0, 1, 2, 3]), ("a", [0, 1]))
+    assert _cores.host_cores(peers, 0) == 2  # ranks bound to one core each still add up
+    assert _cores.host_cores(peers, 2) == 4
+
+
+def test_a_malformed_cpu_list_counts_as_unknown():
+    for bad in (None, "0-3", [-1], [1.5], list(range(70000)), []):
+        assert _cores.host_cores(_peers(("a", [0]), ("a", bad)), 0) == 0
+
+
+def test_mailboxes_only_on_hosts_with_a_core_per_rank_decided_alike_everywhere():
+    cfg = _config.Config()
+    topo = _runtime.Topology.build(0, ["a"] * 4 + ["b"] * 2 + ["c"])
+    cores = (2,) * 4 + (8,) * 2 + (8,)
+    # a: 4 ranks on 2 cores, sockets; b: 2 ranks on 8 cores, mailboxes; c: one rank
+    assert _cores.mailbox_hosts(cfg, topo, cores) == {"b"}
+    assert _cores.control_mailboxes(cfg, topo, 0, 7, "k", cores) is None
+    assert _cores.mailbox_hosts(_config.Config(shm_control="on"), topo, cores) == {"a", "b"}
+    assert _cores.mailbox_hosts(_config.Config(shm_control="off"), topo, cores) == set()
