@@ -31,3 +31,16 @@ def test_mailboxes_only_on_hosts_with_a_core_per_rank_decided_alike_everywhere()
     assert _cores.control_mailboxes(cfg, topo, 0, 7, "k", cores) is None
     assert _cores.mailbox_hosts(_config.Config(shm_control="on"), topo, cores) == {"a", "b"}
     assert _cores.mailbox_hosts(_config.Config(shm_control="off"), topo, cores) == set()
+
+
+def test_the_coordinator_where_the_job_spans_hosts_or_no_host_uses_mailboxes():
+    cfg = _config.Config()  # coordinator from 3 ranks
+    one_host = _runtime.Topology.build(0, ["a"] * 4)
+    assert not _cores.coordinated(cfg, one_host, (8,) * 4)  # mailboxes: all-to-all
+    assert _cores.coordinated(cfg, one_host, (2,) * 4)      # oversubscribed: sockets
+    hosts = _runtime.Topology.build(0, ["a", "a", "b", "b"])
+    assert _cores.coordinated(cfg, hosts, (8,) * 4)         # several hosts: rank 0
+    assert _cores.control_mailboxes(cfg, hosts, 0, 4, "k", (8,) * 4) is None
+    two = _runtime.Topology.build(0, ["a", "b"])
+    assert not _cores.coordinated(cfg, two, (8, 8))         # 2 ranks: one hop
+    assert not _cores.coordinated(_config.Config(coordinator_min=0), hosts, (8,) * 4)

@@ -4,9 +4,10 @@ Where it sits: step 2 of ``init()`` (``_runtime.py``) puts each rank's CPU affin
 its rendezvous entry; from the table every rank computes, alike, the cores of every
 host (the union of its ranks' affinities: ranks bound to one core each still add up).
 A host with more ranks than cores negotiates over the control sockets rather than
-shared-memory mailboxes (``RONDE_SHM_CONTROL=auto``), and the coordinator
-(``core/coordinator.py``) is used only where no host uses mailboxes, so that both
-sides of every round take the same path.
+shared-memory mailboxes (``RONDE_SHM_CONTROL=auto``). From ``RONDE_COORDINATOR_MIN``
+ranks on the rounds go through rank 0 (``core/coordinator.py``) over the sockets,
+except in a one-host job whose ranks use mailboxes; both sides of every round must
+take the same path, and they do, since every rank decides from the same table.
 """
 
 from __future__ import annotations
@@ -74,12 +75,25 @@ def mailbox_hosts(cfg: _config.Config, topo: Any, cores_by_rank: tuple[int, ...]
     return out
 
 
+def coordinated(cfg: _config.Config, topo: Any, cores_by_rank: tuple[int, ...]) -> bool:
+    """Whether the job's rounds go through rank 0 (``core/coordinator.py``): from
+    ``RONDE_COORDINATOR_MIN`` ranks on, unless the job is one host whose ranks use
+    mailboxes (all-to-all through shared memory costs no system call: faster there).
+    Then no rank uses mailboxes (both sides of a round take the same path); every rank
+    decides alike, from the rendezvous table."""
+    if cfg.coordinator_min <= 0 or topo.size < max(cfg.coordinator_min, 2):
+        return False
+    return len(set(topo.hosts)) > 1 or not mailbox_hosts(cfg, topo, cores_by_rank)
+
+
 def control_mailboxes(cfg: _config.Config, topo: Any, rank: int, size: int,
                        key: str, cores_by_rank: tuple[int, ...] = ()) -> Any:
     """Shared-memory negotiation mailboxes with the ranks on this host (see
     ``transport/mailbox.py``), or None (RONDE_SHM_CONTROL=0, not x86-64, no such peer,
-    or, with ``auto``, more ranks on this host than cores)."""
-    if topo.hosts[rank] not in mailbox_hosts(cfg, topo, cores_by_rank):
+    or, with ``auto``, more ranks on this host than cores, or rounds through the
+    coordinator)."""
+    if coordinated(cfg, topo, cores_by_rank) or \
+            topo.hosts[rank] not in mailbox_hosts(cfg, topo, cores_by_rank):
         log.debug("ronde: negotiation with this host's ranks over the control sockets "
                   "(RONDE_SHM_CONTROL=%s)", cfg.shm_control)
         return None

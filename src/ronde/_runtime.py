@@ -319,7 +319,7 @@ def _start_engine(cfg: _config.Config, topo: Topology, wenv: worker_env.WorkerEn
     rank, size = topo.rank, topo.size
     world = factory(0, list(range(size)))
     assert world is not None
-    if cores_mod.mailbox_hosts(cfg, topo, wenv.host_cores):
+    if not cores_mod.coordinated(cfg, topo, wenv.host_cores):
         cfg = dataclasses.replace(cfg, coordinator_min=0)  # every rank alike (see there)
     engine = Engine(rank, size, cfg, ctl, {0: world}, {0: list(range(size))}, factory,
                     factory.ctx.describe,

@@ -45,3 +45,31 @@ def test_a_lost_rank_is_named_on_every_survivor_at_np5(tmp_path, lost):
         assert f"rank={lost}" in line, line
     summary = [l for l in proc.stderr.splitlines() if l.startswith("ronderun: rank")][0]
     assert f"rank {lost}" in summary and "SIGKILL" in summary, proc.stderr[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_ranks_go_on_after_the_coordinator_shut_down_and_left(tmp_path):
+    # ranks 0 and 1 shut down (and leave after RONDE_SHUTDOWN_TIMEOUT) while 2 and 3 go
+    # on with a process set of their own: rank 2 coordinates their rounds then
+    proc, _ = ronderun(tmp_path, 4, """
+        import time
+        import numpy as np
+        import ronde as hvd
+        hvd.init()
+        assert hvd._api.runtime().engine.exchange.coordinated
+        pair = hvd.add_process_set([2, 3])
+        if hvd.rank() >= 2:
+            t0 = time.monotonic()
+            for n in range(60):  # 3 s: well past ranks 0 and 1 leaving
+                got = hvd.allreduce(np.array([1.0]), op=hvd.Sum, name="pair",
+                                    process_set=pair)
+                assert got[0] == 2.0
+                time.sleep(0.05)
+            print(f"PAIR {time.monotonic() - t0:.1f}", flush=True)
+        hvd.shutdown()
+        print("DONE", flush=True)
+    """, env={"RONDE_SHM_CONTROL": "0", "RONDE_SHUTDOWN_TIMEOUT": "1"}, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("<stdout>:DONE") == 4
+    pairs = [float(l.split("PAIR ")[1]) for l in proc.stdout.splitlines() if "PAIR" in l]
+    assert len(pairs) == 2 and min(pairs) > 1.5, proc.stdout  # they outlived ranks 0, 1

@@ -10,13 +10,18 @@ rank 0 and receives one *bundle* of all frames back, so every rank still decides
 the same inputs, with the same code, as in the all-to-all exchange (nothing of the
 decision moves to rank 0).
 
-Who starts a round: a rank with something to announce sends its frame; rank 0 starts
-the round when a frame arrives (or it has one itself) and sends a *go* to every rank
-whose frame it does not have yet, which makes their control threads take part (in the
-all-to-all exchange the first frame to arrive does that). Failure: rank 0 sees a
+Who starts a round: a rank with something to announce sends its frame; the coordinator
+starts the round when a frame arrives (or it has one itself) and sends a *go* to every
+rank whose frame it does not have yet, which makes their control threads take part (in
+the all-to-all exchange the first frame to arrive does that). The coordinator is the
+lowest rank still here: rank 0, until it shut down and left (ranks may leave while
+others go on with a process set of their own); a rank whose coordinator's socket closes
+after its shutdown sends the same round's frame to the next one, and frames that
+arrive early at a rank that is about to coordinate stay buffered for it. A coordinator
+leaves only between rounds, after every bundle went out. Failure: the coordinator sees a
 rank's socket close; its error, with the failure notice it sends every live rank
-before it leaves, ends the others' rounds naming the lost rank. A rank that loses rank
-0 fails naming it.
+before it leaves, ends the others' rounds naming the lost rank. A rank that loses its
+coordinator (not shut down) fails naming it.
 
 Every byte of a bundle is untrusted: its ranks must be the live ranks, each once, and
 its lengths must lie inside it; each frame then goes through the same decoder as a
@@ -46,7 +51,6 @@ KIND_BUNDLE = 6
 GO = wire.encode_frame(KIND_GO, b"")
 _COUNT = struct.Struct("<I")
 _ENTRY = struct.Struct("<II")
-ROOT = 0
 
 
 def pack_bundle(frames: dict[int, bytes]) -> bytes:
@@ -78,14 +82,30 @@ def unpack_bundle(payload: bytes, size: int) -> dict[int, bytes]:
     return out
 
 
+class _CoordinatorLeft(Exception):
+    """This round's coordinator left after its shutdown: ask the next one."""
+
+
+def coordinator(ex: Exchange) -> int:
+    """The rank that coordinates this rank's next round: the lowest rank still here (a
+    rank that announced its shutdown and closed its sockets is not)."""
+    return min([ex.rank, *ex.live()])
+
+
 def run(ex: Exchange, round_no: int, payload: bytes, messages: list[Any],
         blobs: list[bytes], failed: Callable[[], BaseException | None],
         shut_down: set[int]) -> None:
     """One round through the coordinator (what :meth:`Exchange.run` does then)."""
-    if ex.rank == ROOT:
-        _run_root(ex, payload, messages, blobs, failed, shut_down)
-    else:
-        _run_member(ex, payload, messages, blobs, failed, shut_down)
+    while True:
+        root = coordinator(ex)
+        if root == ex.rank:
+            _run_root(ex, payload, messages, blobs, failed, shut_down)
+            return
+        try:
+            _run_member(ex, root, payload, messages, blobs, failed, shut_down)
+            return
+        except _CoordinatorLeft:
+            continue  # the same round's frame goes to the next coordinator
 
 
 def _run_root(ex: Exchange, payload: bytes, messages: list[Any], blobs: list[bytes],
@@ -131,61 +151,67 @@ def _run_root(ex: Exchange, payload: bytes, messages: list[Any], blobs: list[byt
             raise err
 
 
-def _run_member(ex: Exchange, payload: bytes, messages: list[Any], blobs: list[bytes],
-                failed: Callable[[], BaseException | None], shut_down: set[int]) -> None:
-    root = ex.readers[ROOT]
-    to_send = {ROOT: memoryview(wire.encode_frame(protocol.KIND_ROUND, payload))}
+def _run_member(ex: Exchange, root_rank: int, payload: bytes, messages: list[Any],
+                blobs: list[bytes], failed: Callable[[], BaseException | None],
+                shut_down: set[int]) -> None:
+    root = ex.readers[root_rank]
+    to_send = {root_rank: memoryview(wire.encode_frame(protocol.KIND_ROUND, payload))}
     start = time.monotonic()
     while True:
-        _other_sockets(ex, shut_down)
+        _other_sockets(ex, root_rank, shut_down)
         got = _pop_kind(root)
         if got is not None:
             kind, body = got
             if kind == KIND_BUNDLE:
                 break
-            if kind == protocol.KIND_ROUND:  # rank 0's failure notice
-                ex._check_notice(ex.decoder.unpack(body, ROOT)[0], ROOT)
-                raise ProtocolError("rank 0 sent a round frame outside a bundle")
+            if kind == protocol.KIND_ROUND:  # its failure notice
+                ex._check_notice(ex.decoder.unpack(body, root_rank)[0], root_rank)
+                raise ProtocolError(f"rank {root_rank} sent a round frame outside a bundle")
             if kind != KIND_GO:
-                raise ProtocolError(f"rank 0 sent control frame kind {kind}")
+                raise ProtocolError(f"rank {root_rank} sent control frame kind {kind}")
             continue  # a go: this rank takes part already
         if root.eof:
-            raise PeerLostError(f"rank {ex.describe_rank(ROOT)} (the negotiation "
-                                "coordinator) exited or lost its connection", rank=ROOT)
+            if root_rank in shut_down:  # it left after its shutdown, between rounds
+                ex.gone.add(root_rank)
+                raise _CoordinatorLeft
+            raise PeerLostError(f"rank {ex.describe_rank(root_rank)} (the negotiation "
+                                "coordinator) exited or lost its connection", rank=root_rank)
         readable, writable, _ = select.select([root.sock], [root.sock] if to_send else [],
                                               [], 0.5)
         ex._send_some(writable, to_send)
         if readable:
             root.fill()
-        _checks(ex, failed, start, {ROOT})
+        _checks(ex, failed, start, {root_rank})
     frames = unpack_bundle(body, ex.size)
-    if ROOT not in frames or ex.rank not in frames:
-        raise ProtocolError("rank 0 sent a negotiation bundle without its or this rank's "
-                            "frame")
+    if root_rank not in frames or ex.rank not in frames:
+        raise ProtocolError(f"rank {root_rank} sent a negotiation bundle without its or "
+                            "this rank's frame")
     for r in ex.live():
         if r in frames:
             messages[r], blobs[r] = ex.decoder.unpack(frames[r], r)
             ex._check_notice(messages[r], r)
         elif r in shut_down:
-            ex.gone.add(r)  # rank 0 saw it leave: so does every rank, in the same round
+            ex.gone.add(r)  # the coordinator saw it leave: so does every rank, this round
         else:
-            raise ProtocolError(f"rank 0 left rank {r} out of a negotiation bundle")
+            raise ProtocolError(f"rank {root_rank} left rank {r} out of a negotiation bundle")
 
 
-def _other_sockets(ex: Exchange, shut_down: set[int]) -> None:
-    """What the sockets to ranks other than rank 0 carry here: only a failure notice
-    (a rank that lost a peer tells everyone) or their close."""
+def _other_sockets(ex: Exchange, root_rank: int, shut_down: set[int]) -> None:
+    """What the sockets to ranks other than this round's coordinator carry: a failure
+    notice (a rank that lost a peer tells everyone: raised here), their close, or what
+    a rank that already coordinates, or one that takes this rank for the coordinator,
+    sent early (left buffered for that round)."""
     for r in ex.live():
-        if r == ROOT:
+        if r == root_rank:
             continue
         reader = ex.readers[r]
-        got = _pop_kind(reader)
+        got = _peek_kind(reader)
         if got is not None:
             kind, body = got
-            if kind != protocol.KIND_ROUND:
-                raise ProtocolError(f"rank {r} sent control frame kind {kind} outside the "
-                                    "coordinator's rounds")
-            ex._check_notice(ex.decoder.unpack(body, r)[0], r)
+            if kind == protocol.KIND_ROUND:
+                ex._check_notice(ex.decoder.unpack(body, r)[0], r)
+            elif kind not in (KIND_GO, KIND_BUNDLE):
+                raise ProtocolError(f"rank {r} sent control frame kind {kind}")
         elif reader.eof:
             ex.peer_closed(r, shut_down)
 
@@ -214,7 +240,9 @@ def _pop(ex: Exchange, r: int) -> bytes | None:
     return body
 
 
-def _pop_kind(reader: Any) -> tuple[int, bytes] | None:
+def _peek_kind(reader: Any) -> tuple[int, bytes] | None:
+    """The next complete frame's (kind, payload), left in the buffer (doorbells, which
+    only mailboxes ring, are not expected here)."""
     buf = reader.buf
     if len(buf) < wire.HEADER_BYTES:
         return None
@@ -222,6 +250,11 @@ def _pop_kind(reader: Any) -> tuple[int, bytes] | None:
     end = wire.HEADER_BYTES + length
     if len(buf) < end:
         return None
-    body = bytes(buf[wire.HEADER_BYTES: end])
-    del buf[:end]
-    return kind, body
+    return kind, bytes(buf[wire.HEADER_BYTES: end])
+
+
+def _pop_kind(reader: Any) -> tuple[int, bytes] | None:
+    got = _peek_kind(reader)
+    if got is not None:
+        del reader.buf[: wire.HEADER_BYTES + len(got[1])]
+    return got

@@ -54,9 +54,9 @@ class Exchange:
             s.setblocking(False)
         self.mailboxes = mailboxes
         self.size = len(ctl_socks) + 1
-        #: rounds go through rank 0 (``coordinator.py``) instead of all-to-all; off in a
-        #: job where any host's ranks use mailboxes (``_runtime`` sets that, alike on
-        #: every rank)
+        #: rounds go through rank 0 (``coordinator.py``) instead of all-to-all (decided
+        #: alike on every rank by ``_cores.coordinated``, which sets ``coordinator_min``
+        #: to 0 where not)
         self.coordinated = (cfg.coordinator_min > 0 and self.size >= cfg.coordinator_min
                             and mailboxes is None)
         self.gone: set[int] = set()

@@ -27,7 +27,7 @@ _SOCK_BUF_BYTES = 4 * 1024 * 1024
 
 
 def listen(bind_addr: str) -> socket.socket:
-    sock = socket.create_server((bind_addr, 0), backlog=128)
+    sock = socket.create_server((bind_addr, 0), backlog=1024)  # every higher rank at once
     sock.settimeout(0.2)
     return sock
 
