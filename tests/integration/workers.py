@@ -839,3 +839,20 @@ def at_scale() -> tuple:
     coordinated = hvd._api.runtime().engine.exchange.coordinated
     hvd.shutdown()
     return coordinated, "ok"
+
+
+def timeline_training_steps() -> int:
+    """Six training-like steps (compute, then three gradients allreduced), rank 1
+    computing 30 ms longer each step (the late rank), under RONDE_TIMELINE."""
+    import ronde as hvd
+
+    hvd.init()
+    grads = [np.ones(20_000 * 10 ** i, np.float32) for i in range(3)]  # 80 KB .. 8 MB
+    for step in range(6):
+        time.sleep(0.01 + (0.03 if hvd.rank() == 1 else 0.0))  # "compute"
+        hs = [hvd.allreduce_async(g, name=f"grad.{i}") for i, g in enumerate(grads)]
+        for h in hs:
+            hvd.synchronize(h)
+    time.sleep(0.3)  # events reach the file at least every 0.1 s
+    hvd.shutdown()
+    return 0
