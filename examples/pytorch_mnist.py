@@ -102,6 +102,8 @@ def main() -> None:
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--fp16-allreduce", action="store_true", help="fp16 compression")
+    parser.add_argument("--use-adasum", action="store_true",
+                        help="combine the steps with Adasum (no LR scaling by size())")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--no-cuda", action="store_true", help="stay on the CPU")
     parser.add_argument("--checkpoint", default="pytorch_digits_checkpoint.pt")
@@ -123,13 +125,15 @@ def main() -> None:
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
 
     model = Net().to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=args.momentum)
+    lr_scaler = 1 if args.use_adasum else hvd.size()  # Adasum adapts: as Horovod's examples
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr * lr_scaler, momentum=args.momentum)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     run_model = torch.compile(model) if args.compile else model
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                   compression=compression)
+                                   compression=compression,
+                                   op=hvd.Adasum if args.use_adasum else hvd.Average)
     # LR schedulers work on the wrapped optimizer (it is still a torch.optim.SGD)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.epochs * len(loader))
 

@@ -29,7 +29,7 @@ _LAZY.update({name: "._grouped" for name in [
     "grouped_allgather_async", "grouped_reducescatter", "grouped_reducescatter_async"]})
 _LAZY.update({name: "._build" for name in [
     "ccl_built", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "mpi_built",
-    "mpi_enabled", "mpi_threads_supported", "nccl_built", "rocm_built"]})
+    "mpi_enabled", "mpi_threads_supported", "nccl_built", "rocm_built", "gpu_available"]})
 _LAZY.update({name: "._objects" for name in ["allgather_object", "broadcast_object"]})
 _LAZY["Handle"] = ".core.requests"
 

@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 
 #: the ops reducescatter supports
 REDUCESCATTER_OPS = (ReduceOp.SUM, ReduceOp.AVERAGE)
-#: the ops allreduce supports (Adasum is not implemented yet)
-ALLREDUCE_OPS = (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT)
+#: the ops allreduce supports
+ALLREDUCE_OPS = (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT,
+                 ReduceOp.ADASUM)
 
 _lock = threading.RLock()
 _counters: dict[tuple[str, int], int] = {}
@@ -302,8 +303,9 @@ def allreduce_async(tensor: Any, average: bool | None = None, name: str | None =
     """Start an allreduce; ``synchronize()`` the handle for the reduced array."""
     arr = as_array(tensor, "allreduce")
     resolved = _resolve_op(op, average)
-    if resolved == ReduceOp.ADASUM:
-        raise UnsupportedError("allreduce: op=Adasum is not supported yet; use Average or Sum")
+    if resolved == ReduceOp.ADASUM and arr.dtype.kind != "f":
+        raise UnsupportedError(f"allreduce: op=Adasum needs floating-point tensors, got "
+                               f"{arr.dtype} (use Sum or Average for integers)")
     # the hot path of a training step (one call per gradient): no keyword forwarding
     rt = runtime()
     ps_id, name = _scoped(rt, Kind.ALLREDUCE, name, process_set)

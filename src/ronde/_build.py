@@ -47,6 +47,28 @@ def gloo_enabled() -> bool:
     return _transport() == "gloo"
 
 
+def gpu_available(ext_base_name: str, verbose: bool = False) -> bool:
+    """Horovod's ``gpu_available('tensorflow' | 'torch' | 'mxnet')``: whether that
+    framework sees a GPU here."""
+    name = str(ext_base_name).rsplit(".", 1)[-1]
+    try:
+        if name == "tensorflow":
+            import tensorflow as tf
+
+            return bool(tf.config.list_physical_devices("GPU"))
+        if name == "torch":
+            import torch
+
+            return bool(torch.cuda.is_available())
+        if name == "mxnet":
+            import mxnet as mx
+
+            return mx.context.num_gpus() > 0
+    except Exception:  # noqa: BLE001 - a framework that cannot say has no GPU for us
+        return False
+    return False
+
+
 def nccl_built() -> bool:
     return False
 

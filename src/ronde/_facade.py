@@ -30,7 +30,7 @@ ERRORS = ["RondeError", "HorovodInternalError", "CollectiveError", "ConfigError"
           "ProcessSetError", "ArgumentError", "HostsUpdatedInterrupt"]
 #: Horovod's build-introspection functions (what this installation can use)
 BUILD = ["mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built",
-         "rocm_built", "ddl_built", "ccl_built", "mpi_threads_supported"]
+         "rocm_built", "ddl_built", "ccl_built", "mpi_threads_supported", "gpu_available"]
 #: the names every facade has
 COMMON = LIFECYCLE + PROCESS_SETS + OPS + ERRORS + BUILD
 

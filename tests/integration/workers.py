@@ -856,3 +856,112 @@ def timeline_training_steps() -> int:
     time.sleep(0.3)  # events reach the file at least every 0.1 s
     hvd.shutdown()
     return 0
+
+
+def adasum_cases() -> str:
+    """Adasum against the numpy reference tree (``collectives/adasum.py``), on every
+    rank, in fp16/32/64; orthogonal inputs sum, parallel ones average; fused equals
+    unfused; tiny and huge magnitudes stay finite; reducescatter and integers refused."""
+    import ronde as hvd
+    from ronde.collectives import adasum
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+
+    def contribution(rank, length, seed):
+        return np.random.default_rng(seed * 100 + rank).standard_normal(length)
+
+    for dt, tol in ((np.float64, 1e-12), (np.float32, 1e-5), (np.float16, 2e-2)):
+        for length in (1, 17, 5000):
+            x = contribution(r, length, length).astype(dt)
+            got = hvd.allreduce(x, op=hvd.Adasum, name=f"ada.{dt.__name__}.{length}")
+            want = adasum.tree([contribution(k, length, length).astype(dt).astype(np.float64)
+                                for k in range(n)])
+            assert got.dtype == dt and got.shape == x.shape
+            np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol)
+    # orthogonal: the sum; parallel (the same vector everywhere): the mean (= it)
+    e = np.zeros(n * 2)
+    e[r * 2] = r + 1.0
+    np.testing.assert_allclose(hvd.allreduce(e, op=hvd.Adasum, name="ortho"),
+                               np.repeat(np.arange(1.0, n + 1), 2) * (np.arange(2 * n) % 2 == 0))
+    same = np.linspace(-1, 1, 9)
+    np.testing.assert_allclose(hvd.allreduce(same, op=hvd.Adasum, name="parallel"), same)
+    # fused (three async, one round) equals unfused (one at a time)
+    parts = [contribution(r, m, m + 1) for m in (3, 40, 7)]
+    hs = [hvd.allreduce_async(p, op=hvd.Adasum, name=f"fused.{i}") for i, p in enumerate(parts)]
+    fused = [hvd.synchronize(h) for h in hs]
+    alone = [hvd.allreduce(p, op=hvd.Adasum, name=f"alone.{i}") for i, p in enumerate(parts)]
+    for a, b in zip(fused, alone):
+        np.testing.assert_array_equal(a, b)
+    # magnitudes: no overflow in the dot products (taken in float64), no 0/0
+    for scale in (1e-30, 1e30):
+        big = (contribution(r, 64, 9) * scale).astype(np.float32)
+        assert np.all(np.isfinite(hvd.allreduce(big, op=hvd.Adasum, name=f"mag.{scale}")))
+    assert np.all(hvd.allreduce(np.zeros(8), op=hvd.Adasum, name="zeros") == 0)
+    for bad in (lambda: hvd.reducescatter(np.ones(2 * n), op=hvd.Adasum, name="rs"),
+                lambda: hvd.allreduce(np.ones(3, np.int32), op=hvd.Adasum, name="ints")):
+        try:
+            bad()
+        except (hvd.UnsupportedError, ValueError) as exc:
+            assert "Adasum" in str(exc), exc
+        else:
+            raise AssertionError("Adasum accepted where it must be refused")
+    hvd.shutdown()
+    return "ok"
+
+
+def torch_adasum_optimizer(same_data: bool) -> list:
+    """The Adasum delta optimizer: parameters equal on every rank after each step; with
+    the same batch everywhere (parallel deltas) a step equals one process's step."""
+    import torch
+
+    import ronde.torch as hvd
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 2)
+    reference = torch.nn.Linear(6, 2)
+    reference.load_state_dict(model.state_dict())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), op=hvd.Adasum)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step if same_data else step * 10 + hvd.rank())
+        x = torch.randn(8, 6, generator=gen)
+        for m, o in ((model, opt), (reference, ref_opt)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        everyone = hvd.allgather(flat.unsqueeze(0), name=f"params.{step}")
+        assert torch.equal(everyone[0], everyone[-1]), "parameters differ across ranks"
+        if same_data:
+            ref = torch.cat([p.detach().flatten() for p in reference.parameters()])
+            assert torch.allclose(flat, ref, atol=1e-6), (flat, ref)
+    hvd.shutdown()
+    return [float(v) for v in flat[:3]]
+
+
+def adasum_bindings() -> str:
+    """op=Adasum through the JAX and TensorFlow bindings' allreduce."""
+    import ronde
+    from ronde.collectives import adasum
+
+    ronde.init()
+    r, n = ronde.rank(), ronde.size()
+    vals = [np.arange(5.0) * (k + 1) + k * np.array([1, -1, 1, -1, 1]) for k in range(n)]
+    want = adasum.tree(vals)
+    import jax.numpy as jnp
+
+    import ronde.jax as hj
+
+    got = hj.allreduce(jnp.asarray(vals[r], jnp.float32), op=hj.Adasum, name="jax.ada")
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5)
+    import tensorflow as tf
+
+    import ronde.tensorflow as ht
+
+    got = ht.allreduce(tf.constant(vals[r], tf.float32), op=ht.Adasum, name="tf.ada")
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5)
+    ronde.shutdown()
+    return "ok"

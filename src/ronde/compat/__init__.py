@@ -34,6 +34,7 @@ from typing import Sequence
 ALIASES = {
     "horovod.runner.util.threads": "ronde.compat.threads",
     "horovod.common.exceptions": "ronde._errors",
+    "horovod.torch.mpi_ops": "ronde.torch",  # Horovod's ops module: the same functions
     "horovod.common.util": "ronde.compat.helpers",
     "horovod.runner.common.util.env": "ronde.compat.helpers",
 }

@@ -21,7 +21,7 @@ import numpy as np
 from .._errors import (DeadlockError, DuplicateNameError, JoinedError, RondeError, ShutdownError, StallError,
                        TensorMismatchError)
 from ..collectives.ops import ReduceOp
-from ..collectives import fusion
+from ..collectives import adasum, fusion
 from ..collectives.allreduce import even_counts
 from ..transport.strategies import AllreducePlan, run_allreduce
 from . import inline as inline_mod, planner
@@ -259,7 +259,8 @@ class Executor:
             # over the whole set, joined ranks (zeros) included: Horovod's divisor
             op, post = ReduceOp.SUM, post / len(members)
         elif op == ReduceOp.ADASUM:
-            op = ReduceOp.SUM  # Adasum degenerates to a sum here; documented limitation
+            self._adasum(resp, reqs, comm, members, dtype, meta0.prescale, post)
+            return
         if meta0.device:
             shapes = [any_meta(m).shape for m in resp.metas]
             self._mark("TRANSFER")
@@ -282,6 +283,36 @@ class Executor:
         outs = run_allreduce(plan)
         for req, out in zip(reqs, outs):
             if req is not None:
+                req.complete(out)
+
+    def _adasum(self, resp: Response, reqs: list[Request | None], comm: Any,
+                members: list[int], dtype: np.dtype, pre: float, post: float) -> None:
+        """Adasum (``collectives/adasum.py``): allgather the fused contributions, then
+        every rank combines the same rows, tensor by tensor, into the same result."""
+        shapes = [any_meta(m).shape for m in resp.metas]
+        sizes = [_numel(s) for s in shapes]
+        bounds = np.cumsum([0, *sizes])
+        segments = [(int(bounds[i]), int(bounds[i + 1])) for i in range(len(sizes))]
+        total, n = int(bounds[-1]), len(members)
+        self._mark("MEMCPY_IN_FUSION_BUFFER")
+        mine = np.zeros(total, dtype)  # a joined rank contributes zeros: it changes nothing
+        for (lo, hi), req in zip(segments, reqs):
+            if req is not None and req.array is not None:
+                mine[lo:hi] = req.array.reshape(-1)
+        if pre != 1.0:
+            mine *= dtype.type(pre)
+        rows = np.empty((n, total), dtype)
+        self._mark("TRANSFER")
+        comm.allgatherv(mine, rows.reshape(-1), [total] * n)
+        self._mark("ADASUM")
+        result = np.empty(total, dtype)
+        adasum.combine(rows, segments, result)
+        if post != 1.0:
+            result *= dtype.type(post)
+        for (lo, hi), req, shape in zip(segments, reqs, shapes):
+            if req is not None:
+                out = req.out if req.out is not None else req.allocate(shape, dtype)
+                out.reshape(-1)[:] = result[lo:hi]
                 req.complete(out)
 
     def _allgather(self, resp: Response, reqs: list[Request | None], comm: Any,

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import ProtocolError
+from .._ops import ReduceOp
 from ..transport import wire
 from ..collectives import fusion
 from .protocol import (KIND_DOORBELL, KIND_ROUND, Announcement, ById, ByName, Inline,
@@ -134,7 +135,8 @@ def announcements(reqs: list[Any], cached_id: Any, inline_bytes: int
             continue
         arr = r.array
         if r.kind == allreduce and arr is not None and arr.nbytes <= inline_bytes \
-                and arr.nbytes <= left and not (moving and _reduction(r) in moving):
+                and arr.nbytes <= left and not (moving and _reduction(r) in moving) \
+                and r.op != ReduceOp.ADASUM:  # inline rounds sum; Adasum needs the tree
             data = prescaled_bytes(arr, r.prescale)
             n = len(data)
             out.append(Inline(cid, used, n))

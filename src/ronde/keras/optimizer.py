@@ -221,7 +221,9 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
     """
     resolved = _api.resolve_op(op, None)
     if resolved == ReduceOp.ADASUM:
-        raise UnsupportedError("op=Adasum is not supported yet; use Average or Sum")
+        raise UnsupportedError("DistributedOptimizer(op=Adasum): the Adasum delta optimizer "
+                               "is built for ronde.torch only so far; use Average or Sum here "
+                               "(hvd.allreduce(..., op=hvd.Adasum) works on any tensor)")
     if gradient_predivide_factor != 1.0 and resolved != ReduceOp.AVERAGE:
         raise ValueError("gradient_predivide_factor is only supported with op=Average")
     wire_dtype_of(compression)

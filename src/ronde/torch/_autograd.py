@@ -91,8 +91,6 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         A new tensor with the reduced values (the input is unchanged).
     """
     resolved = C.resolve_op(op, average)
-    if resolved == ReduceOp.ADASUM:
-        raise UnsupportedError("op=Adasum is not supported yet; use Average or Sum")
     compressed, cctx = compression.compress(tensor)
     if isinstance(compression, Compressor):
         wire = compression.wire_dtype if compression.compresses(dtype_name(tensor.dtype)) else None
@@ -127,8 +125,6 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allreduce a list of tensors together (fused when they fit); differentiable."""
     resolved = C.resolve_op(op, average)
-    if resolved == ReduceOp.ADASUM:
-        raise UnsupportedError("op=Adasum is not supported yet; use Average or Sum")
     if not tensors:
         return []
     pairs = [compression.compress(t) for t in tensors]

@@ -57,9 +57,7 @@ class _DistributedMixin:
     def _ronde_init(self, named_parameters: Any, compression: Any, backward_passes_per_step: int,
                     op: Any, gradient_predivide_factor: float, groups: Any,
                     sparse_as_dense: bool, process_set: ProcessSet) -> None:
-        resolved = C.resolve_op(op, None)
-        if resolved == ReduceOp.ADASUM:
-            raise UnsupportedError("op=Adasum is not supported yet; use Average or Sum")
+        resolved = C.resolve_op(op, None)  # Adasum went to torch/adasum.py before this
         if gradient_predivide_factor != 1.0 and resolved != ReduceOp.AVERAGE:
             raise ValueError("gradient_predivide_factor is only supported with op=Average")
         self._ronde_op = resolved
@@ -290,7 +288,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             (recommended). Without it, names come from parameter positions.
         compression: ``Compression.none`` (default), ``.fp16`` or ``.bf16``.
         backward_passes_per_step: backward passes accumulated locally before the allreduce.
-        op: ``Average`` (default) or ``Sum``.
+        op: ``Average`` (default) or ``Sum``; ``Adasum`` makes it a delta optimizer
+            (``torch/adasum.py``: local step, parameter deltas combined with Adasum).
         gradient_predivide_factor: with Average, divide by this before the sum and by
             ``size / factor`` after it (guards low-precision sums).
         num_groups: deprecated spelling of ``groups=<int>``.
@@ -307,6 +306,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         ValueError: duplicate names, parameters missing from ``named_parameters``, an
             unsupported op, or a predivide factor with an op other than Average.
     """
+    if C.resolve_op(op, None) == ReduceOp.ADASUM:
+        if compression is not Compression.none or backward_passes_per_step != 1:
+            raise UnsupportedError("op=Adasum: compression and backward_passes_per_step are "
+                                   "not supported with the Adasum delta optimizer")
+        from .adasum import AdasumOptimizer
+
+        return AdasumOptimizer(optimizer, named_parameters, process_set)
     base = optimizer.__class__
     cls = type(base.__name__, (_DistributedMixin, base), {"__module__": base.__module__})
     wrapped = cls.__new__(cls)

@@ -1,0 +1,62 @@
+"""``DistributedOptimizer(optimizer, op=hvd.Adasum)``: Horovod's delta optimizer.
+
+Each rank takes its optimizer's step on its own gradients, then the ranks combine the
+parameter *deltas* (new minus old) with Adasum (``collectives/adasum.py``) and every
+rank applies the combined delta to the old parameters, so the parameters stay equal on
+every rank. The learning rate is not scaled by the size: Adasum adapts (orthogonal
+deltas add, parallel ones average), as the paper and Horovod's docs advise.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from .._ops import ReduceOp
+from ..process_sets import ProcessSet, global_process_set
+from . import _collectives as C
+
+
+class _AdasumMixin:
+    """Methods mixed in front of the user's optimizer class (see the module docstring)."""
+
+    param_groups: list[dict[str, Any]]
+
+    def _ronde_adasum_init(self, named_parameters: Any, process_set: ProcessSet) -> None:
+        params = [p for g in self.param_groups for p in g["params"]]
+        named = dict(named_parameters or [])
+        by_id = {id(p): n for n, p in named.items()}
+        self._ronde_ps = process_set
+        self._ronde_names = {id(p): by_id.get(id(p), f"param.{i}")
+                             for i, p in enumerate(params)}
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: the deltas are combined inside ``step()``."""
+
+    def step(self, closure: Any = None) -> Any:
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        before = [p.detach().clone() for p in params]
+        loss = super().step(closure)  # type: ignore[misc]
+        with torch.no_grad():
+            handles = []
+            for p, old in zip(params, before):
+                delta = (p.detach() - old).contiguous()
+                handles.append(C.allreduce_async_(
+                    delta, name=f"adasum.delta.{self._ronde_names[id(p)]}", op=ReduceOp.ADASUM,
+                    process_set=self._ronde_ps))
+            for p, old, h in zip(params, before, handles):
+                p.copy_(old + C.synchronize(h))
+        return loss
+
+
+def AdasumOptimizer(optimizer: torch.optim.Optimizer,
+                    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+                    process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
+    """``optimizer`` as a delta optimizer combining its steps with Adasum."""
+    base = optimizer.__class__
+    cls = type(base.__name__, (_AdasumMixin, base), {"__module__": base.__module__})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped._ronde_adasum_init(named_parameters, process_set)
+    return wrapped
