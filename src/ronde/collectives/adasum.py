@@ -28,17 +28,22 @@ from typing import Sequence
 
 import numpy as np
 
+def _dot(x: np.ndarray, y: np.ndarray) -> float:
+    # einsum's own loop, not BLAS: a multithreaded BLAS wakes its threads for every call,
+    # which cost milliseconds per call on a busy machine
+    return float(np.einsum("i,i->", x, y))
+
+
 def pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``a`` and ``b`` (float64 vectors) combined by the Adasum rule. The coefficients do
-    not change when both vectors are scaled alike, so they are computed on the vectors
-    divided by their largest magnitude: no square underflows (values near the float32
-    minimum) or overflows (large float64 values)."""
+    not change when both vectors are scaled alike; where a square could underflow or
+    overflow float64 (magnitudes beyond 1e-100..1e100: float64 inputs only), they are
+    computed on the vectors divided by their largest magnitude."""
     s = max(float(np.max(np.abs(a), initial=0.0)), float(np.max(np.abs(b), initial=0.0)))
     if s == 0.0 or not np.isfinite(s):
         return a + b
-    an, bn = a / s, b / s
-    dot = float(np.dot(an, bn))
-    na, nb = float(np.dot(an, an)), float(np.dot(bn, bn))
+    an, bn = (a, b) if 1e-100 < s < 1e100 else (a / s, b / s)
+    dot, na, nb = _dot(an, bn), _dot(an, an), _dot(bn, bn)
     ca = 1.0 - dot / (2.0 * na) if na > 0.0 else 1.0
     cb = 1.0 - dot / (2.0 * nb) if nb > 0.0 else 1.0
     return ca * a + cb * b
