@@ -21,12 +21,8 @@ EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "pytor
 
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}})
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+def _ray(local_ray):  # tests/ray/conftest.py
     yield
-    ray.shutdown()
 
 
 @pytest.fixture

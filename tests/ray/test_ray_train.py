@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 
@@ -23,12 +22,8 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.ray]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}})
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+def _ray(local_ray):  # tests/ray/conftest.py
     yield
-    ray.shutdown()
 
 
 def _train_loop(config):

@@ -29,8 +29,9 @@ import threading
 import time
 from typing import Any, Callable
 
-from .._errors import ConfigError, RondeError
-from ..runner.elastic_driver import Blacklist, ElasticDriver, elastic_worker_vars
+from .._errors import RondeError
+from ..runner.elastic_driver import (Blacklist, ElasticDriver, drive, elastic_worker_vars,
+                                    last_results)
 from ..runner.elastic_rendezvous import ElasticRendezvous, Slot
 from ..runner.hosts import HostSpec, RankSlot
 
@@ -145,22 +146,13 @@ class RayElasticJob:
             w.exit_time = time.monotonic()
 
     def run(self, driver: ElasticDriver) -> list[Any]:
-        reason = ""
         try:
-            try:
-                driver.start()
-            except ConfigError as exc:
-                driver.fatal, reason = str(exc), "failure"
-            while not reason:
-                self.poll(0.1)
-                reason = driver.step()
+            reason = drive(driver, self.poll)
         finally:
             for w in self.workers:
                 w.killpg(9)
         if reason == "done":
-            by_slot = {w.elastic_slot: w for w in self.workers  # type: ignore[attr-defined]
-                       if w.returncode == 0}
-            return [by_slot[s].result for s in self.server.formed()]
+            return last_results(self.workers, self.server)
         failed = sorted((w for w in self.failed_workers + self.workers
                          if w.error is not None and not w.signalled),
                         key=lambda w: w.exit_time or 0.0)

@@ -341,3 +341,25 @@ def parse_cooldown(values: Sequence[float] | None) -> tuple[float, float] | None
     if lo < 0 or hi < lo:
         raise ConfigError(f"--blacklist-cooldown-range {lo:g} {hi:g}: need 0 <= LO <= HI")
     return lo, hi
+
+
+def drive(driver: ElasticDriver, wait: Callable[[float], None]) -> str:
+    """Start ``driver`` and step it until the job ends (``wait(s)`` between steps: let
+    the workers' ends be recorded); the end's reason (``done``, ``failure``)."""
+    try:
+        driver.start()
+    except ConfigError as exc:
+        driver.fatal = str(exc)
+        return "failure"
+    reason = ""
+    while not reason:
+        wait(0.1)
+        reason = driver.step()
+    return reason
+
+
+def last_results(workers: Sequence[Any], server: ElasticRendezvous) -> list[Any]:
+    """The results of the last generation's workers, in rank order (each worker's
+    ``result``; they all ended with 0)."""
+    by_slot = {w.elastic_slot: w for w in workers if w.returncode == 0}
+    return [by_slot[s].result for s in server.formed()]

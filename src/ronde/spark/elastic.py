@@ -32,7 +32,8 @@ import traceback
 from typing import Any, Callable, Mapping
 
 from .._errors import ConfigError, RondeError
-from ..runner.elastic_driver import Blacklist, ElasticDriver, elastic_worker_vars
+from ..runner.elastic_driver import (Blacklist, ElasticDriver, drive, elastic_worker_vars,
+                                    last_results)
 from ..runner.elastic_rendezvous import ElasticRendezvous, Slot
 from ..runner.hosts import HostSpec, RankSlot
 
@@ -128,15 +129,8 @@ class SparkElasticJob:
         t.start()
 
     def run(self, driver: ElasticDriver) -> list[Any]:
-        reason = ""
         try:
-            try:
-                driver.start()
-            except ConfigError as exc:
-                driver.fatal, reason = str(exc), "failure"
-            while not reason:
-                time.sleep(0.1)
-                reason = driver.step()
+            reason = drive(driver, time.sleep)
         finally:
             for w in self.workers:
                 if w.alive:
@@ -146,9 +140,7 @@ class SparkElasticJob:
                 for t in w.threads:
                     t.join(timeout=10)
         if reason == "done":
-            by_slot = {w.elastic_slot: w for w in self.workers  # type: ignore[attr-defined]
-                       if w.returncode == 0}
-            return [by_slot[s].result for s in self.server.formed()]
+            return last_results(self.workers, self.server)
         failed = sorted((w for w in self.workers if w.error is not None and not w.signalled),
                         key=lambda w: w.exit_time or 0.0)
         first = (f"; the first failure, worker {failed[0].slot.rank} "
