@@ -402,6 +402,8 @@ def local_misuse() -> str:
             lambda: hvd.DistributedOptimizer(sgd, named_parameters=named + [named[0]]))
     _raises(ValueError, "not in it",
             lambda: hvd.DistributedOptimizer(sgd, named_parameters=named[:1]))
+    _raises(ValueError, "not in it", lambda: hvd.DistributedOptimizer(  # Adasum's names too
+        sgd, named_parameters=named[:1], op=hvd.Adasum))
     _raises(ValueError, "Adasum", lambda: hvd.DistributedOptimizer(  # the delta optimizer
         sgd, op=hvd.Adasum, backward_passes_per_step=2))                 # takes no passes
     _raises(ValueError, "only supported with op=Average",

@@ -23,9 +23,10 @@ rank's socket close; its error, with the failure notice it sends every live rank
 before it leaves, ends the others' rounds naming the lost rank. A rank that loses its
 coordinator (not shut down) fails naming it.
 
-Every byte of a bundle is untrusted: its ranks must be the live ranks, each once, and
-its lengths must lie inside it; each frame then goes through the same decoder as a
-frame from that rank itself.
+Every byte of a bundle is untrusted: its ranks must be ranks of the job, each once, and
+include the coordinator and the receiver; a live rank it leaves out must have shut
+down; its lengths must lie inside it; each frame then goes through the same decoder as
+a frame from that rank itself.
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ from . import protocol
 #: import each other)
 Exchange = Any
 
-#: rank 0 asks a rank to take part in the round it started
+#: the coordinator asks a rank to take part in the round it started
 KIND_GO = 5
-#: rank 0's bundle of every rank's frame for one round
+#: the coordinator's bundle of every rank's frame for one round
 KIND_BUNDLE = 6
 GO = wire.encode_frame(KIND_GO, b"")
 _COUNT = struct.Struct("<I")
@@ -76,9 +77,9 @@ def unpack_bundle(payload: bytes, size: int) -> dict[int, bytes]:
             out[r] = payload[off: off + n]
             off += n
     except (struct.error, ValueError):
-        raise ProtocolError("rank 0 sent a malformed negotiation bundle") from None
+        raise ProtocolError("the negotiation coordinator sent a malformed bundle") from None
     if off != len(payload):
-        raise ProtocolError("rank 0 sent a negotiation bundle with trailing bytes")
+        raise ProtocolError("the negotiation coordinator sent a bundle with trailing bytes")
     return out
 
 
@@ -159,7 +160,7 @@ def _run_member(ex: Exchange, root_rank: int, payload: bytes, messages: list[Any
     start = time.monotonic()
     while True:
         _other_sockets(ex, root_rank, shut_down)
-        got = _pop_kind(root)
+        got = root.pop_frame()
         if got is not None:
             kind, body = got
             if kind == KIND_BUNDLE:
@@ -205,7 +206,7 @@ def _other_sockets(ex: Exchange, root_rank: int, shut_down: set[int]) -> None:
         if r == root_rank:
             continue
         reader = ex.readers[r]
-        got = _peek_kind(reader)
+        got = reader.peek_frame()
         if got is not None:
             kind, body = got
             if kind == protocol.KIND_ROUND:
@@ -230,31 +231,12 @@ def _checks(ex: Exchange, failed: Callable[[], BaseException | None], start: flo
 
 
 def _pop(ex: Exchange, r: int) -> bytes | None:
-    """Rank ``r``'s round frame, if complete (rank 0's side: only frames arrive)."""
-    got = _pop_kind(ex.readers[r])
+    """Rank ``r``'s round frame, if complete (the coordinator's side: only round frames
+    arrive)."""
+    got = ex.readers[r].pop_frame()
     if got is None:
         return None
     kind, body = got
     if kind != protocol.KIND_ROUND:
         raise ProtocolError(f"rank {r} sent control frame kind {kind} to the coordinator")
     return body
-
-
-def _peek_kind(reader: Any) -> tuple[int, bytes] | None:
-    """The next complete frame's (kind, payload), left in the buffer (doorbells, which
-    only mailboxes ring, are not expected here)."""
-    buf = reader.buf
-    if len(buf) < wire.HEADER_BYTES:
-        return None
-    kind, length = wire.decode_header(bytes(buf[: wire.HEADER_BYTES]))
-    end = wire.HEADER_BYTES + length
-    if len(buf) < end:
-        return None
-    return kind, bytes(buf[wire.HEADER_BYTES: end])
-
-
-def _pop_kind(reader: Any) -> tuple[int, bytes] | None:
-    got = _peek_kind(reader)
-    if got is not None:
-        del reader.buf[: wire.HEADER_BYTES + len(got[1])]
-    return got

@@ -65,18 +65,33 @@ class FrameReader:
         _, length = wire.decode_header(bytes(self.buf[: wire.HEADER_BYTES]))
         return len(self.buf) >= wire.HEADER_BYTES + length
 
-    def peek(self) -> bytes | None:
-        """The next complete round frame's payload, left in the buffer."""
+    def peek_frame(self) -> tuple[int, bytes] | None:
+        """The next complete frame's ``(kind, payload)`` (doorbells skipped), left in
+        the buffer."""
         self._drop_doorbells()
         if len(self.buf) < wire.HEADER_BYTES:
             return None
         kind, length = wire.decode_header(bytes(self.buf[: wire.HEADER_BYTES]))
-        if kind != KIND_ROUND:
-            raise ProtocolError(f"unexpected control frame kind {kind}")
         end = wire.HEADER_BYTES + length
         if len(self.buf) < end:
             return None
-        return bytes(self.buf[wire.HEADER_BYTES: end])
+        return kind, bytes(self.buf[wire.HEADER_BYTES: end])
+
+    def pop_frame(self) -> tuple[int, bytes] | None:
+        """:meth:`peek_frame`, taken out of the buffer."""
+        got = self.peek_frame()
+        if got is not None:
+            del self.buf[: wire.HEADER_BYTES + len(got[1])]
+        return got
+
+    def peek(self) -> bytes | None:
+        """The next complete round frame's payload, left in the buffer."""
+        got = self.peek_frame()
+        if got is None:
+            return None
+        if got[0] != KIND_ROUND:
+            raise ProtocolError(f"unexpected control frame kind {got[0]}")
+        return got[1]
 
     def pop(self) -> bytes | None:
         payload = self.peek()

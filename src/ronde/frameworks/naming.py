@@ -36,6 +36,30 @@ def check_unique(names: Iterable[str], what: str = "named_parameters") -> None:
                          f"{' ...' if len(dups) > 10 else ''}")
 
 
+def name_parameters(param_groups: Sequence[Mapping[str, Any]],
+                    named_parameters: Iterable[tuple[str, Any]] | None) -> dict[int, str]:
+    """``id(parameter) -> name`` for every parameter of an optimizer's groups: from
+    ``named_parameters`` (checked: pairs, unique names, every parameter named), or by
+    position without it (:func:`auto_parameter_name`)."""
+    all_params = [(gi, j, p) for gi, g in enumerate(param_groups)
+                  for j, p in enumerate(g["params"])]
+    if named_parameters is None:
+        return {id(p): auto_parameter_name(gi, j) for gi, j, p in all_params}
+    named = list(named_parameters)
+    if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
+        raise ValueError("named_parameters should be a sequence of (name, parameter) "
+                         "tuples, usually model.named_parameters()")
+    check_unique([n for n, _ in named])
+    names = {id(p): n for n, p in named}
+    unnamed = [f"group {gi} index {j} {tuple(p.shape)}" for gi, j, p in all_params
+               if id(p) not in names]
+    if unnamed:
+        raise ValueError(f"named_parameters was given, but {len(unnamed)} of the optimizer's "
+                         f"parameters are not in it ({', '.join(unnamed[:5])}); pass the "
+                         "named_parameters() of the model the optimizer was built from")
+    return names
+
+
 def _fmt(sig: Signature) -> str:
     return f"{sig[0]}[{', '.join(map(str, sig[1]))}]"
 

@@ -14,6 +14,7 @@ from typing import Any, Iterable
 import torch
 
 from .._ops import ReduceOp
+from ..frameworks.naming import name_parameters
 from ..process_sets import ProcessSet, global_process_set
 from . import _collectives as C
 
@@ -24,12 +25,8 @@ class _AdasumMixin:
     param_groups: list[dict[str, Any]]
 
     def _ronde_adasum_init(self, named_parameters: Any, process_set: ProcessSet) -> None:
-        params = [p for g in self.param_groups for p in g["params"]]
-        named = dict(named_parameters or [])
-        by_id = {id(p): n for n, p in named.items()}
         self._ronde_ps = process_set
-        self._ronde_names = {id(p): by_id.get(id(p), f"param.{i}")
-                             for i, p in enumerate(params)}
+        self._ronde_names = name_parameters(self.param_groups, named_parameters)
 
     def synchronize(self) -> None:
         """Nothing to wait for: the deltas are combined inside ``step()``."""

@@ -38,8 +38,7 @@ from .._errors import ProcessSetError, RondeError, TensorMismatchError, Unsuppor
 from .._ops import ReduceOp
 from ..frameworks.accumulation import PassCounter
 from ..frameworks.compression import Compressor, wire_reduction
-from ..frameworks.naming import (as_table, auto_parameter_name, check_unique, gradient_name,
-                                 parameter_differences)
+from ..frameworks.naming import as_table, gradient_name, name_parameters, parameter_differences
 from ..process_sets import ProcessSet, global_process_set
 from . import _collectives as C
 from . import _device
@@ -69,7 +68,7 @@ class _DistributedMixin:
         self._ronde_sparse_as_dense = bool(sparse_as_dense)
         self._ronde_ps = process_set
         self._ronde_counter: PassCounter[torch.Tensor] = PassCounter(backward_passes_per_step)
-        self._ronde_names = self._ronde_name_parameters(named_parameters)
+        self._ronde_names = name_parameters(self.param_groups, named_parameters)
         self._ronde_params = [p for g in self.param_groups for p in g["params"]
                               if p.requires_grad]
         #: Horovod's attributes, which tests and user code read
@@ -101,25 +100,6 @@ class _DistributedMixin:
                              for p in self._ronde_params] if self._ronde_member else []
 
     # -- set-up --------------------------------------------------------------------------
-    def _ronde_name_parameters(self, named_parameters: Any) -> dict[int, str]:
-        all_params = [(gi, j, p) for gi, g in enumerate(self.param_groups)
-                      for j, p in enumerate(g["params"])]
-        if named_parameters is None:
-            return {id(p): auto_parameter_name(gi, j) for gi, j, p in all_params}
-        named = list(named_parameters)
-        if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
-            raise ValueError("named_parameters should be a sequence of (name, parameter) "
-                             "tuples, usually model.named_parameters()")
-        check_unique([n for n, _ in named])
-        names = {id(p): n for n, p in named}
-        unnamed = [f"group {gi} index {j} {tuple(p.shape)}" for gi, j, p in all_params
-                   if id(p) not in names]
-        if unnamed:
-            raise ValueError(f"named_parameters was given, but {len(unnamed)} of the optimizer's "
-                             f"parameters are not in it ({', '.join(unnamed[:5])}); pass the "
-                             "named_parameters() of the model the optimizer was built from")
-        return names
-
     def _ronde_make_groups(self, groups: Any) -> dict[int, list[torch.Tensor]]:
         params = self._ronde_params
         if not groups:
