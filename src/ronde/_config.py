@@ -56,6 +56,12 @@ class Config:
     elastic_timeout_s: float = 600.0
     reset_limit: int = 0
     elastic_poll_s: float = 1.0
+    autotune: bool = False
+    autotune_log: str = ""
+    autotune_warmup_samples: int = 3
+    autotune_steps_per_sample: int = 10
+    autotune_bayes_opt_max_samples: int = 20
+    autotune_gaussian_process_noise: float = 0.8
 
     def describe(self) -> str:
         return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
@@ -91,6 +97,12 @@ def load(env: Mapping[str, str] | None = None, **overrides: object) -> Config:
     cfg = Config(**values)  # type: ignore[arg-type]
     _validate(cfg)
     return cfg
+
+
+def explicit_fields(env: Mapping[str, str] | None = None) -> set[str]:
+    """The Config fields whose variable (or Horovod fallback) is set in ``env``."""
+    env = os.environ if env is None else env
+    return {k.field for k in KNOBS if _lookup(env, k.var, k.horovod) is not None}
 
 
 _warned: set[str] = set()
@@ -139,5 +151,9 @@ def _validate(cfg: Config) -> None:
     if cfg.log_level and cfg.log_level.upper() not in (
             "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "TRACE", "FATAL"):
         raise ConfigError(f"RONDE_LOG_LEVEL={cfg.log_level!r}: use DEBUG, INFO, WARNING or ERROR")
+    if cfg.autotune_warmup_samples < 0 or cfg.autotune_steps_per_sample < 1 \
+            or cfg.autotune_bayes_opt_max_samples < 1 or cfg.autotune_gaussian_process_noise <= 0:
+        raise ConfigError("RONDE_AUTOTUNE_*: warm-up samples must be >= 0, steps per sample and"
+                          " max samples >= 1, the noise > 0")
     if cfg.shm_segment_bytes < 1 << 16:
         raise ConfigError("RONDE_SHM_SEGMENT must be at least 64KiB")

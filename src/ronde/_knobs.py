@@ -309,6 +309,39 @@ KNOBS: tuple[Knob, ...] = (
              ' host, a tcp ring across hosts, and a shared-memory allgather. `auto` '
              'and `on` use it whenever the layout allows; `off` always uses the flat '
              'tcp ring.'),
+    Knob("autotune", "RONDE_AUTOTUNE", parse_bool,
+         default='`0`', unit='boolean',
+         horovod=('HOROVOD_AUTOTUNE',), flag='--autotune',
+         doc='Tune `RONDE_FUSION_THRESHOLD`, `RONDE_CYCLE_TIME`, `RONDE_INLINE_BYTES` and '
+             '`RONDE_SPIN_TIME` online from the bytes reduced per second (see '
+             '[autotune.md](autotune.md)); rank 0 decides, every rank applies the same '
+             'values at the same negotiation round. A knob set explicitly is left alone.'),
+    Knob("autotune_log", "RONDE_AUTOTUNE_LOG", str,
+         default='empty', unit='file path',
+         horovod=('HOROVOD_AUTOTUNE_LOG',), flag='--autotune-log-file FILE',
+         doc='Autotune: rank 0 writes a CSV here, a header, one row per sample and the '
+             'best values last.'),
+    Knob("autotune_warmup_samples", "RONDE_AUTOTUNE_WARMUP_SAMPLES", int,
+         default='`3`', unit='samples',
+         horovod=('HOROVOD_AUTOTUNE_WARMUP_SAMPLES',), flag='--autotune-warmup-samples N',
+         doc='Autotune: samples discarded at the start (warm-up). Must be >= 0.'),
+    Knob("autotune_steps_per_sample", "RONDE_AUTOTUNE_STEPS_PER_SAMPLE", int,
+         default='`10`', unit='steps',
+         horovod=('HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE',), flag='--autotune-steps-per-sample N',
+         doc='Autotune: training steps per sample (a step ends when a tensor name comes '
+             'again); the score is the median over its steps. Must be >= 1.'),
+    Knob("autotune_bayes_opt_max_samples", "RONDE_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", int,
+         default='`20`', unit='samples',
+         horovod=('HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES',),
+         flag='--autotune-bayes-opt-max-samples N',
+         doc='Autotune: samples of the Bayesian search over fusion threshold and cycle '
+             'time (the configured values and 3 test points among them). Must be >= 1.'),
+    Knob("autotune_gaussian_process_noise", "RONDE_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", float,
+         default='`0.8`', unit='(relative to the scores\' variance)',
+         horovod=('HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE',),
+         flag='--autotune-gaussian-process-noise X',
+         doc='Autotune: the noise term (alpha) of the Gaussian process, on standardised '
+             'scores; larger trusts single samples less. Must be > 0.'),
     Knob("log_level", "RONDE_LOG_LEVEL", str,
          default="empty (the logger's level is left alone)", unit='level name',
          horovod=('HOROVOD_LOG_LEVEL',), flag='--log-level LEVEL',

@@ -26,6 +26,7 @@ from typing import Any, Callable
 from . import _config, _cores as cores_mod
 from ._errors import (DeadlockError, PeerLostError, RendezvousError, RondeError, ShutdownError,
                       StallError)
+from .core import autotune
 from .core.engine import Engine
 from .runner import env as worker_env
 from .runner import rendezvous
@@ -329,6 +330,8 @@ def _start_engine(cfg: _config.Config, topo: Topology, wenv: worker_env.WorkerEn
         engine.on_failure = _lost_peer_reporter(wenv)
     if cfg.timeline_path:
         start_timeline(engine, cfg.timeline_path, rank, cfg.timeline_mark_cycles)
+    if cfg.autotune and rank == 0:
+        engine.autotune = autotune.for_config(cfg, _config.explicit_fields())
     engine.start()
     return engine
 

@@ -8,7 +8,7 @@ import pytest
 from ronde import ProtocolError
 from ronde.core import protocol
 from ronde.core.protocol import (Abort, ById, ByName, Decoder, Inline, Notice,
-                                 ProcessSetRequest, RoundMessage)
+                                 ProcessSetRequest, RoundMessage, Tuning)
 from ronde.core.requests import Kind, Request
 
 
@@ -18,7 +18,7 @@ def _full() -> RoundMessage:
         announced=(ByName("g", meta), ById(4), Inline(5, 0, 12)), joins=(0, 2),
         ps_requests=(ProcessSetRequest("add", (0, 1)), ProcessSetRequest("remove", (3,))),
         abort=Abort(("a", "b"), "stalled"), ask_stacks=(1,), stack="  File x", shutdown=True,
-        waiting=7, notice=Notice(2, "rank 2 was lost"))
+        waiting=7, notice=Notice(2, "rank 2 was lost"), tune=Tuning(1 << 20, 2.5, 0, 50.0))
 
 
 def test_every_field_survives_the_wire():
@@ -43,7 +43,8 @@ def test_an_empty_message_is_silent_and_says_nothing():
     {"j": [1.5]}, {"j": "0"}, {"ps": [["add"]]}, {"ps": [["drop", 1]]},
     {"ps": [["add", ["x"]]]}, {"ps": [["remove", [1]]]}, {"x": {"names": ["a"]}},
     {"x": {"names": [1], "message": "m"}}, {"k": [None]}, {"st": 3}, {"w": "1"},
-    {"w": True}, {"f": [1]}, {"f": ["r", "m"]},
+    {"w": True}, {"f": [1]}, {"f": ["r", "m"]}, {"t": [1, 2.0, 0]}, {"t": [-1, 1.0, 0, 0]},
+    {"t": [1, 0, 0, 0]}, {"t": [1.5, 1.0, 0, 0]}, {"t": [1, "1", 0, 0]}, {"t": [1, 1, 0, -5]},
 ])
 def test_malformed_fields_are_protocol_errors_naming_the_rank(obj):
     with pytest.raises(ProtocolError, match="rank 3"):

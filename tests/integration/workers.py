@@ -965,3 +965,31 @@ def adasum_bindings() -> str:
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5)
     ronde.shutdown()
     return "ok"
+
+
+def autotuned_training(steps: int) -> tuple:
+    """Training-like steps under RONDE_AUTOTUNE (small samples): every result exact;
+    returns the values applied on this rank, each with its round, and rank 0's verdict."""
+    import ronde as hvd
+    from ronde import _state
+
+    hvd.init()
+    n = hvd.size()
+    grads = [np.full(256 * 4 ** i, float(hvd.rank() + 1), np.float32) for i in range(6)]
+    for step in range(steps):
+        time.sleep(0.002)  # "compute"
+        hs = [hvd.allreduce_async(g, name=f"grad.{i}", op=hvd.Sum) for i, g in enumerate(grads)]
+        for g, h in zip(grads, hs):
+            out = hvd.synchronize(h)
+            assert out.shape == g.shape and np.all(out == n * (n + 1) / 2), (step, out[:3])
+    engine = _state.require().engine
+    tuner = engine.autotune.tuner
+    verdict = None if tuner is None else (tuner.done, len(tuner.samples))
+    for _ in range(3):  # a last proposal reaches every rank
+        hvd.allreduce(np.ones(2), name="settle")
+    hvd.barrier()
+    history = [(rnd, tuple(t)) for rnd, t in engine.autotune.history]
+    final = (engine.negotiator.fusion_threshold_bytes, engine.cycle_s,
+             engine.announcer.inline_bytes, engine.exchange.spin_s)
+    hvd.shutdown()
+    return history, final, verdict

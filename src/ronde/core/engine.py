@@ -37,7 +37,7 @@ from ..transport.base import Communicator
 from .exchange import Exchange
 from .executor import Executor
 from .negotiation import Negotiator, Response
-from . import crossed, protocol, rounds
+from . import autotune, crossed, protocol, rounds
 from .requests import WAITERS, Kind, Request
 from .stall import StallInspector
 from .timeline import Timeline, now_us
@@ -56,7 +56,7 @@ class Engine:
                  describe_rank: Callable[[int], str],
                  mailboxes: "mailbox.Mailboxes | None" = None) -> None:
         self.rank, self.size, self.cfg = rank, size, cfg
-        self._cycle_s = cfg.cycle_time_ms / 1000.0
+        self.cycle_s = cfg.cycle_time_ms / 1000.0  #: set anew by autotune (autotune.py)
         self.describe_rank = describe_rank
         self._make_comm = make_communicator
         self._lock = threading.Lock()
@@ -76,7 +76,7 @@ class Engine:
         self.negotiator = Negotiator(size, {k: list(v) for k, v in process_sets.items()},
                                      cfg.fusion_threshold_bytes, cfg.cache_capacity)
         self.exchange = Exchange(rank, ctl_socks, mailboxes, cfg, describe_rank)
-        self._announce = rounds.Announcer(self.negotiator.cache, rank, cfg.inline_bytes)
+        self.announcer = rounds.Announcer(self.negotiator.cache, rank, cfg.inline_bytes)
         self._wake_r, self._wake_w = os.pipe()
         self._wake_pending = False
         #: negotiation rounds completed (the same count on every rank)
@@ -102,6 +102,7 @@ class Engine:
         self._stopped = threading.Event()
         #: the Chrome-trace recorder, or None (see timeline.py)
         self.timeline: Timeline | None = None
+        self.autotune = autotune.AutoTune(None)  #: rank 0 gets a Tuner with RONDE_AUTOTUNE
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -119,6 +120,7 @@ class Engine:
         self._thread.join(self.cfg.shutdown_timeout_s + 5.0)
         self.executor.stop(5.0)
         self._fail_all(ShutdownError("ronde was shut down while this collective was pending"))
+        self.autotune.close()
         timeline, self.timeline = self.timeline, None
         if timeline is not None:
             timeline.close()
@@ -269,7 +271,7 @@ class Engine:
         with self._lock:
             return bool(self._outbox or self._joins or self._ps_requests or self._abort_msg
                         or self._stack_request or self._send_stack
-                        or self._report_waiting is not None
+                        or self._report_waiting is not None or self.autotune.outgoing
                         or (self._shutdown_requested and not self._shutdown_announced))
 
     def _maybe_round(self, now: float, direct: list[Response] | None) -> tuple[bool, bool]:
@@ -281,7 +283,7 @@ class Engine:
         """
         have_local = self._has_local()
         start_local = have_local and (self.executor.idle()
-                                      or now - self._last_round >= self._cycle_s)
+                                      or now - self._last_round >= self.cycle_s)
         if not (start_local or self.exchange.peer_started(self._rounds)):
             return False, have_local
         self._round(direct)
@@ -299,7 +301,7 @@ class Engine:
                 # a waiting caller drives (and runs collectives without a hand-off): stay
                 # out of its way, but keep reading the sockets (EOF, remote frames)
                 readable, _, _ = select.select([self._wake_r] + ex.sockets(), [], [],
-                                               self._cycle_s)
+                                               self.cycle_s)
                 self._read_ready(readable)
             else:
                 with self._drive:
@@ -310,7 +312,7 @@ class Engine:
             if self._shutdown_announced:
                 everyone = len(self.negotiator.shutdown) == self.size
                 if everyone or now - self._shutdown_at > self.cfg.shutdown_timeout_s:
-                    self._drain_for_shutdown()
+                    self.executor.drain(self.cfg.shutdown_timeout_s, lambda: self._error is None)
                     return
             if now - last_wait_check > 0.25:
                 last_wait_check = now
@@ -330,12 +332,12 @@ class Engine:
         """
         ex = self.exchange
         if have_local:
-            timeout = max(0.0, self._cycle_s - (now - self._last_round))
+            timeout = max(0.0, self.cycle_s - (now - self._last_round))
         elif now - max(self._last_activity, self._last_round) < _ACTIVE_S:
-            timeout = self._cycle_s
+            timeout = self.cycle_s
         else:
             timeout = 1.0 if self.timeline is None else 0.1
-        deep = timeout > self._cycle_s
+        deep = timeout > self.cycle_s
         with self._lock:
             self._ctl_deep_sleep = deep
         if ex.before_block(self._rounds) or (deep and self._has_local()):
@@ -403,12 +405,6 @@ class Engine:
             if not self.progress():
                 self.wake(force=True)
 
-    def _drain_for_shutdown(self) -> None:
-        # let the executor finish what was agreed before leaving
-        deadline = time.monotonic() + self.cfg.shutdown_timeout_s
-        while not self.executor.idle() and time.monotonic() < deadline and self._error is None:
-            time.sleep(0.001)
-
     def _build_message(self) -> tuple[protocol.RoundMessage, bytes]:
         with self._lock:
             reqs, self._outbox = self._outbox, []
@@ -428,10 +424,11 @@ class Engine:
             for r in reqs:
                 r.t_announce = stamp
                 tl.phase(r.name, "QUEUE", r.t_submit or stamp, stamp)
-        announced, wired, blob = self._announce(reqs) if reqs else ((), None, b"")
+        announced, wired, blob = self.announcer(reqs) if reqs else ((), None, b"")
         return protocol.RoundMessage(announced, tuple(joins), tuple(ps_reqs), abort, tuple(ask),
                                      rounds.main_thread_stack() if send_stack else None, shut,
-                                     waiting, wire_announced=wired), blob
+                                     waiting, tune=self.autotune.take(),
+                                     wire_announced=wired), blob
 
     def _round(self, direct: list[Response] | None) -> None:
         """One negotiation round (hold ``_drive``). Responses whose data moves go to the
@@ -446,6 +443,7 @@ class Engine:
                               blobs, self._reraise_error, self.negotiator.shutdown)
         self._rounds += 1
         responses = self.negotiator.apply_round(messages, blobs)
+        self.autotune.after_round(self, messages[0].tune, responses)
         tl = self.timeline
         if tl is not None:
             tl.cycle(self.negotiator.round)

@@ -14,6 +14,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import numpy as np
@@ -100,6 +101,12 @@ class Executor:
 
     def idle(self) -> bool:
         return not self.busy and self._outstanding == 0
+
+    def drain(self, timeout_s: float, healthy: Callable[[], bool]) -> None:
+        """Let what was agreed finish (before leaving at shutdown), while ``healthy()``."""
+        deadline = time.monotonic() + timeout_s
+        while not self.idle() and time.monotonic() < deadline and healthy():
+            time.sleep(0.001)
 
     def enqueue(self, resp: Response) -> None:
         """Queue a response for this thread (the agreed order is the queue order)."""

@@ -77,11 +77,20 @@ class Notice(NamedTuple):
     message: str
 
 
+class Tuning(NamedTuple):
+    """From rank 0's autotuner (autotune.py): values every rank applies after this round."""
+
+    fusion_threshold_bytes: int
+    cycle_time_ms: float
+    inline_bytes: int
+    spin_time_us: float
+
+
 class RoundMessage:
     """What one rank says in one round; a field is empty when it says nothing of it."""
 
     __slots__ = ("announced", "joins", "ps_requests", "abort", "ask_stacks", "stack",
-                 "shutdown", "waiting", "notice", "wire_announced")
+                 "shutdown", "waiting", "notice", "tune", "wire_announced")
 
     def __init__(self, announced: tuple[Announcement, ...] = (),
                  joins: tuple[int, ...] = (),
@@ -89,7 +98,7 @@ class RoundMessage:
                  abort: Abort | None = None, ask_stacks: tuple[int, ...] = (),
                  stack: str | None = None, shutdown: bool = False,
                  waiting: int | None = None, notice: Notice | None = None,
-                 wire_announced: list[Any] | None = None) -> None:
+                 tune: Tuning | None = None, wire_announced: list[Any] | None = None) -> None:
         #: new announcements, in this rank's submission order
         self.announced = announced
         #: process sets this rank joined (``join()``)
@@ -105,6 +114,8 @@ class RoundMessage:
         #: only waiting, at this negotiator progress count (crossed.py)
         self.waiting = waiting
         self.notice = notice
+        #: from rank 0: autotuned values (autotune.py)
+        self.tune = tune
         #: ``announced`` as it goes on the wire, where already known (a memo)
         self.wire_announced = wire_announced
 
@@ -116,7 +127,7 @@ class RoundMessage:
         """Announcements and nothing else (what a steady training round says)."""
         return bool(self.announced) and not (
             self.joins or self.ps_requests or self.abort or self.ask_stacks or self.stack
-            or self.shutdown or self.waiting is not None or self.notice)
+            or self.shutdown or self.waiting is not None or self.notice or self.tune)
 
     def __repr__(self) -> str:
         fields = {k: getattr(self, k) for k in self.__slots__[:-1]}
@@ -158,6 +169,8 @@ def encode(msg: RoundMessage) -> dict[str, Any]:
         out["w"] = msg.waiting
     if msg.notice is not None:
         out["f"] = [msg.notice.rank, msg.notice.message]
+    if msg.tune is not None:
+        out["t"] = list(msg.tune)
     return out
 
 
@@ -242,6 +255,8 @@ class Decoder:
             if not (isinstance(f, list) and len(f) == 2 and isinstance(f[1], str)):
                 raise ProtocolError(f"rank {rank} sent a malformed failure notice")
             msg.notice = Notice(None if f[0] is None else _int(f[0], rank, "lost rank"), f[1])
+        if "t" in obj:
+            msg.tune = _tuning(obj["t"], rank)
         return msg
 
 
@@ -283,6 +298,15 @@ def _announcements(raw: Any, rank: int, ids: dict[int, ById]) -> tuple[Announcem
         else:
             raise ProtocolError(f"malformed announcement from rank {rank}")
     return tuple(out)
+
+
+def _tuning(t: Any, rank: int) -> Tuning:
+    ok = (isinstance(t, list) and len(t) == 4 and type(t[0]) is int and type(t[2]) is int
+          and all(type(v) in (int, float) for v in t[1::2]))
+    if not ok or not (0 <= t[0] <= 1 << 40 and 0 < t[1] <= 1e5 and 0 <= t[2] <= 1 << 20
+                      and 0 <= t[3] <= 1e8):
+        raise ProtocolError(f"rank {rank} sent malformed autotune values: {t!r}")
+    return Tuning(t[0], float(t[1]), t[2], float(t[3]))
 
 
 def _ps_request(p: Any, rank: int) -> ProcessSetRequest:

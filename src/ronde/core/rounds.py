@@ -184,6 +184,12 @@ class Announcer:
         self._memo: dict[tuple[int, str, str], tuple[int, list[Any], tuple[Announcement, ...],
                                                      list[Any], list[int]]] = {}
 
+    def set_inline_bytes(self, inline_bytes: int) -> None:
+        """A new ``RONDE_INLINE_BYTES`` (autotune): announcements are worked out afresh."""
+        if inline_bytes != self.inline_bytes:
+            self.inline_bytes = inline_bytes
+            self._memo.clear()
+
     def __call__(self, reqs: list[Any]) -> tuple[tuple[Announcement, ...], list[Any], bytes]:
         keys = [(r.name, r.meta()) for r in reqs]
         where = (len(reqs), reqs[0].name, reqs[-1].name)

@@ -104,6 +104,18 @@ def build_parser() -> argparse.ArgumentParser:
                             "(RONDE_STALL_SHUTDOWN_TIME)")
     knobs.add_argument("--bind-addr", default=None,
                        help="address workers and the launcher listen on (RONDE_BIND_ADDR)")
+    tune = p.add_argument_group("autotune (see docs/autotune.md)")
+    tune.add_argument("--autotune", action="store_true", default=None,
+                      help="tune fusion threshold, cycle time, inline and spin limits online "
+                           "(RONDE_AUTOTUNE)")
+    tune.add_argument("--autotune-log-file", default=None, metavar="FILE",
+                      help="rank 0 writes each sample to this CSV (RONDE_AUTOTUNE_LOG)")
+    for flag, kind, what in (("warmup-samples", int, "samples discarded first"),
+                             ("steps-per-sample", int, "training steps per sample"),
+                             ("bayes-opt-max-samples", int, "samples of the Bayesian search"),
+                             ("gaussian-process-noise", float, "noise term of the search")):
+        tune.add_argument(f"--autotune-{flag}", type=kind, default=None,
+                          help=f"{what} (RONDE_AUTOTUNE_{flag.upper().replace('-', '_')})")
     knobs.add_argument("--log-level", default=None,
                        help="worker log level, e.g. DEBUG, INFO, WARNING (RONDE_LOG_LEVEL)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the worker command")
@@ -145,7 +157,13 @@ def worker_settings(args: argparse.Namespace, environ: dict[str, str] | None = N
                                       else _num(args.stall_check_shutdown_time_seconds)),
         "RONDE_BIND_ADDR": args.bind_addr,
         "RONDE_LOG_LEVEL": args.log_level,
+        "RONDE_AUTOTUNE": "1" if args.autotune else None,
+        "RONDE_AUTOTUNE_LOG": args.autotune_log_file,
     }
+    for flag in ("warmup_samples", "steps_per_sample", "bayes_opt_max_samples",
+                 "gaussian_process_noise"):
+        value = getattr(args, f"autotune_{flag}")
+        knobs[f"RONDE_AUTOTUNE_{flag.upper()}"] = None if value is None else _num(value)
     out.update({k: v for k, v in knobs.items() if v is not None})
     return out
 
