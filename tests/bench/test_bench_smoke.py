@@ -96,3 +96,19 @@ def test_cuda_benchmark_runs_on_cpu_tensors(path):
                                          "fusion 161 tensors"]
     assert {r["ronde_path"] for r in rows} == {"host" if path == "host" else "gloo"}
     assert all(r["ronde_us"] > 0 and r["peer_us"] > 0 for r in rows)
+
+
+@pytest.mark.timeout(180)
+def test_recommend_runs_the_search_and_compares(tmp_path):
+    sizes = tmp_path / "sizes.json"
+    sizes.write_text(json.dumps([[64, 3, 3, 3], 64, [1000, 512], 1000]))
+    out = subprocess.run(
+        [sys.executable, "-m", "ronde.bench", "recommend", "--np", "2", "--sizes", str(sizes),
+         "--compute-ms", "2", "--steps-per-sample", "2", "--max-samples", "4", "--steps", "3",
+         "--rounds", "1"], capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (point,) = _json_lines(out.stdout)
+    assert point["case"] == "recommend" and point["configured_step_ms"] > 0
+    assert set(point["values"]) == {"RONDE_FUSION_THRESHOLD", "RONDE_CYCLE_TIME",
+                                    "RONDE_INLINE_BYTES", "RONDE_SPIN_TIME"}
+    assert "recommendation:" in out.stdout

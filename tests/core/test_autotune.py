@@ -123,3 +123,10 @@ def test_the_bayesian_optimizer_is_deterministic():
             opt.add(x, -((x[0] - 0.4) ** 2) - (x[1] - 0.3) ** 2)
         return opt.suggest()
     assert np.array_equal(run(), run())
+
+
+def test_search_steps_covers_a_whole_search():
+    from ronde import _config
+
+    cfg = _config.load({})
+    assert autotune.search_steps(cfg) >= samples_budget(autotune.Settings.from_config(cfg))

@@ -48,3 +48,10 @@ def test_adasum_through_the_jax_and_tensorflow_bindings():
     pytest.importorskip("jax")
     pytest.importorskip("tensorflow")
     assert run_ranks(2, workers.adasum_bindings, timeout_s=150) == ["ok"] * 2
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_the_jax_delta_optimizer(np_):
+    pytest.importorskip("optax")
+    assert run_ranks(np_, workers.jax_adasum_optimizer, timeout_s=140) == ["ok"] * np_

@@ -993,3 +993,46 @@ def autotuned_training(steps: int) -> tuple:
              engine.announcer.inline_bytes, engine.exchange.spin_s)
     hvd.shutdown()
     return history, final, verdict
+
+
+def jax_adasum_optimizer() -> str:
+    """ronde.jax.DistributedOptimizer(optax.sgd, op=Adasum): the combined update is the
+    reference tree of the ranks' deltas, leaf by leaf, eagerly and under jit; the
+    parameters stay equal on every rank."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import ronde.jax as hj
+    from ronde.collectives import adasum
+
+    hj.init()
+    r, n = hj.rank(), hj.size()
+    lr = 0.1
+    grads = {k: [np.arange(1.0, 4.0 + i) * (j + 1) + j * (-1.0) ** np.arange(3 + i)
+                 for j in range(n)] for i, k in enumerate(("a", "b"))}
+    params = {"a": jnp.full(3, 0.5, jnp.float32), "b": jnp.zeros(4, jnp.float32)}
+    tx = hj.DistributedOptimizer(optax.sgd(lr), op=hj.Adasum)
+    state = tx.init(params)
+    mine = {k: jnp.asarray(v[r], jnp.float32) for k, v in grads.items()}
+    want = {k: np.asarray(params[k]) + adasum.tree([-lr * g for g in v])
+            for k, v in grads.items()}  # per leaf: not one fused buffer
+    updates, state = tx.update(mine, state, params)
+    eager = optax.apply_updates(params, updates)
+
+    @jax.jit
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    jitted, _ = step(params, state, mine)
+    for k in want:
+        np.testing.assert_allclose(np.asarray(eager[k]), want[k], rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(jitted[k]), want[k], rtol=1e-5)
+    try:
+        hj.DistributedOptimizer(optax.sgd(lr), op=hj.Adasum, backward_passes_per_step=2)
+        raise AssertionError("accumulating passes with Adasum must be refused")
+    except ValueError as exc:
+        assert "backward_passes_per_step" in str(exc)
+    hj.shutdown()
+    return "ok"

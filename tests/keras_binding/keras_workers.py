@@ -130,3 +130,37 @@ def load_model_roundtrip(path: str) -> str:
     w = hvd.allgather_object(_weights(loaded))
     assert _maxdiff(w[0], w[-1]) == 0.0
     return "ok"
+
+
+def adasum_delta() -> dict:
+    """DistributedOptimizer(op=Adasum): one apply() against the numpy reference tree of
+    the ranks' deltas; then model.fit leaves equal weights on every rank."""
+    import keras
+
+    import ronde.keras as hvd
+    from ronde.collectives import adasum
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    lr = 0.1
+    grads = [np.arange(1.0, 5.0) * (k + 1) + k * np.array([1.0, -1.0, 1.0, -1.0])
+             for k in range(n)]
+    start = np.full(4, 0.5)
+    v = keras.Variable(start.astype(np.float32), name="w")
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(lr), op=hvd.Adasum)
+    opt.apply([keras.ops.convert_to_tensor(grads[r].astype(np.float32))], [v])
+    want = start + adasum.tree([-lr * g for g in grads])
+    out = {"backend": keras.backend.backend(),
+           "apply_err": float(np.max(np.abs(keras.ops.convert_to_numpy(v.value) - want)))}
+    x, y = _data(n)
+    model = _model(0)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05), op=hvd.Adasum),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(_shard(x, r, n, B), _shard(y, r, n, B), batch_size=B, epochs=1, verbose=0,
+              shuffle=False, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    mine = _weights(model)
+    theirs = hvd.allgather_object(mine)
+    out["fit_spread"] = max(_maxdiff(mine, t) for t in theirs)
+    out["moved"] = _maxdiff(mine, _weights(_model(0)))
+    hvd.shutdown()
+    return out

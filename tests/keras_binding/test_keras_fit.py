@@ -39,3 +39,15 @@ def test_load_model_rewraps_the_optimizer(tmp_path):
     backend = BACKENDS[0] if BACKENDS else pytest.skip("no Keras backend installed")
     assert run_ranks(2, workers.load_model_roundtrip, str(tmp_path / "m.keras"),
                      timeout_s=110, env={"KERAS_BACKEND": backend}) == ["ok", "ok"]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_adasum_delta_optimizer(backend):
+    out = run_ranks(2, workers.adasum_delta, timeout_s=140,
+                    env={"KERAS_BACKEND": backend, "CUDA_VISIBLE_DEVICES": ""})
+    for res in out:
+        assert res["backend"] == backend
+        assert res["apply_err"] < 1e-5, res   # the reference tree of the deltas
+        assert res["fit_spread"] < 1e-6, res  # every rank holds the same weights
+        assert res["moved"] > 1e-4, res       # and they did train

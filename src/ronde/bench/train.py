@@ -6,6 +6,8 @@ measures samples/s of a small CNN (3x32x32 inputs) and a small transformer encod
 
 * ``single``: one process, the per-rank batch (the baseline);
 * ``ronde``: ``--np`` ranks started by ronde's launcher, ``ronde.torch.DistributedOptimizer``;
+* ``autotune`` (with ``--autotune``): ``ronde`` under ``RONDE_AUTOTUNE=1``, its tuning
+  steps (docs/autotune.md) added to the warm-up, so the timed steps use what it chose;
 * ``ddp``: ``--np`` processes with ``torch.nn.parallel.DistributedDataParallel`` over Gloo,
   started the way :mod:`ronde.bench._gloo` starts its workers.
 
@@ -138,6 +140,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument("--autotune", action="store_true",
+                   help="also ronde after autotuning (RONDE_AUTOTUNE=1; the tuning steps "
+                        "are not timed)")
     p.add_argument("--ddp-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
@@ -146,6 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from ..testing import run_ranks
     from . import train as importable  # run_ranks imports the worker by module name
+    from .. import _config
+    from ..core.autotune import search_steps
 
     counts = [int(n) for n in str(args.np).split(",") if n.strip()]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
@@ -162,6 +169,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 runs.append(("ronde", n, lambda n: run_ranks(
                     n, importable.ronde_worker, model_name, args.batch, args.steps,
                     args.warmup, timeout_s=args.timeout_s, env={"OMP_NUM_THREADS": "1"})[0]))
+                if args.autotune:
+                    tune_env = {"OMP_NUM_THREADS": "1", "RONDE_AUTOTUNE": "1"}
+                    extra = search_steps(_config.load(tune_env))
+                    runs.append(("autotune", n, lambda n: run_ranks(
+                        n, importable.ronde_worker, model_name, args.batch, args.steps,
+                        args.warmup + extra, timeout_s=args.timeout_s, env=tune_env)[0]))
                 runs.append(("ddp", n, lambda n: _run_ddp(n, model_name, args.batch,
                                                           args.steps, args.warmup,
                                                           args.timeout_s)))
@@ -185,6 +198,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"| {model_name} | {n} | {single:.1f} | {r:.1f} | {d:.1f} | {r / d:.2f} | "
                   f"{r / (n * single):.2f} | {d / (n * single):.2f} | "
                   f"{r / (min(n, cores) * single):.2f} |")
+            if ("autotune", n) in best:
+                a = best[("autotune", n)]
+                print(f"| {model_name} | {n} | autotuned ronde: {a:.1f} | autotuned/ronde "
+                      f"{a / r:.2f} | autotuned/ddp {a / d:.2f} | | | |")
     print("(samples/s; one thread per rank; best of rounds; efficiency = throughput(N) / "
           "(N x single); within cores: / (min(N, cores) x single))")
     return 0

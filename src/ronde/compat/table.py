@@ -25,7 +25,8 @@ SAME, DIFFERENT, MISSING_STATUS = "same", "different", "missing"
 
 _ADASUM = ("allreduce with op=Adasum on ronde's own transports (CPU, any rank count: "
            "Horovod needs MPI and a power of two), floating-point tensors only; "
-           "`DistributedOptimizer(op=Adasum)` is the delta optimizer in ronde.torch only")
+           "`DistributedOptimizer(op=Adasum)` is the delta optimizer (torch, TensorFlow/Keras, "
+           "JAX; MXNet's takes no op, as in Horovod)")
 _JOIN = ("same divisor as Horovod (Average divides by the full set size, joined ranks add "
          "zeros); returns the last rank to join")
 _KERAS3 = ("wraps Keras 3 optimizers only (TF1 `tf.compat.v1.train` optimizers are not "

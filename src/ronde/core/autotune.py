@@ -79,6 +79,14 @@ class Settings:
                    cfg.autotune_log)
 
 
+def search_steps(cfg: Any) -> int:
+    """Training steps a whole search takes with these settings (the documented length:
+    warm-up, Bayesian and 4 alternative samples of ``steps_per_sample + 1`` steps), plus
+    a little slack."""
+    return (cfg.autotune_warmup_samples + cfg.autotune_bayes_opt_max_samples + 4) * (
+        cfg.autotune_steps_per_sample + 1) + 10
+
+
 def start_values(cfg: Any) -> Tuning:
     return Tuning(cfg.fusion_threshold_bytes, cfg.cycle_time_ms, cfg.inline_bytes,
                   cfg.spin_time_us)

@@ -42,7 +42,8 @@ import optax
 from .._ops import ReduceOp
 from ..frameworks.accumulation import PassCounter
 from ..frameworks.host_reduce import NUMPY_COMPRESSION as Compression
-from ..frameworks.host_reduce import Reduction, fused_allreduce, wire_dtype_of
+from ..frameworks.host_reduce import (GradientSpec, Reduction, fused_allreduce, reduce_arrays,
+                                      wire_dtype_of)
 from ..process_sets import ProcessSet, global_process_set
 from . import _collectives as C
 from ._arrays import any_traced, host_call, spec_of
@@ -136,7 +137,9 @@ def DistributedOptimizer(optimizer: optax.GradientTransformation,
         compression: ``Compression.none`` (default), ``.fp16`` or ``.bf16``.
         backward_passes_per_step: ``update`` calls accumulated locally before one
             allreduce and one inner update (see the module doc).
-        op: ``Average`` (default) or ``Sum``.
+        op: ``Average`` (default) or ``Sum``; ``Adasum``: the delta optimizer (each
+            rank's inner update of its own gradients, combined over the ranks with
+            Adasum leaf by leaf; see docs/adasum.md; do not scale the learning rate).
         gradient_predivide_factor: with Average, divide by this before the sum and by
             ``size / factor`` after it.
         average_aggregated_gradients: divide the accumulated sum by
@@ -153,8 +156,11 @@ def DistributedOptimizer(optimizer: optax.GradientTransformation,
             Average, or ``backward_passes_per_step < 1``.
     """
     resolved = C.resolve_op(op, None)
+    if resolved == ReduceOp.ADASUM:
+        return _adasum_optimizer(optimizer, compression, backward_passes_per_step,
+                                 process_set, name)
     if resolved not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise ValueError(f"DistributedOptimizer supports op=Average or op=Sum, not "
+        raise ValueError(f"DistributedOptimizer supports op=Average, Sum or Adasum, not "
                          f"{resolved.name}")
     pre, post = _factors(resolved, gradient_predivide_factor)
     passes_per_step = PassCounter(backward_passes_per_step).passes_per_step
@@ -194,5 +200,52 @@ def DistributedOptimizer(optimizer: optax.GradientTransformation,
         if not any_traced([passes]):  # eager: no need to trace both branches
             return apply(None) if int(passes) >= passes_per_step else accumulate(None)
         return jax.lax.cond(passes >= passes_per_step, apply, accumulate, None)
+
+    return optax.GradientTransformation(init, update)
+
+
+def adasum_updates(updates: Any, name: str, process_set: ProcessSet = global_process_set,
+                   compression: Any = Compression.none) -> Any:
+    """Combine a pytree of parameter deltas over the ranks with Adasum, leaf by leaf
+    (Adasum's dot products are per tensor, so the leaves are not fused into one buffer)."""
+    names, leaves, treedef = leaf_table(updates)
+    if not leaves:
+        return updates
+    leaves = [jnp.asarray(x) for x in leaves]
+    specs = [GradientSpec(f"{name}.{n}") for n in names]
+    reduction = Reduction(int(ReduceOp.ADASUM), 1.0, 1.0, wire_dtype_of(compression),
+                          process_set)
+
+    def fn(*arrays: Any) -> list[Any]:
+        return reduce_arrays(arrays, specs, reduction)
+
+    out = host_call(fn, [spec_of(x) for x in leaves], leaves, likes=leaves)
+    return jax.tree_util.tree_unflatten(treedef, list(out))
+
+
+def _adasum_optimizer(optimizer: optax.GradientTransformation, compression: Any,
+                      backward_passes_per_step: int, process_set: ProcessSet,
+                      name: str) -> optax.GradientTransformation:
+    """``DistributedOptimizer(tx, op=Adasum)``: optax's updates are the parameter
+    deltas, so the delta optimizer is the inner update of the local gradients followed
+    by :func:`adasum_updates`."""
+    if int(backward_passes_per_step) != 1:
+        raise ValueError("DistributedOptimizer(op=Adasum) combines each step's parameter "
+                         "deltas; it does not accumulate passes (backward_passes_per_step "
+                         "must be 1)")
+    wire_dtype_of(compression)
+
+    def init(params: Any) -> DistributedState:
+        names, leaves, _ = leaf_table(params)
+        if not any_traced(leaves):
+            check_same_tree(names, leaves, "DistributedOptimizer", f"{name}.parameters",
+                            process_set)
+        return DistributedState(optimizer.init(params), (), jnp.zeros((), jnp.int32))
+
+    def update(grads: Any, state: DistributedState,
+               params: Any = None) -> tuple[Any, DistributedState]:
+        updates, inner = optimizer.update(grads, state.inner, params)
+        combined = adasum_updates(updates, f"{name}.adasum", process_set, compression)
+        return combined, DistributedState(inner, state.acc, state.passes)
 
     return optax.GradientTransformation(init, update)

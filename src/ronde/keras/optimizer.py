@@ -87,11 +87,29 @@ class _DistributedMixin:
         if skip:
             logger.debug("gradients come from DistributedGradientTape, already reduced")
         self._ronde_skip = skip
+        if not skip and self._ronde.op == ReduceOp.ADASUM:
+            return self._ronde_adasum_apply(grads, trainable_variables)
         if not skip and not self.gradient_accumulation_steps:
             variables = list(trainable_variables) if trainable_variables is not None else \
                 list(getattr(self, "_trainable_variables", []) or [None] * len(grads))
             grads = self._ronde_reduce(grads, variables, 1.0)
         return super().apply(grads, trainable_variables)  # type: ignore[misc]
+
+    def _ronde_adasum_apply(self, grads: list[Any], trainable_variables: Any) -> Any:
+        """The Adasum delta optimizer: the local step, then every rank applies the
+        Adasum combination of the ranks' parameter deltas to the old parameters."""
+        from keras import ops
+
+        variables = list(trainable_variables) if trainable_variables is not None else \
+            list(getattr(self, "_trainable_variables", []) or [])
+        moved = [v for g, v in zip(grads, variables) if g is not None]
+        old = [ops.copy(v.value) for v in moved]
+        result = super().apply(grads, trainable_variables)  # type: ignore[misc]
+        deltas = [ops.subtract(v.value, o) for v, o in zip(moved, old)]
+        combined = self._ronde_reduce_all(deltas, moved, 1.0)
+        for v, o, d in zip(moved, old, combined):
+            v.assign(ops.add(o, ops.cast(d, o.dtype)))
+        return result
 
     def _clip_gradients(self, grads: Any) -> Any:
         # With gradient accumulation Keras calls this once per update, on the
@@ -199,7 +217,9 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
         sparse_as_dense: allreduce ``IndexedSlices`` (TensorFlow) as dense tensors.
         backward_passes_per_step: batches accumulated locally per update and
             allreduce (sets Keras' ``gradient_accumulation_steps``).
-        op: ``Average`` (default) or ``Sum``.
+        op: ``Average`` (default) or ``Sum``; ``Adasum``: the delta optimizer (each
+            rank steps on its own gradients, then the parameter deltas are combined
+            with Adasum, see docs/adasum.md; do not scale the learning rate by size).
         gradient_predivide_factor: with Average, divide by this before the sum and by
             ``size / factor`` after it.
         average_aggregated_gradients: with ``backward_passes_per_step > 1``, average
@@ -220,10 +240,11 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
             with the optimizer's own ``gradient_accumulation_steps``.
     """
     resolved = _api.resolve_op(op, None)
-    if resolved == ReduceOp.ADASUM:
-        raise UnsupportedError("DistributedOptimizer(op=Adasum): the Adasum delta optimizer "
-                               "is built for ronde.torch only so far; use Average or Sum here "
-                               "(hvd.allreduce(..., op=hvd.Adasum) works on any tensor)")
+    if resolved == ReduceOp.ADASUM and (int(backward_passes_per_step) != 1
+                                        or average_aggregated_gradients):
+        raise UnsupportedError("DistributedOptimizer(op=Adasum) combines each step's "
+                               "parameter deltas; it does not accumulate passes "
+                               "(backward_passes_per_step must be 1)")
     if gradient_predivide_factor != 1.0 and resolved != ReduceOp.AVERAGE:
         raise ValueError("gradient_predivide_factor is only supported with op=Average")
     wire_dtype_of(compression)

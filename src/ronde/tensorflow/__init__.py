@@ -57,9 +57,12 @@ from . import util  # noqa: E402
 from .util import _cache, _executing_eagerly, _make_subgraph, refs_to_vars, vars_to_refs  # noqa: E402,F401
 
 
+_LAZY = ("callbacks", "keras", "elastic")
+
+
 def __getattr__(name: str) -> Any:
     # callbacks, keras and elastic subclass keras classes: import Keras on first use.
-    if name in ("callbacks", "keras", "elastic"):
+    if name in _LAZY:
         import importlib
 
         module = importlib.import_module(f"{__name__}.{name}")
@@ -68,3 +71,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    """The module's names, the submodules imported on first use included."""
+    return sorted(set(globals()) | set(_LAZY))
