@@ -93,14 +93,6 @@ def worker(counts: list[int], compute_ms: float, steps: int, warmup: int) -> dic
     return out
 
 
-def tuning_steps(env: dict[str, str]) -> int:
-    """Steps the autotuner needs with these settings (see docs/autotune.md)."""
-    from .. import _config
-    from ..core.autotune import search_steps
-
-    return search_steps(_config.load(env))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; see the module docstring."""
     p = argparse.ArgumentParser(prog="python -m ronde.bench recommend", description=__doc__,
@@ -122,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.np < 1 or args.steps < 1 or args.rounds < 1:
         p.error("--np, --steps and --rounds must be at least 1")
+    from .. import _config
+    from ..core.autotune import search_steps
     from ..testing import run_ranks
     from . import recommend as importable  # run_ranks imports the worker by module name
 
@@ -132,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune_env = dict(base_env, RONDE_AUTOTUNE="1",
                     RONDE_AUTOTUNE_STEPS_PER_SAMPLE=str(args.steps_per_sample),
                     RONDE_AUTOTUNE_BAYES_OPT_MAX_SAMPLES=str(args.max_samples))
-    warm = tuning_steps(tune_env)
+    warm = search_steps(_config.load(tune_env))
     print(f"tuning on {args.np} ranks: {what} ({sum(counts) * 4 / 2**20:.1f} MiB float32), "
           f"{args.compute_ms:g} ms compute per step, {warm} steps ...", flush=True)
     t0 = time.perf_counter()

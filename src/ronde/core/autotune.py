@@ -56,6 +56,9 @@ CYCLE_RANGE_MS = (0.2, 20.0)
 #: spread test points after the configured values (fusion MiB, cycle ms)
 TEST_POINTS = ((8.0, 0.5), (32.0, 5.0), (2.0, 2.0))
 INLINE_CHOICES = (0, 32768)
+#: the Bayesian axes: (low, high, field units per axis unit)
+_AXES = {"fusion_threshold_bytes": (*FUSION_RANGE_MB, MIB),
+         "cycle_time_ms": (*CYCLE_RANGE_MS, 1.0)}
 CSV_HEADER = ("sample", "phase", "fusion_threshold_bytes", "cycle_time_ms", "inline_bytes",
               "spin_time_us", "score_bytes_per_s")
 #: the knobs the tuner may change, by Config field
@@ -121,7 +124,6 @@ class Tuner:
         self._step_start = clock()
         self._rates: list[float] = []
         self._sample_index = 0
-        self._rows: list[list[Any]] = []
         self._file = None
         if settings.log_path:
             self._file = open(settings.log_path, "w", newline="", encoding="utf-8")
@@ -139,24 +141,20 @@ class Tuner:
     def _point(self, t: Tuning) -> np.ndarray:
         out = []
         for d in self._dims:
-            if d == "fusion_threshold_bytes":
-                lo, hi = FUSION_RANGE_MB
-                out.append((min(max(t.fusion_threshold_bytes / MIB, lo), hi) - lo) / (hi - lo))
-            else:
-                lo, hi = CYCLE_RANGE_MS
-                out.append((min(max(t.cycle_time_ms, lo), hi) - lo) / (hi - lo))
+            lo, hi, scale = _AXES[d]
+            value = getattr(t, d) / scale
+            out.append((min(max(value, lo), hi) - lo) / (hi - lo))
         return np.asarray(out)
 
     def _with_point(self, x: np.ndarray) -> Tuning:
         t = self.current
         for d, v in zip(self._dims, x):
-            if d == "fusion_threshold_bytes":
-                lo, hi = FUSION_RANGE_MB
-                mb = lo + float(v) * (hi - lo)
-                t = t._replace(fusion_threshold_bytes=int(round(mb * 4)) * MIB // 4)
+            lo, hi, scale = _AXES[d]
+            value = lo + float(v) * (hi - lo)
+            if d == "fusion_threshold_bytes":  # whole quarter MiBs
+                t = t._replace(fusion_threshold_bytes=int(round(value * 4)) * MIB // 4)
             else:
-                lo, hi = CYCLE_RANGE_MS
-                t = t._replace(cycle_time_ms=round(lo + float(v) * (hi - lo), 3))
+                t = t._replace(cycle_time_ms=round(value, 3))
         return t
 
     # -- measuring ---------------------------------------------------------------------
@@ -256,7 +254,6 @@ class Tuner:
         row = ["best" if phase == "best" else self._sample_index, phase,
                t.fusion_threshold_bytes, t.cycle_time_ms, t.inline_bytes, t.spin_time_us,
                round(score, 1)]
-        self._rows.append(row)
         if phase != "best":
             log.info("autotune: sample %s (%s): %s -> %.4g MB/s", row[0], phase,
                      _describe(t), score / 1e6)
@@ -308,7 +305,7 @@ class AutoTune:
         if tune is not None:
             apply(engine, tune)
             self.history.append((engine.negotiator.round, tune))
-        if self.tuner is not None and responses:
+        if self.tuner is not None and not self.tuner.done and responses:
             names, nbytes = response_bytes(responses)
             if names:
                 proposal = self.tuner.observe(names, nbytes)

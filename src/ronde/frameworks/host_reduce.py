@@ -216,7 +216,8 @@ def fused_allreduce(arrays: Sequence[np.ndarray], name: str,
     """Allreduce dense arrays as one flat buffer per dtype (``<name>.<dtype>``).
 
     The buffers are reduced together by :func:`reduce_arrays` (compression
-    included) and split back. Every rank must pass arrays of the same shapes and
+    included) and split back. With ``op=Adasum`` each array is its own allreduce
+    (``<name>.<index>``): Adasum combines tensor by tensor. Every rank must pass arrays of the same shapes and
     dtypes in the same order (the bindings check their parameter tables with
     :mod:`.naming` first). Flattening costs a copy in and out; use it only where
     one collective per dtype is the contract, :func:`reduce_arrays` otherwise.
@@ -224,7 +225,13 @@ def fused_allreduce(arrays: Sequence[np.ndarray], name: str,
     Returns:
         New arrays with the reduced values, shapes and dtypes of the inputs.
     """
+    from .._ops import ReduceOp
+
     arrs = [np.asarray(a) for a in arrays]
+    if int(reduction.op) == int(ReduceOp.ADASUM):
+        # Adasum's dot products and norms are per tensor: one per array, never one buffer
+        return reduce_arrays(arrs, [GradientSpec(f"{name}.{i}") for i in range(len(arrs))],
+                             reduction)
     by_dtype: dict[str, list[int]] = {}  # dtypes in order of first appearance
     for i, a in enumerate(arrs):
         by_dtype.setdefault(str(a.dtype), []).append(i)

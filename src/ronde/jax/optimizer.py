@@ -42,8 +42,7 @@ import optax
 from .._ops import ReduceOp
 from ..frameworks.accumulation import PassCounter
 from ..frameworks.host_reduce import NUMPY_COMPRESSION as Compression
-from ..frameworks.host_reduce import (GradientSpec, Reduction, fused_allreduce, reduce_arrays,
-                                      wire_dtype_of)
+from ..frameworks.host_reduce import Reduction, fused_allreduce, wire_dtype_of
 from ..process_sets import ProcessSet, global_process_set
 from . import _collectives as C
 from ._arrays import any_traced, host_call, spec_of
@@ -204,31 +203,12 @@ def DistributedOptimizer(optimizer: optax.GradientTransformation,
     return optax.GradientTransformation(init, update)
 
 
-def adasum_updates(updates: Any, name: str, process_set: ProcessSet = global_process_set,
-                   compression: Any = Compression.none) -> Any:
-    """Combine a pytree of parameter deltas over the ranks with Adasum, leaf by leaf
-    (Adasum's dot products are per tensor, so the leaves are not fused into one buffer)."""
-    names, leaves, treedef = leaf_table(updates)
-    if not leaves:
-        return updates
-    leaves = [jnp.asarray(x) for x in leaves]
-    specs = [GradientSpec(f"{name}.{n}") for n in names]
-    reduction = Reduction(int(ReduceOp.ADASUM), 1.0, 1.0, wire_dtype_of(compression),
-                          process_set)
-
-    def fn(*arrays: Any) -> list[Any]:
-        return reduce_arrays(arrays, specs, reduction)
-
-    out = host_call(fn, [spec_of(x) for x in leaves], leaves, likes=leaves)
-    return jax.tree_util.tree_unflatten(treedef, list(out))
-
-
 def _adasum_optimizer(optimizer: optax.GradientTransformation, compression: Any,
                       backward_passes_per_step: int, process_set: ProcessSet,
                       name: str) -> optax.GradientTransformation:
     """``DistributedOptimizer(tx, op=Adasum)``: optax's updates are the parameter
-    deltas, so the delta optimizer is the inner update of the local gradients followed
-    by :func:`adasum_updates`."""
+    deltas, so the delta optimizer is the inner update of the local gradients, then
+    those combined with Adasum (leaf by leaf: ``fused_allreduce`` never fuses Adasum)."""
     if int(backward_passes_per_step) != 1:
         raise ValueError("DistributedOptimizer(op=Adasum) combines each step's parameter "
                          "deltas; it does not accumulate passes (backward_passes_per_step "
@@ -245,7 +225,8 @@ def _adasum_optimizer(optimizer: optax.GradientTransformation, compression: Any,
     def update(grads: Any, state: DistributedState,
                params: Any = None) -> tuple[Any, DistributedState]:
         updates, inner = optimizer.update(grads, state.inner, params)
-        combined = adasum_updates(updates, f"{name}.adasum", process_set, compression)
+        combined = reduce_gradients(updates, f"{name}.adasum", ReduceOp.ADASUM, 1.0, 1.0,
+                                    process_set, compression)
         return combined, DistributedState(inner, state.acc, state.passes)
 
     return optax.GradientTransformation(init, update)

@@ -90,18 +90,22 @@ class _DistributedMixin:
         if not skip and self._ronde.op == ReduceOp.ADASUM:
             return self._ronde_adasum_apply(grads, trainable_variables)
         if not skip and not self.gradient_accumulation_steps:
-            variables = list(trainable_variables) if trainable_variables is not None else \
-                list(getattr(self, "_trainable_variables", []) or [None] * len(grads))
-            grads = self._ronde_reduce(grads, variables, 1.0)
+            grads = self._ronde_reduce(grads, self._ronde_variables(grads, trainable_variables),
+                                       1.0)
         return super().apply(grads, trainable_variables)  # type: ignore[misc]
+
+    def _ronde_variables(self, grads: list[Any], trainable_variables: Any) -> list[Any]:
+        """The variables ``grads`` belong to (None each, where the optimizer knows none)."""
+        if trainable_variables is not None:
+            return list(trainable_variables)
+        return list(getattr(self, "_trainable_variables", []) or [None] * len(grads))
 
     def _ronde_adasum_apply(self, grads: list[Any], trainable_variables: Any) -> Any:
         """The Adasum delta optimizer: the local step, then every rank applies the
         Adasum combination of the ranks' parameter deltas to the old parameters."""
         from keras import ops
 
-        variables = list(trainable_variables) if trainable_variables is not None else \
-            list(getattr(self, "_trainable_variables", []) or [])
+        variables = self._ronde_variables(grads, trainable_variables)
         moved = [v for g, v in zip(grads, variables) if g is not None]
         old = [ops.copy(v.value) for v in moved]
         result = super().apply(grads, trainable_variables)  # type: ignore[misc]
