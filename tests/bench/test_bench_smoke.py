@@ -112,3 +112,11 @@ def test_recommend_runs_the_search_and_compares(tmp_path):
     assert set(point["values"]) == {"RONDE_FUSION_THRESHOLD", "RONDE_CYCLE_TIME",
                                     "RONDE_INLINE_BYTES", "RONDE_SPIN_TIME"}
     assert "recommendation:" in out.stdout
+
+
+def test_control_case_measures_each_side_of_a_round(capsys):
+    from ronde.bench import control
+
+    assert control.main(["--np", "4,64", "--tensors", "8", "--repeats", "3"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 64 ")]
+    assert len(rows) == 1 and len(rows[0].split("|")) == 10

@@ -50,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("case", help=f"what to measure: {', '.join(CASES)}, a comma list of "
                                 "these, or all; separate commands: train (training "
                                 "throughput vs DDP), multihost (simulated hosts, root), "
-                                "scale (costs against N, beside Gloo), recommend (the "
+                                "scale (costs against N, beside Gloo), control (one "
+                                "negotiation round's work against N), recommend (the "
                                 "fusion threshold and cycle time to use here)")
     p.add_argument("--np", type=int, default=2, help="ranks per job (default 2)")
     p.add_argument("--sizes", default=None,
@@ -135,6 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .scale import main as scale_main
 
         return scale_main(raw[1:])
+    if raw[:1] == ["control"]:  # one negotiation round's work against N, in-process
+        from .control import main as control_main
+
+        return control_main(raw[1:])
     if raw[:1] == ["recommend"]:  # the fusion threshold and cycle time to use here
         from .recommend import main as recommend_main
 

@@ -10,6 +10,14 @@ rank 0 and receives one *bundle* of all frames back, so every rank still decides
 the same inputs, with the same code, as in the all-to-all exchange (nothing of the
 decision moves to rank 0).
 
+What a bundle carries: each distinct JSON part of the round's frames once, with the bit
+mask of the ranks that sent it, then the ranks' binary parts (inline data); every rank
+decodes each distinct part once. In training's steady state (every rank announcing the
+same cached ids) that is one part and a bit vector of the ranks: a member receives and
+decodes the same few bytes whatever N is, as with Horovod's bit-vector response cache,
+and its negotiator's steady memo sees one message object N times (an identity test per
+rank). Only the coordinator handles N frames a round.
+
 Who starts a round: a rank with something to announce sends its frame; the coordinator
 starts the round when a frame arrives (or it has one itself) and sends a *go* to every
 rank whose frame it does not have yet, which makes their control threads take part (in
@@ -23,7 +31,7 @@ rank's socket close; its error, with the failure notice it sends every live rank
 before it leaves, ends the others' rounds naming the lost rank. A rank that loses its
 coordinator (not shut down) fails naming it.
 
-Every byte of a bundle is untrusted: its ranks must be ranks of the job, each once, and
+Every byte of a bundle is untrusted: its masks must hold ranks of the job, each once, and
 include the coordinator and the receiver; a live rank it leaves out must have shut
 down; its lengths must lie inside it; each frame then goes through the same decoder as
 a frame from that rank itself.
@@ -34,7 +42,7 @@ from __future__ import annotations
 import select
 import struct
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from .._errors import PeerLostError, ProtocolError
 from ..transport import wire
@@ -50,37 +58,113 @@ KIND_GO = 5
 #: the coordinator's bundle of every rank's frame for one round
 KIND_BUNDLE = 6
 GO = wire.encode_frame(KIND_GO, b"")
-_COUNT = struct.Struct("<I")
+_U32 = struct.Struct("<I")
 _ENTRY = struct.Struct("<II")
 
 
-def pack_bundle(frames: dict[int, bytes]) -> bytes:
-    """One bundle frame carrying ``frames`` (rank -> payload)."""
-    parts = [_COUNT.pack(len(frames))]
+class Grouped(NamedTuple):
+    """One round's frames with the same JSON parts told once: ``parts`` maps each
+    distinct JSON part to the bit mask of the ranks that sent it (bit ``r`` for rank
+    ``r``); ``blobs`` holds the non-empty binary parts (inline data) by rank. In training's
+    steady state every rank sends the same part, so a bundle is one part and a mask of
+    ``N / 8`` bytes, and every rank decodes one message, not ``N``."""
+
+    parts: dict[bytes, int]
+    blobs: dict[int, bytes]
+
+
+def group(frames: dict[int, bytes]) -> Grouped:
+    """``frames`` (rank -> round payload) grouped by JSON part (lengths checked)."""
+    same: dict[bytes, int] = {}  # whole payloads first: hashing them is C, splitting not
     for r, payload in frames.items():
-        parts.append(_ENTRY.pack(r, len(payload)))
-        parts.append(payload)
-    return wire.encode_frame(KIND_BUNDLE, b"".join(parts))
+        same[payload] = same.get(payload, 0) | (1 << r)
+    parts: dict[bytes, int] = {}
+    blobs: dict[int, bytes] = {}
+    for payload, mask in same.items():
+        body, blob = protocol.split(payload, mask.bit_length() - 1)
+        parts[body] = parts.get(body, 0) | mask
+        if blob:
+            for r in ranks_of(mask, mask.bit_length()):
+                blobs[r] = blob
+    return Grouped(parts, blobs)
 
 
-def unpack_bundle(payload: bytes, size: int) -> dict[int, bytes]:
-    """The frames of a bundle (rank -> payload), checked: ranks below ``size``, each
-    once, lengths inside the bundle."""
+def ranks_of(mask: int, size: int) -> list[int]:
+    """The ranks below ``size`` whose bits ``mask`` sets, in order."""
+    bits = bin(mask)[:1:-1][:size]  # bit r at index r
+    return [r for r, b in enumerate(bits) if b == "1"]
+
+
+def pack_bundle(g: Grouped) -> bytes:
+    """One bundle frame carrying the grouped frames of a round."""
+    out = [_U32.pack(len(g.parts))]
+    for body, mask in g.parts.items():
+        bits = mask.to_bytes((mask.bit_length() + 7) // 8, "little")
+        out += [_U32.pack(len(bits)), bits, _U32.pack(len(body)), body]
+    out.append(_U32.pack(len(g.blobs)))
+    for r, blob in g.blobs.items():
+        out += [_ENTRY.pack(r, len(blob)), blob]
+    return wire.encode_frame(KIND_BUNDLE, b"".join(out))
+
+
+def unpack_bundle(payload: bytes, size: int) -> Grouped:
+    """The grouped frames of a bundle, checked: masks non-empty, disjoint and of ranks
+    below ``size``, each part once, blobs only of ranks present and each once, lengths
+    inside the bundle, nothing after it."""
+    view = memoryview(payload)
+    off = 0
+
+    def take(n: int) -> bytes:
+        nonlocal off
+        if n > len(payload) - off:
+            raise ValueError
+        off += n
+        return bytes(view[off - n: off])
+
     try:
-        (count,) = _COUNT.unpack_from(payload)
-        off, out = _COUNT.size, {}
+        parts: dict[bytes, int] = {}
+        seen = 0
+        (count,) = _U32.unpack(take(4))
         for _ in range(count):
-            r, n = _ENTRY.unpack_from(payload, off)
-            off += _ENTRY.size
-            if r in out or r >= size or off + n > len(payload):
+            mask = int.from_bytes(take(_U32.unpack(take(4))[0]), "little")
+            body = take(_U32.unpack(take(4))[0])
+            if mask == 0 or mask >> size or mask & seen or body in parts:
                 raise ValueError
-            out[r] = payload[off: off + n]
-            off += n
+            seen |= mask
+            parts[body] = mask
+        blobs: dict[int, bytes] = {}
+        (count,) = _U32.unpack(take(4))
+        for _ in range(count):
+            r, n = _ENTRY.unpack(take(_ENTRY.size))
+            if r in blobs or r >= size or not seen >> r & 1:
+                raise ValueError
+            blobs[r] = take(n)
     except (struct.error, ValueError):
         raise ProtocolError("the negotiation coordinator sent a malformed bundle") from None
     if off != len(payload):
         raise ProtocolError("the negotiation coordinator sent a bundle with trailing bytes")
-    return out
+    return Grouped(parts, blobs)
+
+
+def decode(decoder: protocol.Decoder, g: Grouped, size: int, messages: list[Any],
+           blobs: list[bytes], ranks: set[int],
+           check: Callable[[Any, int], None] = lambda msg, r: None) -> set[int]:
+    """Each distinct JSON part decoded once (in the name of its lowest rank, then
+    ``check``-ed) into ``messages`` of the ``ranks`` that sent it, with their blobs;
+    returns the ranks present."""
+    present: set[int] = set()
+    for body, mask in g.parts.items():
+        senders = ranks_of(mask, size)
+        present.update(senders)
+        mine = ranks.intersection(senders)
+        if not mine:
+            continue
+        msg = decoder.decode(wire.loads(body), senders[0])
+        check(msg, senders[0])
+        for r in mine:
+            messages[r] = msg
+            blobs[r] = g.blobs.get(r, b"")
+    return present
 
 
 class _CoordinatorLeft(Exception):
@@ -139,10 +223,9 @@ def _run_root(ex: Exchange, payload: bytes, messages: list[Any], blobs: list[byt
                 to_send.pop(r, None)
         _checks(ex, failed, start, waiting)
     live = ex.live()
-    for r in live:
-        messages[r], blobs[r] = ex.decoder.unpack(got[r], r)
-        ex._check_notice(messages[r], r)
-    bundle = memoryview(pack_bundle({r: got[r] for r in [ex.rank, *live]}))
+    grouped = group({r: got[r] for r in [ex.rank, *live]})
+    decode(ex.decoder, grouped, ex.size, messages, blobs, set(live), ex._check_notice)
+    bundle = memoryview(pack_bundle(grouped))
     to_send = {r: bundle for r in live}
     while to_send:
         _, writable, _ = select.select([], [ex.readers[r].sock for r in to_send], [], 0.5)
@@ -183,15 +266,17 @@ def _run_member(ex: Exchange, root_rank: int, payload: bytes, messages: list[Any
         if readable:
             root.fill()
         _checks(ex, failed, start, {root_rank})
-    frames = unpack_bundle(body, ex.size)
-    if root_rank not in frames or ex.rank not in frames:
+    grouped = unpack_bundle(body, ex.size)
+    live = ex.live()
+    present = decode(ex.decoder, grouped, ex.size, messages, blobs, set(live),
+                     ex._check_notice)
+    if root_rank not in present or ex.rank not in present:
         raise ProtocolError(f"rank {root_rank} sent a negotiation bundle without its or "
                             "this rank's frame")
-    for r in ex.live():
-        if r in frames:
-            messages[r], blobs[r] = ex.decoder.unpack(frames[r], r)
-            ex._check_notice(messages[r], r)
-        elif r in shut_down:
+    for r in live:
+        if r in present:
+            continue
+        if r in shut_down:
             ex.gone.add(r)  # the coordinator saw it leave: so does every rank, this round
         else:
             raise ProtocolError(f"rank {root_rank} left rank {r} out of a negotiation bundle")

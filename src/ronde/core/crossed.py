@@ -83,9 +83,10 @@ def responses(neg: "Negotiator", messages: list[RoundMessage],
     others should arrive once their collective failed), the barriers only when
     nothing else is left.
     """
-    for rank, msg in enumerate(messages):
-        if msg.moves():
-            neg.waiting.discard(rank)
+    if neg.waiting:
+        for rank, msg in enumerate(messages):
+            if msg.moves():
+                neg.waiting.discard(rank)
     if out:
         neg.progress += 1
         neg.waiting.clear()

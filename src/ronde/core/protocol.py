@@ -182,6 +182,22 @@ def pack_round(msg: RoundMessage, blob: bytes = b"") -> bytes:
     return _JSON_LEN.pack(len(body)) + body + blob
 
 
+def split(payload: bytes, rank: int) -> tuple[bytes, bytes]:
+    """``(JSON part, binary part)`` of one round payload from ``rank`` (lengths checked)."""
+    if len(payload) < _JSON_LEN.size:
+        raise ProtocolError(f"rank {rank} sent a truncated negotiation message")
+    (n,) = _JSON_LEN.unpack_from(payload)
+    if n > len(payload) - _JSON_LEN.size:
+        raise ProtocolError(f"rank {rank} sent a negotiation message with a bad length")
+    end = _JSON_LEN.size + n
+    return payload[_JSON_LEN.size: end], payload[end:]
+
+
+def join(body: bytes, blob: bytes) -> bytes:
+    """The payload :func:`split` took apart."""
+    return _JSON_LEN.pack(len(body)) + body + blob
+
+
 class Decoder:
     """Decodes peers' round payloads; remembers each rank's last announcement list, so
     that a training step announcing what the last one did costs one list comparison,
@@ -194,13 +210,8 @@ class Decoder:
 
     def unpack(self, payload: bytes, rank: int) -> tuple[RoundMessage, bytes]:
         """``(message, binary part)`` of one payload from ``rank``."""
-        if len(payload) < _JSON_LEN.size:
-            raise ProtocolError(f"rank {rank} sent a truncated negotiation message")
-        (n,) = _JSON_LEN.unpack_from(payload)
-        if n > len(payload) - _JSON_LEN.size:
-            raise ProtocolError(f"rank {rank} sent a negotiation message with a bad length")
-        body = payload[_JSON_LEN.size: _JSON_LEN.size + n]
-        return self.decode(wire.loads(body), rank), payload[_JSON_LEN.size + n:]
+        body, blob = split(payload, rank)
+        return self.decode(wire.loads(body), rank), blob
 
     def decode(self, obj: Any, rank: int) -> RoundMessage:
         """A round message from its JSON part (every field checked)."""

@@ -83,12 +83,15 @@ class SteadyMemo:
         ann = first.announced
         if not first.only_announces():
             return None
+        same = first  # ranks whose frames the coordinator grouped share one object
         for m in messages:
-            if m is not first and (m.announced != ann or not m.only_announces()):
-                return None
+            if m is not first and m is not same:
+                if m.announced != ann or not m.only_announces():
+                    return None
+                same = m
         if type(ann[0]) is ByName or type(ann[-1]) is ByName:
             return None
-        shortest = min(len(b) for b in blobs) if blobs else 0
+        shortest = min(map(len, blobs)) if blobs else 0
         where = (len(ann), ann[0][0], ann[-1][0])
         last = self._rounds.get(where)
         cache = neg.cache
