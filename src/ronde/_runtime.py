@@ -226,15 +226,17 @@ def _meet_peers(wenv: worker_env.WorkerEnv, cfg: _config.Config, gen: int
     except BaseException:
         listener.close()
         raise
-    mesh = mesh_mod.Mesh(rank, size, gen, secret, listener, peers, cfg.start_timeout_s)
-    mesh.connect()
     wenv = dataclasses.replace(wenv, host_cores=cores_mod.cores_by_rank(peers))
+    hosts = [str(p.get("host")) for p in peers]
+    mesh = mesh_mod.Mesh(rank, size, gen, secret, listener, peers, cfg.start_timeout_s,
+                         _ctl_peers(cfg, rank, hosts, wenv.host_cores))
+    mesh.connect()
     if cfg.transport == "gloo":
         from .transport import torch_dist
 
         torch_dist.init_world(rank, size, str(peers[0]["addr"]), int(peers[0]["store_port"]),
                               cfg.start_timeout_s, store)
-    return wenv, gen, [str(p.get("host")) for p in peers], mesh.ctl, mesh
+    return wenv, gen, hosts, mesh.ctl, mesh
 
 
 def _meet_elastic(wenv: worker_env.WorkerEnv, cfg: _config.Config
@@ -284,9 +286,20 @@ def _meet_elastic(wenv: worker_env.WorkerEnv, cfg: _config.Config
     if size == 1:
         listener.close()
         return wenv, gen, hosts, {}, None
-    mesh = mesh_mod.Mesh(rank, size, gen, wenv.secret, listener, peers, cfg.start_timeout_s)
+    mesh = mesh_mod.Mesh(rank, size, gen, wenv.secret, listener, peers, cfg.start_timeout_s,
+                         _ctl_peers(cfg, rank, hosts, wenv.host_cores))
     mesh.connect()
     return wenv, gen, hosts, mesh.ctl, mesh
+
+
+def _ctl_peers(cfg: _config.Config, rank: int, hosts: list[str],
+               host_cores: tuple[int, ...]) -> list[int] | None:
+    """The peers whose control sockets ``init()`` opens: every one (None) when rounds
+    go all-to-all; under the coordinator, only rank 0's on the other ranks (N - 1 in
+    all; after rank 0 leaves, the next coordinator's open on demand: core/exchange.py)."""
+    if not cores_mod.coordinated(cfg, Topology.build(rank, hosts), host_cores):
+        return None
+    return list(range(1, len(hosts))) if rank == 0 else [0]
 
 
 def _communicators(cfg: _config.Config, topo: Topology, wenv: worker_env.WorkerEnv,
@@ -322,10 +335,12 @@ def _start_engine(cfg: _config.Config, topo: Topology, wenv: worker_env.WorkerEn
     assert world is not None
     if not cores_mod.coordinated(cfg, topo, wenv.host_cores):
         cfg = dataclasses.replace(cfg, coordinator_min=0)  # every rank alike (see there)
+    mesh = factory.ctx.mesh
     engine = Engine(rank, size, cfg, ctl, {0: world}, {0: list(range(size))}, factory,
                     factory.ctx.describe,
                     cores_mod.control_mailboxes(cfg, topo, rank, size, f"{factory.ctx.key}-g{gen}",
-                                       wenv.host_cores))
+                                       wenv.host_cores),
+                    mesh.link if mesh is not None else None)
     if wenv.rendezvous_mode == "server" and wenv.rendezvous and wenv.secret:
         engine.on_failure = _lost_peer_reporter(wenv)
     if cfg.timeline_path:

@@ -1,7 +1,7 @@
 """Correctness beyond a few ranks (more ranks than this machine's cores): every
 collective at N = 5 and 8 with negotiation through the coordinator
-(``core/coordinator.py``), and the loss of a rank, the coordinator itself among them,
-named on every survivor."""
+(``core/coordinator.py``), the loss of a rank, the coordinator itself among them,
+named on every survivor, and connections opened only as they are needed."""
 
 from __future__ import annotations
 
@@ -73,3 +73,16 @@ def test_ranks_go_on_after_the_coordinator_shut_down_and_left(tmp_path):
     assert proc.stdout.count("<stdout>:DONE") == 4
     pairs = [float(l.split("PAIR ")[1]) for l in proc.stdout.splitlines() if "PAIR" in l]
     assert len(pairs) == 2 and min(pairs) > 1.5, proc.stdout  # they outlived ranks 0, 1
+
+
+@pytest.mark.timeout(120)
+def test_sockets_open_only_as_the_job_needs_them_at_np5():
+    # under the coordinator a rank holds a control socket to rank 0 only (N - 1 in all,
+    # not N(N - 1) / 2), and a data socket to a peer once bytes first move between them
+    got = run_ranks(5, workers.connections_on_demand, timeout_s=100,
+                    env={"RONDE_SHM_CONTROL": "0", "RONDE_TRANSPORT": "tcp"})
+    n = 5
+    assert [ctl for ctl, _, _ in got] == [n - 1] + [1] * (n - 1)
+    for r, (_, ring, every) in enumerate(got):
+        assert ring == sorted({(r - 1) % n, (r + 1) % n}), (r, ring)
+        assert every == [p for p in range(n) if p != r], (r, every)

@@ -841,6 +841,28 @@ def at_scale() -> tuple:
     return coordinated, "ok"
 
 
+def connections_on_demand() -> tuple:
+    """Which sockets a job under the coordinator holds (transport/mesh.py): after
+    ``init()`` only the control sockets to rank 0; after a ring allreduce the data
+    sockets of its two ring neighbours; after an alltoall one to every peer. Returns
+    (control sockets, data sockets after the ring, after the alltoall)."""
+    import ronde as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    mesh = hvd._api.runtime().mesh
+    ctl, data0 = len(mesh.ctl), len(mesh.data)
+    assert data0 == 0, data0
+    big = hvd.allreduce(np.full(300_007, r, np.float64), op=hvd.Sum, name="ring")
+    assert np.all(big == n * (n - 1) / 2)
+    ring = sorted(mesh.data)
+    a2a = hvd.alltoall(np.arange(n, dtype=np.int64) + 100 * r, name="a2a")
+    assert [int(v) for v in a2a] == [100 * k + r for k in range(n)]
+    every = sorted(mesh.data)
+    hvd.shutdown()
+    return ctl, ring, every
+
+
 def timeline_training_steps() -> int:
     """Six training-like steps (compute, then three gradients allreduced), rank 1
     computing 30 ms longer each step (the late rank), under RONDE_TIMELINE."""

@@ -127,7 +127,7 @@ def test_sleeping_flag_stays_up_while_any_thread_sleeps(pair):
     a, b = pair
     x, y = socket.socketpair()
     try:
-        ex = Exchange(0, {1: x}, a, load({}), str)
+        ex = Exchange(0, 2, {1: x}, a, load({}), str)
         assert not ex.before_block(0)  # the control thread goes to sleep
         assert b.sleepers() == [0]
         assert not ex.before_block(0)  # a driver waits for a frame too
@@ -160,7 +160,7 @@ def test_a_peer_that_posts_its_last_round_and_exits_is_not_lost(pair, monkeypatc
 
     monkeypatch.setattr(a, "take", late_take)
     try:
-        ex = Exchange(0, {1: x}, a, load({"RONDE_SPIN_TIME": "0"}), str)
+        ex = Exchange(0, 2, {1: x}, a, load({"RONDE_SPIN_TIME": "0"}), str)
         b.post(1, protocol.pack_round(protocol.RoundMessage(shutdown=True), b"tail"))
         y.close()
         messages, blobs = [protocol.SILENT] * 2, [b"", b""]

@@ -195,6 +195,8 @@ def run(ex: Exchange, round_no: int, payload: bytes, messages: list[Any],
 
 def _run_root(ex: Exchange, payload: bytes, messages: list[Any], blobs: list[bytes],
               failed: Callable[[], BaseException | None], shut_down: set[int]) -> None:
+    for r in ex.live():  # after a failover the members connect to this rank now
+        ex.reader(r, shut_down, failed)
     live = ex.live()
     got: dict[int, bytes] = {ex.rank: payload}
     for r in live:
@@ -238,7 +240,9 @@ def _run_root(ex: Exchange, payload: bytes, messages: list[Any], blobs: list[byt
 def _run_member(ex: Exchange, root_rank: int, payload: bytes, messages: list[Any],
                 blobs: list[bytes], failed: Callable[[], BaseException | None],
                 shut_down: set[int]) -> None:
-    root = ex.readers[root_rank]
+    root = ex.reader(root_rank, shut_down, failed)
+    if root is None:  # it shut down and left before this rank connected
+        raise _CoordinatorLeft
     to_send = {root_rank: memoryview(wire.encode_frame(protocol.KIND_ROUND, payload))}
     start = time.monotonic()
     while True:
@@ -287,7 +291,7 @@ def _other_sockets(ex: Exchange, root_rank: int, shut_down: set[int]) -> None:
     notice (a rank that lost a peer tells everyone: raised here), their close, or what
     a rank that already coordinates, or one that takes this rank for the coordinator,
     sent early (left buffered for that round)."""
-    for r in ex.live():
+    for r in ex.linked():
         if r == root_rank:
             continue
         reader = ex.readers[r]

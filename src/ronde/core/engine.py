@@ -34,7 +34,7 @@ from .._errors import (DuplicateNameError, PeerLostError, RondeError, fresh_copy
                        ShutdownError)
 from ..transport import mailbox
 from ..transport.base import Communicator
-from .exchange import Exchange
+from .exchange import Exchange, Link
 from .executor import Executor
 from .negotiation import Negotiator, Response
 from . import autotune, crossed, protocol, rounds
@@ -54,7 +54,8 @@ class Engine:
                  comms: dict[int, Communicator], process_sets: dict[int, list[int]],
                  make_communicator: Callable[[int, list[int]], Communicator | None],
                  describe_rank: Callable[[int], str],
-                 mailboxes: "mailbox.Mailboxes | None" = None) -> None:
+                 mailboxes: "mailbox.Mailboxes | None" = None,
+                 link: Link | None = None) -> None:
         self.rank, self.size, self.cfg = rank, size, cfg
         self.cycle_s = cfg.cycle_time_ms / 1000.0  #: set anew by autotune (autotune.py)
         self.describe_rank = describe_rank
@@ -75,7 +76,7 @@ class Engine:
         self._comms = comms
         self.negotiator = Negotiator(size, {k: list(v) for k, v in process_sets.items()},
                                      cfg.fusion_threshold_bytes, cfg.cache_capacity)
-        self.exchange = Exchange(rank, ctl_socks, mailboxes, cfg, describe_rank)
+        self.exchange = Exchange(rank, size, ctl_socks, mailboxes, cfg, describe_rank, link)
         self.announcer = rounds.Announcer(self.negotiator.cache, rank, cfg.inline_bytes)
         self._wake_r, self._wake_w = os.pipe()
         self._wake_pending = False
@@ -438,7 +439,7 @@ class Engine:
         messages = [protocol.SILENT] * self.size
         blobs: list[bytes] = [b""] * self.size
         messages[self.rank], blobs[self.rank] = msg, blob
-        if self.exchange.readers:
+        if self.size > 1:
             self.exchange.run(self._rounds + 1, protocol.pack_round(msg, blob), messages,
                               blobs, self._reraise_error, self.negotiator.shutdown)
         self._rounds += 1

@@ -38,22 +38,30 @@ from . import coordinator, protocol, rounds
 
 log = logging.getLogger(__name__)
 
+#: ``Mesh.link`` (peer, channel, wait, aborted, refused_means_left) -> socket
+Link = Callable[[int, str, float, Callable[[], "BaseException | None"], bool], socket.socket]
+
 
 class Exchange:
     """The control sockets and mailboxes of one engine, and who is awake to read them."""
 
-    def __init__(self, rank: int, ctl_socks: dict[int, socket.socket],
+    def __init__(self, rank: int, size: int, ctl_socks: dict[int, socket.socket],
                  mailboxes: "mailbox.Mailboxes | None", cfg: Config,
-                 describe_rank: Callable[[int], str]) -> None:
+                 describe_rank: Callable[[int], str], link: Link | None = None) -> None:
         self.rank = rank
         self.cfg = cfg
         self.describe_rank = describe_rank
+        #: the control sockets open (every peer's, or under the coordinator only rank 0's
+        #: on a member: see transport/mesh.py); more come from ``link`` after a failover
         self.readers = {r: rounds.FrameReader(s) for r, s in ctl_socks.items()}
+        self._link = link
         self.decoder = protocol.Decoder()
         for s in ctl_socks.values():
             s.setblocking(False)
         self.mailboxes = mailboxes
-        self.size = len(ctl_socks) + 1
+        self.size = size
+        #: every other rank of the job
+        self.peers = [r for r in range(size) if r != rank]
         #: rounds go through rank 0 (``coordinator.py``) instead of all-to-all (decided
         #: alike on every rank by ``_cores.coordinated``, which sets ``coordinator_min``
         #: to 0 where not)
@@ -66,11 +74,40 @@ class Exchange:
 
     # -- state seen by the driver ---------------------------------------------------------
     def live(self) -> list[int]:
+        """The other ranks still in the job (whether or not a socket joins them)."""
+        return [r for r in self.peers if r not in self.gone]
+
+    def linked(self) -> list[int]:
+        """The live ranks this rank holds a control socket to."""
         return [r for r in self.readers if r not in self.gone]
+
+    def reader(self, r: int, shut_down: set[int], failed: Callable[[], BaseException | None],
+               ) -> "rounds.FrameReader | None":
+        """The control socket to ``r``, opened if it is not yet (the coordinator's after
+        rank 0 left: transport/mesh.py); None, and ``r`` gone, when ``r`` shut down and
+        left before (a lower rank that refuses the connection; a higher one that does
+        not open it within ``RONDE_SHUTDOWN_TIMEOUT``, the time it had to leave)."""
+        reader = self.readers.get(r)
+        if reader is not None or self._link is None:
+            return reader
+        left = r in shut_down
+        wait_s = self.cfg.shutdown_timeout_s if left else self.cfg.start_timeout_s
+        try:
+            sock = self._link(r, "ctl", wait_s, failed, left)
+        except (PeerLostError, OSError) as exc:
+            if not left:
+                raise exc if isinstance(exc, PeerLostError) else PeerLostError(
+                    f"cannot reach rank {self.describe_rank(r)} (the negotiation "
+                    f"coordinator now): {exc!r}", rank=r) from None
+            self.gone.add(r)
+            return None
+        sock.setblocking(False)
+        reader = self.readers[r] = rounds.FrameReader(sock)
+        return reader
 
     def peer_started(self, rounds_done: int) -> bool:
         """Whether a peer has started the next round (or closed its socket)."""
-        for r in self.live():
+        for r in self.linked():
             rd = self.readers[r]
             if rd.eof or rd.has_frame():
                 return True
@@ -78,7 +115,7 @@ class Exchange:
         return mb is not None and mb.ahead(rounds_done, self.gone)
 
     def sockets(self) -> list[socket.socket]:
-        return [self.readers[r].sock for r in self.live()]
+        return [self.readers[r].sock for r in self.linked()]
 
     def fill(self, sock: Any) -> None:
         """Read what a socket that ``select`` found readable holds (hold the drive lock)."""

@@ -165,8 +165,9 @@ def _tcp(ctx: Context, group: list[int]) -> Communicator:
     from .tcp import SocketP2P
 
     assert ctx.mesh is not None
-    p2p = SocketP2P(ctx.rank, group, ctx.mesh.data, ctx.describe, ctx.aborted,
-                    ctx.cfg.stall_shutdown_time_s)
+    mesh, wait_s = ctx.mesh, ctx.cfg.stall_shutdown_time_s
+    p2p = SocketP2P(ctx.rank, group, lambda g: mesh.link(g, "data", wait_s, ctx.aborted),
+                    ctx.describe, ctx.aborted, wait_s)
     return P2PCommunicator(p2p, ctx.cfg.small_allreduce_bytes)
 
 

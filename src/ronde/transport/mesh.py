@@ -1,10 +1,19 @@
-"""The connection mesh: one authenticated control and one data socket per peer.
+"""The connection mesh: authenticated sockets between ranks, opened when needed.
 
-At ``init()``, every rank listens, publishes its address through the rendezvous,
-then connects to every *lower* rank (twice: ``ctl`` and ``data``) while a
-background thread accepts the connections of every *higher* rank. Each connection
-starts with the HMAC challenge of :mod:`ronde.transport.wire` and a hello frame
-naming the rank, the generation and the channel; anything else is dropped.
+At ``init()``, every rank listens and publishes its address through the rendezvous.
+Two channels join a pair of ranks: ``ctl`` (negotiation) and ``data`` (the tcp data
+plane). The higher rank of a pair always connects, the lower one accepts (a thread
+that listens for the life of the job), so a pair never has two sockets for one channel.
+Each connection starts with the HMAC challenge of :mod:`ronde.transport.wire` and a
+hello frame naming the rank, the generation and the channel; anything else is dropped.
+
+What is opened when: the control sockets the negotiation needs from the start, before
+``init()`` returns (``ctl_peers``: every peer when rounds go all-to-all; only the
+coordinator, rank 0, for the other ranks when they go through it: ``N - 1``
+connections in all, not ``N(N - 1) / 2``); everything else on first use, by
+:meth:`Mesh.link`: a data socket when a collective first moves bytes to or from that
+peer (a ring uses two per rank; shared memory none), a control socket when a rank
+becomes the coordinator after rank 0 left.
 """
 
 from __future__ import annotations
@@ -13,9 +22,10 @@ import logging
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, Iterable
 
-from .._errors import AuthenticationError, ProtocolError, RendezvousError
+from .._errors import (AuthenticationError, PeerLostError, ProtocolError, RendezvousError,
+                       ShutdownError)
 from . import wire
 
 log = logging.getLogger(__name__)
@@ -54,47 +64,106 @@ def _tune(sock: socket.socket, chan: str) -> None:
 
 
 class Mesh:
-    """Sockets to every peer: ``ctl[rank]`` and ``data[rank]``."""
+    """The sockets of one rank: ``ctl[rank]`` and ``data[rank]`` hold those open."""
 
     def __init__(self, rank: int, size: int, generation: int, secret: bytes,
-                 listener: socket.socket, peers: list[dict[str, Any]], timeout_s: float) -> None:
+                 listener: socket.socket, peers: list[dict[str, Any]], timeout_s: float,
+                 ctl_peers: Iterable[int] | None = None) -> None:
         self.rank, self.size, self.generation = rank, size, generation
         self.ctl: dict[int, socket.socket] = {}
         self.data: dict[int, socket.socket] = {}
+        #: the peers whose control sockets ``connect`` opens (default: every peer)
+        self.ctl_peers = sorted(set(range(size)) - {rank} if ctl_peers is None
+                                else set(ctl_peers) - {rank})
         self._secret = secret
         self._listener = listener
         self._peers = peers
         self._timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._connecting = threading.Lock()
+        self._closed = False
+        self._acceptor: threading.Thread | None = None
         self._accept_error: BaseException | None = None
         self._rejected_logged = False
 
+    def _table(self, chan: str) -> dict[int, socket.socket]:
+        return self.ctl if chan == "ctl" else self.data
+
     def connect(self) -> "Mesh":
+        """Open the control sockets of ``ctl_peers``; start accepting the rest."""
         deadline = time.monotonic() + self._timeout_s
-        acceptor = threading.Thread(target=self._accept, args=(deadline,), daemon=True,
-                                    name="ronde-mesh-accept")
-        acceptor.start()
+        self._acceptor = threading.Thread(target=self._accept, daemon=True,
+                                          name="ronde-mesh-accept")
+        self._acceptor.start()
         try:
-            for peer in range(self.rank):
-                info = self._peers[peer]
-                for chan in CHANNELS:
-                    self._connect_one(peer, info, chan, deadline)
-        finally:
-            acceptor.join(max(0.0, deadline - time.monotonic()) + 1.0)
+            for peer in self.ctl_peers:
+                if peer < self.rank:
+                    self._connect_one(peer, "ctl", deadline)
+            higher = [r for r in self.ctl_peers if r > self.rank]
+            with self._cond:
+                while True:
+                    missing = [r for r in higher if r not in self.ctl]
+                    left = deadline - time.monotonic()
+                    if not missing or self._accept_error is not None or left <= 0:
+                        break
+                    self._cond.wait(min(left, 0.2))
+        except BaseException:
+            self.close()
+            raise
         if self._accept_error is not None:
             self.close()
             raise self._accept_error
-        missing = [r for r in range(self.rank + 1, self.size)
-                   if r not in self.ctl or r not in self.data]
         if missing:
             self.close()
             raise RendezvousError(
                 f"rank {self.rank}: ranks {missing} did not connect within "
                 f"{self._timeout_s:g}s after rendezvous; a firewall may block their "
                 "connections, or they failed (see their output)")
-        self._listener.close()
         return self
 
-    def _connect_one(self, peer: int, info: dict[str, Any], chan: str, deadline: float) -> None:
+    def link(self, peer: int, chan: str = "data", timeout_s: float = 0.0,
+             aborted: Callable[[], BaseException | None] = lambda: None,
+             refused_means_left: bool = False) -> socket.socket:
+        """The socket to ``peer`` on ``chan``, opened now if it is not yet: this rank
+        connects to a lower rank, and waits for a higher one to connect (it does when it
+        first needs the link: the two sides of a collective ask alike). The wait checks
+        ``aborted`` every 0.2 s and ends after ``timeout_s`` (0: it does not) with a
+        :class:`PeerLostError`; so does a refused connection with
+        ``refused_means_left`` (a peer that shut down and exited), at once."""
+        table = self._table(chan)
+        sock = table.get(peer)
+        if sock is not None:
+            return sock
+        if not 0 <= peer < self.size or peer == self.rank:
+            raise ValueError(f"rank {self.rank} has no link to rank {peer}")
+        if peer < self.rank:
+            with self._connecting:  # one connection per pair and channel, whatever the thread
+                sock = table.get(peer)
+                if sock is None:
+                    self._connect_one(peer, chan, time.monotonic() + (timeout_s or
+                                                                      self._timeout_s),
+                                      refused_means_left)
+                return table[peer]
+        start = time.monotonic()
+        with self._cond:
+            while peer not in table:
+                err = aborted() or self._accept_error
+                if err is not None:
+                    raise err
+                if self._closed:
+                    raise ShutdownError(f"rank {self.rank}: the mesh is closed")
+                waited = time.monotonic() - start
+                if timeout_s and waited > timeout_s:
+                    raise PeerLostError(
+                        f"rank {peer} did not open its {chan} connection to rank "
+                        f"{self.rank} within {waited:.0f}s; it is not taking part in "
+                        "this collective (see its output)", rank=peer)
+                self._cond.wait(0.2)
+            return table[peer]
+
+    def _connect_one(self, peer: int, chan: str, deadline: float,
+                     refused_means_left: bool = False) -> None:
+        info = self._peers[peer]
         addr, port = str(info["addr"]), int(info["port"])
         while True:
             remaining = deadline - time.monotonic()
@@ -106,34 +175,43 @@ class Mesh:
             try:
                 sock = wire.connect(addr, port, self._secret, min(remaining, 5.0))
                 break
-            except (ConnectionRefusedError, socket.timeout, TimeoutError):
+            except ConnectionRefusedError:
+                if refused_means_left:
+                    raise PeerLostError(f"rank {peer} is no longer listening at "
+                                        f"{addr}:{port}", rank=peer) from None
+                time.sleep(0.05)
+            except (socket.timeout, TimeoutError):
                 time.sleep(0.05)
         _tune(sock, chan)
         wire.send_frame(sock, KIND_HELLO, wire.dumps(
             {"rank": self.rank, "gen": self.generation, "chan": chan}))
         sock.settimeout(None)
-        (self.ctl if chan == "ctl" else self.data)[peer] = sock
+        self._table(chan)[peer] = sock
 
-    def _accept(self, deadline: float) -> None:
-        expected = {(r, c) for r in range(self.rank + 1, self.size) for c in CHANNELS}
-        while expected and time.monotonic() < deadline:
+    def _accept(self) -> None:
+        """For the life of the mesh: accept the connections of higher ranks."""
+        while not self._closed:
             try:
                 conn, addr = self._listener.accept()
             except (socket.timeout, TimeoutError):
                 continue
             except OSError as exc:
-                self._accept_error = exc
+                if not self._closed:
+                    with self._cond:
+                        self._accept_error = exc
+                        self._cond.notify_all()
                 return
             try:
                 conn.settimeout(None)
                 wire.authenticate_server(conn, self._secret, time.monotonic() + 5.0)
                 kind, payload = wire.recv_frame(conn, time.monotonic() + 5.0, 1024)
                 hello = wire.loads(payload)
-                key = (int(hello["rank"]), str(hello["chan"]))
+                peer, chan = int(hello["rank"]), str(hello["chan"])
                 if kind != KIND_HELLO or int(hello["gen"]) != self.generation:
                     raise ProtocolError("hello for another generation")
-                if key not in expected:
-                    raise ProtocolError(f"unexpected hello {key}")
+                if not self.rank < peer < self.size or chan not in CHANNELS \
+                        or peer in self._table(chan):
+                    raise ProtocolError(f"unexpected hello {(peer, chan)}")
             except (AuthenticationError, ProtocolError, OSError, TimeoutError, KeyError,
                     TypeError, ValueError) as exc:
                 if not self._rejected_logged:
@@ -141,37 +219,58 @@ class Mesh:
                     log.warning("rank %d dropped a connection from %s: %s", self.rank, addr, exc)
                 conn.close()
                 continue
-            expected.discard(key)
-            _tune(conn, key[1])
-            (self.ctl if key[1] == "ctl" else self.data)[key[0]] = conn
+            _tune(conn, chan)
+            with self._cond:
+                self._table(chan)[peer] = conn
+                self._cond.notify_all()
 
     def barrier(self, timeout_s: float) -> None:
-        """Meet every peer on the (otherwise idle) data sockets; raise on failure.
+        """Meet every peer on the data sockets (through rank 0: every rank tells it,
+        it answers each once all did); raise on failure.
 
         Used when ronde's own transports are not: a rank leaves only after every peer
         has entered, which is what tearing down another library's connections needs.
         """
         deadline = time.monotonic() + timeout_s
         payload = wire.dumps({"rank": self.rank, "gen": self.generation})
-        for sock in self.data.values():
-            wire.send_frame(sock, KIND_BARRIER, payload)
-        for peer, sock in self.data.items():
-            kind, got = wire.recv_frame(sock, deadline, 1024)
-            hello = wire.loads(got)
-            if kind != KIND_BARRIER or hello.get("rank") != peer:
-                raise ProtocolError(f"unexpected frame from rank {peer} in the closing barrier")
-        for sock in self.data.values():
+        others = range(1, self.size) if self.rank == 0 else [0]
+        socks = {p: self.link(p, "data", timeout_s) for p in others}
+        if self.rank == 0:
+            for peer, sock in socks.items():
+                self._barrier_frame(sock, peer, deadline)
+            for sock in socks.values():
+                wire.send_frame(sock, KIND_BARRIER, payload)
+        else:
+            wire.send_frame(socks[0], KIND_BARRIER, payload)
+            self._barrier_frame(socks[0], 0, deadline)
+        for sock in socks.values():
             sock.settimeout(None)
 
+    def _barrier_frame(self, sock: socket.socket, peer: int, deadline: float) -> None:
+        kind, got = wire.recv_frame(sock, deadline, 1024)
+        hello = wire.loads(got)
+        if kind != KIND_BARRIER or hello.get("rank") != peer:
+            raise ProtocolError(f"unexpected frame from rank {peer} in the closing barrier")
+
     def close(self) -> None:
-        for table in (self.ctl, self.data):
-            for s in table.values():
-                try:
-                    s.close()
-                except OSError:
-                    pass
-            table.clear()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the acceptor's accept()
+        except OSError:
+            pass
         try:
             self._listener.close()
         except OSError:
             pass
+        if self._acceptor is not None and self._acceptor is not threading.current_thread():
+            self._acceptor.join(1.0)
+        with self._cond:
+            for table in (self.ctl, self.data):
+                for s in table.values():
+                    try:
+                        s.close()
+                    except OSError:
+                        pass
+                table.clear()

@@ -21,21 +21,30 @@ _CHUNK = 4 * 1024 * 1024
 
 
 class SocketP2P:
-    """P2P over already-connected, authenticated stream sockets."""
+    """P2P over authenticated stream sockets, each taken from ``links`` (a global rank's
+    socket: a dict, or the mesh's :meth:`~ronde.transport.mesh.Mesh.link`, which opens
+    it) when a collective first moves bytes with that peer."""
 
-    def __init__(self, rank: int, members: list[int], socks: dict[int, socket.socket],
+    def __init__(self, rank: int, members: list[int],
+                 links: "dict[int, socket.socket] | Callable[[int], socket.socket]",
                  describe_peer: Callable[[int], str], aborted: Callable[[], BaseException | None],
                  progress_timeout_s: float = 0.0) -> None:
         self.members = members
         self.rank = members.index(rank)
         self.size = len(members)
-        self._socks = {i: socks[g] for i, g in enumerate(members) if g != rank}
+        self._link = links.__getitem__ if isinstance(links, dict) else links
+        self._socks: dict[int, socket.socket] = {}
         self._describe = describe_peer
         self._aborted = aborted
         #: fail when a peer moves no byte for this long (0: wait for ever)
         self.progress_timeout_s = progress_timeout_s
-        for s in self._socks.values():
+
+    def _sock(self, peer: int) -> socket.socket:
+        s = self._socks.get(peer)
+        if s is None:
+            s = self._socks[peer] = self._link(self.members[peer])
             s.setblocking(False)
+        return s
 
     def _lost(self, peer: int, why: str) -> PeerLostError:
         g = self.members[peer]
@@ -58,8 +67,12 @@ class SocketP2P:
         send_buf = send_buf.cast("B") if send_buf.format != "B" else send_buf
         recv_buf = recv_buf.cast("B") if recv_buf.format != "B" else recv_buf
         to_send, to_recv = len(send_buf), len(recv_buf)
-        ssock = self._socks[send_peer] if to_send else None
-        rsock = self._socks[recv_peer] if to_recv else None
+        if to_send and to_recv and self.members[recv_peer] < self.members[send_peer]:
+            rsock = self._sock(recv_peer)  # the link this rank opens first, the one it
+            ssock = self._sock(send_peer)  # waits for then (mesh.py): no cycle of waits
+        else:
+            ssock = self._sock(send_peer) if to_send else None
+            rsock = self._sock(recv_peer) if to_recv else None
         sent = got = 0
         last_progress = 0.0
         while sent < to_send or got < to_recv:
