@@ -18,6 +18,7 @@ import pytest
 from ronde.collectives import (
     ReduceOp,
     allgatherv,
+    allgatherv_bruck,
     allgatherv_direct,
     allgatherv_ring,
     allreduce,
@@ -229,6 +230,7 @@ def test_reducescatter_rejects_bad_counts() -> None:
 ALLGATHER_ALGOS: dict[str, Callable[..., None]] = {
     "ring": allgatherv_ring,
     "direct": allgatherv_direct,
+    "bruck": allgatherv_bruck,
     "auto": functools.partial(allgatherv, small_bytes=1024),
 }
 
@@ -251,6 +253,25 @@ def test_allgatherv(algo: str, size: int) -> None:
                     return recv
 
                 check_result(run_threads(size, body), full, ReduceOp.MAX, f"{algo} n={size} counts={counts}")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", [6, 7, 8, 9])
+def test_bruck_allgatherv_beyond_a_power_of_two(size: int) -> None:
+    # the last step sends fewer blocks than the rank holds (n not a power of two)
+    for length in (0, size - 1, 3 * size + 2):
+        full = make_inputs(1, length, np.float32, ReduceOp.MAX, seed=5)[0]
+        for counts in counts_patterns(length, size):
+            offs = np.cumsum([0, *counts])
+
+            def body(ep: Any) -> np.ndarray:
+                recv = np.zeros(length, dtype=np.float32)
+                allgatherv_bruck(ep, full[offs[ep.rank]: offs[ep.rank + 1]].copy(), recv,
+                                 counts)
+                return recv
+
+            check_result(run_threads(size, body), full, ReduceOp.MAX,
+                         f"bruck n={size} counts={counts}")
 
 
 @pytest.mark.timeout(60)

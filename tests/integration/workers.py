@@ -856,6 +856,8 @@ def connections_on_demand() -> tuple:
     big = hvd.allreduce(np.full(300_007, r, np.float64), op=hvd.Sum, name="ring")
     assert np.all(big == n * (n - 1) / 2)
     ring = sorted(mesh.data)
+    rows = hvd.allgather(np.full((r + 1, 2), r, np.int32), name="rows")  # Bruck's, tcp
+    assert [int(v) for v in rows[:, 0]] == [k for k in range(n) for _ in range(k + 1)]
     a2a = hvd.alltoall(np.arange(n, dtype=np.int64) + 100 * r, name="a2a")
     assert [int(v) for v in a2a] == [100 * k + r for k in range(n)]
     every = sorted(mesh.data)

@@ -7,7 +7,7 @@ algorithm by message size; the named variants are exported for tests and
 benchmarks. Each module's docstring gives the cost model.
 """
 
-from .allgather import allgatherv, allgatherv_direct, allgatherv_ring
+from .allgather import allgatherv, allgatherv_bruck, allgatherv_direct, allgatherv_ring
 from .allreduce import allreduce, allreduce_recursive_doubling, allreduce_ring
 from .alltoall import alltoallv
 from .barrier import barrier
@@ -20,6 +20,7 @@ __all__ = [
     "P2P",
     "ReduceOp",
     "allgatherv",
+    "allgatherv_bruck",
     "allgatherv_direct",
     "allgatherv_ring",
     "allreduce",

@@ -9,7 +9,12 @@ Cost model (``n`` ranks, ``L`` bytes gathered in total, ``L_r`` from rank ``r``)
 * **direct** (pairwise): ``n - 1`` steps; at step ``s`` rank ``r`` sends its own
   block to ``r + s`` and receives from ``r - s``. A rank sends ``(n - 1) * L_r``
   bytes in ``n - 1`` messages; the steps are independent (no store and forward),
-  which is what matters for small messages where latency dominates.
+  which is what matters for small messages where latency dominates, up to a few ranks.
+* **Bruck** (small totals beyond ``BRUCK_MIN_RANKS`` ranks): ``ceil(log2 n)`` steps;
+  at step ``k`` rank ``r`` sends the blocks it holds (``r`` to ``r + 2^k - 1``) to
+  ``r - 2^k`` and receives the next ones from ``r + 2^k``, then rotates them into
+  place: latency ``log2 n`` messages instead of ``n - 1``, and ``2 log2 n`` peers
+  (sockets opened, see transport/mesh.py) instead of every one.
 
 Results are byte copies, so every rank holds identical bytes.
 """
@@ -21,10 +26,14 @@ import numpy as np
 from .p2p import P2P, exchange, flat_view
 from .reducescatter import check_counts, offsets_of
 
-__all__ = ["allgatherv", "allgatherv_direct", "allgatherv_ring", "DEFAULT_SMALL_BYTES"]
+__all__ = ["allgatherv", "allgatherv_bruck", "allgatherv_direct", "allgatherv_ring",
+           "DEFAULT_SMALL_BYTES"]
 
-#: Totals up to this many bytes use the direct algorithm.
+#: Totals up to this many bytes use the direct algorithm (Bruck's beyond a few ranks).
 DEFAULT_SMALL_BYTES = 64 * 1024
+#: From this many ranks on, small totals use Bruck's algorithm (fewer steps than direct:
+#: 3 against 4 at 5 ranks)
+BRUCK_MIN_RANKS = 5
 
 
 def ring_allgather_inplace(p2p: P2P, work: np.ndarray, offsets: list[int]) -> None:
@@ -79,6 +88,27 @@ def allgatherv_direct(p2p: P2P, send: np.ndarray, recv: np.ndarray, counts: list
         exchange(p2p, (r + s) % n, sflat, src, rflat[offsets[src] : offsets[src + 1]])
 
 
+def allgatherv_bruck(p2p: P2P, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None:
+    """Bruck's allgather in ``ceil(log2 n)`` steps (module docstring)."""
+    sflat, rflat, offsets = _prepare(p2p, send, recv, counts, "allgatherv")
+    n, r = p2p.size, p2p.rank
+    if n == 1 or rflat.size == 0:
+        return
+    # the blocks in the order this rank gathers them: r, r + 1, ..., r - 1
+    pos = offsets_of([counts[(r + i) % n] for i in range(n)])
+    work = np.empty_like(rflat)
+    work[: pos[1]] = sflat
+    have = 1
+    while have < n:
+        m = min(have, n - have)
+        exchange(p2p, (r - have) % n, work[: pos[m]], (r + have) % n,
+                 work[pos[have]: pos[have + m]])
+        have += m
+    tail = rflat.size - offsets[r]  # blocks r .. n - 1 come first in ``work``
+    rflat[offsets[r]:] = work[:tail]
+    rflat[: offsets[r]] = work[tail:]
+
+
 def allgatherv(
     p2p: P2P,
     send: np.ndarray,
@@ -94,10 +124,13 @@ def allgatherv(
         recv: Contiguous output of ``sum(counts)`` elements, same dtype; block
             ``r`` (``counts[r]`` elements) comes from rank ``r``.
         counts: Elements per rank (zeros allowed); identical on all ranks.
-        small_bytes: Totals up to this many bytes use the direct algorithm,
-            larger ones the ring (at 2 ranks the two are the same exchange).
+        small_bytes: Totals up to this many bytes use the direct algorithm (Bruck's
+            from ``BRUCK_MIN_RANKS`` ranks), larger ones the ring (at 2 ranks the
+            three are the same exchange).
     """
-    if recv.nbytes <= small_bytes or p2p.size <= 2:
+    if p2p.size <= 2 or (recv.nbytes <= small_bytes and p2p.size < BRUCK_MIN_RANKS):
         allgatherv_direct(p2p, send, recv, counts)
+    elif recv.nbytes <= small_bytes:
+        allgatherv_bruck(p2p, send, recv, counts)
     else:
         allgatherv_ring(p2p, send, recv, counts)
