@@ -37,7 +37,18 @@ _SOCK_BUF_BYTES = 4 * 1024 * 1024
 
 
 def listen(bind_addr: str) -> socket.socket:
-    sock = socket.create_server((bind_addr, 0), backlog=1024)  # every higher rank at once
+    sock = socket.socket(socket.AF_INET6 if ":" in bind_addr else socket.AF_INET,
+                         socket.SOCK_STREAM)
+    try:
+        # accepted sockets take the listener's buffers from the handshake on: a data
+        # link opened while a collective waits on it starts at full window
+        wire.set_buffers(sock, _SOCK_BUF_BYTES)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((bind_addr, 0))
+        sock.listen(1024)  # every higher rank at once
+    except BaseException:
+        sock.close()
+        raise
     sock.settimeout(0.2)
     return sock
 
@@ -56,11 +67,7 @@ def _tune(sock: socket.socket, chan: str) -> None:
             except OSError:
                 pass
     if chan == "data":
-        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, opt, _SOCK_BUF_BYTES)
-            except OSError:
-                pass
+        wire.set_buffers(sock, _SOCK_BUF_BYTES)
 
 
 class Mesh:
@@ -173,7 +180,8 @@ class Mesh:
                     f"(host {info.get('host')}); check that this address is reachable "
                     "(RONDE_BIND_ADDR / interfaces)")
             try:
-                sock = wire.connect(addr, port, self._secret, min(remaining, 5.0))
+                sock = wire.connect(addr, port, self._secret, min(remaining, 5.0),
+                                    buffer_bytes=_SOCK_BUF_BYTES if chan == "data" else 0)
                 break
             except ConnectionRefusedError:
                 if refused_means_left:

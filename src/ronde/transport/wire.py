@@ -129,16 +129,19 @@ def authenticate_server(sock: socket.socket, secret: bytes, deadline: float) -> 
 
 
 def connect(
-    host: str, port: int, secret: bytes, timeout_s: float, *, family: int | None = None
+    host: str, port: int, secret: bytes, timeout_s: float, *, family: int | None = None,
+    buffer_bytes: int = 0
 ) -> socket.socket:
-    """Open an authenticated TCP (or, for a path starting with NUL, abstract unix) connection."""
+    """Open an authenticated TCP (or, for a path starting with NUL, abstract unix)
+    connection; ``buffer_bytes``: the send and receive buffers, set before the
+    handshake so that the window it negotiates can use them."""
     deadline = time.monotonic() + timeout_s
     if family == socket.AF_UNIX:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout_s)
         sock.connect(host)
     else:
-        sock = socket.create_connection((host, port), timeout=timeout_s)
+        sock = _tcp_connect(host, port, timeout_s, buffer_bytes)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         authenticate_client(sock, secret, deadline)
@@ -146,3 +149,30 @@ def connect(
         sock.close()
         raise
     return sock
+
+
+def set_buffers(sock: socket.socket, nbytes: int) -> None:
+    """Ask for ``nbytes`` send and receive buffers (the kernel may cap them)."""
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, nbytes)
+        except OSError:
+            pass
+
+
+def _tcp_connect(host: str, port: int, timeout_s: float, buffer_bytes: int) -> socket.socket:
+    """``socket.create_connection``, with the buffers set before ``connect``."""
+    if not buffer_bytes:
+        return socket.create_connection((host, port), timeout=timeout_s)
+    err: OSError | None = None
+    for fam, kind, proto, _, addr in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+        sock = socket.socket(fam, kind, proto)
+        try:
+            set_buffers(sock, buffer_bytes)
+            sock.settimeout(timeout_s)
+            sock.connect(addr)
+            return sock
+        except OSError as exc:
+            sock.close()
+            err = exc
+    raise err if err is not None else OSError(f"cannot resolve {host}")
