@@ -279,9 +279,10 @@ KNOBS: tuple[Knob, ...] = (
          default='`3`', unit='ranks',
          doc='From this many ranks on (and where no same-host mailboxes carry the '
              'negotiation, see `RONDE_SHM_CONTROL`), each negotiation round goes through '
-             'rank 0: every rank sends it its frame and receives all frames back (3(N-1)'
+             'rank 0: every rank sends it its frame and receives one bundle of the round\'s '
+             'frames back, each distinct frame once with a bit mask of its senders (3(N-1)'
              ' messages a round instead of N(N-1); every rank still decides from the '
-             'same frames). Below it, frames go all-to-all (one hop: faster for few '
+             'same frames; `init()` opens N - 1 control sockets instead of N(N-1)/2). Below it, frames go all-to-all (one hop: faster for few '
              'ranks: measured faster at 2 ranks, slower from 3). `0`: always '
              'all-to-all.'),
     Knob("spin_time_us", "RONDE_SPIN_TIME", float,

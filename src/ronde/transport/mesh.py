@@ -147,9 +147,15 @@ class Mesh:
             with self._connecting:  # one connection per pair and channel, whatever the thread
                 sock = table.get(peer)
                 if sock is None:
-                    self._connect_one(peer, chan, time.monotonic() + (timeout_s or
-                                                                      self._timeout_s),
-                                      refused_means_left)
+                    try:
+                        self._connect_one(peer, chan, time.monotonic() + (
+                            timeout_s or self._timeout_s), refused_means_left)
+                    except PeerLostError:
+                        raise
+                    except (RendezvousError, AuthenticationError, OSError) as exc:
+                        # during the job: fail it everywhere, naming the peer
+                        raise PeerLostError(f"{exc} (opening the {chan} link to rank "
+                                            f"{peer} on first use)", rank=peer) from None
                 return table[peer]
         start = time.monotonic()
         with self._cond:
