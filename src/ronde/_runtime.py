@@ -340,7 +340,7 @@ def _start_engine(cfg: _config.Config, topo: Topology, wenv: worker_env.WorkerEn
                     factory.ctx.describe,
                     cores_mod.control_mailboxes(cfg, topo, rank, size, f"{factory.ctx.key}-g{gen}",
                                        wenv.host_cores),
-                    mesh.link if mesh is not None else None)
+                    mesh)
     if wenv.rendezvous_mode == "server" and wenv.rendezvous and wenv.secret:
         engine.on_failure = _lost_peer_reporter(wenv)
     if cfg.timeline_path:

@@ -81,7 +81,7 @@ def test_a_peer_that_left_refuses_and_is_named_at_once():
     try:
         t0 = time.monotonic()
         with pytest.raises(PeerLostError, match="rank 0") as info:
-            meshes[1].link(0, "data", 5.0, refused_means_left=True)
+            meshes[1].link(0, "data", 5.0)
         assert info.value.rank == 0 and time.monotonic() - t0 < 2
     finally:
         meshes[1].close()
@@ -105,10 +105,13 @@ def test_a_hello_from_a_rank_that_should_not_connect_is_dropped():
 
 def test_an_unreachable_peer_during_the_job_is_a_lost_peer_naming_it():
     meshes = _meshes(2)
-    meshes[0].close()
+    meshes[1]._peers[0] = {"addr": "10.255.255.1", "port": 9, "host": "far"}  # no route
     try:
-        with pytest.raises(PeerLostError, match="cannot connect to rank 0.*on first use") as info:
+        t0 = time.monotonic()
+        with pytest.raises(mesh_mod.LinkError, match="rank 0") as info:
             meshes[1].link(0, "data", timeout_s=0.5)
-        assert info.value.rank == 0
+        assert info.value.rank == 0 and isinstance(info.value, PeerLostError)
+        assert time.monotonic() - t0 < 8
     finally:
-        meshes[1].close()
+        for m in meshes:
+            m.close()

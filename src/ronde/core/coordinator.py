@@ -195,8 +195,7 @@ def run(ex: Exchange, round_no: int, payload: bytes, messages: list[Any],
 
 def _run_root(ex: Exchange, payload: bytes, messages: list[Any], blobs: list[bytes],
               failed: Callable[[], BaseException | None], shut_down: set[int]) -> None:
-    for r in ex.live():  # after a failover the members connect to this rank now
-        ex.reader(r, shut_down, failed)
+    ex.await_members(shut_down, failed)  # after a failover the members connect now
     live = ex.live()
     got: dict[int, bytes] = {ex.rank: payload}
     for r in live:

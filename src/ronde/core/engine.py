@@ -34,7 +34,7 @@ from .._errors import (DuplicateNameError, PeerLostError, RondeError, fresh_copy
                        ShutdownError)
 from ..transport import mailbox
 from ..transport.base import Communicator
-from .exchange import Exchange, Link
+from .exchange import Exchange, Links
 from .executor import Executor
 from .negotiation import Negotiator, Response
 from . import autotune, crossed, protocol, rounds
@@ -55,7 +55,7 @@ class Engine:
                  make_communicator: Callable[[int, list[int]], Communicator | None],
                  describe_rank: Callable[[int], str],
                  mailboxes: "mailbox.Mailboxes | None" = None,
-                 link: Link | None = None) -> None:
+                 links: Links | None = None) -> None:
         self.rank, self.size, self.cfg = rank, size, cfg
         self.cycle_s = cfg.cycle_time_ms / 1000.0  #: set anew by autotune (autotune.py)
         self.describe_rank = describe_rank
@@ -76,7 +76,7 @@ class Engine:
         self._comms = comms
         self.negotiator = Negotiator(size, {k: list(v) for k, v in process_sets.items()},
                                      cfg.fusion_threshold_bytes, cfg.cache_capacity)
-        self.exchange = Exchange(rank, size, ctl_socks, mailboxes, cfg, describe_rank, link)
+        self.exchange = Exchange(rank, size, ctl_socks, mailboxes, cfg, describe_rank, links)
         self.announcer = rounds.Announcer(self.negotiator.cache, rank, cfg.inline_bytes)
         self._wake_r, self._wake_w = os.pipe()
         self._wake_pending = False

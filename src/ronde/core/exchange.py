@@ -29,17 +29,27 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from .._config import Config
 from .._errors import PeerLostError
 from ..transport import mailbox, wire
+from ..transport.mesh import LinkError
 from . import coordinator, protocol, rounds
 
 log = logging.getLogger(__name__)
 
-#: ``Mesh.link`` (peer, channel, wait, aborted, refused_means_left) -> socket
-Link = Callable[[int, str, float, Callable[[], "BaseException | None"], bool], socket.socket]
+
+class Links(Protocol):
+    """What the exchange uses of the mesh (``transport/mesh.py``): control sockets
+    opened after ``init()`` (the coordinator's, after rank 0 left)."""
+
+    def link(self, peer: int, chan: str = ..., timeout_s: float = ...,
+             aborted: Callable[[], BaseException | None] = ...) -> socket.socket: ...
+
+    def opened(self, peer: int, chan: str) -> socket.socket | None: ...
+
+    def wait_opened(self, timeout_s: float) -> None: ...
 
 
 class Exchange:
@@ -47,14 +57,15 @@ class Exchange:
 
     def __init__(self, rank: int, size: int, ctl_socks: dict[int, socket.socket],
                  mailboxes: "mailbox.Mailboxes | None", cfg: Config,
-                 describe_rank: Callable[[int], str], link: Link | None = None) -> None:
+                 describe_rank: Callable[[int], str], links: Links | None = None) -> None:
         self.rank = rank
         self.cfg = cfg
         self.describe_rank = describe_rank
         #: the control sockets open (every peer's, or under the coordinator only rank 0's
-        #: on a member: see transport/mesh.py); more come from ``link`` after a failover
+        #: on a member: see transport/mesh.py); more come from ``links`` after a
+        #: failover. Replaced, never changed in place: other threads iterate over it.
         self.readers = {r: rounds.FrameReader(s) for r, s in ctl_socks.items()}
-        self._link = link
+        self._links = links
         self.decoder = protocol.Decoder()
         for s in ctl_socks.values():
             s.setblocking(False)
@@ -83,27 +94,59 @@ class Exchange:
 
     def reader(self, r: int, shut_down: set[int], failed: Callable[[], BaseException | None],
                ) -> "rounds.FrameReader | None":
-        """The control socket to ``r``, opened if it is not yet (the coordinator's after
-        rank 0 left: transport/mesh.py); None, and ``r`` gone, when ``r`` shut down and
-        left before (a lower rank that refuses the connection; a higher one that does
-        not open it within ``RONDE_SHUTDOWN_TIMEOUT``, the time it had to leave)."""
+        """The control socket to lower rank ``r`` (this rank's coordinator), opened if
+        it is not yet (after rank 0 left: transport/mesh.py); None, and ``r`` gone, when
+        ``r`` shut down and refuses the connection (it left too)."""
         reader = self.readers.get(r)
-        if reader is not None or self._link is None:
+        if reader is not None or self._links is None:
             return reader
-        left = r in shut_down
-        wait_s = self.cfg.shutdown_timeout_s if left else self.cfg.start_timeout_s
         try:
-            sock = self._link(r, "ctl", wait_s, failed, left)
-        except (PeerLostError, OSError) as exc:
-            if not left:
-                raise exc if isinstance(exc, PeerLostError) else PeerLostError(
-                    f"cannot reach rank {self.describe_rank(r)} (the negotiation "
-                    f"coordinator now): {exc!r}", rank=r) from None
+            sock = self._links.link(r, "ctl", self.cfg.start_timeout_s, failed)
+        except LinkError as exc:
+            if r not in shut_down:
+                raise PeerLostError(f"rank {self.describe_rank(r)} (the negotiation "
+                                    f"coordinator now) cannot be reached: {exc}",
+                                    rank=r) from None
             self.gone.add(r)
             return None
+        return self._add_reader(r, sock)
+
+    def _add_reader(self, r: int, sock: socket.socket) -> "rounds.FrameReader":
         sock.setblocking(False)
-        reader = self.readers[r] = rounds.FrameReader(sock)
+        reader = rounds.FrameReader(sock)
+        self.readers = {**self.readers, r: reader}
         return reader
+
+    def await_members(self, shut_down: set[int],
+                      failed: Callable[[], BaseException | None]) -> None:
+        """This rank coordinates now (rank 0 left): wait, under one deadline, until
+        every live rank has connected; a rank that shut down and does not within
+        ``RONDE_SHUTDOWN_TIMEOUT`` (the time it had to leave) is gone, any other one
+        within ``RONDE_START_TIMEOUT`` is lost."""
+        links = self._links
+        missing = [r for r in self.live() if r not in self.readers]
+        start = time.monotonic()
+        while missing and links is not None:
+            for r in list(missing):
+                sock = links.opened(r, "ctl")
+                if sock is not None:
+                    self._add_reader(r, sock)
+                    missing.remove(r)
+            err = failed()
+            if err is not None:
+                raise err
+            waited = time.monotonic() - start
+            for r in list(missing):
+                if r in shut_down and waited > self.cfg.shutdown_timeout_s:
+                    self.gone.add(r)
+                    missing.remove(r)
+                elif r not in shut_down and waited > self.cfg.start_timeout_s:
+                    raise PeerLostError(
+                        f"rank {self.describe_rank(r)} did not connect to rank "
+                        f"{self.rank}, the negotiation coordinator after rank 0 left, "
+                        f"within {waited:.0f}s", rank=r)
+            if missing:
+                links.wait_opened(0.05)
 
     def peer_started(self, rounds_done: int) -> bool:
         """Whether a peer has started the next round (or closed its socket)."""

@@ -70,6 +70,11 @@ def _tune(sock: socket.socket, chan: str) -> None:
         wire.set_buffers(sock, _SOCK_BUF_BYTES)
 
 
+class LinkError(PeerLostError):
+    """A link to a peer cannot open: it refused the connection (its listener, open for
+    the whole job, is gone: it exited) or did not open its side within the wait."""
+
+
 class Mesh:
     """The sockets of one rank: ``ctl[rank]`` and ``data[rank]`` hold those open."""
 
@@ -86,15 +91,28 @@ class Mesh:
         self._listener = listener
         self._peers = peers
         self._timeout_s = timeout_s
+        #: guards the tables; notified when a socket is added or the mesh closes
         self._cond = threading.Condition()
-        self._connecting = threading.Lock()
+        #: one lock per (peer, channel) this rank connects: one connection each
+        self._connecting: dict[tuple[int, str], threading.Lock] = {}
         self._closed = False
         self._acceptor: threading.Thread | None = None
-        self._accept_error: BaseException | None = None
         self._rejected_logged = False
 
     def _table(self, chan: str) -> dict[int, socket.socket]:
         return self.ctl if chan == "ctl" else self.data
+
+    def _add(self, peer: int, chan: str, sock: socket.socket) -> bool:
+        """Publish a socket (False, and it is closed, after ``close()`` or when the
+        pair already has one for ``chan``)."""
+        with self._cond:
+            table = self._table(chan)
+            if not self._closed and peer not in table:
+                table[peer] = sock
+                self._cond.notify_all()
+                return True
+        sock.close()
+        return False
 
     def connect(self) -> "Mesh":
         """Open the control sockets of ``ctl_peers``; start accepting the rest."""
@@ -111,15 +129,12 @@ class Mesh:
                 while True:
                     missing = [r for r in higher if r not in self.ctl]
                     left = deadline - time.monotonic()
-                    if not missing or self._accept_error is not None or left <= 0:
+                    if not missing or left <= 0:
                         break
                     self._cond.wait(min(left, 0.2))
         except BaseException:
             self.close()
             raise
-        if self._accept_error is not None:
-            self.close()
-            raise self._accept_error
         if missing:
             self.close()
             raise RendezvousError(
@@ -128,54 +143,80 @@ class Mesh:
                 "connections, or they failed (see their output)")
         return self
 
+    def opened(self, peer: int, chan: str) -> socket.socket | None:
+        """The socket to ``peer`` on ``chan`` if it is open (never waits)."""
+        return self._table(chan).get(peer)
+
+    def wait_opened(self, timeout_s: float) -> None:
+        """Sleep until a socket is added (or ``timeout_s`` passed, or the mesh closed)."""
+        with self._cond:
+            if not self._closed:
+                self._cond.wait(timeout_s)
+
     def link(self, peer: int, chan: str = "data", timeout_s: float = 0.0,
-             aborted: Callable[[], BaseException | None] = lambda: None,
-             refused_means_left: bool = False) -> socket.socket:
+             aborted: Callable[[], BaseException | None] = lambda: None) -> socket.socket:
         """The socket to ``peer`` on ``chan``, opened now if it is not yet: this rank
         connects to a lower rank, and waits for a higher one to connect (it does when it
-        first needs the link: the two sides of a collective ask alike). The wait checks
-        ``aborted`` every 0.2 s and ends after ``timeout_s`` (0: it does not) with a
-        :class:`PeerLostError`; so does a refused connection with
-        ``refused_means_left`` (a peer that shut down and exited), at once."""
-        table = self._table(chan)
-        sock = table.get(peer)
+        first needs the link: the two sides of a collective ask alike). Both check
+        ``aborted`` every 0.2 s (and raise what it returns); the wait ends after
+        ``timeout_s`` (0: it does not) with a :class:`LinkError`, as does a refused
+        connection at once (every rank listens from before the rendezvous to its
+        ``shutdown()``: a refusal means the peer is gone)."""
+        sock = self._table(chan).get(peer)
         if sock is not None:
             return sock
         if not 0 <= peer < self.size or peer == self.rank:
             raise ValueError(f"rank {self.rank} has no link to rank {peer}")
+        if self._closed:
+            raise ShutdownError(f"rank {self.rank}: the mesh is closed")
         if peer < self.rank:
-            with self._connecting:  # one connection per pair and channel, whatever the thread
-                sock = table.get(peer)
-                if sock is None:
-                    try:
-                        self._connect_one(peer, chan, time.monotonic() + (
-                            timeout_s or self._timeout_s), refused_means_left)
-                    except PeerLostError:
-                        raise
-                    except (RendezvousError, AuthenticationError, OSError) as exc:
-                        # during the job: fail it everywhere, naming the peer
-                        raise PeerLostError(f"{exc} (opening the {chan} link to rank "
-                                            f"{peer} on first use)", rank=peer) from None
-                return table[peer]
+            return self._connect_link(peer, chan, timeout_s or self._timeout_s, aborted)
         start = time.monotonic()
         with self._cond:
-            while peer not in table:
-                err = aborted() or self._accept_error
+            while peer not in self._table(chan):
+                err = aborted()
                 if err is not None:
                     raise err
                 if self._closed:
                     raise ShutdownError(f"rank {self.rank}: the mesh is closed")
                 waited = time.monotonic() - start
                 if timeout_s and waited > timeout_s:
-                    raise PeerLostError(
+                    raise LinkError(
                         f"rank {peer} did not open its {chan} connection to rank "
                         f"{self.rank} within {waited:.0f}s; it is not taking part in "
                         "this collective (see its output)", rank=peer)
                 self._cond.wait(0.2)
-            return table[peer]
+            return self._table(chan)[peer]
+
+    def _connect_link(self, peer: int, chan: str, timeout_s: float,
+                      aborted: Callable[[], BaseException | None]) -> socket.socket:
+        with self._cond:
+            lock = self._connecting.setdefault((peer, chan), threading.Lock())
+        with lock:  # one connection per pair and channel, whatever the thread
+            sock = self._table(chan).get(peer)
+            if sock is not None:
+                return sock
+            try:
+                self._connect_one(peer, chan, time.monotonic() + timeout_s, aborted=aborted)
+            except PeerLostError:
+                raise
+            except ConnectionRefusedError as exc:
+                raise LinkError(f"rank {peer} refused the {chan} connection from rank "
+                                f"{self.rank} ({exc}): it is no longer running",
+                                rank=peer) from None
+            except (RendezvousError, AuthenticationError, OSError) as exc:
+                # during the job: fail it everywhere, naming the peer
+                raise LinkError(f"{exc} (opening the {chan} link to rank {peer} on "
+                                "first use)", rank=peer) from None
+            sock = self._table(chan).get(peer)
+            if sock is None:
+                raise ShutdownError(f"rank {self.rank}: the mesh is closed")
+            return sock
 
     def _connect_one(self, peer: int, chan: str, deadline: float,
-                     refused_means_left: bool = False) -> None:
+                     aborted: Callable[[], BaseException | None] | None = None) -> None:
+        """Connect to lower rank ``peer``: at start-up, retried while it may not listen
+        yet; during the job (``aborted`` given), a refusal is final."""
         info = self._peers[peer]
         addr, port = str(info["addr"]), int(info["port"])
         while True:
@@ -185,58 +226,68 @@ class Mesh:
                     f"rank {self.rank} cannot connect to rank {peer} at {addr}:{port} "
                     f"(host {info.get('host')}); check that this address is reachable "
                     "(RONDE_BIND_ADDR / interfaces)")
+            if aborted is not None:
+                err = aborted()
+                if err is not None:
+                    raise err
             try:
                 sock = wire.connect(addr, port, self._secret, min(remaining, 5.0),
                                     buffer_bytes=_SOCK_BUF_BYTES if chan == "data" else 0)
                 break
             except ConnectionRefusedError:
-                if refused_means_left:
-                    raise PeerLostError(f"rank {peer} is no longer listening at "
-                                        f"{addr}:{port}", rank=peer) from None
+                if aborted is not None:
+                    raise
                 time.sleep(0.05)
             except (socket.timeout, TimeoutError):
                 time.sleep(0.05)
-        _tune(sock, chan)
-        wire.send_frame(sock, KIND_HELLO, wire.dumps(
-            {"rank": self.rank, "gen": self.generation, "chan": chan}))
-        sock.settimeout(None)
-        self._table(chan)[peer] = sock
+        try:
+            _tune(sock, chan)
+            wire.send_frame(sock, KIND_HELLO, wire.dumps(
+                {"rank": self.rank, "gen": self.generation, "chan": chan}))
+            sock.settimeout(None)
+        except BaseException:
+            sock.close()
+            raise
+        self._add(peer, chan, sock)
 
     def _accept(self) -> None:
-        """For the life of the mesh: accept the connections of higher ranks."""
+        """For the life of the mesh: accept connections; each is admitted (handshake,
+        hello) by a thread of its own, so a slow or foreign client holds up no link."""
         while not self._closed:
             try:
                 conn, addr = self._listener.accept()
             except (socket.timeout, TimeoutError):
                 continue
             except OSError as exc:
-                if not self._closed:
-                    with self._cond:
-                        self._accept_error = exc
-                        self._cond.notify_all()
-                return
-            try:
-                conn.settimeout(None)
-                wire.authenticate_server(conn, self._secret, time.monotonic() + 5.0)
-                kind, payload = wire.recv_frame(conn, time.monotonic() + 5.0, 1024)
-                hello = wire.loads(payload)
-                peer, chan = int(hello["rank"]), str(hello["chan"])
-                if kind != KIND_HELLO or int(hello["gen"]) != self.generation:
-                    raise ProtocolError("hello for another generation")
-                if not self.rank < peer < self.size or chan not in CHANNELS \
-                        or peer in self._table(chan):
-                    raise ProtocolError(f"unexpected hello {(peer, chan)}")
-            except (AuthenticationError, ProtocolError, OSError, TimeoutError, KeyError,
-                    TypeError, ValueError) as exc:
-                if not self._rejected_logged:
-                    self._rejected_logged = True
-                    log.warning("rank %d dropped a connection from %s: %s", self.rank, addr, exc)
-                conn.close()
+                if self._closed:
+                    return
+                log.warning("rank %d: accepting a peer connection failed: %s", self.rank, exc)
+                time.sleep(0.2)  # EMFILE, ECONNABORTED: try again
                 continue
+            threading.Thread(target=self._admit, args=(conn, addr), daemon=True,
+                             name="ronde-mesh-admit").start()
+
+    def _admit(self, conn: socket.socket, addr: Any) -> None:
+        try:
+            conn.settimeout(None)
+            wire.authenticate_server(conn, self._secret, time.monotonic() + 5.0)
+            kind, payload = wire.recv_frame(conn, time.monotonic() + 5.0, 1024)
+            hello = wire.loads(payload)
+            peer, chan = int(hello["rank"]), str(hello["chan"])
+            if kind != KIND_HELLO or int(hello["gen"]) != self.generation:
+                raise ProtocolError("hello for another generation")
+            if not self.rank < peer < self.size or chan not in CHANNELS \
+                    or peer in self._table(chan):
+                raise ProtocolError(f"unexpected hello {(peer, chan)}")
             _tune(conn, chan)
-            with self._cond:
-                self._table(chan)[peer] = conn
-                self._cond.notify_all()
+        except (AuthenticationError, ProtocolError, OSError, TimeoutError, KeyError,
+                TypeError, ValueError) as exc:
+            if not self._rejected_logged:
+                self._rejected_logged = True
+                log.warning("rank %d dropped a connection from %s: %s", self.rank, addr, exc)
+            conn.close()
+            return
+        self._add(peer, chan, conn)
 
     def barrier(self, timeout_s: float) -> None:
         """Meet every peer on the data sockets (through rank 0: every rank tells it,
