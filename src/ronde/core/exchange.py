@@ -66,6 +66,8 @@ class Exchange:
         #: failover. Replaced, never changed in place: other threads iterate over it.
         self.readers = {r: rounds.FrameReader(s) for r, s in ctl_socks.items()}
         self._links = links
+        #: :meth:`await_members` found every live rank connected (or gone) once
+        self._members_linked = False
         self.decoder = protocol.Decoder()
         for s in ctl_socks.values():
             s.setblocking(False)
@@ -124,9 +126,11 @@ class Exchange:
         ``RONDE_SHUTDOWN_TIMEOUT`` (the time it had to leave) is gone, any other one
         within ``RONDE_START_TIMEOUT`` is lost."""
         links = self._links
+        if self._members_linked or links is None:
+            return
         missing = [r for r in self.live() if r not in self.readers]
         start = time.monotonic()
-        while missing and links is not None:
+        while missing:
             for r in list(missing):
                 sock = links.opened(r, "ctl")
                 if sock is not None:
@@ -147,6 +151,7 @@ class Exchange:
                         f"within {waited:.0f}s", rank=r)
             if missing:
                 links.wait_opened(0.05)
+        self._members_linked = True  # no rank joins later: one wait per coordinator
 
     def peer_started(self, rounds_done: int) -> bool:
         """Whether a peer has started the next round (or closed its socket)."""

@@ -178,8 +178,7 @@ _JSON_LEN = struct.Struct("!I")
 
 
 def pack_round(msg: RoundMessage, blob: bytes = b"") -> bytes:
-    body = wire.dumps(encode(msg))
-    return _JSON_LEN.pack(len(body)) + body + blob
+    return join(wire.dumps(encode(msg)), blob)
 
 
 def split(payload: bytes, rank: int) -> tuple[bytes, bytes]:
@@ -194,7 +193,8 @@ def split(payload: bytes, rank: int) -> tuple[bytes, bytes]:
 
 
 def join(body: bytes, blob: bytes) -> bytes:
-    """The payload :func:`split` took apart."""
+    """One round payload: the JSON part's length, the JSON part, the binary part (what
+    :func:`split` takes apart)."""
     return _JSON_LEN.pack(len(body)) + body + blob
 
 

@@ -217,10 +217,11 @@ def fused_allreduce(arrays: Sequence[np.ndarray], name: str,
 
     The buffers are reduced together by :func:`reduce_arrays` (compression
     included) and split back. With ``op=Adasum`` each array is its own allreduce
-    (``<name>.<index>``): Adasum combines tensor by tensor. Every rank must pass arrays of the same shapes and
-    dtypes in the same order (the bindings check their parameter tables with
-    :mod:`.naming` first). Flattening costs a copy in and out; use it only where
-    one collective per dtype is the contract, :func:`reduce_arrays` otherwise.
+    (``<name>.<index>``): Adasum combines tensor by tensor. Every rank must pass
+    arrays of the same shapes and dtypes in the same order (the bindings check their
+    parameter tables with :mod:`.naming` first). Flattening costs a copy in and out;
+    use it only where one collective per dtype is the contract, :func:`reduce_arrays`
+    otherwise.
 
     Returns:
         New arrays with the reduced values, shapes and dtypes of the inputs.

@@ -53,7 +53,7 @@ def listen(bind_addr: str) -> socket.socket:
     return sock
 
 
-def _tune(sock: socket.socket, chan: str) -> None:
+def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     # A host that vanishes without closing its connections (power loss, partition) is
     # noticed by the kernel's keepalive within about 10 s, at no cost to Python.
@@ -66,8 +66,6 @@ def _tune(sock: socket.socket, chan: str) -> None:
                 sock.setsockopt(socket.IPPROTO_TCP, opt, value)
             except OSError:
                 pass
-    if chan == "data":
-        wire.set_buffers(sock, _SOCK_BUF_BYTES)
 
 
 class LinkError(PeerLostError):
@@ -241,7 +239,7 @@ class Mesh:
             except (socket.timeout, TimeoutError):
                 time.sleep(0.05)
         try:
-            _tune(sock, chan)
+            _tune(sock)
             wire.send_frame(sock, KIND_HELLO, wire.dumps(
                 {"rank": self.rank, "gen": self.generation, "chan": chan}))
             sock.settimeout(None)
@@ -279,7 +277,7 @@ class Mesh:
             if not self.rank < peer < self.size or chan not in CHANNELS \
                     or peer in self._table(chan):
                 raise ProtocolError(f"unexpected hello {(peer, chan)}")
-            _tune(conn, chan)
+            _tune(conn)
         except (AuthenticationError, ProtocolError, OSError, TimeoutError, KeyError,
                 TypeError, ValueError) as exc:
             if not self._rejected_logged:
