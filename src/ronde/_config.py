@@ -50,6 +50,7 @@ class Config:
     hugepages: bool = True
     shm_control: str = "auto"
     coordinator_min: int = 3
+    coordinator_tree_min: int = 64
     spin_time_us: float = 200.0
     torch_device_path: str = "auto"
     log_level: str = ""
@@ -144,6 +145,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("RONDE_RESET_LIMIT must be >= 0 (0: no limit)")
     if cfg.coordinator_min < 0:
         raise ConfigError("RONDE_COORDINATOR_MIN must be >= 0 (0: always all-to-all)")
+    if cfg.coordinator_tree_min < 0:
+        raise ConfigError("RONDE_COORDINATOR_TREE must be >= 0 (0: never a tree)")
     if cfg.spin_time_us < 0:
         raise ConfigError("RONDE_SPIN_TIME must be >= 0 (0: never spin)")
     if cfg.fusion_threshold_bytes < 0:

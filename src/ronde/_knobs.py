@@ -285,6 +285,15 @@ KNOBS: tuple[Knob, ...] = (
              'same frames; `init()` opens N - 1 control sockets instead of N(N-1)/2). Below it, frames go all-to-all (one hop: faster for few '
              'ranks: measured faster at 2 ranks, slower from 3). `0`: always '
              'all-to-all.'),
+    Knob("coordinator_tree_min", "RONDE_COORDINATOR_TREE", int,
+         default='`64`', unit='ranks',
+         doc='From this many ranks on, rounds that go through the coordinator (see '
+             '`RONDE_COORDINATOR_MIN`) travel over a binomial tree rooted at rank 0 '
+             'instead of a star: each rank merges its children\'s grouped frames with '
+             'its own and sends them to its parent, and forwards the bundle down, so no '
+             'rank handles more than 1 + log2 N frames a round (the star: rank 0 handles '
+             '2(N - 1)), at 2 log2 N hops a round instead of 2. Back to the star for the '
+             'rest of the job once a rank shuts down. `0`: never.'),
     Knob("spin_time_us", "RONDE_SPIN_TIME", float,
          default='`200`', unit='microseconds',
          doc='How long a thread waiting on a handle keeps *driving* the engine '

@@ -1,7 +1,9 @@
 """Correctness beyond a few ranks (more ranks than this machine's cores): every
 collective at N = 5 and 8 with negotiation through the coordinator
-(``core/coordinator.py``), the loss of a rank, the coordinator itself among them,
-named on every survivor, and connections opened only as they are needed."""
+(``core/coordinator.py``) and at N = 7 over its tree (``core/tree.py``, forced on
+from 3 ranks), the loss of a rank, the coordinator or a relay among them, named on
+every survivor, ranks that go on after others left, and connections opened only as
+they are needed."""
 
 from __future__ import annotations
 
@@ -13,22 +15,30 @@ from . import workers
 from .test_failures import ronderun
 
 
+#: negotiation over the binomial tree (core/tree.py) from 3 ranks on, not only from 64
+TREE = {"RONDE_SHM_CONTROL": "0", "RONDE_COORDINATOR_TREE": "3"}
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("np_", [5, 8])
-def test_every_collective_through_the_coordinator(np_):
-    got = run_ranks(np_, workers.at_scale, timeout_s=200, env={"RONDE_SHM_CONTROL": "0"})
-    assert got == [(True, "ok")] * np_
+@pytest.mark.parametrize("np_, mode", [(5, "star"), (8, "star"), (7, "tree")])
+def test_every_collective_through_the_coordinator(np_, mode):
+    env = TREE if mode == "tree" else {"RONDE_SHM_CONTROL": "0"}
+    got = run_ranks(np_, workers.at_scale, timeout_s=200, env=env)
+    assert got == [(mode, "ok")] * np_
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("lost", [0, 3], ids=["coordinator", "member"])
-def test_a_lost_rank_is_named_on_every_survivor_at_np5(tmp_path, lost):
+@pytest.mark.parametrize("lost, tree", [(0, False), (3, False), (0, True), (2, True)],
+                         ids=["coordinator", "member", "tree-root", "tree-relay"])
+def test_a_lost_rank_is_named_on_every_survivor_at_np5(tmp_path, lost, tree):
+    # over the tree (children: 0 -> 1, 2, 4; 2 -> 3) rank 2 relays rank 3's frames
     proc, elapsed = ronderun(tmp_path, 5, f"""
         import os, signal, sys, time
         import numpy as np
         import ronde as hvd
         hvd.init()
-        assert hvd._api.runtime().engine.exchange.coordinated
+        ex = hvd._api.runtime().engine.exchange
+        assert ex.coordinated and ex.over_tree == {tree}
         try:
             for i in range(100000):
                 if hvd.rank() == {lost} and i == 30:
@@ -37,7 +47,7 @@ def test_a_lost_rank_is_named_on_every_survivor_at_np5(tmp_path, lost):
         except hvd.PeerLostError as exc:
             print(f"PEERLOST rank={{exc.rank}}: {{exc}}", flush=True)
             sys.exit(5)
-    """, env={"RONDE_SHM_CONTROL": "0"}, timeout=100)
+    """, env=TREE if tree else {"RONDE_SHM_CONTROL": "0"}, timeout=100)
     assert proc.returncode != 0
     lines = proc.stdout.splitlines()
     for r in set(range(5)) - {lost}:
@@ -48,15 +58,18 @@ def test_a_lost_rank_is_named_on_every_survivor_at_np5(tmp_path, lost):
 
 
 @pytest.mark.timeout(120)
-def test_ranks_go_on_after_the_coordinator_shut_down_and_left(tmp_path):
+@pytest.mark.parametrize("tree", [False, True], ids=["star", "tree"])
+def test_ranks_go_on_after_the_coordinator_shut_down_and_left(tmp_path, tree):
     # ranks 0 and 1 shut down (and leave after RONDE_SHUTDOWN_TIMEOUT) while 2 and 3 go
-    # on with a process set of their own: rank 2 coordinates their rounds then
-    proc, _ = ronderun(tmp_path, 4, """
+    # on with a process set of their own: rank 2 coordinates their rounds then (over
+    # the tree, rank 2 is rank 3's parent: from the shutdown on, rounds go star-shaped)
+    proc, _ = ronderun(tmp_path, 4, f"""
         import time
         import numpy as np
         import ronde as hvd
         hvd.init()
-        assert hvd._api.runtime().engine.exchange.coordinated
+        ex = hvd._api.runtime().engine.exchange
+        assert ex.coordinated and ex.over_tree == {tree}
         pair = hvd.add_process_set([2, 3])
         if hvd.rank() >= 2:
             t0 = time.monotonic()
@@ -65,10 +78,11 @@ def test_ranks_go_on_after_the_coordinator_shut_down_and_left(tmp_path):
                                     process_set=pair)
                 assert got[0] == 2.0
                 time.sleep(0.05)
-            print(f"PAIR {time.monotonic() - t0:.1f}", flush=True)
+            print(f"PAIR {{time.monotonic() - t0:.1f}}", flush=True)
         hvd.shutdown()
         print("DONE", flush=True)
-    """, env={"RONDE_SHM_CONTROL": "0", "RONDE_SHUTDOWN_TIMEOUT": "1"}, timeout=100)
+    """, env={**(TREE if tree else {"RONDE_SHM_CONTROL": "0"}),
+              "RONDE_SHUTDOWN_TIMEOUT": "1"}, timeout=100)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("<stdout>:DONE") == 4
     pairs = [float(l.split("PAIR ")[1]) for l in proc.stdout.splitlines() if "PAIR" in l]
@@ -76,13 +90,16 @@ def test_ranks_go_on_after_the_coordinator_shut_down_and_left(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_sockets_open_only_as_the_job_needs_them_at_np5():
+@pytest.mark.parametrize("tree", [False, True], ids=["star", "tree"])
+def test_sockets_open_only_as_the_job_needs_them_at_np5(tree):
     # under the coordinator a rank holds a control socket to rank 0 only (N - 1 in all,
-    # not N(N - 1) / 2), and a data socket to a peer once bytes first move between them
+    # not N(N - 1) / 2), and a data socket to a peer once bytes first move between them;
+    # over the tree also one to its parent and to each child (2 - 3 here)
     got = run_ranks(5, workers.connections_on_demand, timeout_s=100,
-                    env={"RONDE_SHM_CONTROL": "0", "RONDE_TRANSPORT": "tcp"})
+                    env={**(TREE if tree else {"RONDE_SHM_CONTROL": "0"}),
+                         "RONDE_TRANSPORT": "tcp"})
     n = 5
-    assert [ctl for ctl, _, _ in got] == [n - 1] + [1] * (n - 1)
+    assert [ctl for ctl, _, _ in got] == ([4, 1, 2, 2, 1] if tree else [n - 1] + [1] * (n - 1))
     for r, (_, ring, every) in enumerate(got):
         assert ring == sorted({(r - 1) % n, (r + 1) % n}), (r, ring)
         assert every == [p for p in range(n) if p != r], (r, every)

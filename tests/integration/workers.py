@@ -805,7 +805,8 @@ def at_scale() -> tuple:
     """The collectives that negotiation through the coordinator must get right at any
     size: small (inline) and large allreduces, allgather with uneven rows, broadcast
     from the last rank, alltoall, a process set of the odd ranks, a shape mismatch
-    (typed error on every rank), a join with uneven work. Returns (coordinated, ok)."""
+    (typed error on every rank), a join with uneven work. Returns how rounds went
+    ("star", "tree" or "all-to-all") and "ok"."""
     import ronde as hvd
 
     hvd.init()
@@ -836,9 +837,10 @@ def at_scale() -> tuple:
         hvd.allreduce(np.ones(3), name="uneven")
     last = hvd.join()
     assert last == n - 1, last
-    coordinated = hvd._api.runtime().engine.exchange.coordinated
+    ex = hvd._api.runtime().engine.exchange
+    mode = "tree" if ex.over_tree else "star" if ex.coordinated else "all-to-all"
     hvd.shutdown()
-    return coordinated, "ok"
+    return mode, "ok"
 
 
 def connections_on_demand() -> tuple:

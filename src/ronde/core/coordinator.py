@@ -107,8 +107,10 @@ def pack_bundle(g: Grouped) -> bytes:
     return wire.encode_frame(KIND_BUNDLE, b"".join(out))
 
 
-def unpack_bundle(payload: bytes, size: int) -> Grouped:
-    """The grouped frames of a bundle, checked: masks non-empty, disjoint and of ranks
+def unpack_bundle(payload: bytes, size: int,
+                  sender: str = "the negotiation coordinator") -> Grouped:
+    """The grouped frames of a bundle (or of a tree's aggregate, ``tree.py``) that
+    ``sender`` sent, checked: masks non-empty, disjoint and of ranks
     below ``size``, each part once, blobs only of ranks present and each once, lengths
     inside the bundle, nothing after it."""
     view = memoryview(payload)
@@ -140,9 +142,9 @@ def unpack_bundle(payload: bytes, size: int) -> Grouped:
                 raise ValueError
             blobs[r] = take(n)
     except (struct.error, ValueError):
-        raise ProtocolError("the negotiation coordinator sent a malformed bundle") from None
+        raise ProtocolError(f"{sender} sent a malformed bundle") from None
     if off != len(payload):
-        raise ProtocolError("the negotiation coordinator sent a bundle with trailing bytes")
+        raise ProtocolError(f"{sender} sent a bundle with trailing bytes")
     return Grouped(parts, blobs)
 
 
@@ -306,13 +308,15 @@ def _other_sockets(ex: Exchange, root_rank: int, shut_down: set[int]) -> None:
 
 
 def _checks(ex: Exchange, failed: Callable[[], BaseException | None], start: float,
-            waiting: set[int]) -> None:
+            waiting: set[int], extra_s: float = 0.0) -> None:
+    """A failure raised; a rank of ``waiting`` named once the wait passed
+    ``RONDE_STALL_SHUTDOWN_TIME`` (plus ``extra_s``)."""
     err = failed()
     if err is not None:
         raise err
     limit = ex.cfg.stall_shutdown_time_s
     waited = time.monotonic() - start
-    if waiting and limit > 0 and waited > limit:
+    if waiting and limit > 0 and waited > limit + extra_s:
         r = min(waiting)
         raise PeerLostError(f"rank {ex.describe_rank(r)} stopped responding for "
                             f"{waited:.0f}s", rank=r)

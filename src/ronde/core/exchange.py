@@ -35,7 +35,7 @@ from .._config import Config
 from .._errors import PeerLostError
 from ..transport import mailbox, wire
 from ..transport.mesh import LinkError
-from . import coordinator, protocol, rounds
+from . import coordinator, protocol, rounds, tree
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,8 @@ class Exchange:
         #: on a member: see transport/mesh.py); more come from ``links`` after a
         #: failover. Replaced, never changed in place: other threads iterate over it.
         self.readers = {r: rounds.FrameReader(s) for r, s in ctl_socks.items()}
+        #: which rank each control socket joins (replaced with ``readers``)
+        self._ranks_by_sock = {s: r for r, s in ctl_socks.items()}
         self._links = links
         #: :meth:`await_members` found every live rank connected (or gone) once
         self._members_linked = False
@@ -80,6 +82,8 @@ class Exchange:
         #: to 0 where not)
         self.coordinated = (cfg.coordinator_min > 0 and self.size >= cfg.coordinator_min
                             and mailboxes is None)
+        #: ... and over a binomial tree of relays (``tree.py``) while every rank is here
+        self.over_tree = self.coordinated and tree.wanted(cfg, size)
         self.gone: set[int] = set()
         self.spin_s = cfg.spin_time_us / 1e6
         self._sleep_lock = threading.Lock()
@@ -117,6 +121,7 @@ class Exchange:
         sock.setblocking(False)
         reader = rounds.FrameReader(sock)
         self.readers = {**self.readers, r: reader}
+        self._ranks_by_sock = {**self._ranks_by_sock, sock: r}
         return reader
 
     def await_members(self, shut_down: set[int],
@@ -200,7 +205,10 @@ class Exchange:
         """Send ``payload`` as this rank's frame of ``round_no`` to every live peer and
         read one frame from each into ``messages``/``blobs``."""
         if self.coordinated:
-            coordinator.run(self, round_no, payload, messages, blobs, failed, shut_down)
+            if self.over_tree and not shut_down and not self.gone:
+                tree.run(self, payload, messages, blobs, failed)
+            else:
+                coordinator.run(self, round_no, payload, messages, blobs, failed, shut_down)
             return
         mb = self.mailboxes
         live = self.live()
@@ -316,10 +324,7 @@ class Exchange:
                 to_send[r] = view[n:]
 
     def _rank_of(self, sock: Any) -> int:
-        for r, rd in self.readers.items():
-            if rd.sock is sock:
-                return r
-        raise KeyError(sock)
+        return self._ranks_by_sock[sock]
 
     def _check_notice(self, msg: protocol.RoundMessage, r: int) -> None:
         """A peer's failure notice ("rank X was lost") ends this rank the same way."""
