@@ -50,7 +50,7 @@ class Config:
     hugepages: bool = True
     shm_control: str = "auto"
     coordinator_min: int = 3
-    coordinator_tree_min: int = 64
+    coordinator_tree_min: int = 128
     spin_time_us: float = 200.0
     torch_device_path: str = "auto"
     log_level: str = ""

@@ -286,14 +286,17 @@ KNOBS: tuple[Knob, ...] = (
              'ranks: measured faster at 2 ranks, slower from 3). `0`: always '
              'all-to-all.'),
     Knob("coordinator_tree_min", "RONDE_COORDINATOR_TREE", int,
-         default='`64`', unit='ranks',
+         default='`128`', unit='ranks',
          doc='From this many ranks on, rounds that go through the coordinator (see '
              '`RONDE_COORDINATOR_MIN`) travel over a binomial tree rooted at rank 0 '
              'instead of a star: each rank merges its children\'s grouped frames with '
              'its own and sends them to its parent, and forwards the bundle down, so no '
              'rank handles more than 1 + log2 N frames a round (the star: rank 0 handles '
              '2(N - 1)), at 2 log2 N hops a round instead of 2. Back to the star for the '
-             'rest of the job once a rank shuts down. `0`: never.'),
+             'rest of the job once a rank shuts down. The default is where the '
+             'modelled round of `python -m ronde.bench control` (rank 0\'s measured '
+             'work with its system calls, 25 us a hop) favours the tree: 0.8x the '
+             'star at 64 ranks, 2x at 256, 5.7x at 1024. `0`: never.'),
     Knob("spin_time_us", "RONDE_SPIN_TIME", float,
          default='`200`', unit='microseconds',
          doc='How long a thread waiting on a handle keeps *driving* the engine '

@@ -39,13 +39,12 @@ a frame from that rank itself.
 
 from __future__ import annotations
 
-import select
 import struct
 import time
 from typing import Any, Callable, NamedTuple
 
 from .._errors import PeerLostError, ProtocolError
-from ..transport import wire
+from ..transport import ready, wire
 from . import protocol
 
 #: what the functions here get as ``ex``: the engine's ``exchange.Exchange`` (its readers,
@@ -210,7 +209,7 @@ def _run_root(ex: Exchange, payload: bytes, messages: list[Any], blobs: list[byt
     while waiting or to_send:
         rlist = [ex.readers[r].sock for r in waiting]
         wlist = [ex.readers[r].sock for r in to_send]
-        readable, writable, _ = select.select(rlist, wlist, [], 0.5)
+        readable, writable = ready.wait(rlist, wlist, 0.5)
         ex._send_some(writable, to_send)
         for s in readable:
             r = ex._rank_of(s)
@@ -231,7 +230,7 @@ def _run_root(ex: Exchange, payload: bytes, messages: list[Any], blobs: list[byt
     bundle = memoryview(pack_bundle(grouped))
     to_send = {r: bundle for r in live}
     while to_send:
-        _, writable, _ = select.select([], [ex.readers[r].sock for r in to_send], [], 0.5)
+        _, writable = ready.wait([], [ex.readers[r].sock for r in to_send], 0.5)
         ex._send_some(writable, to_send)
         err = failed()
         if err is not None:
@@ -265,8 +264,7 @@ def _run_member(ex: Exchange, root_rank: int, payload: bytes, messages: list[Any
                 raise _CoordinatorLeft
             raise PeerLostError(f"rank {ex.describe_rank(root_rank)} (the negotiation "
                                 "coordinator) exited or lost its connection", rank=root_rank)
-        readable, writable, _ = select.select([root.sock], [root.sock] if to_send else [],
-                                              [], 0.5)
+        readable, writable = ready.wait([root.sock], [root.sock] if to_send else [], 0.5)
         ex._send_some(writable, to_send)
         if readable:
             root.fill()

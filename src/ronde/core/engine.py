@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import select
 import socket
 import threading
 import time
@@ -32,7 +31,7 @@ from typing import Any, Callable
 from .._config import Config
 from .._errors import (DuplicateNameError, PeerLostError, RondeError, fresh_copy,
                        ShutdownError)
-from ..transport import mailbox
+from ..transport import mailbox, ready
 from ..transport.base import Communicator
 from .exchange import Exchange, Links
 from .executor import Executor
@@ -301,8 +300,7 @@ class Engine:
             if self._spinners:
                 # a waiting caller drives (and runs collectives without a hand-off): stay
                 # out of its way, but keep reading the sockets (EOF, remote frames)
-                readable, _, _ = select.select([self._wake_r] + ex.sockets(), [], [],
-                                               self.cycle_s)
+                readable, _ = ready.wait([self._wake_r] + ex.sockets(), [], self.cycle_s)
                 self._read_ready(readable)
             else:
                 with self._drive:
@@ -344,7 +342,7 @@ class Engine:
         if ex.before_block(self._rounds) or (deep and self._has_local()):
             timeout = 0.0
         try:
-            readable, _, _ = select.select([self._wake_r] + ex.sockets(), [], [], timeout)
+            readable, _ = ready.wait([self._wake_r] + ex.sockets(), [], timeout)
         finally:
             self._ctl_deep_sleep = False
             ex.after_block()

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import socket
 import threading
 import time
@@ -33,7 +32,7 @@ from typing import Any, Callable, Protocol
 
 from .._config import Config
 from .._errors import PeerLostError
-from ..transport import mailbox, wire
+from ..transport import mailbox, ready, wire
 from ..transport.mesh import LinkError
 from . import coordinator, protocol, rounds, tree
 
@@ -254,7 +253,7 @@ class Exchange:
             if sleeping and self.before_block(round_no - 1):
                 timeout = 0.0
             try:
-                readable, writable, _ = select.select(rlist, wlist, [], timeout)
+                readable, writable = ready.wait(rlist, wlist, timeout)
             finally:
                 if sleeping:
                     self.after_block()

@@ -46,12 +46,11 @@ subtree; a bundle must hold every rank.
 
 from __future__ import annotations
 
-import select
 import time
 from typing import Any, Callable
 
 from .._errors import ProtocolError
-from ..transport import wire
+from ..transport import ready, wire
 from . import coordinator, protocol
 
 #: what the functions here get as ``ex``: the engine's ``exchange.Exchange``
@@ -133,8 +132,7 @@ def run(ex: Exchange, payload: bytes, messages: list[Any], blobs: list[bytes],
     while waiting or to_send:
         watch = [readers[r].sock for r in waiting] + ([readers[up].sock] if up is not None
                                                       else [])
-        readable, writable, _ = select.select(watch, [readers[r].sock for r in to_send],
-                                              [], 0.5)
+        readable, writable = ready.wait(watch, [readers[r].sock for r in to_send], 0.5)
         ex._send_some(writable, to_send)
         for s in readable:
             r = by_sock[s]
@@ -160,7 +158,7 @@ def run(ex: Exchange, payload: bytes, messages: list[Any], blobs: list[bytes],
     bundle = memoryview(frame)
     to_send = {c: bundle for c in kids}
     while to_send:
-        _, writable, _ = select.select([], [readers[c].sock for c in to_send], [], 0.5)
+        _, writable = ready.wait([], [readers[c].sock for c in to_send], 0.5)
         ex._send_some(writable, to_send)
         err = failed()
         if err is not None:
@@ -184,8 +182,7 @@ def _exchange_with_parent(ex: Exchange, rd: Any, up: int, grouped: coordinator.G
         body = _from_parent(ex, rd, up)
         if body is not None:
             return body
-        readable, writable, _ = select.select([rd.sock], [rd.sock] if to_send else [],
-                                              [], 0.5)
+        readable, writable = ready.wait([rd.sock], [rd.sock] if to_send else [], 0.5)
         ex._send_some(writable, to_send)
         if readable:
             rd.fill()

@@ -1,0 +1,59 @@
+"""Which sockets are ready to read or write: ``select(2)``'s question without its limit.
+
+``select.select`` raises ``ValueError`` for any descriptor numbered ``FD_SETSIZE``
+(1024) or more, and a rank of a large job holds that many: the coordinator of a
+thousand ranks has a control socket to each. :func:`wait` asks ``select`` (cheapest
+for the few sockets of most calls) and, only where it refuses a descriptor, ``poll``,
+which has no such limit.
+"""
+
+from __future__ import annotations
+
+import select
+from typing import Any, Sequence
+
+_IN = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
+_OUT = select.POLLOUT | select.POLLHUP | select.POLLERR
+
+
+def wait(readers: Sequence[Any], writers: Sequence[Any], timeout_s: float,
+         ) -> tuple[list[Any], list[Any]]:
+    """The objects of ``readers`` ready to read and of ``writers`` ready to write
+    (sockets, descriptors, or anything with ``fileno()``), waiting up to ``timeout_s``."""
+    try:
+        readable, writable, _ = select.select(readers, writers, [], timeout_s)
+        return readable, writable
+    except ValueError:
+        if any(_fd(s) < 0 for s in (*readers, *writers)):
+            raise  # a closed socket: select's own error
+    return _poll(readers, writers, timeout_s)
+
+
+def _fd(s: Any) -> int:
+    return s if isinstance(s, int) else s.fileno()
+
+
+def _poll(readers: Sequence[Any], writers: Sequence[Any], timeout_s: float,
+          ) -> tuple[list[Any], list[Any]]:
+    masks: dict[int, int] = {}
+    objs: dict[int, Any] = {}
+    for s in readers:
+        fd = _fd(s)
+        masks[fd] = masks.get(fd, 0) | select.POLLIN
+        objs[fd] = s
+    wobjs: dict[int, Any] = {}
+    for s in writers:
+        fd = _fd(s)
+        masks[fd] = masks.get(fd, 0) | select.POLLOUT
+        wobjs[fd] = s
+    poller = select.poll()
+    for fd, mask in masks.items():
+        poller.register(fd, mask)
+    readable: list[Any] = []
+    writable: list[Any] = []
+    for fd, ev in poller.poll(max(0, int(timeout_s * 1000))):
+        if ev & _IN and fd in objs:
+            readable.append(objs[fd])
+        if ev & _OUT and fd in wobjs:
+            writable.append(wobjs[fd])
+    return readable, writable
