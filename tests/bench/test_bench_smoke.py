@@ -119,4 +119,6 @@ def test_control_case_measures_each_side_of_a_round(capsys):
 
     assert control.main(["--np", "4,64", "--tensors", "8", "--repeats", "3"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 64 ")]
-    assert len(rows) == 1 and len(rows[0].split("|")) == 10
+    work, path = rows  # the Python work of each side; rank 0's round and the model
+    assert len(work.split("|")) == 12 and len(path.split("|")) == 10
+    assert path.split("|")[2:4] == [" 126 ", " 12 "]  # frames at rank 0: star, tree

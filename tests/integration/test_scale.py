@@ -59,6 +59,35 @@ def test_a_lost_rank_is_named_on_every_survivor_at_np5(tmp_path, lost, tree):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("tree", [False, True], ids=["star", "tree"])
+def test_a_silent_rank_is_named_on_every_survivor_at_np5(tmp_path, tree):
+    # rank 3 stops (SIGSTOP: alive, sockets open, answering nothing). Over the tree its
+    # parent, rank 2, times out first (a second per level below each waiting rank) and
+    # names it; its notice reaches the rest along the tree
+    proc, elapsed = ronderun(tmp_path, 5, """
+        import os, signal, sys, time
+        import numpy as np
+        import ronde as hvd
+        hvd.init()
+        try:
+            for i in range(100000):
+                if hvd.rank() == 3 and i == 30:
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                hvd.allreduce(np.ones(16, np.float32), name=f"step{i % 3}")
+        except hvd.PeerLostError as exc:
+            print(f"PEERLOST rank={exc.rank}: {exc}", flush=True)
+            sys.exit(5)
+    """, env={**(TREE if tree else {"RONDE_SHM_CONTROL": "0"}),
+              "RONDE_STALL_SHUTDOWN_TIME": "2"}, timeout=100)
+    assert proc.returncode != 0
+    lines = proc.stdout.splitlines()
+    for r in (0, 1, 2, 4):
+        line = next((l for l in lines if l.startswith(f"[{r}]<stdout>:PEERLOST")), None)
+        assert line is not None and "rank=3" in line, (r, proc.stdout[-3000:])
+    assert elapsed < 60
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tree", [False, True], ids=["star", "tree"])
 def test_ranks_go_on_after_the_coordinator_shut_down_and_left(tmp_path, tree):
     # ranks 0 and 1 shut down (and leave after RONDE_SHUTDOWN_TIMEOUT) while 2 and 3 go
     # on with a process set of their own: rank 2 coordinates their rounds then (over

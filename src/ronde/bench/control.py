@@ -179,7 +179,7 @@ def root_round_us(size: int, tensors: int, repeats: int, over_tree: bool) -> flo
             if over_tree:
                 tree.run(ex, payload, messages, blobs, lambda: None)
             else:
-                coordinator._run_root(ex, payload, messages, blobs, lambda: None, set())
+                coordinator.run(ex, i, payload, messages, blobs, lambda: None, set())
                 neg.apply_round(messages, blobs)  # tree.run's caller does this too
             if over_tree:
                 neg.apply_round(messages, blobs)

@@ -29,7 +29,10 @@ arrive early at a rank that is about to coordinate stay buffered for it. A coord
 leaves only between rounds, after every bundle went out. Failure: the coordinator sees a
 rank's socket close; its error, with the failure notice it sends every live rank
 before it leaves, ends the others' rounds naming the lost rank. A rank that loses its
-coordinator (not shut down) fails naming it.
+coordinator (not shut down) fails naming it. A rank that stops answering (alive, its
+socket open) is named by the coordinator after ``RONDE_STALL_SHUTDOWN_TIME``; members
+wait for their bundle a second longer, so that they fail on its notice instead of
+blaming the coordinator, which was only waiting too.
 
 Every byte of a bundle is untrusted: its masks must hold ranks of the job, each once, and
 include the coordinator and the receiver; a live rank it leaves out must have shut
@@ -57,6 +60,10 @@ KIND_GO = 5
 #: the coordinator's bundle of every rank's frame for one round
 KIND_BUNDLE = 6
 GO = wire.encode_frame(KIND_GO, b"")
+#: how much longer a rank waits for an answer per rank that waits on others in between
+#: (a member for its bundle, while the coordinator waits for a silent rank): the rank
+#: nearest the silent one times out first and names it, the others fail on its notice
+LEVEL_MARGIN_S = 1.0
 _U32 = struct.Struct("<I")
 _ENTRY = struct.Struct("<II")
 
@@ -268,7 +275,7 @@ def _run_member(ex: Exchange, root_rank: int, payload: bytes, messages: list[Any
         ex._send_some(writable, to_send)
         if readable:
             root.fill()
-        _checks(ex, failed, start, {root_rank})
+        _checks(ex, failed, start, {root_rank}, LEVEL_MARGIN_S)
     grouped = unpack_bundle(body, ex.size)
     live = ex.live()
     present = decode(ex.decoder, grouped, ex.size, messages, blobs, set(live),

@@ -59,7 +59,7 @@ Exchange = Any
 #: a subtree's frames, grouped as in a bundle, on their way to rank 0
 KIND_AGGREGATE = 7
 #: how much longer a rank waits per level of the subtree below it (see above)
-LEVEL_MARGIN_S = 1.0
+LEVEL_MARGIN_S = coordinator.LEVEL_MARGIN_S
 
 
 def wanted(cfg: Any, size: int) -> bool:
