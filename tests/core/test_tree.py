@@ -4,11 +4,13 @@ grouped frames, rounds among threads as ranks, and aggregates checked as untrust
 from __future__ import annotations
 
 import socket
+import threading
+import time
 
 import numpy as np
 import pytest
 
-from ronde import ProtocolError, TensorMismatchError, _config
+from ronde import ProtocolError, ShutdownError, TensorMismatchError, _config
 from ronde.core import coordinator, protocol, tree
 from ronde.core.exchange import Exchange
 from ronde.core.requests import Kind, Request
@@ -76,6 +78,29 @@ def test_rounds_over_the_tree_complete_on_every_rank(engines, n):
     for r in range(n):
         for m in names:
             np.testing.assert_array_equal(handles[r][m].wait(20), np.full(5, total))
+
+
+def test_ranks_watch_their_tree_neighbours_until_a_rank_shuts_down(engines):
+    g = engines(5, coordinator_min=3, coordinator_tree_min=3, shutdown_timeout_s=1.0)
+    assert [e.exchange.linked() for e in g.engines] == [[1, 2, 4], [0], [0, 3], [2], [0]]
+    hs = [eng.submit(_ar("x", np.ones(2))).handle for eng in g.engines]
+    for h in hs:
+        h.wait(20)
+    assert all(e.exchange.over_tree for e in g.engines)
+    leaving = threading.Thread(target=g.engines[3].shutdown)
+    leaving.start()  # its announcement ends the tree on every rank, in the same round
+    deadline = time.monotonic() + 20
+    while any(e.exchange.over_tree for e in g.engines) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(e.exchange.over_tree for e in g.engines)
+    ex = g.engines[0].exchange
+    assert ex.linked() == [r for r in ex.readers if r not in ex.gone]  # all it holds
+    hs = [eng.submit(_ar("y", np.ones(2))).handle for r, eng in enumerate(g.engines)
+          if r != 3]
+    for h in hs:  # the others' rounds go on, star-shaped, and agree on why
+        with pytest.raises(ShutdownError, match="rank\\(s\\) 3 shut down"):
+            h.wait(20)
+    leaving.join(20)
 
 
 def test_a_mismatch_over_the_tree_fails_every_rank(engines):

@@ -81,8 +81,11 @@ class Exchange:
         #: to 0 where not)
         self.coordinated = (cfg.coordinator_min > 0 and self.size >= cfg.coordinator_min
                             and mailboxes is None)
-        #: ... and over a binomial tree of relays (``tree.py``) while every rank is here
+        #: ... and over a binomial tree of relays (``tree.py``) until a rank shuts down
         self.over_tree = self.coordinated and tree.wanted(cfg, size)
+        #: what this rank watches between rounds while the tree holds: its neighbours
+        #: only (rank 0 is not woken by, and does not poll, N - 1 sockets)
+        self._tree_peers = tree.neighbours(rank, size) if self.over_tree else []
         self.gone: set[int] = set()
         self.spin_s = cfg.spin_time_us / 1e6
         self._sleep_lock = threading.Lock()
@@ -94,7 +97,10 @@ class Exchange:
         return [r for r in self.peers if r not in self.gone]
 
     def linked(self) -> list[int]:
-        """The live ranks this rank holds a control socket to."""
+        """The live ranks this rank holds a control socket to (over the tree: its
+        neighbours there)."""
+        if self.over_tree:
+            return self._tree_peers
         return [r for r in self.readers if r not in self.gone]
 
     def reader(self, r: int, shut_down: set[int], failed: Callable[[], BaseException | None],
@@ -204,8 +210,11 @@ class Exchange:
         """Send ``payload`` as this rank's frame of ``round_no`` to every live peer and
         read one frame from each into ``messages``/``blobs``."""
         if self.coordinated:
-            if self.over_tree and not shut_down and not self.gone:
-                tree.run(self, payload, messages, blobs, failed)
+            if self.over_tree and (shut_down or self.gone):
+                self.over_tree = False
+            if self.over_tree:
+                if tree.run(self, payload, messages, blobs, failed):
+                    self.over_tree = False  # a rank shuts down: the star, on every rank
             else:
                 coordinator.run(self, round_no, payload, messages, blobs, failed, shut_down)
             return

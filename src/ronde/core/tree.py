@@ -30,7 +30,9 @@ before its bundle (the same socket carries them in order).
 The tree holds only while every rank of the job is here: a rank's shutdown is agreed
 in a round's frames, so from the next round on every rank alike goes back to the star
 (``coordinator.py``, whose sockets to rank 0 ``init()`` opens in both cases), which
-knows how ranks leave and who coordinates after rank 0.
+knows how ranks leave and who coordinates after rank 0. Until then a rank watches only
+its tree neighbours' sockets between rounds (``Exchange.linked``): rank 0 is not woken
+by, and does not poll, the other ``N - 1``.
 
 Failure: a rank sees its children and its parent; a socket that closes is a
 ``PeerLostError`` naming that rank, whose notice (``Exchange.tell_peers``) travels on
@@ -113,9 +115,11 @@ def merge(parts: list[coordinator.Grouped]) -> coordinator.Grouped:
 
 
 def run(ex: Exchange, payload: bytes, messages: list[Any], blobs: list[bytes],
-        failed: Callable[[], BaseException | None]) -> None:
+        failed: Callable[[], BaseException | None]) -> bool:
     """One round over the tree (what :meth:`Exchange.run` does while every rank is
-    here and the job has ``RONDE_COORDINATOR_TREE`` ranks or more)."""
+    here and the job has ``RONDE_COORDINATOR_TREE`` ranks or more); True when a rank
+    announced its shutdown in it (every rank sees the same bundle: all go back to the
+    star from the next round, and watch all their sockets between rounds from now)."""
     rank, size = ex.rank, ex.size
     kids = children(rank, size)
     up = None if rank == 0 else parent(rank)
@@ -168,6 +172,8 @@ def run(ex: Exchange, payload: bytes, messages: list[Any], blobs: list[bytes],
     if len(present) != size:
         missing = sorted(set(range(size)) - present)
         raise ProtocolError(f"a negotiation bundle from rank {up} left ranks {missing} out")
+    # each distinct part once: the message of its lowest sender
+    return any(messages[(m & -m).bit_length() - 1].shutdown for m in grouped.parts.values())
 
 
 def _exchange_with_parent(ex: Exchange, rd: Any, up: int, grouped: coordinator.Grouped,
