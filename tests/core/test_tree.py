@@ -120,8 +120,7 @@ def _exchange(rank: int, size: int) -> tuple[Exchange, dict[int, socket.socket]]
 
 
 def _aggregate(frames: dict[int, bytes]) -> bytes:
-    body = coordinator.pack_bundle(coordinator.group(frames))[wire.HEADER_BYTES:]
-    return wire.encode_frame(tree.KIND_AGGREGATE, body)
+    return coordinator.pack_bundle(coordinator.group(frames), tree.KIND_AGGREGATE)
 
 
 @pytest.mark.parametrize("ranks, match", [

@@ -160,9 +160,9 @@ def root_round_us(size: int, tensors: int, repeats: int, over_tree: bool) -> flo
     ex = Exchange(0, size, {r: near for r, (near, _) in pairs.items()}, None,
                   _config.Config(), str)
     if over_tree:
-        sent = {c: wire.encode_frame(tree.KIND_AGGREGATE, coordinator.pack_bundle(
-            coordinator.group({r: payload for r in range(c, min(c + (c & -c), size))}))[
-                wire.HEADER_BYTES:]) for c in peers}
+        sent = {c: coordinator.pack_bundle(coordinator.group(
+            {r: payload for r in range(c, min(c + (c & -c), size))}), tree.KIND_AGGREGATE)
+            for c in peers}
     else:
         sent = {r: wire.encode_frame(protocol.KIND_ROUND, payload) for r in peers}
     for _, far in pairs.values():

@@ -101,8 +101,9 @@ def ranks_of(mask: int, size: int) -> list[int]:
     return [r for r, b in enumerate(bits) if b == "1"]
 
 
-def pack_bundle(g: Grouped) -> bytes:
-    """One bundle frame carrying the grouped frames of a round."""
+def pack_bundle(g: Grouped, kind: int = KIND_BUNDLE) -> bytes:
+    """One bundle frame carrying the grouped frames of a round (or, with the tree's
+    ``kind``, of a subtree)."""
     out = [_U32.pack(len(g.parts))]
     for body, mask in g.parts.items():
         bits = mask.to_bytes((mask.bit_length() + 7) // 8, "little")
@@ -110,7 +111,7 @@ def pack_bundle(g: Grouped) -> bytes:
     out.append(_U32.pack(len(g.blobs)))
     for r, blob in g.blobs.items():
         out += [_ENTRY.pack(r, len(blob)), blob]
-    return wire.encode_frame(KIND_BUNDLE, b"".join(out))
+    return wire.encode_frame(kind, b"".join(out))
 
 
 def unpack_bundle(payload: bytes, size: int,

@@ -179,9 +179,7 @@ def run(ex: Exchange, payload: bytes, messages: list[Any], blobs: list[bytes],
 def _exchange_with_parent(ex: Exchange, rd: Any, up: int, grouped: coordinator.Grouped,
                           failed: Callable[[], BaseException | None]) -> bytes:
     """Send this subtree's aggregate to the parent; return the round's bundle (payload)."""
-    agg = coordinator.pack_bundle(grouped)
-    to_send = {up: memoryview(wire.encode_frame(KIND_AGGREGATE,
-                                                agg[wire.HEADER_BYTES:]))}
+    to_send = {up: memoryview(coordinator.pack_bundle(grouped, KIND_AGGREGATE))}
     start = time.monotonic()
     levels = ex.size.bit_length() + 1  # longer than any rank waiting for a child
     while True:
