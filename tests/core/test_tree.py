@@ -80,6 +80,20 @@ def test_rounds_over_the_tree_complete_on_every_rank(engines, n):
             np.testing.assert_array_equal(handles[r][m].wait(20), np.full(5, total))
 
 
+@pytest.mark.parametrize("tree_min", [0, 3], ids=["star", "tree"])
+def test_32_ranks_with_sockets_numbered_past_1024(engines, tree_min):
+    # 32 engines in one process hold ~2000 socket pairs' ends: select() refused them
+    # (ValueError) before every wait went through transport/ready.py
+    n = 32
+    g = engines(n, coordinator_min=3, coordinator_tree_min=tree_min)
+    assert max(s.fileno() for e in g.engines for s in e.exchange.sockets()) > 1024
+    for step in range(3):
+        hs = [e.submit(_ar(f"x{step}", np.full(3, r + 1.0))).handle
+              for r, e in enumerate(g.engines)]
+        for h in hs:
+            np.testing.assert_array_equal(h.wait(30), np.full(3, n * (n + 1) / 2))
+
+
 def test_ranks_watch_their_tree_neighbours_until_a_rank_shuts_down(engines):
     g = engines(5, coordinator_min=3, coordinator_tree_min=3, shutdown_timeout_s=1.0)
     assert [e.exchange.linked() for e in g.engines] == [[1, 2, 4], [0], [0, 3], [2], [0]]
