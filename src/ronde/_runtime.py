@@ -296,15 +296,14 @@ def _ctl_peers(cfg: _config.Config, rank: int, hosts: list[str],
                host_cores: tuple[int, ...]) -> list[int] | None:
     """The peers whose control sockets ``init()`` opens: every one (None) when rounds
     go all-to-all; under the coordinator, only rank 0's on the other ranks (N - 1 in
-    all; after rank 0 leaves, the next coordinator's open on demand: core/exchange.py),
-    and with the tree (core/tree.py) also each rank's parent's and children's."""
+    all; after rank 0 leaves, the next coordinator's open on demand: core/exchange.py);
+    over the tree (core/tree.py) only each rank's parent's and children's."""
     if not cores_mod.coordinated(cfg, Topology.build(rank, hosts), host_cores):
         return None
     size = len(hosts)
-    star = list(range(1, size)) if rank == 0 else [0]
-    if not tree.wanted(cfg, size):
-        return star
-    return sorted({*star, *tree.neighbours(rank, size)})  # the star's for after a rank left
+    if tree.wanted(cfg, size):
+        return tree.neighbours(rank, size)  # the star's open when the tree ends
+    return list(range(1, size)) if rank == 0 else [0]
 
 
 def _communicators(cfg: _config.Config, topo: Topology, wenv: worker_env.WorkerEnv,

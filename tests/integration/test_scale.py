@@ -123,12 +123,12 @@ def test_ranks_go_on_after_the_coordinator_shut_down_and_left(tmp_path, tree):
 def test_sockets_open_only_as_the_job_needs_them_at_np5(tree):
     # under the coordinator a rank holds a control socket to rank 0 only (N - 1 in all,
     # not N(N - 1) / 2), and a data socket to a peer once bytes first move between them;
-    # over the tree also one to its parent and to each child (2 - 3 here)
+    # over the tree one to its parent and one to each child instead (rank 0: log2 N)
     got = run_ranks(5, workers.connections_on_demand, timeout_s=100,
                     env={**(TREE if tree else {"RONDE_SHM_CONTROL": "0"}),
                          "RONDE_TRANSPORT": "tcp"})
     n = 5
-    assert [ctl for ctl, _, _ in got] == ([4, 1, 2, 2, 1] if tree else [n - 1] + [1] * (n - 1))
+    assert [ctl for ctl, _, _ in got] == ([3, 1, 2, 1, 1] if tree else [n - 1] + [1] * (n - 1))
     for r, (_, ring, every) in enumerate(got):
         assert ring == sorted({(r - 1) % n, (r + 1) % n}), (r, ring)
         assert every == [p for p in range(n) if p != r], (r, every)

@@ -163,6 +163,21 @@ class Exchange:
                 links.wait_opened(0.05)
         self._members_linked = True  # no rank joins later: one wait per coordinator
 
+    def _end_tree(self, leaving: int, failed: Callable[[], BaseException | None]) -> None:
+        """Ranks of ``leaving`` (a bit mask) announced their shutdown in a round over the
+        tree: from the next round on, every rank alike, rounds go through the star. Its
+        control sockets open now, before any rank can start that round (a member's frame
+        on a socket rank 0 does not watch would wait for nothing): each member connects
+        to rank 0, which waits for every one. Not when every rank is leaving."""
+        self.over_tree = False
+        if leaving == (1 << self.size) - 1 or self._links is None:
+            return
+        if self.rank == 0:
+            shut = {r for r in range(self.size) if leaving >> r & 1}
+            self.await_members(shut, failed)
+        else:
+            self.reader(0, set(), failed)
+
     def peer_started(self, rounds_done: int) -> bool:
         """Whether a peer has started the next round (or closed its socket)."""
         for r in self.linked():
@@ -213,8 +228,9 @@ class Exchange:
             if self.over_tree and (shut_down or self.gone):
                 self.over_tree = False
             if self.over_tree:
-                if tree.run(self, payload, messages, blobs, failed):
-                    self.over_tree = False  # a rank shuts down: the star, on every rank
+                leaving = tree.run(self, payload, messages, blobs, failed)
+                if leaving:
+                    self._end_tree(leaving, failed)
             else:
                 coordinator.run(self, round_no, payload, messages, blobs, failed, shut_down)
             return

@@ -29,10 +29,11 @@ before its bundle (the same socket carries them in order).
 
 The tree holds only while every rank of the job is here: a rank's shutdown is agreed
 in a round's frames, so from the next round on every rank alike goes back to the star
-(``coordinator.py``, whose sockets to rank 0 ``init()`` opens in both cases), which
-knows how ranks leave and who coordinates after rank 0. Until then a rank watches only
-its tree neighbours' sockets between rounds (``Exchange.linked``): rank 0 is not woken
-by, and does not poll, the other ``N - 1``.
+(``coordinator.py``), which knows how ranks leave and who coordinates after rank 0.
+``init()`` opens only the tree's control sockets (each rank's parent and children:
+rank 0 holds ``log2 N``, not ``N - 1``), and between rounds a rank watches only those;
+the round that ends the tree opens the star's: each member connects to rank 0, which
+waits for them (unless every rank is leaving), before any rank can start the next.
 
 Failure: a rank sees its children and its parent; a socket that closes is a
 ``PeerLostError`` naming that rank, whose notice (``Exchange.tell_peers``) travels on
@@ -115,11 +116,11 @@ def merge(parts: list[coordinator.Grouped]) -> coordinator.Grouped:
 
 
 def run(ex: Exchange, payload: bytes, messages: list[Any], blobs: list[bytes],
-        failed: Callable[[], BaseException | None]) -> bool:
+        failed: Callable[[], BaseException | None]) -> int:
     """One round over the tree (what :meth:`Exchange.run` does while every rank is
-    here and the job has ``RONDE_COORDINATOR_TREE`` ranks or more); True when a rank
-    announced its shutdown in it (every rank sees the same bundle: all go back to the
-    star from the next round, and watch all their sockets between rounds from now)."""
+    here and the job has ``RONDE_COORDINATOR_TREE`` ranks or more); returns the bit mask
+    of the ranks that announced their shutdown in it (every rank sees the same bundle:
+    when it is not 0, all go back to the star from the next round)."""
     rank, size = ex.rank, ex.size
     kids = children(rank, size)
     up = None if rank == 0 else parent(rank)
@@ -172,8 +173,11 @@ def run(ex: Exchange, payload: bytes, messages: list[Any], blobs: list[bytes],
     if len(present) != size:
         missing = sorted(set(range(size)) - present)
         raise ProtocolError(f"a negotiation bundle from rank {up} left ranks {missing} out")
-    # each distinct part once: the message of its lowest sender
-    return any(messages[(m & -m).bit_length() - 1].shutdown for m in grouped.parts.values())
+    leaving = 0
+    for mask in grouped.parts.values():  # each distinct part once: its lowest sender's
+        if messages[(mask & -mask).bit_length() - 1].shutdown:
+            leaving |= mask
+    return leaving
 
 
 def _exchange_with_parent(ex: Exchange, rd: Any, up: int, grouped: coordinator.Grouped,
