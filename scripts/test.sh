@@ -7,5 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/pip install -q -c constraints.txt -e '.[test]'
+# the tests start hundreds of processes: give them ronde's bytecode once (an editable
+# install under PYTHONDONTWRITEBYTECODE=1 would compile every module in every process)
+.venv/bin/python -m compileall -q src/ronde > /dev/null
 .venv/bin/python -m pytest -q "$@"
 RONDE_MXNET_CORE=1 bash scripts/mxnet_tests.sh -k "not gloo"
