@@ -107,7 +107,7 @@ def measure(size: int, tensors: int, repeats: int) -> dict[str, float]:
 
     kids = tree.children(0, size)
     aggregates = {c: coordinator.pack_bundle(coordinator.group(
-        {r: frames[r] for r in range(c, min(c + (c & -c), size))}))[protocol.wire.HEADER_BYTES:]
+        {r: frames[r] for r in tree.subtree(c, size)}))[protocol.wire.HEADER_BYTES:]
         for c in kids}
     own = {0: frames[0]}
 
@@ -115,10 +115,7 @@ def measure(size: int, tensors: int, repeats: int) -> dict[str, float]:
         got = []
         for c, body in aggregates.items():
             g = coordinator.unpack_bundle(body, size)
-            senders = 0
-            for mask in g.parts.values():
-                senders |= mask
-            assert senders == tree.subtree_mask(c, size)
+            tree.check_aggregate(g, c, size)
             got.append(g)
         g = tree.merge([coordinator.group(own), *got])
         coordinator.pack_bundle(g)
@@ -161,8 +158,7 @@ def root_round_us(size: int, tensors: int, repeats: int, over_tree: bool) -> flo
                   _config.Config(), str)
     if over_tree:
         sent = {c: coordinator.pack_bundle(coordinator.group(
-            {r: payload for r in range(c, min(c + (c & -c), size))}), tree.KIND_AGGREGATE)
-            for c in peers}
+            {r: payload for r in tree.subtree(c, size)}), tree.KIND_AGGREGATE) for c in peers}
     else:
         sent = {r: wire.encode_frame(protocol.KIND_ROUND, payload) for r in peers}
     for _, far in pairs.values():
@@ -180,9 +176,7 @@ def root_round_us(size: int, tensors: int, repeats: int, over_tree: bool) -> flo
                 tree.run(ex, payload, messages, blobs, lambda: None)
             else:
                 coordinator.run(ex, i, payload, messages, blobs, lambda: None, set())
-                neg.apply_round(messages, blobs)  # tree.run's caller does this too
-            if over_tree:
-                neg.apply_round(messages, blobs)
+            neg.apply_round(messages, blobs)  # the engine's part of the round
             if i >= 2:
                 times.append(time.perf_counter() - t0)
             for _, far in pairs.values():  # goes and bundles, untimed

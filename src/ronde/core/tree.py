@@ -88,11 +88,26 @@ def children(rank: int, size: int) -> list[int]:
     return out
 
 
+def subtree(rank: int, size: int) -> range:
+    """The ranks in ``rank``'s subtree: ``rank`` up to the next multiple of its lowest
+    set bit (the whole job for rank 0)."""
+    return range(rank, min(rank + (rank & -rank), size) if rank else size)
+
+
 def subtree_mask(rank: int, size: int) -> int:
-    """The bit mask of the ranks in ``rank``'s subtree: ``rank`` up to the next multiple
-    of its lowest set bit (the whole job for rank 0)."""
-    end = min(rank + (rank & -rank), size) if rank else size
-    return ((1 << (end - rank)) - 1) << rank
+    """The bit mask of :func:`subtree`."""
+    ranks = subtree(rank, size)
+    return ((1 << len(ranks)) - 1) << rank
+
+
+def check_aggregate(g: coordinator.Grouped, child: int, size: int) -> None:
+    """An aggregate from ``child`` must hold exactly its subtree's frames."""
+    senders = 0
+    for mask in g.parts.values():
+        senders |= mask
+    if senders != subtree_mask(child, size):
+        raise ProtocolError(f"rank {child} sent an aggregate of ranks "
+                            f"{coordinator.ranks_of(senders, size)}, not its subtree's")
 
 
 def neighbours(rank: int, size: int) -> list[int]:
@@ -231,10 +246,5 @@ def _aggregate(ex: Exchange, rd: Any, child: int) -> coordinator.Grouped | None:
     if kind != KIND_AGGREGATE:
         raise ProtocolError(f"rank {child} sent control frame kind {kind} to its parent")
     g = coordinator.unpack_bundle(body, ex.size, f"rank {child}")
-    senders = 0
-    for mask in g.parts.values():
-        senders |= mask
-    if senders != subtree_mask(child, ex.size):
-        raise ProtocolError(f"rank {child} sent an aggregate of ranks "
-                            f"{coordinator.ranks_of(senders, ex.size)}, not its subtree's")
+    check_aggregate(g, child, ex.size)
     return g
