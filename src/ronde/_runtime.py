@@ -11,25 +11,21 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import json
 import logging
 import os
-import secrets
 import socket
 import sys
-import tempfile
 import threading
-import time
 import traceback
 from typing import Any, Callable
 
 from . import _config, _cores as cores_mod
-from ._errors import (DeadlockError, PeerLostError, RendezvousError, RondeError, ShutdownError,
-                      StallError)
+from ._errors import (ConfigError, DeadlockError, PeerLostError, RendezvousError, RondeError,
+                      ShutdownError, StallError)
 from .core import autotune, tree
 from .core.engine import Engine
 from .runner import env as worker_env
-from .runner import rendezvous
+from .runner import lifeline, meeting, rendezvous
 from .transport import mesh as mesh_mod
 from .transport.net import route_address
 from .transport import factory as factory_mod
@@ -37,8 +33,6 @@ from .transport import factory as factory_mod
 log = logging.getLogger("ronde")
 
 _generation = 0
-_rank0_server: rendezvous.RendezvousServer | None = None
-_rank0_file: str | None = None
 _atexit_registered = False
 _dying = False
 _reports: list[threading.Thread] = []  # lost-peer reports still being sent
@@ -90,64 +84,11 @@ def _is_loopback(addr: str) -> bool:
     return addr.startswith("127.") or addr in ("localhost", "::1")
 
 
-def _file_rendezvous_path(job_id: str) -> str:
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job_id)
-    return os.path.join(tempfile.gettempdir(), f"ronde-rdv-{os.getuid()}-{safe}.json")
-
-
-def _rendezvous(wenv: worker_env.WorkerEnv, cfg: _config.Config, info: dict[str, Any]
-                ) -> tuple[list[dict[str, Any]], bytes]:
-    """Meet the other ranks; return the peer table and the job secret."""
-    global _rank0_server, _rank0_file
-    mode = wenv.rendezvous_mode
-    if mode == "server":
-        assert wenv.rendezvous is not None and wenv.secret is not None
-        return rendezvous.register(wenv.rendezvous, wenv.secret, info, cfg.start_timeout_s), \
-            wenv.secret
-    if mode == "rank0":
-        assert wenv.rendezvous is not None and wenv.secret is not None
-        if wenv.rank == 0 and _rank0_server is None:
-            _rank0_server = rendezvous.RendezvousServer(
-                wenv.size, wenv.secret, host=cfg.bind_addr or "0.0.0.0",
-                port=wenv.rendezvous[1], start_timeout_s=cfg.start_timeout_s).start()
-        return rendezvous.register(wenv.rendezvous, wenv.secret, info, cfg.start_timeout_s), \
-            wenv.secret
-    # "file": ranks of one host meet through a 0600 file naming rank 0's service
-    path = _file_rendezvous_path(wenv.job_id)
-    if wenv.rank == 0:
-        if _rank0_server is None:
-            secret = secrets.token_bytes(32)
-            _rank0_server = rendezvous.RendezvousServer(
-                wenv.size, secret, host="127.0.0.1", start_timeout_s=cfg.start_timeout_s).start()
-            tmp = f"{path}.{os.getpid()}.tmp"
-            fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                json.dump({"port": _rank0_server.port, "secret": secret.hex()}, fh)
-            os.replace(tmp, path)
-            _rank0_file = path
-        secret = _rank0_server.secret
-        return rendezvous.register(_rank0_server.address, secret, info, cfg.start_timeout_s), secret
-    deadline = time.monotonic() + cfg.start_timeout_s
-    while True:
-        try:
-            with open(path) as fh:
-                data = json.load(fh)
-            secret = bytes.fromhex(data["secret"])
-            return rendezvous.register(("127.0.0.1", int(data["port"])), secret, info,
-                                       min(2.0, max(0.1, deadline - time.monotonic()))), secret
-        except (FileNotFoundError, ValueError, KeyError, RendezvousError):
-            if time.monotonic() > deadline:
-                raise RendezvousError(
-                    f"rank {wenv.rank}: rank 0 of this {wenv.source} job did not publish its "
-                    f"rendezvous ({path}) within {cfg.start_timeout_s:g}s; did rank 0 start "
-                    "and call ronde.init()?") from None
-            time.sleep(0.05)
-
-
 def init(process_sets: list[Any] | None = None) -> Runtime:
     """Build the runtime, in four steps: settings, peers, communicators, engine."""
     global _generation, _atexit_registered
     cfg = _settings()
+    lifeline.watch()  # stop with the launcher, even one killed by SIGKILL
     wenv = worker_env.detect()
     _generation += 1
     gen = _generation
@@ -210,9 +151,9 @@ def _meet_peers(wenv: worker_env.WorkerEnv, cfg: _config.Config, gen: int
         return wenv, gen, [wenv.host], {}, None
     rdv_host = wenv.rendezvous[0] if wenv.rendezvous else "127.0.0.1"
     local_job = wenv.rendezvous_mode == "file" or _is_loopback(rdv_host)
-    bind = cfg.bind_addr or ("127.0.0.1" if local_job else "0.0.0.0")
+    bind = cfg.bind_addr or ("127.0.0.1" if local_job else route_address(rdv_host))
     listener = mesh_mod.listen(bind)
-    advertised = bind if bind not in ("0.0.0.0", "") else route_address(rdv_host)
+    advertised = bind if bind not in ("0.0.0.0", "::", "") else route_address(rdv_host)
     info = {"rank": rank, "size": size, "generation": gen, "host": wenv.host,
             "addr": advertised, "port": listener.getsockname()[1], "cpus": cores_mod.my_cpus()}
     store = None
@@ -222,7 +163,7 @@ def _meet_peers(wenv: worker_env.WorkerEnv, cfg: _config.Config, gen: int
         store = torch_dist.master_store(bind, cfg.start_timeout_s)
         info["store_port"] = store.port
     try:
-        peers, secret = _rendezvous(wenv, cfg, info)
+        peers, secret = meeting.meet(wenv, cfg, info)
     except BaseException:
         listener.close()
         raise
@@ -244,16 +185,16 @@ def _meet_elastic(wenv: worker_env.WorkerEnv, cfg: _config.Config
                              mesh_mod.Mesh | None]:
     """Step 2 in an elastic job: register this worker's slot and wait (up to
     ``RONDE_ELASTIC_TIMEOUT``) until the driver has formed the next generation."""
-    from ._errors import ConfigError, WorkerRemovedError
+    from ._errors import WorkerRemovedError
 
     if cfg.transport == "gloo":
         raise ConfigError("RONDE_TRANSPORT=gloo is not supported in an elastic job; use "
                           "shm/tcp (the default) or mpi")
     assert wenv.rendezvous is not None and wenv.secret is not None
     rdv_host = wenv.rendezvous[0]
-    bind = cfg.bind_addr or ("127.0.0.1" if _is_loopback(rdv_host) else "0.0.0.0")
+    bind = cfg.bind_addr or ("127.0.0.1" if _is_loopback(rdv_host) else route_address(rdv_host))
     listener = mesh_mod.listen(bind)
-    advertised = bind if bind not in ("0.0.0.0", "") else route_address(rdv_host)
+    advertised = bind if bind not in ("0.0.0.0", "::", "") else route_address(rdv_host)
     info = {"elastic": True, "host": wenv.host, "slot": wenv.slot, "addr": advertised,
             "port": listener.getsockname()[1], "pid": os.getpid(), "node": wenv.node,
             "cpus": cores_mod.my_cpus()}
@@ -423,15 +364,7 @@ def shutdown(rt: Runtime) -> None:
 
 def _atexit_shutdown() -> None:
     # ronde._api registered its shutdown() after this, so it ran first (atexit is LIFO)
-    global _rank0_server
-    if _rank0_file:
-        try:
-            os.unlink(_rank0_file)
-        except OSError:
-            pass
-    if _rank0_server is not None:
-        _rank0_server.close()
-        _rank0_server = None
+    meeting.close()
 
 
 def _install_excepthook() -> None:

@@ -27,7 +27,30 @@ def test_torchrun():
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
                 "TORCHELASTIC_RUN_ID": "abc"})
     assert (w.rank, w.size, w.local_rank, w.source) == (1, 2, 1, "torchrun")
-    assert w.rendezvous == ("127.0.0.1", 29501) and w.rendezvous_mode == "rank0"
+    # one host and no secret: rank 0's random secret in a file only this user reads
+    assert w.rendezvous_mode == "file" and w.secret is None
+
+
+def test_torchrun_across_hosts_derives_no_secret_from_public_values():
+    env = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500"}
+    w = detect(env)
+    assert w.rendezvous == ("10.1.2.3", 29501) and w.rendezvous_mode == "rank0"
+    assert w.secret is None  # not sha256 of the public values, as before
+    w = detect({**env, "RONDE_SECRET": "5e" * 32})
+    assert w.secret == bytes.fromhex("5e" * 32) and w.rendezvous_mode == "rank0"
+
+
+def test_secrets_that_can_be_guessed_or_misread_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"RONDE_SECRET holds 4 bytes; at least 16.*token_hex"):
+        detect({"RONDE_SECRET": "abcd1234"})
+    with pytest.raises(ConfigError, match="RONDE_SECRET is not hexadecimal"):
+        detect({"RONDE_SECRET": "correct horse battery staple!"})
+    f = tmp_path / "secret"
+    f.write_text("7a" * 32 + "\n")
+    assert detect({"RONDE_SECRET_FILE": str(f)}).secret == bytes.fromhex("7a" * 32)
+    with pytest.raises(ConfigError, match="RONDE_SECRET_FILE .* cannot be read"):
+        detect({"RONDE_SECRET_FILE": str(tmp_path / "missing")})
 
 
 def test_open_mpi():
@@ -50,6 +73,7 @@ def test_slurm():
                 "RONDE_RENDEZVOUS_ADDR": "node1", "RONDE_RENDEZVOUS_PORT": "7000"})
     assert (w.rank, w.size, w.local_rank, w.local_size, w.source) == (5, 8, 1, 4, "slurm")
     assert w.rendezvous == ("node1", 7000)
+    assert w.secret is None and w.rendezvous_mode == "rank0"
 
 
 def test_multi_host_mpi_without_rendezvous_address_says_what_to_set():

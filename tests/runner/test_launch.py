@@ -256,7 +256,29 @@ def test_remote_shell_template(tmp_path) -> None:  # type: ignore[no-untyped-def
     assert rank_lines(r.stdout) == {
         0: [f"fakehost1 fakehost1 0 0 {tmp_path}"], 1: [f"fakehost2 fakehost2 1 1 {tmp_path}"]}
     assert "ronderun: rank 1 on fakehost2 (remote): local 0/1, cross 1/2" in r.stderr
-    assert "env RONDE_FAKE_HOST=fakehost2 sh -c" in r.stderr and "<secret>" in r.stderr
+    assert "env RONDE_FAKE_HOST=fakehost2 sh -c" in r.stderr
+    assert "IFS= read -r RONDE_SECRET" in r.stderr  # from standard input, not argv
+
+
+LEAKS = ("import glob, os; s = os.environ['RONDE_SECRET'].encode(); n = 0\n"
+         "for f in glob.glob('/proc/[0-9]*/cmdline'):\n"
+         "    try: n += s in open(f, 'rb').read()\n"
+         "    except OSError: pass\n"
+         "print('rank', os.environ['RONDE_RANK'], 'secret', len(s), 'in argv', n)")
+
+
+@pytest.mark.timeout(30)
+def test_the_secret_is_in_no_command_line_of_the_job(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Every user of a host can read every command line (``ps aux``): the secret of a
+    remote rank travels on the remote shell's standard input (it was an ``env
+    RONDE_SECRET=...`` argument of ssh, issue #32)."""
+    r = subprocess.run(
+        [PY, "-m", "ronde.run", "-H", "localhost:1,fakehost2:1", PY, "-c", LEAKS],
+        capture_output=True, text=True, timeout=30, cwd=tmp_path,
+        env={**os.environ, "RONDE_REMOTE_SHELL": "env RONDE_FAKE_HOST={host} sh -c"})
+    assert r.returncode == 0, r.stderr
+    assert rank_lines(r.stdout) == {0: ["rank 0 secret 64 in argv 0"],
+                                    1: ["rank 1 secret 64 in argv 0"]}
 
 
 def rank_result(scale: int, *, offset: int = 0) -> dict[str, Any]:
@@ -296,12 +318,14 @@ def test_default_remote_shell_command(monkeypatch: pytest.MonkeyPatch, tmp_path:
 
     monkeypatch.delenv("RONDE_REMOTE_SHELL", raising=False)
     monkeypatch.chdir(tmp_path)
-    argv = _remote_argv("node1", [PY, "train.py", "a b"], {"RONDE_RANK": "1", "X": "y z"},
+    argv = _remote_argv("node1", [PY, "train.py", "a b"],
+                        {"RONDE_RANK": "1", "X": "y z", "RONDE_SECRET": "ab" * 32},
                         2222, "/keys/my key")
     assert argv[:-1] == ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
                          "-p", "2222", "-i", "/keys/my key", "node1"]
-    assert argv[-1] == (f"cd {shlex.quote(str(tmp_path))} && env RONDE_RANK=1 'X=y z' "
-                        f"{PY} train.py 'a b'")
+    assert argv[-1] == (f"cd {shlex.quote(str(tmp_path))} && IFS= read -r RONDE_SECRET && "
+                        "export RONDE_SECRET && exec env RONDE_RANK=1 'X=y z' "
+                        f"RONDE_LAUNCHER_FD=0 {PY} train.py 'a b'")
 
 
 IGNORE_TERM = ("import os, signal, sys, time; r = int(os.environ['RONDE_RANK']); "
@@ -325,3 +349,79 @@ def test_api_sigkill_after_grace_for_a_rank_ignoring_sigterm() -> None:
     assert result.cause == "rank 1 (host localhost) failed first with exit code 2"
     assert err.getvalue().endswith("ronderun: other ranks: 0 stopped by ronderun\n")
     assert rank_lines(out.getvalue()) == {0: ["ready"], 1: ["ready"]}
+
+
+LINGER = ("import os, time, ronde as hvd; hvd.init(); "
+          "print('pid', os.getpid(), flush=True); time.sleep(60)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ")[-1][:1] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(60)
+def test_workers_die_with_a_killed_launcher(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """SIGKILL of ronderun (it cannot stop anyone) used to leave its workers training on
+    under PID 1: a local one now sees its inherited lifeline close, a remote one its
+    standard input (issue #32)."""
+    launcher = subprocess.Popen(
+        [PY, "-m", "ronde.run", "-H", "localhost:1,fakehost2:1", PY, "-c", LINGER],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        env={**os.environ, "RONDE_REMOTE_SHELL": "env RONDE_FAKE_HOST={host} sh -c"})
+    pids = []
+    assert launcher.stdout is not None
+    for line in launcher.stdout:
+        if "pid" in line:
+            pids.append(int(line.split()[-1]))
+        if len(pids) == 2:
+            break
+    assert all(_alive(p) for p in pids)
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 20  # a hang guard; they stop within about a second
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [p for p in pids if _alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"workers {left} outlived their launcher"
+
+
+TORCHRUN_CONTRACT = """
+import os, sys
+names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR")
+print(" ".join(os.environ.get(n, "-") for n in names), int(os.environ["MASTER_PORT"]) > 0)
+try:
+    import torch, torch.distributed as dist
+except ImportError:
+    sys.exit(0)
+dist.init_process_group("gloo")  # env://, as Lightning, Trainer and accelerate do
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+import ronde.torch as hvd
+hvd.init()
+print("torch", dist.get_world_size(), t.item(), "ronde", hvd.allreduce(t, op=hvd.Sum).item())
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_workers_get_the_torchrun_contract() -> None:
+    """Trainers that read torchrun's variables (Lightning, Hugging Face) used to see
+    none under ronderun and trained one whole copy per process (issue #35); the
+    variables already set in the launcher's environment are left as they are."""
+    r = ronderun("-np", "2", PY, "-c", TORCHRUN_CONTRACT)
+    assert r.returncode == 0, r.stderr
+    lines = rank_lines(r.stdout)
+    for rank in (0, 1):
+        assert lines[rank][0] == f"{rank} 2 {rank} 2 0 127.0.0.1 True"
+        if len(lines[rank]) > 1:  # torch installed
+            assert lines[rank][1] == "torch 2 3.0 ronde 6.0"
+    r = ronderun("-np", "2", "-x", "MASTER_ADDR=localhost", PY, "-c",
+                 "import os; print(os.environ['MASTER_ADDR'], os.environ['RANK'])")
+    assert r.returncode == 0, r.stderr
+    assert rank_lines(r.stdout) == {0: ["localhost 0"], 1: ["localhost 1"]}

@@ -93,3 +93,87 @@ def test_start_up_errors_say_what_is_wrong():
     with pytest.raises(RendezvousError, match=r"cannot reach the rendezvous service .*refused"):
         register(("127.0.0.1", port), b"s", info, 1.5)
     assert time.monotonic() - t < 5
+
+
+def test_a_client_without_the_secret_learns_nothing_computed_from_it():
+    """The client proves the secret first: a prober gets a random nonce and a refusal,
+    no MAC it could test guesses of a weak secret against offline."""
+    secret = os.urandom(32)
+    srv = RendezvousServer(2, secret).start()
+    try:
+        s = socket.create_connection(srv.address)
+        s.sendall(wire.MAGIC + os.urandom(wire.NONCE_BYTES))
+        nonce = wire.recv_exact(s, wire.NONCE_BYTES, time.monotonic() + 5)
+        s.sendall(os.urandom(32))  # a wrong proof
+        rest = b""
+        s.settimeout(5)
+        while chunk := s.recv(100):
+            rest += chunk
+        s.close()
+        assert len(nonce) == wire.NONCE_BYTES and rest == b"no"
+    finally:
+        srv.close()
+
+
+def _register_all(address, keys_and_infos):
+    from ronde.runner.rendezvous import register_open
+
+    results, threads = {}, []
+
+    def one(i, key, info):
+        try:
+            results[i] = (register_open(address, info, 10) if key is None
+                          else register(address, key, info, 10))
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            results[i] = exc
+
+    for i, (key, info) in enumerate(keys_and_infos):
+        threads.append(threading.Thread(target=one, args=(i, key, info)))
+        threads[-1].start()
+        time.sleep(0.3)  # registration order (orchestration only)
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_the_first_registration_of_a_rank_wins_and_a_second_fails_the_start_up():
+    secret = os.urandom(32)
+    srv = RendezvousServer(3, secret).start()
+    try:
+        infos = [{"rank": r, "size": 3, "generation": 1, "host": "h"} for r in (0, 1, 1, 2)]
+        got = _register_all(srv.address, [(secret, i) for i in infos])
+        for i in range(4):
+            assert isinstance(got[i], Exception), got
+            assert "rank 1 registered twice, from 127.0.0.1:" in str(got[i])
+    finally:
+        srv.close()
+
+
+def test_an_open_start_up_admits_the_public_key_once_and_hands_out_the_secret():
+    secret = os.urandom(32)
+    srv = RendezvousServer(2, secret, open_start=True).start()
+    try:
+        infos = [{"rank": r, "size": 2, "generation": 1, "host": "h"} for r in range(2)]
+        got = _register_all(srv.address, [(secret, infos[0]), (None, infos[1])])
+        assert [p["rank"] for p in got[0]] == [0, 1]
+        peers, learnt = got[1]
+        assert learnt == secret and [p["rank"] for p in peers] == [0, 1]
+        # formed: the public key opens nothing any more, not even a new generation
+        with pytest.raises(AuthenticationError):
+            register(srv.address, wire.OPEN_KEY, dict(infos[1], generation=2), 5)
+        # a late claimant of a formed generation's rank is told who holds it
+        with pytest.raises(Exception, match="rank 1 registered twice"):
+            register(srv.address, secret, infos[1], 5)
+    finally:
+        srv.close()
+
+
+def test_the_public_key_only_registers():
+    from ronde.runner.rendezvous import query
+
+    srv = RendezvousServer(2, os.urandom(32), open_start=True).start()
+    try:
+        assert query(srv.address, wire.OPEN_KEY, {"what": "hosts"}) is None
+        assert srv.rejections.count == 1
+    finally:
+        srv.close()

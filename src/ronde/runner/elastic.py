@@ -47,7 +47,7 @@ from .elastic_driver import (Blacklist, Discovery, ElasticDriver, elastic_worker
                              parse_cooldown)
 from .elastic_rendezvous import ElasticRendezvous, Slot
 from .hosts import RankSlot, is_local, resolve_hosts
-from .launch import SETTLE_S, LaunchResult, _Job, _remote_argv, _Worker
+from .launch import SETTLE_S, LaunchResult, _Job, _Worker, remote_worker
 from .summary import failure_lines
 
 __all__ = ["ElasticJob", "parse_cooldown", "run_elastic"]
@@ -170,8 +170,8 @@ def run_elastic(command: Sequence[str], np: int | None, min_np: int, max_np: int
                 os.makedirs(os.path.join(out_dir, f"rank.{wid}"), exist_ok=True)
             if local:
                 return _Worker(shown_slot, command, {**os.environ, **variables}, command)
-            argv = _remote_argv(slot[0], command, variables, ssh_port, ssh_identity)
-            return _Worker(shown_slot, argv, dict(os.environ), argv)
+            return remote_worker(shown_slot, slot[0], command, variables, ssh_port,
+                                 ssh_identity)
 
         job = ElasticJob(stdout, stderr, out_dir, timeout_s, server)
         driver = ElasticDriver(job, discovery, min_np, max_np, np, make_worker,

@@ -101,7 +101,8 @@ class ElasticRendezvous(RendezvousServer):
             out, self._leaving = self._leaving, []
         return out
 
-    def _register(self, conn: socket.socket, msg: dict[str, Any]) -> None:
+    def _register(self, conn: socket.socket, msg: dict[str, Any], peer: str = "",
+                  admitted_open: bool = False) -> None:
         try:
             slot = (str(msg["host"]), int(msg["slot"]))
             if not msg.get("elastic"):

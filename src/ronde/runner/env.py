@@ -34,10 +34,13 @@ and Slurm (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``); see
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
+import secrets
 import socket
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from .hosts import RankSlot
 
 from .._errors import ConfigError
 
@@ -82,9 +85,36 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
         raise ConfigError(f"{name}={raw!r} is not an integer") from None
 
 
-def _weak_secret(*parts: str) -> bytes:
-    """A secret derived from job identifiers, used only when no launcher gave one."""
-    return hashlib.sha256("\0".join(("ronde", str(os.getuid()), *parts)).encode()).digest()
+#: the shortest secret accepted: 128 bits, beyond guessing even offline
+MIN_SECRET_BYTES = 16
+_SECRET_FIX = ("generate one with `python -c \"import secrets; print(secrets.token_hex(32))\"` "
+               "and give the same value to every rank")
+
+
+def job_secret(env: Mapping[str, str]) -> bytes | None:
+    """The secret the user gave (``RONDE_SECRET``, hex, or ``RONDE_SECRET_FILE``, a file
+    holding it), or None. Never derived from public values: a job given none either
+    makes one (ronderun, a job on one host) or warns that start-up is open (see
+    docs/security.md)."""
+    raw, name = env.get("RONDE_SECRET", ""), "RONDE_SECRET"
+    if not raw and env.get("RONDE_SECRET_FILE"):
+        name = f"RONDE_SECRET_FILE ({env['RONDE_SECRET_FILE']})"
+        try:
+            with open(env["RONDE_SECRET_FILE"], "rb") as fh:
+                raw = fh.read(4096).decode("ascii", "replace").strip()
+        except OSError as exc:
+            raise ConfigError(f"{name} cannot be read: {exc.strerror}") from None
+    if not raw:
+        return None
+    try:
+        secret = bytes.fromhex(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{name} is not hexadecimal; {_SECRET_FIX}") from None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(f"{name} holds {len(secret)} bytes; at least {MIN_SECRET_BYTES} "
+                          f"({2 * MIN_SECRET_BYTES} hex digits) are needed, or the secret "
+                          f"can be guessed; {_SECRET_FIX}")
+    return secret
 
 
 def detect(env: Mapping[str, str] | None = None) -> WorkerEnv:
@@ -94,7 +124,7 @@ def detect(env: Mapping[str, str] | None = None) -> WorkerEnv:
     explicit_rdv = None
     if env.get("RONDE_RENDEZVOUS_ADDR"):
         explicit_rdv = (env["RONDE_RENDEZVOUS_ADDR"], _int(env, "RONDE_RENDEZVOUS_PORT"))
-    secret = bytes.fromhex(env["RONDE_SECRET"]) if env.get("RONDE_SECRET") else None
+    secret = job_secret(env)
 
     if "RONDE_RANK" in env:
         size = _int(env, "RONDE_SIZE")
@@ -112,13 +142,20 @@ def detect(env: Mapping[str, str] | None = None) -> WorkerEnv:
         addr, port = env.get("MASTER_ADDR", "127.0.0.1"), _int(env, "MASTER_PORT", 29500)
         run_id = env.get("TORCHELASTIC_RUN_ID", "none")
         rdv_port = _int(env, "RONDE_RENDEZVOUS_PORT", port + 1)
+        local_size = _int(env, "LOCAL_WORLD_SIZE", 1)
+        if size == 1:
+            mode = "none"
+        elif explicit_rdv:
+            mode = "server"
+        elif local_size == size and secret is None:
+            mode = "file"  # one host: a random secret in a file only this user reads
+        else:
+            mode = "rank0"
         return WorkerEnv(
             rank=rank, size=size, local_rank=_int(env, "LOCAL_RANK", 0),
-            local_size=_int(env, "LOCAL_WORLD_SIZE", 1), host=hostname, source="torchrun",
-            rendezvous=explicit_rdv or (addr, rdv_port),
-            secret=secret or _weak_secret("torchrun", run_id, addr, str(port)),
-            job_id=f"torchrun-{run_id}-{port}",
-            rendezvous_mode="server" if explicit_rdv else ("none" if size == 1 else "rank0"),
+            local_size=local_size, host=hostname, source="torchrun",
+            rendezvous=explicit_rdv or (addr, rdv_port), secret=secret,
+            job_id=f"torchrun-{run_id}-{port}", rendezvous_mode=mode,
         )
     if "OMPI_COMM_WORLD_RANK" in env:
         source = "openmpi"
@@ -155,13 +192,29 @@ def detect(env: Mapping[str, str] | None = None) -> WorkerEnv:
             "RONDE_RENDEZVOUS_PORT (rank 0 serves there) and RONDE_SECRET to every rank")
     return WorkerEnv(
         rank=rank, size=size, local_rank=local_rank, local_size=local_size, host=hostname,
-        source=source, rendezvous=explicit_rdv, secret=secret or _weak_secret(source, job),
+        source=source, rendezvous=explicit_rdv, secret=secret,
         job_id=env.get("RONDE_JOB_ID") or f"{source}-{job}",
         # under ronderun --mpi the launcher serves the rendezvous; otherwise, with an
         # explicit address, rank 0 serves it
         rendezvous_mode=("server" if env.get("RONDE_LAUNCHER") == "ronderun" else "rank0")
         if mode == "server" else mode,
     )
+
+
+def torchrun_vars(*, rank: int, size: int, local_rank: int, local_size: int, node_rank: int,
+                  nodes: int, master: tuple[str, int]) -> dict[str, str]:
+    """torchrun's worker contract, which ``ronderun`` sets too (unless the user's
+    environment already does), so that trainers reading it (Lightning, Hugging Face
+    ``Trainer`` and ``accelerate``, a plain ``init_process_group``) run distributed
+    instead of training one copy per process. ``GROUP_RANK`` is the host's index in
+    the host list, ``MASTER_ADDR:MASTER_PORT`` a free port on rank 0's host for
+    torch.distributed's store (ronde's own rendezvous does not use it)."""
+    return {
+        "RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_size), "GROUP_RANK": str(node_rank),
+        "GROUP_WORLD_SIZE": str(nodes), "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(size),
+        "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
+    }
 
 
 def worker_env_vars(
@@ -183,4 +236,33 @@ def worker_env_vars(
         "RONDE_SECRET": secret.hex(),
         "RONDE_JOB_ID": job_id,
     })
+    return out
+
+
+def torchrun_env(slots: Sequence["RankSlot"], rendezvous_addr: str,
+                 env: Mapping[str, str] | None) -> list[dict[str, str]]:
+    """Per rank, the torchrun variables (``RANK``, ``MASTER_ADDR``...: see
+    :func:`ronde.runner.env.torchrun_vars`) that neither the launcher's environment nor
+    ``-x`` already sets. ``MASTER_PORT`` is a port free on this machine now when rank 0
+    runs here; for a remote rank 0 a random high port (``-x MASTER_PORT=...`` pins one)."""
+    from ..transport.net import free_port
+    from .hosts import is_local
+
+    given = set(os.environ) | set(env or {})
+    host0 = slots[0].host
+    if is_local(host0):
+        master = "127.0.0.1" if all(is_local(s.host) for s in slots) else rendezvous_addr
+        port = free_port("127.0.0.1" if master == "127.0.0.1" else "")
+    else:
+        master, port = host0, 20000 + secrets.randbelow(30000)
+    nodes: list[str] = []
+    for s in slots:
+        if s.host not in nodes:
+            nodes.append(s.host)
+    out = []
+    for s in slots:
+        values = torchrun_vars(rank=s.rank, size=len(slots), local_rank=s.local_rank,
+                               local_size=s.local_size, node_rank=nodes.index(s.host),
+                               nodes=len(nodes), master=(master, port))
+        out.append({k: v for k, v in values.items() if k not in given})
     return out

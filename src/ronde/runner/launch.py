@@ -28,7 +28,7 @@ from typing import IO, Any, Mapping, Sequence
 
 from .._errors import ConfigError
 from .._text import ranks_text
-from .env import worker_env_vars
+from .env import torchrun_env, worker_env_vars
 from .hosts import RankSlot, is_local, layout
 from ..transport.net import route_address
 from . import summary
@@ -72,11 +72,15 @@ class _Worker:
     """One rank's process, its output pumps and its exit status."""
 
     def __init__(self, slot: RankSlot, argv: list[str], env: dict[str, str],
-                 shown: list[str]) -> None:
+                 shown: list[str], stdin_line: str | None = None) -> None:
         self.slot = slot
         self.argv = argv
         self.env = env
         self.shown = shown  # the command as --verbose prints it
+        #: a remote worker's first line of standard input (its secret: never in argv)
+        self.stdin_line = stdin_line
+        #: the launcher's end of the worker's lifeline (see ``_spawn``)
+        self.lifeline: int | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self.returncode: int | None = None
         self.exit_time: float | None = None
@@ -172,10 +176,35 @@ class _Job:
         self.events.put((w.slot.rank, code, time.monotonic()))
 
     def _spawn(self, w: _Worker) -> None:
+        """Start one worker with a lifeline: a pipe the launcher holds open and never
+        writes. A local worker inherits its read end (``RONDE_LAUNCHER_FD``); a remote
+        one's is its standard input, after the secret's line. When the launcher dies,
+        even by SIGKILL, the pipe closes and the worker stops itself (runner/lifeline.py)."""
         try:
-            w.proc = subprocess.Popen(
-                w.argv, env=w.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, start_new_session=True)
+            if w.stdin_line is None:
+                r, keep = os.pipe()
+                try:
+                    env = {**w.env, "RONDE_LAUNCHER_FD": f"{r}:{os.fstat(r).st_ino}"}
+                    w.proc = subprocess.Popen(
+                        w.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, start_new_session=True, pass_fds=(r,))
+                except BaseException:
+                    os.close(keep)
+                    raise
+                finally:
+                    os.close(r)
+                w.lifeline = keep
+            else:
+                w.proc = subprocess.Popen(
+                    w.argv, env=w.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE, start_new_session=True)
+                assert w.proc.stdin is not None
+                w.lifeline = os.dup(w.proc.stdin.fileno())
+                w.proc.stdin.close()
+                try:
+                    os.write(w.lifeline, (w.stdin_line + "\n").encode())
+                except OSError:
+                    pass  # it died at once: its exit code tells
         except OSError as exc:
             msg = f"ronderun: cannot start rank {w.slot.rank} ({shlex.join(w.argv[:1])}): {exc}"
             self._emit(self.stderr, f"[{w.slot.rank}]<stderr>:", msg.encode(), w)
@@ -232,6 +261,10 @@ class _Job:
         deadline = time.monotonic() + 10.0
         while any(w.alive for w in self.workers) and time.monotonic() < deadline:
             self._record(0.05)
+        for w in self.workers:
+            if w.lifeline is not None and not w.alive:
+                os.close(w.lifeline)
+                w.lifeline = None
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.signals.append(signum)
@@ -320,6 +353,10 @@ class _Job:
 
 def _remote_argv(host: str, command: Sequence[str], variables: Mapping[str, str],
                  ssh_port: int | None, ssh_identity: str | None) -> list[str]:
+    """The remote shell's command line for a remote worker. ``RONDE_SECRET`` is not in
+    it (every user of either host could read it with ``ps``): the remote shell reads
+    it from its standard input, where the launcher writes it (``_Worker.stdin_line``),
+    and that input stays open as the worker's lifeline (``RONDE_LAUNCHER_FD=0``)."""
     template = os.environ.get("RONDE_REMOTE_SHELL")
     if not template:
         template = DEFAULT_REMOTE_SHELL
@@ -327,9 +364,20 @@ def _remote_argv(host: str, command: Sequence[str], variables: Mapping[str, str]
             template = template.replace(" {host}", f" -p {int(ssh_port)} {{host}}")
         if ssh_identity:
             template = template.replace(" {host}", f" -i {shlex.quote(ssh_identity)} {{host}}")
-    assigns = " ".join(shlex.quote(f"{k}={v}") for k, v in variables.items())
-    remote = f"cd {shlex.quote(os.getcwd())} && env {assigns} {shlex.join(command)}"
+    public = {k: v for k, v in variables.items() if k != "RONDE_SECRET"}
+    public["RONDE_LAUNCHER_FD"] = "0"
+    assigns = " ".join(shlex.quote(f"{k}={v}") for k, v in public.items())
+    remote = (f"cd {shlex.quote(os.getcwd())} && IFS= read -r RONDE_SECRET && "
+              f"export RONDE_SECRET && exec env {assigns} {shlex.join(command)}")
     return [*shlex.split(template.replace("{host}", host)), remote]
+
+
+def remote_worker(slot: RankSlot, host: str, command: Sequence[str],
+                  variables: Mapping[str, str], ssh_port: int | None,
+                  ssh_identity: str | None) -> _Worker:
+    """A worker started through the remote shell, its secret sent on standard input."""
+    argv = _remote_argv(host, command, variables, ssh_port, ssh_identity)
+    return _Worker(slot, argv, dict(os.environ), argv, stdin_line=variables["RONDE_SECRET"])
 
 
 def _masked(argv: list[str], secret_hex: str) -> str:
@@ -378,7 +426,14 @@ def run(command: Sequence[str], np: int | None, hosts: str | None = None,
     local = {s.host: is_local(s.host) for s in slots}
     all_local = all(local.values())
     bind_env = os.environ.get("RONDE_BIND_ADDR", "")
-    bind = "127.0.0.1" if all_local else (bind_env or "0.0.0.0")
+    if all_local:
+        advertise = "127.0.0.1"
+    elif bind_env and bind_env not in ("0.0.0.0", "::"):
+        advertise = bind_env
+    else:
+        advertise = route_address(next(h for h, loc in local.items() if not loc))
+    # the address the workers are told, never every interface unless asked
+    bind = "127.0.0.1" if all_local else (bind_env or advertise)
     secret = secrets.token_bytes(32)
     job_id = f"ronde-{os.getpid()}-{secrets.token_hex(4)}"
     try:
@@ -388,12 +443,7 @@ def run(command: Sequence[str], np: int | None, hosts: str | None = None,
                           "check --bind-addr / RONDE_BIND_ADDR") from None
     try:
         server.start()
-        if all_local:
-            advertise = "127.0.0.1"
-        elif bind_env and bind_env not in ("0.0.0.0", "::"):
-            advertise = bind_env
-        else:
-            advertise = route_address(next(h for h, loc in local.items() if not loc))
+        torch_env = torchrun_env(slots, advertise, env)
         workers = []
         for s in slots:
             variables = worker_env_vars(
@@ -401,6 +451,7 @@ def run(command: Sequence[str], np: int | None, hosts: str | None = None,
                 cross_rank=s.cross_rank, cross_size=s.cross_size, host=s.host,
                 rendezvous=(advertise, server.port), secret=secret, job_id=job_id)
             variables["PYTHONUNBUFFERED"] = "1"
+            variables.update(torch_env[s.rank])
             variables.update(env or {})
             variables.update(extra_worker_env or {})
             variables["RONDE_START_TIMEOUT"] = f"{start_timeout_s:g}"
@@ -408,8 +459,8 @@ def run(command: Sequence[str], np: int | None, hosts: str | None = None,
                 shown = ["env", *(f"{k}={v}" for k, v in variables.items()), *command]
                 workers.append(_Worker(s, command, {**os.environ, **variables}, shown))
             else:
-                argv = _remote_argv(s.host, command, variables, ssh_port, ssh_identity)
-                workers.append(_Worker(s, argv, dict(os.environ), argv))
+                workers.append(remote_worker(s, s.host, command, variables, ssh_port,
+                                             ssh_identity))
         if verbose:
             lines = [f"ronderun: job {job_id}, {len(slots)} rank(s), rendezvous "
                      f"{advertise}:{server.port} (bound to {bind})"]

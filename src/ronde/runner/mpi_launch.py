@@ -55,8 +55,8 @@ def mpi_argv(mpiexec: str, flavour: str, np: int, hosts: list[HostSpec] | None,
         argv += ["-n", str(np), "-prepend-rank"]
         if hosts:
             argv += ["-hosts", ",".join(f"{h.name}:{h.slots}" for h in hosts)]
-        for name, value in env.items():
-            argv += ["-genv", name, value]
+        if env:  # by name: the values (the secret) stay out of the command line
+            argv += ["-genvlist", ",".join(env)]
     return argv + list(command)
 
 

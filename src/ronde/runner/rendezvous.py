@@ -10,6 +10,17 @@ one server serves a whole job, re-initialisations included.
 
 Workers also report their failures here (``{"kind": "failure"}``), so the launcher
 can tell the first failure from the secondary ones it causes.
+
+The first registration of a rank wins: a second one for the same rank and generation
+(a second job on the same address, or an intruder) fails that generation on every
+rank, naming both addresses; it never replaces the first.
+
+An *open* server (``open_start``: rank 0 of a torchrun or Slurm job that was given no
+``RONDE_SECRET``) also admits clients holding the public :data:`wire.OPEN_KEY`, only to
+register for the job's first start-up; their table carries the job's random secret,
+which every later connection (the mesh, re-initialisations) must prove. Until that
+start-up completes such a job is as open as torch.distributed's own store is
+(docs/security.md).
 """
 
 from __future__ import annotations
@@ -33,16 +44,25 @@ class RendezvousServer:
     """Collects worker registrations and hands back the peer table."""
 
     def __init__(self, size: int, secret: bytes, host: str = "127.0.0.1", port: int = 0,
-                 start_timeout_s: float = 30.0) -> None:
+                 start_timeout_s: float = 30.0, open_start: bool = False) -> None:
         self.size = size
         self.secret = secret
         self.start_timeout_s = start_timeout_s
+        #: admit clients of the public key to the first start-up (see the module doc)
+        self._open = open_start
         self._lock = threading.Lock()
         # generation -> rank -> (socket, registration)
         self._waiting: dict[int, dict[int, tuple[socket.socket, dict[str, Any]]]] = {}
+        # generation -> rank -> (peer address, admitted by the open key)
+        self._origin: dict[int, dict[int, tuple[str, bool]]] = {}
+        # generation -> why it failed (a rank registered twice)
+        self._failed: dict[int, str] = {}
+        # generation -> rank -> address, of the generations that formed
+        self._formed: dict[int, dict[int, str]] = {}
         self._first_seen: dict[int, float] = {}
         self.failures: list[dict[str, Any]] = []
-        self._rejected_logged = False
+        #: connections dropped before they registered
+        self.rejections = wire.Rejections(log, "rendezvous:")
         self._closed = False
         self._sock = socket.create_server((host, port), reuse_port=False)
         self._sock.settimeout(0.2)
@@ -89,15 +109,16 @@ class RendezvousServer:
     def _serve(self, conn: socket.socket, peer: Any) -> None:
         deadline = time.monotonic() + 10.0
         try:
-            wire.authenticate_server(conn, self.secret, deadline)
+            proven = wire.authenticate_server(conn, self.secret, deadline,
+                                              wire.OPEN_KEY if self._open else None)
             kind, payload = wire.recv_frame(conn, deadline, _MAX_REGISTER_BYTES)
             msg = wire.loads(payload)
             if kind != KIND_JSON or not isinstance(msg, dict):
                 raise ProtocolError("expected a JSON object")
+            if not proven and (msg.get("kind") != "register" or not self._open):
+                raise AuthenticationError("the public key admits only a first registration")
         except (AuthenticationError, ProtocolError, OSError, TimeoutError) as exc:
-            if not self._rejected_logged:
-                self._rejected_logged = True
-                log.warning("rendezvous: dropped a connection from %s: %s", peer, exc)
+            self.rejections.note(peer, exc)
             conn.close()
             return
         if msg.get("kind") == "failure":
@@ -110,16 +131,18 @@ class RendezvousServer:
             self._reply(conn, self.answer(msg))
             conn.close()
             return
-        self._register(conn, msg)
+        self._register(conn, msg, _address(peer), not proven)
 
     def answer(self, msg: dict[str, Any]) -> dict[str, Any]:
         """The reply to a worker's query (``{"kind": "query", "what": ...}``); an elastic
         job's server answers ``"hosts"`` with the launcher's latest host notice."""
         return {"kind": "hosts", "timestamp": 0, "update": 0}
 
-    def _register(self, conn: socket.socket, msg: dict[str, Any]) -> None:
+    def _register(self, conn: socket.socket, msg: dict[str, Any], peer: str = "",
+                  admitted_open: bool = False) -> None:
         """A worker's registration: hold it until every rank of its generation has
-        registered, then answer them all with the table."""
+        registered, then answer them all with the table. A rank registered twice
+        fails its generation on every rank (the first registration is never replaced)."""
         try:
             rank, generation = int(msg["rank"]), int(msg["generation"])
             size = int(msg["size"])
@@ -133,21 +156,54 @@ class RendezvousServer:
             conn.close()
             return
         conn.settimeout(None)
+        refused: list[socket.socket] = []
         with self._lock:
+            failed = self._failed.get(generation)
+            formed = self._formed.get(generation, {})
             members = self._waiting.setdefault(generation, {})
-            self._first_seen.setdefault(generation, time.monotonic())
-            old = members.pop(rank, None)
-            if old is not None:
-                old[0].close()
-            members[rank] = (conn, msg)
-            complete = len(members) == self.size
-            if complete:
-                del self._waiting[generation]
-                self._first_seen.pop(generation, None)
+            origin = self._origin.setdefault(generation, {})
+            if failed is None and (rank in members or rank in formed):
+                first = origin[rank][0] if rank in members else formed[rank]
+                failed = (
+                    f"rank {rank} registered twice, from {first} and then from {peer}: two "
+                    "processes claim one rank (a second job on the same rendezvous address "
+                    "and port, a worker started twice, or a process that is not part of this "
+                    "job); the job stops. Give each job its own address and port, and a "
+                    "secret (RONDE_SECRET, see docs/security.md)")
+                if rank in members:  # fail the generation still forming
+                    self._failed[generation] = failed
+                    # rank 0 last: where rank 0 serves, its process may exit on its answer
+                    refused = [members[r][0] for r in sorted(members, reverse=True)]
+                    self._waiting.pop(generation, None)
+                    self._first_seen.pop(generation, None)
+            complete = False
+            if failed is None:
+                self._first_seen.setdefault(generation, time.monotonic())
+                members[rank] = (conn, msg)
+                origin[rank] = (peer, admitted_open)
+                complete = len(members) == self.size
+                if complete:
+                    del self._waiting[generation]
+                    self._first_seen.pop(generation, None)
+                    self._formed[generation] = {r: o[0] for r, o in origin.items()}
+                    openers = {r for r, o in origin.items() if o[1]}
+                    self._origin.pop(generation, None)
+                    self._open = False  # from now on every connection proves the secret
+            else:
+                refused.insert(0, conn)
+                if not members:
+                    self._waiting.pop(generation, None)
+                    self._origin.pop(generation, None)
+        for s in refused:
+            self._reply(s, {"kind": "error", "message": failed})
+            s.close()
         if complete:
             table = [members[r][1] for r in range(self.size)]
-            for s, _ in members.values():
-                self._reply(s, {"kind": "table", "peers": table})
+            for r, (s, _) in members.items():
+                reply: dict[str, Any] = {"kind": "table", "peers": table}
+                if r in openers:
+                    reply["secret"] = self.secret.hex()
+                self._reply(s, reply)
                 s.close()
 
     def _reply(self, conn: socket.socket, obj: dict[str, Any]) -> None:
@@ -166,12 +222,20 @@ class RendezvousServer:
                     if now - first > self.start_timeout_s:
                         expired.append((gen, self._waiting.pop(gen, {})))
                         del self._first_seen[gen]
+                        self._origin.pop(gen, None)
             for gen, members in expired:
                 missing = [r for r in range(self.size) if r not in members]
                 msg = missing_ranks_message(missing, self.size, self.start_timeout_s)
                 for s, _ in members.values():
                     self._reply(s, {"kind": "error", "message": msg, "missing": missing})
                     s.close()
+
+
+def _address(peer: Any) -> str:
+    """``host:port`` of a peer address tuple."""
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return f"{peer[0]}:{peer[1]}"
+    return str(peer) or "an unknown address"
 
 
 def missing_ranks_message(missing: list[int], size: int, timeout_s: float) -> str:
@@ -190,6 +254,22 @@ def register(address: tuple[str, int], secret: bytes, info: dict[str, Any],
     if not isinstance(peers, list) or len(peers) != info["size"]:
         raise RendezvousError("malformed rendezvous table")
     return peers
+
+
+def register_open(address: tuple[str, int], info: dict[str, Any], timeout_s: float
+                  ) -> tuple[list[dict[str, Any]], bytes]:
+    """Register with an open server (a job given no secret) by its public key; returns
+    the peer table and the job's secret, which the server makes and hands out."""
+    reply = exchange(address, wire.OPEN_KEY, info, timeout_s)
+    peers = reply.get("peers")
+    try:
+        secret = bytes.fromhex(str(reply["secret"]))
+    except (KeyError, ValueError):
+        secret = b""
+    if not isinstance(peers, list) or len(peers) != info["size"] or len(secret) < 16:
+        raise RendezvousError("malformed rendezvous table (an open start-up's table must "
+                              "carry the job's secret)")
+    return peers, secret
 
 
 def exchange(address: tuple[str, int], secret: bytes, info: dict[str, Any],

@@ -95,7 +95,7 @@ class Mesh:
         self._connecting: dict[tuple[int, str], threading.Lock] = {}
         self._closed = False
         self._acceptor: threading.Thread | None = None
-        self._rejected_logged = False
+        self._rejections = wire.Rejections(log, f"rank {rank}")
 
     def _table(self, chan: str) -> dict[int, socket.socket]:
         return self.ctl if chan == "ctl" else self.data
@@ -280,9 +280,7 @@ class Mesh:
             _tune(conn)
         except (AuthenticationError, ProtocolError, OSError, TimeoutError, KeyError,
                 TypeError, ValueError) as exc:
-            if not self._rejected_logged:
-                self._rejected_logged = True
-                log.warning("rank %d dropped a connection from %s: %s", self.rank, addr, exc)
+            self._rejections.note(addr, exc)
             conn.close()
             return
         self._add(peer, chan, conn)

@@ -15,8 +15,10 @@ import hashlib
 import hmac
 import json
 import os
+import logging
 import socket
 import struct
+import threading
 import time
 from typing import Any
 
@@ -97,35 +99,92 @@ def _mac(secret: bytes, role: bytes, a: bytes, b: bytes) -> bytes:
     return hmac.new(secret, role + a + b, _DIGEST).digest()
 
 
+#: The key an *open* rendezvous accepts (a torchrun or Slurm job given no secret,
+#: see runner/rendezvous.py): public by design. It admits a process only to register
+#: during the job's first start-up; the reply then carries the job's random secret.
+OPEN_KEY = b"ronde: open rendezvous, no job secret"
+
+
 def authenticate_client(sock: socket.socket, secret: bytes, deadline: float) -> None:
-    """Client side of the mutual challenge; raises ``AuthenticationError``."""
+    """Client side of the mutual challenge; raises ``AuthenticationError``.
+
+    The client proves it holds the secret *first*: a process that connects without it
+    gets one random nonce and nothing computed from the secret, so it cannot test
+    guesses of the secret offline. Then the server proves it holds the secret too.
+    """
     nonce_c = os.urandom(NONCE_BYTES)
     sock.sendall(MAGIC + nonce_c)
-    reply = recv_exact(sock, NONCE_BYTES + _DIGEST().digest_size, deadline)
-    nonce_s, mac_s = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
+    nonce_s = recv_exact(sock, NONCE_BYTES, deadline)
+    sock.sendall(_mac(secret, b"client", nonce_c, nonce_s))
+    try:
+        verdict = recv_exact(sock, 2, deadline)
+    except ConnectionError:
+        verdict = b""
+    if verdict != b"ok":
+        raise AuthenticationError(
+            "peer rejected our credentials: this process does not hold this job's secret "
+            "(RONDE_SECRET differs between ranks, or another job listens on this port)")
+    mac_s = recv_exact(sock, _DIGEST().digest_size, deadline)
     if not hmac.compare_digest(mac_s, _mac(secret, b"server", nonce_c, nonce_s)):
         raise AuthenticationError(
             "peer failed authentication: it does not hold this job's secret "
             "(RONDE_SECRET differs, or a foreign service listens on this port)"
         )
-    sock.sendall(_mac(secret, b"client", nonce_c, nonce_s))
-    ok = recv_exact(sock, 2, deadline)
-    if ok != b"ok":
-        raise AuthenticationError("peer rejected our credentials")
 
 
-def authenticate_server(sock: socket.socket, secret: bytes, deadline: float) -> None:
-    """Server side of the mutual challenge; raises on a peer without the secret."""
+def authenticate_server(sock: socket.socket, secret: bytes, deadline: float,
+                        open_key: bytes | None = None) -> bool:
+    """Server side of the mutual challenge; raises on a peer without the secret.
+
+    With ``open_key`` (an open rendezvous) a client holding that public key is
+    admitted too; returns True when the client proved the job's ``secret``, False
+    when it proved only ``open_key``.
+    """
     hello = recv_exact(sock, len(MAGIC) + NONCE_BYTES, deadline)
     if hello[: len(MAGIC)] != MAGIC:
         raise AuthenticationError("connection does not speak the ronde protocol")
     nonce_c = hello[len(MAGIC):]
     nonce_s = os.urandom(NONCE_BYTES)
-    sock.sendall(nonce_s + _mac(secret, b"server", nonce_c, nonce_s))
+    sock.sendall(nonce_s)
     mac_c = recv_exact(sock, _DIGEST().digest_size, deadline)
-    if not hmac.compare_digest(mac_c, _mac(secret, b"client", nonce_c, nonce_s)):
-        raise AuthenticationError("client failed authentication")
-    sock.sendall(b"ok")
+    for key in (secret, open_key):
+        if key is not None and hmac.compare_digest(mac_c, _mac(key, b"client", nonce_c, nonce_s)):
+            sock.sendall(b"ok" + _mac(key, b"server", nonce_c, nonce_s))
+            return key is secret
+    try:
+        sock.sendall(b"no")
+    except OSError:
+        pass
+    raise AuthenticationError("client failed authentication")
+
+
+class Rejections:
+    """Connections a listener dropped before they authenticated: counted, and logged
+    the first time, then at most once every ``every_s`` seconds with the count since
+    (a scan or a flood cannot fill the log, and a repeated attempt is not hidden)."""
+
+    def __init__(self, log: logging.Logger, where: str, every_s: float = 10.0) -> None:
+        self._log, self._where, self._every_s = log, where, every_s
+        self._lock = threading.Lock()
+        self.count = 0
+        self._logged_at: float | None = None
+        self._count_at_log = 0
+
+    def note(self, peer: Any, exc: BaseException) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.count += 1
+            last = self._logged_at
+            if last is not None and now - last < self._every_s:
+                return
+            since, self._count_at_log = self.count - self._count_at_log, self.count
+            self._logged_at = now
+        who = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else peer
+        if last is None:
+            self._log.warning("%s dropped a connection from %s: %s", self._where, who, exc)
+        else:
+            self._log.warning("%s dropped %d more connection(s) that did not authenticate, "
+                              "the latest from %s: %s", self._where, since, who, exc)
 
 
 def connect(
