@@ -15,8 +15,6 @@ accuracy of about 0.99 after 15 epochs (>= 0.97), in a few seconds at np=2.
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 import time
 from typing import Any
 
@@ -77,16 +75,6 @@ def evaluate(params: Params, x: np.ndarray, y: np.ndarray) -> tuple[float, float
     return float(totals[0] / totals[2]), float(totals[1] / totals[2])
 
 
-def save_checkpoint(path: str, params: Params, epoch: int) -> None:
-    """Rank 0 writes the parameters atomically (write a temporary file, then rename)."""
-    flat = {f"{layer}.{k}": np.asarray(v) for layer, d in params.items() for k, v in d.items()}
-    fd, tmp = tempfile.mkstemp(prefix="tmp-ckpt-", suffix=".npz",
-                               dir=os.path.dirname(os.path.abspath(path)))
-    with os.fdopen(fd, "wb") as f:
-        np.savez(f, epoch=epoch, **flat)
-    os.replace(tmp, path)
-
-
 def main() -> None:
     """Train, evaluate every few epochs, report on rank 0."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -130,7 +118,8 @@ def main() -> None:
         print(f"test accuracy {test_acc:.4f} ({hvd.size()} ranks, "
               f"{time.monotonic() - start:.1f} s)", flush=True)
         if args.checkpoint:
-            save_checkpoint(args.checkpoint, params, args.epochs)
+            # atomic: the file holds the previous checkpoint or this one, never half
+            hvd.save_checkpoint({"params": params, "epoch": args.epochs}, args.checkpoint)
     hvd.shutdown()
 
 

@@ -12,12 +12,12 @@ The 1,797 8x8 digit images ship inside scikit-learn (no download).
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import numpy as np
 
 import ronde as hvd
+from ronde.checkpoint import atomic_save
 
 
 def load_data(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -107,9 +107,8 @@ def main() -> None:
     accuracy = counts[0] / counts[1]
     elapsed = time.perf_counter() - start
     if rank == 0:
-        tmp = args.checkpoint + ".tmp.npz"
-        np.savez(tmp, **params)
-        os.replace(tmp, args.checkpoint)  # atomic: a crash never leaves half a file
+        # atomic (a temporary file, fsync, rename): a crash never leaves half a file
+        atomic_save(args.checkpoint, lambda fh: np.savez(fh, **params))
         print(f"test accuracy {accuracy:.4f} on {counts[1]} images; {size} ranks, "
               f"{elapsed:.1f}s; checkpoint {args.checkpoint}", flush=True)
     hvd.shutdown()

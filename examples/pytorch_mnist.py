@@ -18,8 +18,6 @@ accuracy of about 0.98 after 10 epochs (>= 0.95), in a few seconds at np=2.
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 import time
 
 import numpy as np
@@ -85,15 +83,6 @@ def evaluate(model: nn.Module, data: TensorDataset, batch_size: int,
     return loss_sum / count, correct / count
 
 
-def save_checkpoint(path: str, model: nn.Module, opt: torch.optim.Optimizer, epoch: int) -> None:
-    """Write atomically: a temporary file in the same directory, then rename."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix="tmp-ckpt-", suffix=".pt")
-    os.close(fd)
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch}, tmp)
-    os.replace(tmp, path)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--epochs", type=int, default=10)
@@ -156,7 +145,9 @@ def main() -> None:
         if hvd.rank() == 0:
             print(f"epoch {epoch + 1}: train loss {train_loss / total:.4f} "
                   f"test loss {test_loss:.4f} test acc {test_acc:.4f}", flush=True)
-            save_checkpoint(args.checkpoint, model, opt, epoch + 1)
+            # atomic: the file holds the previous checkpoint or this one, never half
+            hvd.save_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                 "epoch": epoch + 1}, args.checkpoint)
     if hvd.rank() == 0:
         print(f"test accuracy {test_acc:.4f} ({time.perf_counter() - start:.1f}s, "
               f"{hvd.size()} ranks on {device.type})", flush=True)

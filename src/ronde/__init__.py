@@ -32,6 +32,7 @@ _LAZY.update({name: "._build" for name in [
     "mpi_enabled", "mpi_threads_supported", "nccl_built", "rocm_built", "gpu_available"]})
 _LAZY.update({name: "._objects" for name in ["allgather_object", "broadcast_object"]})
 _LAZY["Handle"] = ".core.requests"
+_LAZY["save_checkpoint"] = ".checkpoint"
 
 
 def __getattr__(name: str) -> object:

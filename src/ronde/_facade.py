@@ -41,7 +41,7 @@ FACADES: dict[str, list[str]] = {
         "grouped_reducescatter_async", "allgather", "allgather_async", "broadcast",
         "broadcast_async", "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
         "barrier", "join", "broadcast_object", "allgather_object", "poll", "synchronize",
-        "Handle", "GroupHandle"],
+        "Handle", "GroupHandle", "save_checkpoint"],
     "ronde.torch": COMMON + [
         "allreduce", "allreduce_async", "allreduce_", "allreduce_async_",
         "grouped_allreduce", "grouped_allreduce_async", "grouped_allreduce_",
@@ -53,7 +53,7 @@ FACADES: dict[str, list[str]] = {
         "poll", "synchronize", "join", "barrier", "broadcast_object", "allgather_object",
         "TorchHandle", "Compression", "Compressor", "DistributedOptimizer",
         "broadcast_parameters", "broadcast_optimizer_state", "broadcast_state", "SyncBatchNorm",
-        "TooManyPassesError", "elastic"],
+        "TooManyPassesError", "elastic", "save_checkpoint"],
     "ronde.tensorflow": COMMON + [
         "rank_op", "size_op", "local_rank_op", "local_size_op", "process_set_included_op",
         "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
@@ -66,7 +66,7 @@ FACADES: dict[str, list[str]] = {
         "join", "barrier", "Compression", "allreduce", "allgather", "broadcast",
         "reducescatter", "broadcast_object", "allgather_object", "broadcast_variables",
         "broadcast_model", "DistributedOptimizer", "PartialDistributedOptimizer",
-        "is_distributed", "load_model",
+        "is_distributed", "load_model", "save_checkpoint",
         "callbacks", "elastic"],
     "ronde.jax": COMMON + [
         "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
@@ -75,7 +75,7 @@ FACADES: dict[str, list[str]] = {
         "join", "barrier", "broadcast_object", "allgather_object", "JaxHandle",
         "Compression", "Compressor", "DistributedOptimizer", "DistributedState",
         "allreduce_gradients", "reduce_gradients", "broadcast_parameters",
-        "broadcast_optimizer_state", "broadcast_variables", "elastic"],
+        "broadcast_optimizer_state", "broadcast_variables", "elastic", "save_checkpoint"],
     "ronde.mxnet": COMMON + [
         "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_",
         "fused_allreduce_", "allgather", "grouped_allgather", "broadcast", "broadcast_",

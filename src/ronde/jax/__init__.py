@@ -38,7 +38,8 @@ from ._collectives import (allgather_async, allreduce_async, alltoall_async, bro
                            grouped_allreduce_async, poll, reducescatter_async, synchronize)
 from .optimizer import (DistributedOptimizer, DistributedState, allreduce_gradients,
                         reduce_gradients)
-from .state import broadcast_optimizer_state, broadcast_parameters, broadcast_variables
+from .state import (broadcast_optimizer_state, broadcast_parameters, broadcast_variables,
+                    save_checkpoint)
 
 
 from . import elastic  # noqa: E402,F401

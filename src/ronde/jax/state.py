@@ -17,6 +17,7 @@ submitted before any is awaited. These run eagerly (not inside ``jit``).
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import jax
@@ -103,3 +104,20 @@ def broadcast_variables(variables: Any, root_rank: int = 0,
                         process_set: ProcessSet = global_process_set) -> Any:
     """Alias of :func:`broadcast_parameters` (Horovod's TensorFlow spelling)."""
     return broadcast_tree(variables, root_rank, "broadcast_variables", process_set)
+
+
+def save_checkpoint(tree: Any, path: str | os.PathLike[str], root_rank: int = 0) -> bool:
+    """Save a pytree (parameters, an optax state, a step count...) on ``root_rank``,
+    atomically (see ronde/checkpoint.py), as a pickle of its leaves fetched to numpy
+    (``jax.device_get``): ``pickle.load`` gives it back, ``jax.numpy.asarray`` or
+    :func:`broadcast_parameters` puts it on the devices. No collective. Returns True
+    where it wrote."""
+    import pickle
+
+    from ..checkpoint import atomic_save, on_root
+
+    if not on_root(root_rank):
+        return False
+    host = jax.device_get(tree)
+    atomic_save(path, lambda fh: pickle.dump(host, fh, protocol=pickle.HIGHEST_PROTOCOL))
+    return True

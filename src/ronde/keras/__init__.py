@@ -41,7 +41,7 @@ from . import callbacks
 from ._bridge import to_numpy
 from .callbacks import broadcast_model
 from .optimizer import DistributedOptimizer, PartialDistributedOptimizer, is_distributed
-from .saving import load_model
+from .saving import load_model, save_checkpoint
 
 
 def _tensor(value: np.ndarray) -> Any:

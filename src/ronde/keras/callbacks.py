@@ -262,4 +262,31 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
     def _save_model(self, *args: Any, **kwargs: Any) -> Any:
         if _api.rank() != 0:
             return None
-        return super()._save_model(*args, **kwargs)
+        model = self._model
+        self._model = _AtomicSaves(model)  # whole files only (ronde/checkpoint.py)
+        try:
+            return super()._save_model(*args, **kwargs)
+        finally:
+            self._model = model
+
+
+class _AtomicSaves:
+    """A model whose ``save``/``save_weights`` write atomically (``ModelCheckpoint``
+    calls them with the final path)."""
+
+    def __init__(self, model: Any) -> None:
+        self._wrapped = model
+
+    def save(self, filepath: str, *args: Any, **kwargs: Any) -> None:
+        from ..checkpoint import atomic_save
+
+        atomic_save(filepath, write_path=lambda tmp: self._wrapped.save(tmp, *args, **kwargs))
+
+    def save_weights(self, filepath: str, *args: Any, **kwargs: Any) -> None:
+        from ..checkpoint import atomic_save
+
+        atomic_save(filepath,
+                    write_path=lambda tmp: self._wrapped.save_weights(tmp, *args, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._wrapped, name)

@@ -52,3 +52,15 @@ def load_model(filepath: str, custom_optimizers: list[type] | None = None,
                          backward_passes_per_step=backward_passes_per_step,
                          op=op if op is not None else ReduceOp.AVERAGE, process_set=process_set)
     return model
+
+
+def save_checkpoint(model: Any, filepath: str, root_rank: int = 0, **kwargs: Any) -> bool:
+    """``model.save(filepath)`` on ``root_rank``, atomically: ``filepath`` holds the
+    previous model or the new one, never a torn file (see ronde/checkpoint.py); load it
+    with :func:`load_model`. No collective. Returns True where it wrote."""
+    from ..checkpoint import atomic_save, on_root
+
+    if not on_root(root_rank):
+        return False
+    atomic_save(filepath, write_path=lambda tmp: model.save(tmp, **kwargs))
+    return True

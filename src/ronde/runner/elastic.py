@@ -47,7 +47,8 @@ from .elastic_driver import (Blacklist, Discovery, ElasticDriver, elastic_worker
                              parse_cooldown)
 from .elastic_rendezvous import ElasticRendezvous, Slot
 from .hosts import RankSlot, is_local, resolve_hosts
-from .launch import SETTLE_S, LaunchResult, _Job, _Worker, remote_worker
+from .launch import SETTLE_S, LaunchResult, _Job
+from .workers import Worker as _Worker, remote_worker
 from .summary import failure_lines
 
 __all__ = ["ElasticJob", "parse_cooldown", "run_elastic"]

@@ -12,7 +12,6 @@ primary failure to the rendezvous service, else the earliest non-zero exit.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import os
@@ -29,20 +28,35 @@ from typing import IO, Any, Mapping, Sequence
 from .._errors import ConfigError
 from .._text import ranks_text
 from .env import torchrun_env, worker_env_vars
-from .hosts import RankSlot, is_local, layout
+from .hosts import is_local, layout
 from ..transport.net import route_address
 from . import summary
 from .rendezvous import RendezvousServer
+from .workers import Worker as _Worker, remote_worker
 
 log = logging.getLogger(__name__)
 
-#: Seconds between SIGTERM and SIGKILL when stopping workers.
-GRACE_S = 3.0
+#: Seconds between SIGTERM and SIGKILL when stopping workers (``RONDE_STOP_GRACE``): a
+#: rank inside ``save_checkpoint`` finishes its file first; the others die at SIGTERM.
+GRACE_S = 10.0
+
+
+def stop_grace_s() -> float:
+    """``RONDE_STOP_GRACE`` (seconds, 0 to 3600), else :data:`GRACE_S`."""
+    raw = os.environ.get("RONDE_STOP_GRACE", "")
+    if not raw:
+        return GRACE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= 3600:  # NaN fails too
+        raise ConfigError(f"RONDE_STOP_GRACE={raw!r}: give seconds between 0 and 3600")
+    return value
+
+
 #: after a failure, how long survivors may take to exit by themselves before SIGTERM
 SETTLE_S = 1.0
-#: stderr lines kept per rank for the failure summary.
-TAIL_LINES = 50
-DEFAULT_REMOTE_SHELL = "ssh -o BatchMode=yes -o StrictHostKeyChecking=no {host}"
 _PARTIAL_LINE_LIMIT = 1 << 16
 
 
@@ -68,39 +82,6 @@ class LaunchResult:
     summary: str = ""
 
 
-class _Worker:
-    """One rank's process, its output pumps and its exit status."""
-
-    def __init__(self, slot: RankSlot, argv: list[str], env: dict[str, str],
-                 shown: list[str], stdin_line: str | None = None) -> None:
-        self.slot = slot
-        self.argv = argv
-        self.env = env
-        self.shown = shown  # the command as --verbose prints it
-        #: a remote worker's first line of standard input (its secret: never in argv)
-        self.stdin_line = stdin_line
-        #: the launcher's end of the worker's lifeline (see ``_spawn``)
-        self.lifeline: int | None = None
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.returncode: int | None = None
-        self.exit_time: float | None = None
-        self.signalled = False  # the launcher asked it to stop
-        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-        self.threads: list[threading.Thread] = []
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.returncode is None
-
-    def killpg(self, sig: int) -> None:
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
 class _Job:
     def __init__(self, workers: list[_Worker], stdout: IO[str], stderr: IO[str],
                  output_dir: str | None, timeout_s: float | None,
@@ -113,6 +94,7 @@ class _Job:
         self.events: queue.Queue[tuple[int, int, float]] = queue.Queue()
         self.out_lock = threading.Lock()
         self.signals: list[int] = []
+        self.grace_s = stop_grace_s()
 
     # -- output ------------------------------------------------------------------
     def _emit(self, stream: IO[str], prefix: str, data: bytes, w: _Worker | None) -> None:
@@ -246,7 +228,7 @@ class _Job:
                 w.signalled = True
                 w.killpg(signal.SIGTERM)
         n_signals = len(self.signals)
-        deadline = time.monotonic() + GRACE_S
+        deadline = time.monotonic() + self.grace_s
         while any(w.alive for w in self.workers) and time.monotonic() < deadline:
             if len(self.signals) > n_signals:  # a second Ctrl-C: do not wait any longer
                 break
@@ -349,35 +331,6 @@ class _Job:
             except (OSError, ValueError):
                 pass
         return result
-
-
-def _remote_argv(host: str, command: Sequence[str], variables: Mapping[str, str],
-                 ssh_port: int | None, ssh_identity: str | None) -> list[str]:
-    """The remote shell's command line for a remote worker. ``RONDE_SECRET`` is not in
-    it (every user of either host could read it with ``ps``): the remote shell reads
-    it from its standard input, where the launcher writes it (``_Worker.stdin_line``),
-    and that input stays open as the worker's lifeline (``RONDE_LAUNCHER_FD=0``)."""
-    template = os.environ.get("RONDE_REMOTE_SHELL")
-    if not template:
-        template = DEFAULT_REMOTE_SHELL
-        if ssh_port is not None:
-            template = template.replace(" {host}", f" -p {int(ssh_port)} {{host}}")
-        if ssh_identity:
-            template = template.replace(" {host}", f" -i {shlex.quote(ssh_identity)} {{host}}")
-    public = {k: v for k, v in variables.items() if k != "RONDE_SECRET"}
-    public["RONDE_LAUNCHER_FD"] = "0"
-    assigns = " ".join(shlex.quote(f"{k}={v}") for k, v in public.items())
-    remote = (f"cd {shlex.quote(os.getcwd())} && IFS= read -r RONDE_SECRET && "
-              f"export RONDE_SECRET && exec env {assigns} {shlex.join(command)}")
-    return [*shlex.split(template.replace("{host}", host)), remote]
-
-
-def remote_worker(slot: RankSlot, host: str, command: Sequence[str],
-                  variables: Mapping[str, str], ssh_port: int | None,
-                  ssh_identity: str | None) -> _Worker:
-    """A worker started through the remote shell, its secret sent on standard input."""
-    argv = _remote_argv(host, command, variables, ssh_port, ssh_identity)
-    return _Worker(slot, argv, dict(os.environ), argv, stdin_line=variables["RONDE_SECRET"])
 
 
 def _masked(argv: list[str], secret_hex: str) -> str:

@@ -7,8 +7,8 @@ by ``RONDE_LAUNCHER_FD`` (``"fd:inode"``); a remote worker's is its standard inp
 launcher dies, however it dies (SIGKILL included), the kernel closes its end and a read
 of the pipe returns end-of-file. :func:`watch` (called by ``init()``) reads it on a
 daemon thread that costs nothing until then; at end-of-file the worker is stopped:
-SIGTERM to its process group (a handler can still commit or save), SIGKILL a second
-later. Without this, workers went on training under PID 1 until their loop ended.
+SIGTERM to its process group (a handler can still commit, and a save in progress
+finishes: ronde/checkpoint.py), SIGKILL ``RONDE_STOP_GRACE`` seconds later (default 10). Without this, workers went on training under PID 1 until their loop ended.
 
 A process that did not come from ``ronderun`` has no ``RONDE_LAUNCHER_FD`` and no
 watcher. The variable is removed from the environment once read, so processes the
@@ -28,7 +28,7 @@ import time
 log = logging.getLogger(__name__)
 
 #: seconds between the SIGTERM and the SIGKILL once the launcher is gone
-GRACE_S = 1.0
+GRACE_S = 10.0
 _watching = False
 
 
@@ -80,6 +80,10 @@ def _stop() -> None:
     """The launcher is gone: stop this worker and what it started."""
     log.error("ronde: the launcher (ronderun) is gone; this worker stops (pid %d)", os.getpid())
     own_group = os.getpgrp() == os.getpid()
+    try:
+        grace_s = min(3600.0, max(0.0, float(os.environ.get("RONDE_STOP_GRACE") or GRACE_S)))
+    except ValueError:
+        grace_s = GRACE_S
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             if own_group:
@@ -88,4 +92,4 @@ def _stop() -> None:
                 os.kill(os.getpid(), sig)
         except OSError:
             pass
-        time.sleep(GRACE_S)
+        time.sleep(grace_s)

@@ -16,6 +16,7 @@ learning rate: Horovod lets the ranks' parameters drift apart there; ronde does 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -143,3 +144,16 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     got = broadcast_state(sd, root_rank, "broadcast_optimizer_state", process_set)
     if _api.rank() != root_rank:
         optimizer.load_state_dict(got)
+
+
+def save_checkpoint(obj: Any, path: str | os.PathLike[str], root_rank: int = 0) -> bool:
+    """``torch.save(obj, path)`` on ``root_rank``, atomically: ``path`` holds the previous
+    checkpoint or the new one, never a torn file, even when a peer's failure stops this
+    rank mid-save (see ronde/checkpoint.py). No collective: call it on every rank or
+    under ``if hvd.rank() == 0``. Returns True where it wrote."""
+    from ..checkpoint import atomic_save, on_root
+
+    if not on_root(root_rank):
+        return False
+    atomic_save(path, lambda fh: torch.save(obj, fh))
+    return True
