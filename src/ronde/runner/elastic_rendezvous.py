@@ -113,7 +113,6 @@ class ElasticRendezvous(RendezvousServer):
                                "ronderun (RONDE_ELASTIC=1, RONDE_SLOT)"})
             conn.close()
             return
-        conn.settimeout(None)
         with self._lock:
             old = self._held.pop(slot, None)
             self._held[slot] = (conn, msg, time.monotonic())

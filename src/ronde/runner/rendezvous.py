@@ -33,6 +33,7 @@ from typing import Any
 
 from .._errors import AuthenticationError, ProtocolError, RendezvousError
 from ..transport import wire
+from ..transport.admission import Admission
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +66,11 @@ class RendezvousServer:
         self.rejections = wire.Rejections(log, "rendezvous:")
         self._closed = False
         self._sock = socket.create_server((host, port), reuse_port=False)
-        self._sock.settimeout(0.2)
         self.host, self.port = self._sock.getsockname()[:2]
-        self._threads: list[threading.Thread] = []
-        self._acceptor = threading.Thread(target=self._accept_loop, name="ronde-rendezvous",
-                                          daemon=True)
+        self._acceptor = Admission(
+            self._sock, secret, self._admitted, rejections=self.rejections,
+            max_frame_bytes=_MAX_REGISTER_BYTES, name="ronde-rendezvous",
+            open_key=lambda: wire.OPEN_KEY if self._open else None)
 
     def start(self) -> "RendezvousServer":
         self._acceptor.start()
@@ -83,6 +84,7 @@ class RendezvousServer:
 
     def close(self) -> None:
         self._closed = True
+        self._acceptor.close()
         try:
             self._sock.close()
         except OSError:
@@ -94,33 +96,20 @@ class RendezvousServer:
             self._waiting.clear()
 
     # -- internals ---------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, peer = self._sock.accept()
-            except (socket.timeout, TimeoutError):
-                continue
-            except OSError:
-                return
-            t = threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
-                                 name="ronde-rendezvous-conn")
-            t.start()
-
-    def _serve(self, conn: socket.socket, peer: Any) -> None:
-        deadline = time.monotonic() + 10.0
+    def _admitted(self, conn: socket.socket, peer: Any, kind: int, payload: bytes,
+                  proven: bool) -> None:
+        """A connection past the handshake (transport/admission.py) sent its message."""
         try:
-            proven = wire.authenticate_server(conn, self.secret, deadline,
-                                              wire.OPEN_KEY if self._open else None)
-            kind, payload = wire.recv_frame(conn, deadline, _MAX_REGISTER_BYTES)
             msg = wire.loads(payload)
             if kind != KIND_JSON or not isinstance(msg, dict):
                 raise ProtocolError("expected a JSON object")
             if not proven and (msg.get("kind") != "register" or not self._open):
                 raise AuthenticationError("the public key admits only a first registration")
-        except (AuthenticationError, ProtocolError, OSError, TimeoutError) as exc:
+        except (AuthenticationError, ProtocolError) as exc:
             self.rejections.note(peer, exc)
             conn.close()
             return
+        conn.settimeout(5.0)  # replies are small; a peer that does not read is dropped
         if msg.get("kind") == "failure":
             with self._lock:
                 msg["time"] = time.monotonic()
@@ -155,7 +144,6 @@ class RendezvousServer:
                                f"{self.size} ranks; every worker must see the same RONDE_SIZE"})
             conn.close()
             return
-        conn.settimeout(None)
         refused: list[socket.socket] = []
         with self._lock:
             failed = self._failed.get(generation)

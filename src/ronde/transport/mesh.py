@@ -3,9 +3,10 @@
 At ``init()``, every rank listens and publishes its address through the rendezvous.
 Two channels join a pair of ranks: ``ctl`` (negotiation) and ``data`` (the tcp data
 plane). The higher rank of a pair always connects, the lower one accepts (a thread
-that listens for the life of the job), so a pair never has two sockets for one channel.
-Each connection starts with the HMAC challenge of :mod:`ronde.transport.wire` and a
-hello frame naming the rank, the generation and the channel; anything else is dropped.
+that listens for the life of the job: transport/admission.py, one thread for every
+incoming connection), so a pair never has two sockets for one channel. Each connection
+starts with the HMAC challenge of :mod:`ronde.transport.wire` and a hello frame naming
+the rank, the generation and the channel; anything else is dropped.
 
 What is opened when: the control sockets the negotiation needs from the start, before
 ``init()`` returns (``ctl_peers``: every peer when rounds go all-to-all; only the
@@ -27,6 +28,7 @@ from typing import Any, Callable, Iterable
 from .._errors import (AuthenticationError, PeerLostError, ProtocolError, RendezvousError,
                        ShutdownError)
 from . import wire
+from .admission import Admission
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +96,7 @@ class Mesh:
         #: one lock per (peer, channel) this rank connects: one connection each
         self._connecting: dict[tuple[int, str], threading.Lock] = {}
         self._closed = False
-        self._acceptor: threading.Thread | None = None
+        self._acceptor: Admission | None = None
         self._rejections = wire.Rejections(log, f"rank {rank}")
 
     def _table(self, chan: str) -> dict[int, socket.socket]:
@@ -115,9 +117,9 @@ class Mesh:
     def connect(self) -> "Mesh":
         """Open the control sockets of ``ctl_peers``; start accepting the rest."""
         deadline = time.monotonic() + self._timeout_s
-        self._acceptor = threading.Thread(target=self._accept, daemon=True,
-                                          name="ronde-mesh-accept")
-        self._acceptor.start()
+        self._acceptor = Admission(
+            self._listener, self._secret, self._admitted, rejections=self._rejections,
+            max_frame_bytes=1024, name=f"ronde-mesh-accept-{self.rank}").start()
         try:
             for peer in self.ctl_peers:
                 if peer < self.rank:
@@ -248,28 +250,11 @@ class Mesh:
             raise
         self._add(peer, chan, sock)
 
-    def _accept(self) -> None:
-        """For the life of the mesh: accept connections; each is admitted (handshake,
-        hello) by a thread of its own, so a slow or foreign client holds up no link."""
-        while not self._closed:
-            try:
-                conn, addr = self._listener.accept()
-            except (socket.timeout, TimeoutError):
-                continue
-            except OSError as exc:
-                if self._closed:
-                    return
-                log.warning("rank %d: accepting a peer connection failed: %s", self.rank, exc)
-                time.sleep(0.2)  # EMFILE, ECONNABORTED: try again
-                continue
-            threading.Thread(target=self._admit, args=(conn, addr), daemon=True,
-                             name="ronde-mesh-admit").start()
-
-    def _admit(self, conn: socket.socket, addr: Any) -> None:
+    def _admitted(self, conn: socket.socket, addr: Any, kind: int, payload: bytes,
+                  proven: bool) -> None:
+        """A connection that proved the secret (transport/admission.py) sent its hello:
+        file it as the link it names, unless it is not one this rank accepts."""
         try:
-            conn.settimeout(None)
-            wire.authenticate_server(conn, self._secret, time.monotonic() + 5.0)
-            kind, payload = wire.recv_frame(conn, time.monotonic() + 5.0, 1024)
             hello = wire.loads(payload)
             peer, chan = int(hello["rank"]), str(hello["chan"])
             if kind != KIND_HELLO or int(hello["gen"]) != self.generation:
@@ -277,9 +262,9 @@ class Mesh:
             if not self.rank < peer < self.size or chan not in CHANNELS \
                     or peer in self._table(chan):
                 raise ProtocolError(f"unexpected hello {(peer, chan)}")
+            conn.settimeout(None)
             _tune(conn)
-        except (AuthenticationError, ProtocolError, OSError, TimeoutError, KeyError,
-                TypeError, ValueError) as exc:
+        except (ProtocolError, OSError, KeyError, TypeError, ValueError) as exc:
             self._rejections.note(addr, exc)
             conn.close()
             return
@@ -317,15 +302,13 @@ class Mesh:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the acceptor's accept()
-        except OSError:
-            pass
+        if self._acceptor is not None:
+            self._acceptor.close()
         try:
             self._listener.close()
         except OSError:
             pass
-        if self._acceptor is not None and self._acceptor is not threading.current_thread():
+        if self._acceptor is not None:
             self._acceptor.join(1.0)
         with self._cond:
             for table in (self.ctl, self.data):

@@ -95,7 +95,8 @@ def loads(data: bytes) -> Any:
         raise ProtocolError(f"undecodable control payload: {exc}") from None
 
 
-def _mac(secret: bytes, role: bytes, a: bytes, b: bytes) -> bytes:
+def mac(secret: bytes, role: bytes, a: bytes, b: bytes) -> bytes:
+    """One side's proof of the secret over both nonces."""
     return hmac.new(secret, role + a + b, _DIGEST).digest()
 
 
@@ -115,7 +116,7 @@ def authenticate_client(sock: socket.socket, secret: bytes, deadline: float) -> 
     nonce_c = os.urandom(NONCE_BYTES)
     sock.sendall(MAGIC + nonce_c)
     nonce_s = recv_exact(sock, NONCE_BYTES, deadline)
-    sock.sendall(_mac(secret, b"client", nonce_c, nonce_s))
+    sock.sendall(mac(secret, b"client", nonce_c, nonce_s))
     try:
         verdict = recv_exact(sock, 2, deadline)
     except ConnectionError:
@@ -125,7 +126,7 @@ def authenticate_client(sock: socket.socket, secret: bytes, deadline: float) -> 
             "peer rejected our credentials: this process does not hold this job's secret "
             "(RONDE_SECRET differs between ranks, or another job listens on this port)")
     mac_s = recv_exact(sock, _DIGEST().digest_size, deadline)
-    if not hmac.compare_digest(mac_s, _mac(secret, b"server", nonce_c, nonce_s)):
+    if not hmac.compare_digest(mac_s, mac(secret, b"server", nonce_c, nonce_s)):
         raise AuthenticationError(
             "peer failed authentication: it does not hold this job's secret "
             "(RONDE_SECRET differs, or a foreign service listens on this port)"
@@ -148,8 +149,8 @@ def authenticate_server(sock: socket.socket, secret: bytes, deadline: float,
     sock.sendall(nonce_s)
     mac_c = recv_exact(sock, _DIGEST().digest_size, deadline)
     for key in (secret, open_key):
-        if key is not None and hmac.compare_digest(mac_c, _mac(key, b"client", nonce_c, nonce_s)):
-            sock.sendall(b"ok" + _mac(key, b"server", nonce_c, nonce_s))
+        if key is not None and hmac.compare_digest(mac_c, mac(key, b"client", nonce_c, nonce_s)):
+            sock.sendall(b"ok" + mac(key, b"server", nonce_c, nonce_s))
             return key is secret
     try:
         sock.sendall(b"no")

@@ -1,0 +1,91 @@
+"""One thread admits every connection (issue #32): a flood of silent or half-open
+connections costs no thread, cannot end the acceptor, and does not keep a real peer out."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from ronde.transport import wire
+from ronde.transport.admission import Admission
+
+pytestmark = pytest.mark.timeout(30)
+log = logging.getLogger("test")
+
+
+def serve(secret: bytes, **kw):
+    listener = socket.create_server(("127.0.0.1", 0))
+    got: list[tuple[int, bytes, bool]] = []
+
+    def admitted(conn, peer, kind, payload, proven):
+        got.append((kind, payload, proven))
+        wire.send_frame(conn, 9, b"welcome")
+        conn.close()
+
+    rejections = wire.Rejections(log, "test")
+    adm = Admission(listener, secret, admitted, rejections=rejections, max_frame_bytes=1024,
+                    name="test-admission", **kw).start()
+    return listener, adm, got, rejections
+
+
+def hello(port: int, secret: bytes, payload: bytes = b'{"x":1}') -> bytes:
+    s = wire.connect("127.0.0.1", port, secret, 5.0)
+    try:
+        wire.send_frame(s, 4, payload)
+        return wire.recv_frame(s, time.monotonic() + 5)[1]
+    finally:
+        s.close()
+
+
+def test_a_flood_costs_no_thread_and_a_real_peer_gets_in() -> None:
+    secret = os.urandom(32)
+    listener, adm, got, rejections = serve(secret, max_pending=50, deadline_s=1.0)
+    port = listener.getsockname()[1]
+    threads = threading.active_count()
+    flood = [socket.create_connection(("127.0.0.1", port)) for _ in range(200)]
+    for s in flood[:20]:
+        s.sendall(b"rd")  # half a hello, then silence
+    time.sleep(0.3)
+    assert threading.active_count() == threads  # was one thread per connection
+    # over the cap: closed at once; the rest: closed at their deadline
+    deadline = time.monotonic() + 10
+    while rejections.count < 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rejections.count == 200
+    assert hello(port, secret) == b"welcome"
+    assert got == [(4, b'{"x":1}', True)]
+    for s in flood:
+        s.close()
+    adm.close()
+    adm.join(2)
+    listener.close()
+
+
+def test_errors_on_one_connection_do_not_end_the_loop() -> None:
+    secret = os.urandom(32)
+    listener, adm, got, rejections = serve(secret)
+    port = listener.getsockname()[1]
+    for junk in (b"GET / HTTP/1.1\r\n\r\n", b"rd" + os.urandom(16) + os.urandom(32),
+                 b"\x00" * 5000):
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(junk)
+            s.settimeout(2)
+            try:
+                while s.recv(100):
+                    pass
+            except OSError:
+                pass
+    with pytest.raises(Exception):
+        hello(port, b"wrong secret, wrong secret!!")
+    too_big = b"x" * 2000  # over max_frame_bytes
+    with pytest.raises(ConnectionError):
+        hello(port, secret, too_big)
+    assert hello(port, secret) == b"welcome" and len(got) == 1
+    assert rejections.count == 5
+    adm.close()
+    listener.close()
