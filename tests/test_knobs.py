@@ -57,3 +57,14 @@ def test_an_unknown_ronde_variable_is_warned_about_with_the_closest_knob(caplog)
     assert cfg.spin_time_us == 10.0
     assert "RONDE_FUSION_TRESHOLD is not a ronde setting" in caplog.text
     assert "did you mean RONDE_FUSION_THRESHOLD?" in caplog.text
+
+
+@pytest.mark.parametrize("knob", _knobs.KNOBS, ids=lambda k: k.var)
+def test_every_numeric_knob_has_a_finite_range_holding_its_default(knob):
+    if knob.parse not in (int, float, _knobs.parse_bytes):
+        assert knob.accepted is None
+        return
+    assert knob.accepted is not None, f"{knob.var}: give it accepted=Range(...)"
+    assert getattr(_config.Config(), knob.field) in knob.accepted
+    assert float("nan") not in knob.accepted and float("inf") not in knob.accepted
+    assert float("-inf") not in knob.accepted

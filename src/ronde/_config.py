@@ -16,7 +16,8 @@ import os
 from typing import Mapping, TypeVar
 
 from ._errors import ConfigError
-from ._knobs import KNOBS, LAUNCHER_VARIABLES, parse_bool, parse_bytes  # noqa: F401 - API
+from ._knobs import KNOBS, LAUNCHER_VARIABLES
+from ._values import parse_bool, parse_bytes  # noqa: F401 - API
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -33,6 +34,7 @@ class Config:
     cache_capacity: int = 1024
     transport: str = "auto"
     start_timeout_s: float = 30.0
+    stop_grace_s: float = 10.0
     peer_timeout_s: float = 10.0
     shutdown_timeout_s: float = 10.0
     stall_check_time_s: float = 60.0
@@ -76,28 +78,43 @@ def _lookup(env: Mapping[str, str], name: str, fallbacks: tuple[str, ...]) -> tu
     return None
 
 
-def load(env: Mapping[str, str] | None = None, **overrides: object) -> Config:
-    """Build the config from the environment, then explicit overrides."""
-    env = os.environ if env is None else env
+def _read(env: Mapping[str, str]) -> dict[str, object]:
+    """The Config fields set in ``env``, parsed and range-checked (errors name the variable
+    actually set: ``HOROVOD_CYCLE_TIME`` when that is the one)."""
     values: dict[str, object] = {}
     for knob in KNOBS:
         found = _lookup(env, knob.var, knob.horovod)
-        if found is None:
-            continue
-        var, raw = found
-        try:
-            values[knob.field] = knob.parse(raw)
-        except ConfigError as exc:
-            raise ConfigError(f"{var}: {exc}") from None
-        except ValueError:
-            raise ConfigError(f"{var}={raw!r} is not a valid {knob.parse.__name__}") from None
+        if found is not None:
+            values[knob.field] = knob.read(*found)
     if env.get("HOROVOD_STALL_CHECK_DISABLE") and "stall_check_enabled" not in values:
         values["stall_check_enabled"] = not parse_bool(env["HOROVOD_STALL_CHECK_DISABLE"])
+    return values
+
+
+def load(env: Mapping[str, str] | None = None, **overrides: object) -> Config:
+    """Build the config from the environment, then explicit overrides."""
+    env = os.environ if env is None else env
+    values = _read(env)
     warn_unknown(env)
     values.update({k: v for k, v in overrides.items() if v is not None})
     cfg = Config(**values)  # type: ignore[arg-type]
     _validate(cfg)
     return cfg
+
+
+def check(env: Mapping[str, str]) -> None:
+    """Raise the :class:`ConfigError` that ``load(env)`` would raise, if any (no warnings):
+    how ``ronderun`` refuses bad worker settings before it starts a worker."""
+    _validate(Config(**_read(env)))  # type: ignore[arg-type]
+
+
+def setting(field: str, env: Mapping[str, str] | None = None) -> object | None:
+    """One knob's value from ``env`` (its variable, else a Horovod fallback), read as
+    :func:`load` reads it; None when neither is set."""
+    env = os.environ if env is None else env
+    knob = next(k for k in KNOBS if k.field == field)
+    found = _lookup(env, knob.var, knob.horovod)
+    return None if found is None else knob.read(*found)
 
 
 def explicit_fields(env: Mapping[str, str] | None = None) -> set[str]:
@@ -135,28 +152,9 @@ def _validate(cfg: Config) -> None:
     if cfg.transport not in TRANSPORTS:
         raise ConfigError(
             f"RONDE_TRANSPORT={cfg.transport!r} is not one of {', '.join(TRANSPORTS)}")
-    for name in ("cycle_time_ms", "start_timeout_s", "peer_timeout_s", "shutdown_timeout_s",
-                 "elastic_timeout_s", "elastic_poll_s"):
-        if getattr(cfg, name) <= 0:
-            raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}")
-    if cfg.deadlock_time_s < 0:
-        raise ConfigError("RONDE_DEADLOCK_TIME must be >= 0 (0: never report crossed collectives)")
-    if cfg.reset_limit < 0:
-        raise ConfigError("RONDE_RESET_LIMIT must be >= 0 (0: no limit)")
-    if cfg.coordinator_min < 0:
-        raise ConfigError("RONDE_COORDINATOR_MIN must be >= 0 (0: always all-to-all)")
-    if cfg.coordinator_tree_min < 0:
-        raise ConfigError("RONDE_COORDINATOR_TREE must be >= 0 (0: never a tree)")
-    if cfg.spin_time_us < 0:
-        raise ConfigError("RONDE_SPIN_TIME must be >= 0 (0: never spin)")
-    if cfg.fusion_threshold_bytes < 0:
-        raise ConfigError("RONDE_FUSION_THRESHOLD must be >= 0 (0 disables fusion)")
+    for knob in KNOBS:  # values from the environment were checked as they were read
+        value = getattr(cfg, knob.field)
+        knob.check(value, f"{knob.field}={value!r} ({knob.var})")
     if cfg.log_level and cfg.log_level.upper() not in (
             "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "TRACE", "FATAL"):
         raise ConfigError(f"RONDE_LOG_LEVEL={cfg.log_level!r}: use DEBUG, INFO, WARNING or ERROR")
-    if cfg.autotune_warmup_samples < 0 or cfg.autotune_steps_per_sample < 1 \
-            or cfg.autotune_bayes_opt_max_samples < 1 or cfg.autotune_gaussian_process_noise <= 0:
-        raise ConfigError("RONDE_AUTOTUNE_*: warm-up samples must be >= 0, steps per sample and"
-                          " max samples >= 1, the noise > 0")
-    if cfg.shm_segment_bytes < 1 << 16:
-        raise ConfigError("RONDE_SHM_SEGMENT must be at least 64KiB")

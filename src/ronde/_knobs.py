@@ -1,10 +1,14 @@
-"""Every ``RONDE_*`` knob, declared once: variable, parser, default, unit, flag, meaning.
+"""Every ``RONDE_*`` knob, declared once: variable, parser, accepted range, default, unit,
+flag, meaning.
 
 :mod:`ronde._config` reads the environment through :data:`KNOBS` (and Horovod's names
 as fallbacks); ``docs/configuration.md``'s tables of variables and of ``ronderun``
 flags are generated from it (``python -m ronde._knobs --write docs/configuration.md``)
 and a test checks they are current, that every :class:`~ronde._config.Config` field has
 exactly one knob whose shown default is the field's default, and that every flag exists.
+Every numeric knob has a :class:`~ronde._values.Range` (generous, but finite): a value
+outside it is refused where it is read (:meth:`Knob.read`), naming the variable actually
+set and the range, by ``load()`` in every worker and by ``ronderun`` for its flags.
 :data:`LAUNCHER_VARIABLES` are the ``RONDE_*`` variables a launcher sets for its
 workers; any other ``RONDE_*`` variable is a typo, and ``load()`` warns about it.
 """
@@ -12,49 +16,20 @@ workers; any other ``RONDE_*`` variable is a typo, and ``load()`` warns about it
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import sys
 from typing import Callable
 
 from ._errors import ConfigError
+from ._values import Range, parse_bool, parse_bytes, parse_hierarchical
 
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "kib": 1024,
-    "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-    "g": 1000**3, "gb": 1000**3, "gib": 1024**3,
-}
-
-
-def parse_bytes(text: str) -> int:
-    """Parse ``"67108864"``, ``"64MB"``, ``"64 MiB"`` or ``"1.5g"`` into bytes.
-
-    Every suffix is a power of 1024: ``KB``/``KiB``/``K``, ``MB``/``MiB``/``M``,
-    ``GB``/``GiB``/``G`` (``"64MB"`` is 64 MiB, as Horovod users mean it).
-    """
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m:
-        raise ConfigError(f"cannot parse byte size {text!r}; write e.g. 67108864 or 64MB")
-    unit = m.group(2).lower()
-    if unit in ("kb", "mb", "gb", "k", "m", "g"):
-        unit = unit[0] + "ib"
-    if unit not in _SIZE_UNITS:
-        raise ConfigError(f"unknown size unit {m.group(2)!r} in {text!r}; use B, KB, MB or GB")
-    return int(float(m.group(1)) * _SIZE_UNITS[unit])
-
-
-def parse_bool(text: str) -> bool:
-    low = text.strip().lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off", ""):
-        return False
-    raise ConfigError(f"expected a boolean (1/0, true/false), got {text!r}")
-
-
-def parse_hierarchical(text: str) -> str:
-    """``auto``, or a boolean as ``on``/``off``."""
-    return "auto" if text.strip().lower() == "auto" else ("on" if parse_bool(text) else "off")
+_GIB = 1 << 30
+_YEAR_S = 365 * 24 * 3600
+_SECONDS = Range(0, _YEAR_S, above=True)  # timeouts and periods
+_SECONDS_OR_0 = Range(0, _YEAR_S)         # ... where 0 means never or off
+_BYTES = Range(0, 64 * _GIB, size=True)
+_RANKS = Range(0, 1 << 20)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,20 +46,57 @@ class Knob:
     horovod_shown: str = ""        #: the docs' Horovod column, when not just ``horovod``
     flag: str = ""                 #: the ``ronderun`` flag that sets it (and its metavar)
     flag_note: str = ""
+    accepted: Range | None = None  #: every numeric knob has one (a test checks)
+
+    def accepts(self) -> str:
+        """``" (accepted: > 0 and <= 60000 milliseconds)"``: the tail of an error message."""
+        if self.accepted is None:
+            return ""
+        unit = "" if self.accepted.size else re.sub(r"\s*\(.*", "", self.unit).replace("`", "")
+        return f" (accepted: {self.accepted}{' ' + unit if unit else ''})"
+
+    def check(self, value: object, shown: str) -> None:
+        """Raise :class:`ConfigError` unless ``value`` is in the accepted range.
+
+        ``shown`` is how the user wrote it, e.g. ``RONDE_CYCLE_TIME='nan'``.
+        """
+        if self.accepted is None or value in self.accepted:
+            return
+        finite = not isinstance(value, float) or math.isfinite(value)
+        raise ConfigError(f"{shown} {'is out of range' if finite else 'is not a finite number'}"
+                          f"{self.accepts()}")
+
+    def read(self, name: str, raw: str) -> object:
+        """``raw``, the value of variable ``name``, parsed and checked.
+
+        Raises:
+            ConfigError: naming ``name``, the value and the accepted range.
+        """
+        try:
+            value = self.parse(raw)
+        except ConfigError as exc:
+            raise ConfigError(f"{name}: {exc}{self.accepts()}") from None
+        except ValueError:
+            raise ConfigError(f"{name}={raw!r} is not a valid {self.parse.__name__}"
+                              f"{self.accepts()}") from None
+        self.check(value, f"{name}={raw!r}")
+        return value
 
 
 KNOBS: tuple[Knob, ...] = (
     Knob("fusion_threshold_bytes", "RONDE_FUSION_THRESHOLD", parse_bytes,
+         accepted=_BYTES,
          default='`64MiB` (67108864)', unit='bytes ([size syntax](#sizes))',
          horovod=('HOROVOD_FUSION_THRESHOLD',), flag='--fusion-threshold-mb MB',
          flag_note='converted to bytes, `MB x 1048576`; must be >= 0',
          doc='Largest fused allreduce. Allreduces that are agreed in the same '
              'negotiation round and share process set, dtype, op, scale factors and '
              'joined ranks are packed into one buffer up to this many bytes and '
-             'reduced in one transfer. `0` disables fusion. Must be >= 0. On one host '
+             'reduced in one transfer. `0` disables fusion. On one host '
              'with single-copy reads (`RONDE_CMA`), where no buffer is involved, the '
              'groups of one round run as one operation.'),
     Knob("cycle_time_ms", "RONDE_CYCLE_TIME", float,
+         accepted=Range(0, 60_000, above=True),
          default='`1.0`', unit='milliseconds',
          horovod=('HOROVOD_CYCLE_TIME',), flag='--cycle-time-ms MS',
          flag_note='must be > 0',
@@ -92,9 +104,9 @@ KNOBS: tuple[Knob, ...] = (
              'collectives may wait to be announced, so that tensors arriving meanwhile'
              ' are negotiated (and fused) together. Also the period at which the '
              'control thread looks for new submissions while the engine is active '
-             '(submissions do not wake it then; a caller that waits drives at once). '
-             'Must be > 0.'),
+             '(submissions do not wake it then; a caller that waits drives at once).'),
     Knob("cache_capacity", "RONDE_CACHE_CAPACITY", int,
+         accepted=Range(0, 1 << 20),
          default='`1024`', unit='entries',
          horovod=('HOROVOD_CACHE_CAPACITY',),
          doc='Size of the response cache: names whose metadata is remembered, so a '
@@ -120,6 +132,7 @@ KNOBS: tuple[Knob, ...] = (
              'user op). `ronderun --gloo/--tcp/--shm` are shorthands; `ronderun --mpi`'
              " also launches through the environment's `mpiexec`."),
     Knob("start_timeout_s", "RONDE_START_TIMEOUT", float,
+         accepted=_SECONDS,
          default='`30`', unit='seconds',
          horovod=('HOROVOD_START_TIMEOUT',), flag='--start-timeout S',
          flag_note='always set for the workers (default `$RONDE_START_TIMEOUT`, else '
@@ -127,41 +140,52 @@ KNOBS: tuple[Knob, ...] = (
                    ' timeout',
          doc='How long start-up may take: reaching the rendezvous and all ranks '
              "arriving there, connecting to every peer, the peers' shared-memory "
-             'segments appearing. Must be > 0.'),
+             'segments appearing.'),
+    Knob("stop_grace_s", "RONDE_STOP_GRACE", float,
+         accepted=Range(0, 3600),
+         default='`10`', unit='seconds',
+         doc="When `ronderun` stops ranks (a peer failed, the job timed out, Ctrl-C, or "
+             'the launcher died: see launcher.md), the seconds between a rank\'s SIGTERM '
+             'and its SIGKILL. A rank inside `save_checkpoint` finishes its file in '
+             'that time; other ranks die at the SIGTERM, so a long grace costs nothing.'),
     Knob("elastic_timeout_s", "RONDE_ELASTIC_TIMEOUT", float,
+         accepted=_SECONDS,
          default='`600`', unit='seconds',
          horovod=('HOROVOD_ELASTIC_TIMEOUT',), flag='--elastic-timeout S',
          flag_note='must be > 0',
          doc='Elastic jobs: how long the launcher waits for `--min-np` slots (at start '
              'and after losing hosts) before failing the job; a worker waits as long, '
-             'plus `RONDE_START_TIMEOUT`, for the next generation to form. Must be > 0.'),
+             'plus `RONDE_START_TIMEOUT`, for the next generation to form.'),
     Knob("reset_limit", "RONDE_RESET_LIMIT", int,
+         accepted=Range(0, 1_000_000),
          default='`0`', unit='resets (`0`: no limit)',
          horovod=('HOROVOD_RESET_LIMIT',), flag='--reset-limit N',
          doc='Elastic jobs: fail once the job has re-formed this many times (counted by '
-             'the launcher, and by each worker for its own resets). Must be >= 0.'),
+             'the launcher, and by each worker for its own resets).'),
     Knob("elastic_poll_s", "RONDE_ELASTIC_POLL", float,
+         accepted=Range(0, 3600, above=True),
          default='`1.0`', unit='seconds',
          doc="Elastic jobs: how often each worker asks the launcher for host changes "
-             "(a daemon thread; `commit()` reads the answer without a round trip). "
-             'Must be > 0.'),
+             "(a daemon thread; `commit()` reads the answer without a round trip)."),
     Knob("peer_timeout_s", "RONDE_PEER_TIMEOUT", float,
+         accepted=_SECONDS,
          default='`10`', unit='seconds',
          doc='When a peer has not answered a negotiation round for this long, log a '
-             'warning naming it ("is their Python process blocked?"). Only a warning. '
-             'Must be > 0.'),
+             'warning naming it ("is their Python process blocked?"). Only a warning.'),
     Knob("shutdown_timeout_s", "RONDE_SHUTDOWN_TIMEOUT", float,
+         accepted=_SECONDS,
          default='`10`', unit='seconds',
          doc='At `shutdown()`, how long to wait for every rank to announce its '
-             'shutdown, and then for agreed work to drain, before leaving anyway. Must'
-             ' be > 0.'),
+             'shutdown, and then for agreed work to drain, before leaving anyway.'),
     Knob("stall_check_time_s", "RONDE_STALL_CHECK_TIME", float,
+         accepted=_SECONDS_OR_0,
          default='`60`', unit='seconds',
          horovod=('HOROVOD_STALL_CHECK_TIME_SECONDS',), flag='--stall-check-warning-time-seconds S',
          flag_note='must be >= 0',
          doc='Rank 0 warns about a collective that some ranks submitted and others '
              'have not, once it has waited this long.'),
     Knob("stall_shutdown_time_s", "RONDE_STALL_SHUTDOWN_TIME", float,
+         accepted=_SECONDS_OR_0,
          default='`300`', unit='seconds',
          horovod=('HOROVOD_STALL_SHUTDOWN_TIME_SECONDS',), flag='--stall-check-shutdown-time-seconds S',
          flag_note='must be >= 0 (but see the warning about 0)',
@@ -173,6 +197,7 @@ KNOBS: tuple[Knob, ...] = (
              ' dies is reported at once, whatever this is; a host that vanishes '
              'without closing its connections within about 10 s (TCP keepalive).'),
     Knob("deadlock_time_s", "RONDE_DEADLOCK_TIME", float,
+         accepted=_SECONDS_OR_0,
          default='`5`', unit='seconds',
          doc='Crossed collectives: a rank whose threads only wait on collectives '
              "(nothing submitted or completed, and the process's CPU idle) for this "
@@ -182,7 +207,7 @@ KNOBS: tuple[Knob, ...] = (
              'with `DeadlockError` (pending barriers last: a rank that went on to a '
              'barrier is where the others arrive next). A rank still computing (CPU '
              'busy) or still moving agreed data never counts as waiting. `0` turns '
-             "this off (then only the stall inspector's limits apply). Must be >= 0."),
+             "this off (then only the stall inspector's limits apply)."),
     Knob("stall_check_enabled", "RONDE_STALL_CHECK", parse_bool,
          default='`1` (on)', unit='boolean',
          horovod_shown='`HOROVOD_STALL_CHECK_DISABLE` (inverted)',
@@ -210,19 +235,22 @@ KNOBS: tuple[Knob, ...] = (
              "serves the rendezvous. `ronderun --bind-addr` also binds the launcher's "
              'rendezvous service there.'),
     Knob("shm_segment_bytes", "RONDE_SHM_SEGMENT", parse_bytes,
+         accepted=Range(64 << 10, 64 * _GIB, size=True),
          default='`64MiB`', unit='bytes ([size syntax](#sizes))',
          doc="Data region of each rank's shared-memory segment (plus a 4 KiB header), "
              'per process set on the shm transport. Collectives larger than the '
              'segment run in pieces; a fused allreduce that fits is packed straight '
-             "into it. Must be at least 64 KiB. Each rank maps every member's segment,"
+             "into it. Each rank maps every member's segment,"
              ' so a host uses about `local ranks x this` of `/dev/shm` memory per shm '
              'process set.'),
     Knob("small_allreduce_bytes", "RONDE_SMALL_ALLREDUCE", parse_bytes,
+         accepted=_BYTES,
          default='`64KiB`', unit='bytes ([size syntax](#sizes))',
          doc='tcp transport only: allreduces up to this size use recursive doubling '
              '(fewer, larger messages: latency-bound), larger ones the ring '
              '(bandwidth-bound).'),
     Knob("inline_bytes", "RONDE_INLINE_BYTES", parse_bytes,
+         accepted=_BYTES,
          default='`4096` (4 KiB)', unit='bytes',
          doc='A cached allreduce of at most this many bytes travels inside the '
              'negotiation message itself; every rank reduces all contributions '
@@ -276,6 +304,7 @@ KNOBS: tuple[Knob, ...] = (
              'by the kernel when the frame arrives: measured 4-15x faster at 4-8 '
              'ranks on 2 cores); `1`: always; `0`: sockets only.'),
     Knob("coordinator_min", "RONDE_COORDINATOR_MIN", int,
+         accepted=_RANKS,
          default='`3`', unit='ranks',
          doc='From this many ranks on (and where no same-host mailboxes carry the '
              'negotiation, see `RONDE_SHM_CONTROL`), each negotiation round goes through '
@@ -286,6 +315,7 @@ KNOBS: tuple[Knob, ...] = (
              'ranks: measured faster at 2 ranks, slower from 3). `0`: always '
              'all-to-all.'),
     Knob("coordinator_tree_min", "RONDE_COORDINATOR_TREE", int,
+         accepted=_RANKS,
          default='`128`', unit='ranks',
          doc='From this many ranks on, rounds that go through the coordinator (see '
              '`RONDE_COORDINATOR_MIN`) travel over a binomial tree rooted at rank 0 '
@@ -298,6 +328,7 @@ KNOBS: tuple[Knob, ...] = (
              'work with its system calls, 25 us a hop) favours the tree: 0.8x the '
              'star at 64 ranks, 2x at 256, 5.7x at 1024. `0`: never.'),
     Knob("spin_time_us", "RONDE_SPIN_TIME", float,
+         accepted=Range(0, 10_000_000),
          default='`200`', unit='microseconds',
          doc='How long a thread waiting on a handle keeps *driving* the engine '
              '(running the next negotiation round and the agreed collectives itself, '
@@ -335,26 +366,30 @@ KNOBS: tuple[Knob, ...] = (
          doc='Autotune: rank 0 writes a CSV here, a header, one row per sample and the '
              'best values last.'),
     Knob("autotune_warmup_samples", "RONDE_AUTOTUNE_WARMUP_SAMPLES", int,
+         accepted=Range(0, 10_000),
          default='`3`', unit='samples',
          horovod=('HOROVOD_AUTOTUNE_WARMUP_SAMPLES',), flag='--autotune-warmup-samples N',
-         doc='Autotune: samples discarded at the start (warm-up). Must be >= 0.'),
+         doc='Autotune: samples discarded at the start (warm-up).'),
     Knob("autotune_steps_per_sample", "RONDE_AUTOTUNE_STEPS_PER_SAMPLE", int,
+         accepted=Range(1, 1_000_000),
          default='`10`', unit='steps',
          horovod=('HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE',), flag='--autotune-steps-per-sample N',
          doc='Autotune: training steps per sample (a step ends when a tensor name comes '
-             'again); the score is the median over its steps. Must be >= 1.'),
+             'again); the score is the median over its steps.'),
     Knob("autotune_bayes_opt_max_samples", "RONDE_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", int,
+         accepted=Range(1, 10_000),
          default='`20`', unit='samples',
          horovod=('HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES',),
          flag='--autotune-bayes-opt-max-samples N',
          doc='Autotune: samples of the Bayesian search over fusion threshold and cycle '
-             'time (the configured values and 3 test points among them). Must be >= 1.'),
+             'time (the configured values and 3 test points among them).'),
     Knob("autotune_gaussian_process_noise", "RONDE_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", float,
+         accepted=Range(0, 1000, above=True),
          default='`0.8`', unit='(relative to the scores\' variance)',
          horovod=('HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE',),
          flag='--autotune-gaussian-process-noise X',
          doc='Autotune: the noise term (alpha) of the Gaussian process, on standardised '
-             'scores; larger trusts single samples less. Must be > 0.'),
+             'scores; larger trusts single samples less.'),
     Knob("log_level", "RONDE_LOG_LEVEL", str,
          default="empty (the logger's level is left alone)", unit='level name',
          horovod=('HOROVOD_LOG_LEVEL',), flag='--log-level LEVEL',
@@ -378,10 +413,12 @@ LAUNCHER_VARIABLES = frozenset({
 
 def env_table() -> str:
     """The markdown table of every variable (docs/configuration.md)."""
-    rows = ["| variable | Horovod fallback | default | unit | meaning |", "|---|---|---|---|---|"]
+    rows = ["| variable | Horovod fallback | default | unit | accepted | meaning |",
+            "|---|---|---|---|---|---|"]
     for k in KNOBS:
         horovod = k.horovod_shown or (", ".join(f"`{v}`" for v in k.horovod) or "-")
-        rows.append(f"| `{k.var}` | {horovod} | {k.default} | {k.unit} | {k.doc} |")
+        accepted = str(k.accepted) if k.accepted else "-"
+        rows.append(f"| `{k.var}` | {horovod} | {k.default} | {k.unit} | {accepted} | {k.doc} |")
     return "\n".join(rows)
 
 

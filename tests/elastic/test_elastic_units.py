@@ -3,6 +3,7 @@ shards, host-change agreement, the reset loop and the elastic rendezvous."""
 
 from __future__ import annotations
 
+import os
 import socket
 import stat
 import threading
@@ -60,6 +61,49 @@ def test_discovery_script_lines(tmp_path):
     bad.chmod(bad.stat().st_mode | stat.S_IEXEC)
     with pytest.raises(Exception, match="exited with 3: broken"):
         Discovery(script=str(bad)).find()
+
+
+def test_a_bad_line_of_discovery_output_is_skipped_not_fatal(tmp_path):
+    """One non-UTF-8 byte used to raise UnicodeDecodeError in the launcher (issue #32)."""
+    script = tmp_path / "hosts.sh"
+    script.write_bytes(b"#!/bin/sh\nprintf 'a:2\\nb\\xff:3\\ntwo words:1\\nd:1\\n'\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    d = Discovery(script=str(script))
+    try:
+        assert d.find() == [HostSpec("a", 2), HostSpec("d", 1)]
+    finally:
+        d.close()
+
+
+def test_a_hanging_discovery_script_never_holds_the_driver(tmp_path):
+    """The script runs off the driver's loop: ``find`` answers from the newest run at
+    once while a run hangs; the hung run's whole process group is killed at its
+    timeout and reported once; the last good host list stays."""
+    flag, child = tmp_path / "hang", tmp_path / "child.pid"
+    script = tmp_path / "hosts.sh"
+    script.write_text(f"#!/bin/sh\necho a:2\nif [ -e {flag} ]; then sleep 300 & echo $! > {child}; "
+                      "wait; fi\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    d = Discovery(script=str(script), timeout_s=1.0)
+    try:
+        assert d.find() == [HostSpec("a", 2)]
+        flag.touch()
+        errors, deadline = [], time.monotonic() + 20
+        while not errors and time.monotonic() < deadline:
+            try:
+                assert d.find() == [HostSpec("a", 2)]
+            except Exception as exc:  # noqa: BLE001 - the run that timed out
+                errors.append(str(exc))
+            time.sleep(0.05)
+        assert errors and "did not finish within 1s; killed it and its children" in errors[0]
+        pid = int(child.read_text())
+        deadline = time.monotonic() + 5
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{pid}") or \
+            open(f"/proc/{pid}/stat").read().split(") ")[-1][:1] == "Z"
+    finally:
+        d.close()
 
 
 def _simulate(shards_by_rank, batch, steps, commit_every, first=0):

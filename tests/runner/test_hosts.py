@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import socket
 
 import pytest
 
 from ronde._errors import ConfigError
-from ronde.runner.hosts import (HostSpec, assign_ranks, is_local, layout, parse_hostfile,
-                                parse_hostfile_lines, parse_hosts)
+from ronde.runner.hosts import (MAX_RANKS, MAX_SLOTS_PER_HOST, HostSpec, assign_ranks, is_local,
+                                layout, parse_hostfile, parse_hostfile_lines, parse_hosts)
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -97,3 +98,45 @@ def test_is_local() -> None:
         assert is_local(name), name
     for name in ("fakehost1", "192.0.2.77", "example.invalid"):
         assert not is_local(name), name
+
+
+def test_slot_limits_are_generous() -> None:
+    assert (MAX_SLOTS_PER_HOST, MAX_RANKS) == (4096, 65536)  # docs/launcher.md says so
+    assert parse_hosts("a:4096") == [HostSpec("a", 4096)]
+    assert len(layout(None, ",".join(f"h{i}:4096" for i in range(16)))) == MAX_RANKS
+
+
+def test_a_hostfile_slot_count_over_the_limit_is_refused_at_once(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    f = tmp_path / "hosts"
+    f.write_text("localhost slots=99999999999\n")
+    # was: no error, and the launcher grew by 1 GB per 10 s building rank records
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(f))}:1: host 'localhost' has "
+                                          "99999999999 slots, more than the 4096 ranks ronderun "
+                                          "starts on one host$"):
+        layout(None, hostfile=f)
+
+
+@pytest.mark.parametrize("np, hosts, match", [
+    (None, "node1:4097", r"^-H node1:4097: host 'node1' has 4097 slots, more than the 4096"),
+    (None, "[::1]:5000", r"^-H \[::1\]:5000: host '::1' has 5000 slots, more than the 4096"),
+    (99999999999, None, r"^-np 99999999999 on localhost: more than the 4096 ranks ronderun "
+                        "starts on one host; give hosts with -H/--hostfile$"),
+    (99999999999, "a:2", r"^-np 99999999999: ronderun starts at most 65536 ranks$"),
+    (None, ",".join(f"h{i}:4096" for i in range(17)),
+     r"^the hosts give 69632 slots, more than the 65536 ranks ronderun starts in one job; "
+     "give -np$"),
+])
+def test_absurd_slot_counts_and_np_are_refused(np, hosts, match) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError, match=match):
+        layout(np, hosts)
+
+
+def test_a_hostfile_byte_that_is_not_utf8_names_the_file_and_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    f = tmp_path / "hosts"
+    f.write_bytes(b"node1 slots=2\nnode\xff slots=2\n")
+    # was: UnicodeDecodeError traceback
+    with pytest.raises(ConfigError,
+                       match=rf"^{re.escape(str(f))}:2: byte 0xff at column 5 is not UTF-8 text"):
+        parse_hostfile(f)
+    f.write_bytes(b"# caf\xe9's nodes (latin-1)\nnode1 slots=2  # \xff\n")
+    assert parse_hostfile(f) == [HostSpec("node1", 2)]  # comments may hold any bytes

@@ -11,14 +11,16 @@ variables for the workers; ``ronde._config`` reads them there. See docs/launcher
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
-from typing import NoReturn, Sequence
+from typing import Callable, NoReturn, Sequence
 
-from .._config import TRANSPORTS
+from .. import _config
+from .._config import KNOBS, TRANSPORTS
 from .._errors import ConfigError
 from . import launch
-from .hosts import resolve_hosts
+from .hosts import MAX_RANKS, MAX_SLOTS_PER_HOST, resolve_hosts
 
 EXIT_USAGE = 2
 
@@ -33,6 +35,24 @@ class _Parser(argparse.ArgumentParser):
 def _fail(message: str) -> NoReturn:
     sys.stderr.write(f"ronderun: error: {message}\n")
     raise SystemExit(EXIT_USAGE)
+
+
+def _knob_number(var: str, scale: int = 1) -> Callable[[str], float]:
+    """An argparse type for a flag that sets knob ``var`` (to ``scale`` x the flag's value):
+    a number inside the knob's range, else the range in the error (NaN never passes)."""
+    knob = next(k for k in KNOBS if k.var == var)
+    kind = int if knob.parse is int else float
+
+    def convert(text: str) -> float:
+        value = kind(text)  # a ValueError: argparse's "invalid float value: 'x'"
+        try:
+            knob.check(value * scale, repr(text) + (" MiB" if scale == 1 << 20 else ""))
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value
+
+    convert.__name__ = kind.__name__
+    return convert
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-x", dest="env", action="append", default=[], metavar="VAR[=VAL]",
                    help="set VAR for every worker; without =VAL, copy this shell's value "
                         "(repeatable)")
-    p.add_argument("--start-timeout", type=float, default=None,
+    p.add_argument("--start-timeout", type=_knob_number("RONDE_START_TIMEOUT"), default=None,
                    help="seconds ranks may take to start and meet (default: "
                         "$RONDE_START_TIMEOUT or 30)")
     p.add_argument("--output-filename", default=None, metavar="DIR",
@@ -72,10 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prints the available hosts, one 'host' or 'host:slots' per line")
     el.add_argument("--slots-per-host", "--slots", dest="slots_per_host", type=int, default=None,
                     help="slots of a discovered host without a count (default 1)")
-    el.add_argument("--elastic-timeout", type=float, default=None, metavar="SECONDS",
+    el.add_argument("--elastic-timeout", type=_knob_number("RONDE_ELASTIC_TIMEOUT"),
+                    default=None, metavar="SECONDS",
                     help="how long to wait for --min-np slots (default: "
                          "$RONDE_ELASTIC_TIMEOUT, $HOROVOD_ELASTIC_TIMEOUT or 600)")
-    el.add_argument("--reset-limit", type=int, default=None,
+    el.add_argument("--reset-limit", type=_knob_number("RONDE_RESET_LIMIT"), default=None,
                     help="fail the job after this many re-formations")
     el.add_argument("--blacklist-cooldown-range", type=float, nargs=2, default=None,
                     metavar=("LO", "HI"),
@@ -90,16 +111,19 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("gloo", "tcp", "shm"):
         knobs.add_argument(f"--{name}", dest="transport", action="store_const", const=name,
                            help=f"same as --transport {name} (horovodrun spelling)")
-    knobs.add_argument("--fusion-threshold-mb", type=float, default=None,
+    knobs.add_argument("--fusion-threshold-mb", default=None,
+                       type=_knob_number("RONDE_FUSION_THRESHOLD", scale=1 << 20),
                        help="fusion buffer size in MiB (RONDE_FUSION_THRESHOLD, in bytes)")
-    knobs.add_argument("--cycle-time-ms", type=float, default=None,
+    knobs.add_argument("--cycle-time-ms", type=_knob_number("RONDE_CYCLE_TIME"), default=None,
                        help="engine cycle time (RONDE_CYCLE_TIME)")
     knobs.add_argument("--timeline-filename", default=None,
                        help="write a timeline to this file (RONDE_TIMELINE)")
-    knobs.add_argument("--stall-check-warning-time-seconds", type=float, default=None,
+    knobs.add_argument("--stall-check-warning-time-seconds", default=None,
+                       type=_knob_number("RONDE_STALL_CHECK_TIME"),
                        help="warn about stalled collectives after this long "
                             "(RONDE_STALL_CHECK_TIME)")
-    knobs.add_argument("--stall-check-shutdown-time-seconds", type=float, default=None,
+    knobs.add_argument("--stall-check-shutdown-time-seconds", default=None,
+                       type=_knob_number("RONDE_STALL_SHUTDOWN_TIME"),
                        help="fail stalled collectives after this long "
                             "(RONDE_STALL_SHUTDOWN_TIME)")
     knobs.add_argument("--bind-addr", default=None,
@@ -110,12 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "(RONDE_AUTOTUNE)")
     tune.add_argument("--autotune-log-file", default=None, metavar="FILE",
                       help="rank 0 writes each sample to this CSV (RONDE_AUTOTUNE_LOG)")
-    for flag, kind, what in (("warmup-samples", int, "samples discarded first"),
-                             ("steps-per-sample", int, "training steps per sample"),
-                             ("bayes-opt-max-samples", int, "samples of the Bayesian search"),
-                             ("gaussian-process-noise", float, "noise term of the search")):
-        tune.add_argument(f"--autotune-{flag}", type=kind, default=None,
-                          help=f"{what} (RONDE_AUTOTUNE_{flag.upper().replace('-', '_')})")
+    for flag, what in (("warmup-samples", "samples discarded first"),
+                       ("steps-per-sample", "training steps per sample"),
+                       ("bayes-opt-max-samples", "samples of the Bayesian search"),
+                       ("gaussian-process-noise", "noise term of the search")):
+        var = f"RONDE_AUTOTUNE_{flag.upper().replace('-', '_')}"
+        tune.add_argument(f"--autotune-{flag}", type=_knob_number(var), default=None,
+                          help=f"{what} ({var})")
     knobs.add_argument("--log-level", default=None,
                        help="worker log level, e.g. DEBUG, INFO, WARNING (RONDE_LOG_LEVEL)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the worker command")
@@ -168,29 +193,31 @@ def worker_settings(args: argparse.Namespace, environ: dict[str, str] | None = N
     return out
 
 
+def _setting(field: str) -> float:
+    """A float knob's value from this shell's environment (read and checked as the workers
+    read it), else its default."""
+    value = _config.setting(field)
+    if value is None:
+        value = getattr(_config.Config(), field)
+    return float(value)  # type: ignore[arg-type]
+
+
 def _validate(args: argparse.Namespace) -> float:
-    for flag, value in (("--fusion-threshold-mb", args.fusion_threshold_mb),
-                        ("--stall-check-warning-time-seconds",
-                         args.stall_check_warning_time_seconds),
-                        ("--stall-check-shutdown-time-seconds",
-                         args.stall_check_shutdown_time_seconds)):
-        if value is not None and value < 0:
-            raise ConfigError(f"{flag} must be >= 0, got {_num(value)}")
-    for flag, value in (("--cycle-time-ms", args.cycle_time_ms), ("--timeout", args.timeout),
-                        ("--start-timeout", args.start_timeout)):
-        if value is not None and value <= 0:
-            raise ConfigError(f"{flag} must be positive, got {_num(value)}")
-    start_timeout: float | None = args.start_timeout
+    # the knob flags were range-checked as they were parsed (_knob_number)
+    if args.timeout is not None and not 0 < args.timeout < math.inf:
+        raise ConfigError(
+            f"--timeout must be a positive number of seconds, got {_num(args.timeout)}")
+    start_timeout = args.start_timeout
     if start_timeout is None:
-        raw = os.environ.get("RONDE_START_TIMEOUT") or os.environ.get("HOROVOD_START_TIMEOUT")
-        try:
-            start_timeout = float(raw) if raw else 30.0
-        except ValueError:
-            raise ConfigError(f"RONDE_START_TIMEOUT={raw!r} is not a number") from None
-        if start_timeout <= 0:
-            raise ConfigError(f"RONDE_START_TIMEOUT must be positive, got {raw}")
+        start_timeout = _setting("start_timeout_s")
     if args.np is not None and args.np <= 0:
         raise ConfigError(f"-np must be at least 1, got {args.np}")
+    for flag, count in (("-np", args.np), ("--min-np", args.min_np), ("--max-np", args.max_np)):
+        if count is not None and count > MAX_RANKS:
+            raise ConfigError(f"{flag} {count}: ronderun starts at most {MAX_RANKS} ranks")
+    if args.slots_per_host is not None and not 1 <= args.slots_per_host <= MAX_SLOTS_PER_HOST:
+        raise ConfigError(f"--slots-per-host {args.slots_per_host}: need 1 to "
+                          f"{MAX_SLOTS_PER_HOST} (the most ranks ronderun starts on one host)")
     if args.np is None and not (args.hosts or args.hostfile or args.host_discovery_script
                                 or args.min_np):
         raise ConfigError("-np is required when no -H/--hosts or --hostfile is given")
@@ -218,6 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         start_timeout = _validate(args)
         resolve_hosts(args.hosts, args.hostfile)  # report host errors before anything runs
         settings = worker_settings(args)
+        _config.check(settings)  # e.g. -x RONDE_CYCLE_TIME=nan: refused before any worker
         if args.bind_addr:
             os.environ["RONDE_BIND_ADDR"] = args.bind_addr  # the launcher's server, too
         if _is_elastic(args):
@@ -241,17 +269,6 @@ def _is_elastic(args: argparse.Namespace) -> bool:
         or args.host_discovery_script is not None
 
 
-def _env_number(names: Sequence[str], default: float) -> float:
-    for name in names:
-        raw = os.environ.get(name)
-        if raw:
-            try:
-                return float(raw)
-            except ValueError:
-                raise ConfigError(f"{name}={raw!r} is not a number") from None
-    return default
-
-
 def _run_elastic(args: argparse.Namespace, command: list[str], settings: dict[str, str],
                  start_timeout: float) -> int:
     from .elastic import parse_cooldown, run_elastic
@@ -262,12 +279,12 @@ def _run_elastic(args: argparse.Namespace, command: list[str], settings: dict[st
     if args.host_discovery_script and (args.hosts or args.hostfile):
         raise ConfigError("--host-discovery-script and -H/--hostfile exclude each other")
     min_np = args.min_np if args.min_np is not None else (args.np or 1)
-    timeout = args.elastic_timeout if args.elastic_timeout is not None else _env_number(
-        ("RONDE_ELASTIC_TIMEOUT", "HOROVOD_ELASTIC_TIMEOUT"), 600.0)
+    timeout = args.elastic_timeout if args.elastic_timeout is not None else _setting(
+        "elastic_timeout_s")
     limit = args.reset_limit
-    if limit is None and (os.environ.get("RONDE_RESET_LIMIT")
-                          or os.environ.get("HOROVOD_RESET_LIMIT")):
-        limit = int(_env_number(("RONDE_RESET_LIMIT", "HOROVOD_RESET_LIMIT"), 0))
+    if limit is None:
+        env_limit = _config.setting("reset_limit")
+        limit = None if env_limit is None else int(env_limit)  # type: ignore[call-overload]
     result = run_elastic(
         command, args.np, min_np, args.max_np, hosts=args.hosts, hostfile=args.hostfile,
         discovery_script=args.host_discovery_script, slots_per_host=args.slots_per_host or 1,

@@ -181,6 +181,7 @@ def run_elastic(command: Sequence[str], np: int | None, min_np: int, max_np: int
         job.driver = driver
         return job.run()
     finally:
+        discovery.close()
         server.close()
         from ..transport.segments import remove_job_segments
 

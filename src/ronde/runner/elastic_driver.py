@@ -9,11 +9,14 @@ blacklist, waits below the minimum, the reset limit, hung workers, the end) are 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 import os
 import random
 import shlex
 import signal
 import subprocess
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -22,6 +25,7 @@ from .elastic_rendezvous import ElasticRendezvous, Slot
 from .env import worker_env_vars
 from .hosts import HostSpec, RankSlot, parse_hostfile_lines, places
 
+log = logging.getLogger(__name__)
 
 #: how often the discovery script runs
 DISCOVER_EVERY_S = 1.0
@@ -29,11 +33,25 @@ DISCOVER_EVERY_S = 1.0
 
 # -- discovery ---------------------------------------------------------------------------
 class Discovery:
-    """Where the hosts come from: a fixed list, or a script run again and again."""
+    """Where the hosts come from: a fixed list, or a script run again and again.
+
+    The script runs on a thread of its own (about once a second), never in the driver's
+    loop: a script that hangs or fails cannot delay failure handling. Each run has
+    ``timeout_s`` (``DISCOVERY_TIMEOUT_S``); on expiry its whole process group is
+    killed. Its output is read as bytes: a line that is not UTF-8 or not a host is
+    logged and skipped, the others are used.
+    """
 
     def __init__(self, fixed: list[HostSpec] | None = None, script: str | None = None,
-                 slots_per_host: int = 1) -> None:
+                 slots_per_host: int = 1, timeout_s: float = 30.0) -> None:
         self.fixed, self.script, self.slots_per_host = fixed, script, slots_per_host
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._runs = 0  # finished runs
+        self._hosts: list[HostSpec] | None = None  # from the newest run that succeeded
+        self._error: str | None = None  # of the newest run, when it failed, until told
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     @property
     def dynamic(self) -> bool:
@@ -41,29 +59,81 @@ class Discovery:
         return self.script is not None
 
     def find(self) -> list[HostSpec]:
-        """The hosts available now (raises ConfigError when the script fails)."""
+        """The hosts available now, as the newest run of the script found them (never
+        waits, but for the first run); a ConfigError once for each run that failed."""
         if self.script is None:
             return list(self.fixed or [])
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="ronde-discovery",
+                                            daemon=True)
+            self._thread.start()
+        deadline = time.monotonic() + self.timeout_s + 5.0
+        while True:
+            with self._lock:
+                runs, hosts, error = self._runs, self._hosts, self._error
+                self._error = None
+            if runs or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        if error is not None or hosts is None:
+            raise ConfigError(error or f"--host-discovery-script {self.script}: no answer")
+        return list(hosts)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                hosts, error = self._run(), None
+            except ConfigError as exc:
+                hosts, error = None, str(exc)
+            with self._lock:
+                self._runs += 1
+                if hosts is not None:
+                    self._hosts = hosts
+                self._error = error
+            self._stop.wait(DISCOVER_EVERY_S)
+
+    def _run(self) -> list[HostSpec]:
+        """One run of the script (on the discovery thread)."""
+        assert self.script is not None
+        argv = [self.script] if os.path.isfile(self.script) else shlex.split(self.script)
         try:
-            out = subprocess.run([self.script] if os.path.isfile(self.script)
-                                 else shlex.split(self.script), capture_output=True,
-                                 text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired) as exc:
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:
             raise ConfigError(f"--host-discovery-script {self.script}: {exc}") from None
-        if out.returncode != 0:
+        try:
+            out, err = proc.communicate(timeout=self.timeout_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # and whatever it started
+            except OSError:
+                pass
+            proc.communicate()
+            raise ConfigError(f"--host-discovery-script {self.script} did not finish within "
+                              f"{self.timeout_s:g}s; killed it and its children") from None
+        if proc.returncode != 0:
+            tail = err.decode("utf-8", "replace").strip()[-500:]
             raise ConfigError(f"--host-discovery-script {self.script} exited with "
-                              f"{out.returncode}: {out.stderr.strip()[-500:]}")
-        lines = []
-        for line in out.stdout.splitlines():
-            line = line.strip()
-            if line and not line.startswith("#"):
+                              f"{proc.returncode}: {tail}")
+        hosts: list[HostSpec] = []
+        for number, raw in enumerate(out.splitlines(), 1):
+            where = f"line {number} of the output of {self.script}"
+            try:
+                line = raw.decode("utf-8").strip()
+                if not line or line.startswith("#"):
+                    continue
                 host, sep, slots = line.rpartition(":")
                 if not sep or not slots.isdigit():  # "host" (or an IPv6 address)
                     line = f"{line} slots={self.slots_per_host}"
                 else:
                     line = f"{host} slots={slots}"
-                lines.append(line)
-        return parse_hostfile_lines(lines, f"the output of {self.script}")
+                hosts.extend(parse_hostfile_lines([line], where))
+            except (UnicodeDecodeError, ConfigError) as exc:
+                log.warning("elastic: skipping %s (%r): %s", where, raw[:80], exc)
+        return hosts
 
 
 @dataclasses.dataclass
@@ -338,8 +408,9 @@ def parse_cooldown(values: Sequence[float] | None) -> tuple[float, float] | None
     if not values:
         return None
     lo, hi = float(values[0]), float(values[1])
-    if lo < 0 or hi < lo:
-        raise ConfigError(f"--blacklist-cooldown-range {lo:g} {hi:g}: need 0 <= LO <= HI")
+    if not 0 <= lo <= hi < math.inf:  # NaN fails every comparison
+        raise ConfigError(f"--blacklist-cooldown-range {lo:g} {hi:g}: need 0 <= LO <= HI, "
+                          "finite")
     return lo, hi
 
 

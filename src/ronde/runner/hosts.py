@@ -14,6 +14,10 @@ Per rank this module computes:
   have a rank with the same ``local_rank``; with hosts filled in order and equal slot
   counts, as in nearly every real job, the two definitions agree.)
 * ``cross_size``: the number of hosts used.
+
+Slot counts are bounded (:data:`MAX_SLOTS_PER_HOST`, :data:`MAX_RANKS`): far beyond any
+real host or job, but a typo such as ``slots=99999999999`` is refused at once instead of
+filling the launcher's memory with rank records.
 """
 
 from __future__ import annotations
@@ -30,6 +34,11 @@ from .._errors import ConfigError
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-:%]+")
 _LOCAL_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"}
+
+#: the most ranks ``ronderun`` starts on one host (a slot count above it is refused)
+MAX_SLOTS_PER_HOST = 4096
+#: the most ranks ``ronderun`` starts in one job (``-np``, or every slot without ``-np``)
+MAX_RANKS = 65536
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,13 +66,16 @@ class RankSlot:
     cross_size: int
 
 
-def _parse_slots(text: str, where: str) -> int:
+def _parse_slots(text: str, where: str, host: str) -> int:
     try:
         slots = int(text)
     except ValueError:
         raise ConfigError(f"{where}: slot count {text!r} is not an integer") from None
     if slots <= 0:
         raise ConfigError(f"{where}: a host needs at least 1 slot, got {slots}")
+    if slots > MAX_SLOTS_PER_HOST:
+        raise ConfigError(f"{where}: host {host!r} has {slots} slots, more than the "
+                          f"{MAX_SLOTS_PER_HOST} ranks ronderun starts on one host")
     return slots
 
 
@@ -79,10 +91,10 @@ def _split_host(item: str, where: str) -> HostSpec:
         name, rest = item[1:end], item[end + 1:]
         if rest and not rest.startswith(":"):
             raise ConfigError(f"{where}: unexpected {rest!r} after {item[:end + 1]!r}")
-        slots = _parse_slots(rest[1:], where) if rest else 1
+        slots = _parse_slots(rest[1:], where, name) if rest else 1
     elif item.count(":") == 1:
         name, count = item.split(":")
-        slots = _parse_slots(count, where)
+        slots = _parse_slots(count, where, name)
     else:
         name, slots = item, 1  # a bare name, or a bare IPv6 address (several colons)
     if not name or not _NAME_RE.fullmatch(name):
@@ -146,7 +158,8 @@ def parse_hostfile_lines(lines: Iterable[str], name: str = "hostfile") -> list[H
         spec = _split_host(parts[0], where)
         if _has_slot_suffix(parts[0]):
             raise ConfigError(f"{where}: give the slots once, either host:N or slots=N")
-        hosts.append(HostSpec(spec.name, _parse_slots(parts[1][len("slots="):], where)))
+        hosts.append(HostSpec(spec.name, _parse_slots(parts[1][len("slots="):], where,
+                                                      spec.name)))
     if not hosts:
         raise ConfigError(f"{name}: no hosts found (every line is blank or a comment)")
     return _check_unique(hosts, name)
@@ -155,15 +168,28 @@ def parse_hostfile_lines(lines: Iterable[str], name: str = "hostfile") -> list[H
 def parse_hostfile(path: str | os.PathLike[str]) -> list[HostSpec]:
     """Read and parse a hostfile (see :func:`parse_hostfile_lines`).
 
+    The file is read as bytes: a line whose entry (the part before any ``#``) is not
+    UTF-8 is a bad line; a comment may hold any bytes.
+
     Raises:
         ConfigError: if the file cannot be read or has a bad line.
     """
+    name = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+        with open(path, "rb") as f:
+            data = f.read()
     except OSError as exc:
-        raise ConfigError(f"cannot read hostfile {os.fspath(path)!r}: {exc.strerror}") from None
-    return parse_hostfile_lines(lines, os.fspath(path))
+        raise ConfigError(f"cannot read hostfile {name!r}: {exc.strerror}") from None
+    lines = []
+    for lineno, raw in enumerate(data.splitlines(), 1):
+        entry = raw.split(b"#", 1)[0]
+        try:
+            lines.append(entry.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"{name}:{lineno}: byte {entry[exc.start]:#04x} at column {exc.start + 1} is "
+                f"not UTF-8 text; write 'host slots=N', 'host:N' or 'host'") from None
+    return parse_hostfile_lines(lines, name)
 
 
 def assign_ranks(hosts: list[HostSpec], np: int) -> list[RankSlot]:
@@ -177,11 +203,14 @@ def assign_ranks(hosts: list[HostSpec], np: int) -> list[RankSlot]:
         One :class:`RankSlot` per rank, in rank order.
 
     Raises:
-        ConfigError: if ``np`` is not positive or exceeds the total number of slots.
+        ConfigError: if ``np`` is not positive, exceeds the total number of slots or
+            :data:`MAX_RANKS`.
     """
     total = sum(h.slots for h in hosts)
     if np <= 0:
         raise ConfigError(f"-np must be at least 1, got {np}")
+    if np > MAX_RANKS:
+        raise ConfigError(f"-np {np}: ronderun starts at most {MAX_RANKS} ranks")
     if np > total:
         listing = ", ".join(f"{h.name}:{h.slots}" for h in hosts)
         raise ConfigError(
@@ -233,10 +262,26 @@ def layout(np: int | None, hosts: str | None = None,
     if not specs:
         if np is None:
             raise ConfigError("-np is required when no -H/--hosts or --hostfile is given")
+        if np > MAX_SLOTS_PER_HOST:
+            raise ConfigError(f"-np {np} on localhost: more than the {MAX_SLOTS_PER_HOST} "
+                              "ranks ronderun starts on one host; give hosts with -H/--hostfile")
         specs = [HostSpec("localhost", max(np, 1))]
-    if np is None:
-        np = sum(h.slots for h in specs)
-    return assign_ranks(specs, np)
+    return assign_ranks(specs, ranks_wanted(specs, np))
+
+
+def ranks_wanted(specs: list[HostSpec], np: int | None) -> int:
+    """``np``, or without it every slot of ``specs``.
+
+    Raises:
+        ConfigError: if that is more than :data:`MAX_RANKS`.
+    """
+    if np is not None:
+        return np
+    total = sum(h.slots for h in specs)
+    if total > MAX_RANKS:
+        raise ConfigError(f"the hosts give {total} slots, more than the {MAX_RANKS} ranks "
+                          "ronderun starts in one job; give -np")
+    return total
 
 
 @functools.lru_cache(maxsize=1)

@@ -25,6 +25,7 @@ import threading
 import time
 from typing import IO, Any, Mapping, Sequence
 
+from .._config import setting
 from .._errors import ConfigError
 from .._text import ranks_text
 from .env import torchrun_env, worker_env_vars
@@ -43,16 +44,8 @@ GRACE_S = 10.0
 
 def stop_grace_s() -> float:
     """``RONDE_STOP_GRACE`` (seconds, 0 to 3600), else :data:`GRACE_S`."""
-    raw = os.environ.get("RONDE_STOP_GRACE", "")
-    if not raw:
-        return GRACE_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not 0 <= value <= 3600:  # NaN fails too
-        raise ConfigError(f"RONDE_STOP_GRACE={raw!r}: give seconds between 0 and 3600")
-    return value
+    value = setting("stop_grace_s")
+    return GRACE_S if value is None else float(value)  # type: ignore[arg-type]
 
 
 #: after a failure, how long survivors may take to exit by themselves before SIGTERM

@@ -80,9 +80,11 @@ def _stop() -> None:
     """The launcher is gone: stop this worker and what it started."""
     log.error("ronde: the launcher (ronderun) is gone; this worker stops (pid %d)", os.getpid())
     own_group = os.getpgrp() == os.getpid()
+    from .._config import setting
+
     try:
-        grace_s = min(3600.0, max(0.0, float(os.environ.get("RONDE_STOP_GRACE") or GRACE_S)))
-    except ValueError:
+        grace_s = float(setting("stop_grace_s") or GRACE_S)  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - a bad value was refused at init(); stop anyway
         grace_s = GRACE_S
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:

@@ -19,7 +19,7 @@ import sys
 from typing import Mapping, Sequence
 
 from .._errors import ConfigError
-from .hosts import HostSpec, is_local, resolve_hosts
+from .hosts import HostSpec, is_local, ranks_wanted, resolve_hosts
 from . import summary
 from .rendezvous import RendezvousServer
 
@@ -64,11 +64,9 @@ def run_mpi(command: Sequence[str], np: int | None, hosts: str | None, hostfile:
             settings: Mapping[str, str], start_timeout_s: float) -> int:
     """Run ``command`` under MPI; return its exit code."""
     specs = resolve_hosts(hosts, hostfile) if (hosts or hostfile) else None
-    total = sum(h.slots for h in specs) if specs else None
-    if np is None:
-        if total is None:
-            raise ConfigError("ronderun --mpi needs -np (or -H/--hostfile)")
-        np = total
+    if np is None and not specs:
+        raise ConfigError("ronderun --mpi needs -np (or -H/--hostfile)")
+    np = ranks_wanted(specs or [], np)
     mpiexec, flavour = find_mpiexec()
     all_local = specs is None or all(is_local(h.name) for h in specs)
     secret = secrets.token_bytes(32)

@@ -1,0 +1,88 @@
+"""What a setting's text may say: the parsers of the knobs' values and their accepted ranges.
+
+:mod:`ronde._knobs` declares each knob with one of these parsers and, for a number, a
+:class:`Range`; a value outside it (NaN and the infinities always are) is a
+:class:`~ronde.ConfigError` naming the variable and the range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from ._errors import ConfigError
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1024,
+    "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gib": 1024**3,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """Parse ``"67108864"``, ``"64MB"``, ``"64 MiB"`` or ``"1.5g"`` into bytes.
+
+    Every suffix is a power of 1024: ``KB``/``KiB``/``K``, ``MB``/``MiB``/``M``,
+    ``GB``/``GiB``/``G`` (``"64MB"`` is 64 MiB, as Horovod users mean it).
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m:
+        raise ConfigError(f"cannot parse byte size {text!r}; write e.g. 67108864 or 64MB")
+    unit = m.group(2).lower()
+    if unit in ("kb", "mb", "gb", "k", "m", "g"):
+        unit = unit[0] + "ib"
+    if unit not in _SIZE_UNITS:
+        raise ConfigError(f"unknown size unit {m.group(2)!r} in {text!r}; use B, KB, MB or GB")
+    size = float(m.group(1)) * _SIZE_UNITS[unit]
+    if not math.isfinite(size):  # hundreds of digits: int() would raise OverflowError
+        raise ConfigError(f"byte size {text!r} is too large")
+    return int(size)
+
+
+def parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"expected a boolean (1/0, true/false), got {text!r}")
+
+
+def parse_hierarchical(text: str) -> str:
+    """``auto``, or a boolean as ``on``/``off``."""
+    return "auto" if text.strip().lower() == "auto" else ("on" if parse_bool(text) else "off")
+
+
+def _number(n: float) -> str:
+    return str(int(n)) if float(n).is_integer() else repr(float(n))
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n and n % scale == 0:
+            return f"{_number(n / scale)}{unit}"
+    return _number(n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values a numeric knob accepts: from ``low`` (excluded when ``above``) to ``high``.
+
+    Generous, but finite: NaN and the infinities are never inside.
+    """
+
+    low: float
+    high: float
+    above: bool = False  #: ``low`` itself is refused (``> low``)
+    size: bool = False   #: bytes, shown as ``64GiB``
+
+    def __contains__(self, value: object) -> bool:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return False
+        return (self.low < value if self.above else self.low <= value) and value <= self.high
+
+    def __str__(self) -> str:
+        show = _size if self.size else _number
+        return f"{'>' if self.above else '>='} {show(self.low)} and <= {show(self.high)}"
