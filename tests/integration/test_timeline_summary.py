@@ -61,5 +61,7 @@ def test_the_command_line_and_a_file_cut_short(traces, tmp_path):
                           "--html", str(tmp_path / "s.html")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "rank 0:" in out.stdout and "rank 1:" in out.stdout and "slowest" in out.stdout
+    assert "| 0 | wall |" in out.stdout and "| 1 | wall |" in out.stdout, out.stdout
+    assert "slowest" in out.stdout and "| step | wall |" not in out.stdout  # one screen
     assert (tmp_path / "s.json").exists() and "<pre>" in (tmp_path / "s.html").read_text()
+    assert "| step | wall |" in (tmp_path / "s.html").read_text()  # every step's row
