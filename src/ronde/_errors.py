@@ -88,7 +88,14 @@ class ProtocolError(RondeError, ValueError):
 
 
 class ShutdownError(HorovodInternalError):
-    """The engine was shut down (locally or by a peer) while work was pending."""
+    """The engine was shut down (locally or by a peer) while work was pending.
+
+    ``rank``: the peer whose shutdown left this collective without it, if one did.
+    """
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
 
 
 class JoinedError(HorovodInternalError, ValueError):

@@ -379,8 +379,12 @@ def _install_excepthook() -> None:
                 text = "".join(traceback.format_exception(exc_type, exc, tb))
                 secondary = isinstance(exc, (PeerLostError, ShutdownError, StallError)) \
                     and not isinstance(exc, DeadlockError)
+                # the peer whose loss or early shutdown caused it: the launcher leads with it
+                lost = getattr(exc, "rank", None) if secondary else None
                 rendezvous.report_failure(wenv.rendezvous, wenv.secret, wenv.rank, text,
-                                          secondary=secondary)
+                                          secondary=secondary,
+                                          lost=lost if isinstance(lost, int) else None,
+                                          left=isinstance(exc, ShutdownError))
         except Exception:  # noqa: BLE001 - reporting is best effort
             pass
         previous(exc_type, exc, tb)

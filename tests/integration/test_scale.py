@@ -77,13 +77,17 @@ def test_a_silent_rank_is_named_on_every_survivor_at_np5(tmp_path, tree):
             print(f"PEERLOST rank={exc.rank}: {exc}", flush=True)
             sys.exit(5)
     """, env={**(TREE if tree else {"RONDE_SHM_CONTROL": "0"}),
-              "RONDE_STALL_SHUTDOWN_TIME": "2"}, timeout=100)
+              "RONDE_STALL_SHUTDOWN_TIME": "3", "RONDE_PEER_TIMEOUT": "1"}, timeout=100)
     assert proc.returncode != 0
     lines = proc.stdout.splitlines()
     for r in (0, 1, 2, 4):
         line = next((l for l in lines if l.startswith(f"[{r}]<stdout>:PEERLOST")), None)
         assert line is not None and "rank=3" in line, (r, proc.stdout[-3000:])
-    assert elapsed < 60
+    # before the error, the rank waiting for it (the coordinator; over the tree, its
+    # parent) warned that it had not answered (issue #32: only all-to-all rounds did)
+    waiter = 2 if tree else 0
+    assert f"[{waiter}]<stderr>:rank {waiter}: rank(s) [3] have not answered a negotiation " \
+        "round for" in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.timeout(120)

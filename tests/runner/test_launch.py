@@ -424,3 +424,24 @@ def test_workers_get_the_torchrun_contract() -> None:
                  "import os; print(os.environ['MASTER_ADDR'], os.environ['RANK'])")
     assert r.returncode == 0, r.stderr
     assert rank_lines(r.stdout) == {0: ["localhost 0"], 1: ["localhost 1"]}
+
+
+EARLY_EXIT = """
+import sys, numpy as np, ronde as hvd
+hvd.init()
+hvd.allreduce(np.ones(4), name="warm")
+if hvd.rank() == 1:
+    sys.exit(0)  # leaves while the others go on
+for i in range(1000):
+    hvd.allreduce(np.ones(4), name="step")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_summary_names_a_rank_that_left_early_with_exit_code_0() -> None:
+    """The ranks that lost rank 1 fail; the summary used to blame rank 0 because rank 1's
+    exit code was 0 (issue #32)."""
+    r = ronderun("-np", "3", PY, "-c", EARLY_EXIT)
+    assert r.returncode == 1, r.stderr
+    assert "ronderun: rank 1 (host localhost) left first: it ended (with " in r.stderr, r.stderr
+    assert "while the other ranks still needed it" in r.stderr

@@ -42,6 +42,7 @@ a frame from that rank itself.
 
 from __future__ import annotations
 
+import logging
 import struct
 import time
 from typing import Any, Callable, NamedTuple
@@ -49,6 +50,8 @@ from typing import Any, Callable, NamedTuple
 from .._errors import PeerLostError, ProtocolError
 from ..transport import ready, wire
 from . import protocol
+
+log = logging.getLogger(__name__)
 
 #: what the functions here get as ``ex``: the engine's ``exchange.Exchange`` (its readers,
 #: decoder, live ranks and failure helpers; not imported, so that the two modules do not
@@ -315,13 +318,25 @@ def _other_sockets(ex: Exchange, root_rank: int, shut_down: set[int]) -> None:
 
 def _checks(ex: Exchange, failed: Callable[[], BaseException | None], start: float,
             waiting: set[int], extra_s: float = 0.0) -> None:
-    """A failure raised; a rank of ``waiting`` named once the wait passed
-    ``RONDE_STALL_SHUTDOWN_TIME`` (plus ``extra_s``)."""
+    """A failure raised; the ranks of ``waiting`` logged once the wait passed
+    ``RONDE_PEER_TIMEOUT`` (a warning, as the all-to-all exchange logs it), and one of
+    them named by a ``PeerLostError`` once it passed ``RONDE_STALL_SHUTDOWN_TIME`` (plus
+    ``extra_s``)."""
     err = failed()
     if err is not None:
         raise err
     limit = ex.cfg.stall_shutdown_time_s
     waited = time.monotonic() - start
+    if waiting and waited > ex.cfg.peer_timeout_s and ex.warned_wait != start:
+        ex.warned_wait = start
+        if extra_s and len(waiting) == 1 and min(waiting) < ex.rank:  # its coordinator
+            log.warning("rank %d: rank %s, which relays this rank's negotiation rounds, has "
+                        "not answered for %.0fs; it waits for a silent rank, or is blocked "
+                        "itself (its own log names which)", ex.rank, min(waiting), waited)
+        else:
+            log.warning("rank %d: rank(s) %s have not answered a negotiation round for "
+                        "%.0fs; is their Python process blocked?", ex.rank, sorted(waiting),
+                        waited)
     if waiting and limit > 0 and waited > limit + extra_s:
         r = min(waiting)
         raise PeerLostError(f"rank {ex.describe_rank(r)} stopped responding for "

@@ -87,6 +87,8 @@ class Exchange:
         #: only (rank 0 is not woken by, and does not poll, N - 1 sockets)
         self._tree_peers = tree.neighbours(rank, size) if self.over_tree else []
         self.gone: set[int] = set()
+        #: the start of the last wait whose slowness was logged (coordinator._checks)
+        self.warned_wait = -1.0
         self.spin_s = cfg.spin_time_us / 1e6
         self._sleep_lock = threading.Lock()
         self._sleepers = 0

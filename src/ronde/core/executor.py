@@ -182,7 +182,10 @@ class Executor:
             for name in resp.names:
                 req = eng.take(name)
                 if req is not None:
-                    req.fail(cls(resp.error))
+                    exc = cls(resp.error)
+                    if cls is ShutdownError:
+                        exc.rank = resp.value  # type: ignore[attr-defined]
+                    req.fail(exc)
             return
         if resp.kind == Kind.JOIN:
             req = eng.take(resp.names[0])

@@ -199,9 +199,11 @@ class Negotiator:
             if missing:
                 gone = [r for r in missing if r in self.shutdown]
                 if gone:
-                    ready.append((entry.order, self._error_response(
+                    resp = self._error_response(
                         entry, f"{KIND_NAMES[first.kind]} {entry.name!r}: rank(s) "
-                        f"{_ranks(gone)} shut down without submitting it", "shutdown")))
+                        f"{_ranks(gone)} shut down without submitting it", "shutdown")
+                    resp.value = min(gone)  # the ShutdownError's rank (what left first)
+                    ready.append((entry.order, resp))
                 continue
             joined_here = frozenset(r for r in members if r not in entry.metas)
             cids = set(entry.cids.values())

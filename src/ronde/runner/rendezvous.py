@@ -327,19 +327,21 @@ def query(address: tuple[str, int], secret: bytes, what: dict[str, Any],
 
 
 def report_failure(address: tuple[str, int], secret: bytes, rank: int, message: str,
-                   secondary: bool = False, lost: int | None = None) -> None:
+                   secondary: bool = False, lost: int | None = None,
+                   left: bool = False) -> None:
     """Best-effort: tell the launcher this rank failed, and how (never raises).
 
     ``secondary`` marks a failure caused by another rank (a lost peer, a shutdown),
     so the launcher can lead with the first, primary one; ``lost`` names the rank
-    this one lost (a ``PeerLostError``), which the launcher prefers as the cause.
+    this one lost (a ``PeerLostError``), which the launcher prefers as the cause;
+    ``left``: ``lost`` shut down on its own while this rank still needed it.
     """
     try:
         sock = wire.connect(address[0], address[1], secret, 2.0)
         try:
             wire.send_frame(sock, KIND_JSON, wire.dumps(
                 {"kind": "failure", "rank": rank, "message": message[-8000:],
-                 "secondary": secondary, "lost": lost}))
+                 "secondary": secondary, "lost": lost, "left": left}))
         finally:
             sock.close()
     except Exception:  # noqa: BLE001 - best effort while already failing

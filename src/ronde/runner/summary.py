@@ -23,6 +23,10 @@ class Failed(Protocol):
     slot: Any
 
 
+#: ``first_failure``'s message for a rank that shut down on its own while others needed it
+LEFT = "\0left"
+
+
 def describe_status(code: int | None) -> str:
     if code is None:
         return "did not start"
@@ -54,12 +58,17 @@ def first_failure(workers: Sequence[Failed], failures: Sequence[dict[str, Any]]
     # A rank that others reported losing, and that failed without ronderun's help, is
     # the cause: the exit times ronderun sees can put a survivor that caught the
     # PeerLostError and exited ahead of the lost rank's own (slower) death.
+    # Whatever its exit code: a rank that exited 0 while the others still needed it
+    # (an early sys.exit(0)) left first, and the ranks that lost it failed after it.
+    # A rank that shut down on its own while the others still needed it (they report
+    # ``left``) is the cause even when ronderun then had to stop it mid-shutdown.
     lost = [f for f in failures if isinstance(f.get("lost"), int)
             and 0 <= f["lost"] < len(workers)
-            and workers[f["lost"]].returncode not in (None, 0)
-            and not workers[f["lost"]].signalled]
+            and (f.get("left") or (workers[f["lost"]].returncode is not None
+                                   and not workers[f["lost"]].signalled))]
     if lost:
-        return workers[min(lost, key=lambda f: f.get("time", 0.0))["lost"]], ""
+        cause = min(lost, key=lambda f: f.get("time", 0.0))
+        return workers[cause["lost"]], LEFT if cause.get("left") else ""
     # A rank whose error says another rank caused it is not the cause while another
     # failed rank made no such claim, e.g. one that called sys.exit(3).
     secondary = {f.get("rank") for f in failures if f.get("secondary")}
@@ -80,7 +89,15 @@ def failure_lines(first: Failed, message: str, workers: Sequence[Failed]
     raw = first.returncode if first.returncode is not None else 1
     code = shell_code(raw) or 1
     where = f"rank {first.slot.rank} (host {first.slot.host})"
-    if first.signalled and raw < 0:  # it reported an error but did not exit in time
+    left = raw == 0 or (message == LEFT and first.signalled)  # not its own failure
+    if message == LEFT:
+        message = ""
+    if left:
+        code = 1
+        cause = (f"{where} left first: it ended (with {describe_status(raw)}) while the other "
+                 "ranks still needed it; end every rank alike (hvd.shutdown() on all, or "
+                 "hvd.join() for uneven data)")
+    elif first.signalled and raw < 0:  # it reported an error but did not exit in time
         code = 1
         cause = (f"{where} failed first: it reported an error, then ronderun had to stop "
                  f"it ({describe_status(raw)[4:]})")
