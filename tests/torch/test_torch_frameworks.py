@@ -27,6 +27,7 @@ def test_names_and_differences():
     assert "'w' is float32[2, 3] on rank 0; float32[2, 4] on rank 1" in diff
     assert "'x' exists on rank 1 but not on rank 0" in diff
     assert naming.parameter_differences([t0, dict(t0)]) is None
+    assert naming.presence_name("fc.weight") == "allreduce.fc.weight.presence"
 
 
 def test_wire_reduction_predivides_float16_averages():

@@ -66,10 +66,36 @@ def test_misuse_errors_and_synchronize_patterns():
     assert run_ranks(2, workers.local_misuse, timeout_s=50) == ["ok", "ok"]
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_parameter_without_gradient_keeps_none_unless_zero_unused_grads(np_):
+    for diffs in run_ranks(np_, workers.unused_parameter, timeout_s=80):
+        assert diffs.keys() == {"zero_unused_grads=False", "zero_unused_grads=True"}
+        for case, diff in diffs.items():
+            assert diff < 1e-12, (case, diff)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_requires_grad_changed_after_wrapping_trains_like_one_process(np_):
+    for diffs in run_ranks(np_, workers.requires_grad_changes, timeout_s=80):
+        assert diffs.keys() == {"unfrozen later", "frozen later"}
+        for case, diff in diffs.items():
+            assert diff < 1e-12, (case, diff)
+
+
+@pytest.mark.timeout(90)
+def test_lr_scheduler_made_before_wrapping_keeps_the_reduction():
+    for diffs in run_ranks(2, workers.schedulers_made_before_wrapping, timeout_s=80):
+        assert diffs.keys() == {"StepLR", "OneCycleLR"}
+        for case, diff in diffs.items():
+            assert diff < 1e-12, (case, diff)
+
+
 @pytest.mark.timeout(60)
-def test_parameter_without_gradient_does_not_deadlock():
-    a, b = run_ranks(2, workers.unused_parameter, timeout_s=50)
-    assert a == b
+def test_step_with_closure_reduces_the_closures_gradients():
+    for diffs in run_ranks(2, workers.step_with_closure, timeout_s=50):
+        assert diffs["step(closure)"] < 1e-12, diffs
 
 
 @pytest.mark.timeout(90)

@@ -408,8 +408,12 @@ def local_misuse() -> str:
         sgd, op=hvd.Adasum, backward_passes_per_step=2))                 # takes no passes
     _raises(ValueError, "only supported with op=Average",
             lambda: hvd.DistributedOptimizer(sgd, op=hvd.Sum, gradient_predivide_factor=2.0))
+    assert not [k for k in vars(sgd) if k.startswith("_ronde")]  # failed wraps left nothing
     opt = hvd.DistributedOptimizer(sgd, named_parameters=named)
     assert isinstance(opt, torch.optim.SGD)
+    for again in (sgd, opt):  # a second wrapper would share the first one's bookkeeping
+        _raises(ValueError, "is wrapped already; wrap an optimizer once",
+                lambda: hvd.DistributedOptimizer(again, named_parameters=named))
     _raises(hvd.RondeError, "found no gradients", opt.step)  # every rank: no backward
     x = torch.ones(4, 6, dtype=torch.float64)
     model(x).sum().backward()
@@ -461,30 +465,221 @@ def _raises(cls, match, fn) -> None:
         raise AssertionError(f"{fn} did not raise {cls.__name__}")
 
 
-def unused_parameter() -> list:
-    """A branch used only on some ranks (and one used nowhere) does not deadlock."""
+def _flat(torch, module):
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+def _diff(torch, a, b) -> float:
+    """The largest difference between two modules' parameters."""
+    return float((_flat(torch, a) - _flat(torch, b)).abs().max())
+
+
+def _same_on_every_rank(torch, hvd, module, name: str) -> bool:
+    flat = _flat(torch, module)
+    return bool(torch.equal(flat, hvd.broadcast(flat, 0, name=f"chk.{name}")))
+
+
+def unused_parameter() -> dict:
+    """A branch used on rank 0 only is averaged with the others' zeros; one used on no rank
+    keeps ``grad=None`` and stays where it is under AdamW (DDP's rule), or, with
+    ``zero_unused_grads=True``, gets Horovod's zero gradient (and weight decay moves it).
+    Both against one process on the ranks' losses averaged. Returns per case the largest
+    difference from that process."""
     torch, hvd = _setup()
     r, n = hvd.rank(), hvd.size()
     nn = torch.nn
-    torch.manual_seed(0)
-    model = nn.ModuleDict({"a": nn.Linear(3, 2), "b": nn.Linear(3, 2), "c": nn.Linear(3, 2)})
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())
-    x = torch.ones(2, 3)
-    for step in range(3):
-        opt.zero_grad()
-        loss = model["a"](x).sum()
-        if r == 0:  # only rank 0 uses "b"; nobody uses "c"
-            loss = loss + model["b"](x).sum()
-        loss.backward()
-        opt.step()
-    grads = [p.grad.clone() for p in model.parameters()]
-    assert torch.equal(model["c"].weight.grad, torch.zeros(2, 3))
-    torch.testing.assert_close(model["b"].bias.grad, torch.full((2,), 2.0 / n))
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    assert torch.equal(flat, hvd.broadcast(flat, 0, name="chk.unused"))
+    x = torch.randn(n, 2, 3, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+
+    def loss_of(model, q):  # rank q's loss: "b" only on rank 0, "c" nowhere
+        out = model["a"](x[q]).pow(2).sum()
+        return out + model["b"](x[q]).pow(2).sum() if q == 0 else out
+
+    out = {}
+    for zero_unused in (False, True):
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"a": nn.Linear(3, 2), "b": nn.Linear(3, 2),
+                               "c": nn.Linear(3, 2)}).double()
+        ref = nn.ModuleDict({"a": nn.Linear(3, 2), "b": nn.Linear(3, 2),
+                             "c": nn.Linear(3, 2)}).double()
+        ref.load_state_dict(model.state_dict())
+        c0 = model["c"].weight.detach().clone()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1),
+            named_parameters=[(f"z{int(zero_unused)}.{k}", v)
+                              for k, v in model.named_parameters()],
+            zero_unused_grads=zero_unused)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
+        for step in range(3):
+            opt.zero_grad()
+            loss_of(model, r).backward()
+            if step == 2:  # the reduced gradient of "b": rank 0's, averaged with zeros
+                opt.synchronize()
+                b_grad = model["b"].bias.grad.clone()
+                with opt.skip_synchronize():
+                    opt.step()
+            else:
+                opt.step()
+            ref_opt.zero_grad()
+            (sum(loss_of(ref, q) for q in range(n)) / n).backward()
+            if step == 2:
+                torch.testing.assert_close(b_grad, ref["b"].bias.grad)
+            if zero_unused:  # what Horovod does with a parameter no rank used
+                for p in ref["c"].parameters():
+                    p.grad = torch.zeros_like(p)
+            ref_opt.step()
+        if zero_unused:
+            assert torch.equal(model["c"].weight.grad, torch.zeros(2, 3, dtype=torch.float64))
+            assert not torch.equal(model["c"].weight.detach(), c0)  # decayed
+        else:
+            assert model["c"].weight.grad is None and model["c"].bias.grad is None
+            assert torch.equal(model["c"].weight.detach(), c0)  # AdamW left it alone
+        assert _same_on_every_rank(torch, hvd, model, f"unused.{zero_unused}")
+        out[f"zero_unused_grads={zero_unused}"] = _diff(torch, model, ref)
     hvd.shutdown()
-    return [float(g.sum()) for g in grads]
+    return out
+
+
+def requires_grad_changes() -> dict:
+    """``requires_grad`` changed after wrapping, under AdamW (weight decay, moments): a
+    layer frozen when the optimizer was wrapped and unfrozen later is averaged like the
+    others; one frozen after wrapping keeps ``grad=None`` and does not move. Against one
+    process on the global batch; returns per case the largest difference from it."""
+    torch, hvd = _setup()
+    r, n = hvd.rank(), hvd.size()
+    F = torch.nn.functional
+    gen = torch.Generator().manual_seed(21)
+    batches = [(torch.randn(4 * n, 6, generator=gen, dtype=torch.float64),
+                torch.randn(4 * n, 3, generator=gen, dtype=torch.float64)) for _ in range(6)]
+    out = {}
+    for case in ("unfrozen later", "frozen later"):
+        model, ref = _model(torch, 5), _model(torch, 5)
+        frozen_at_wrap = case == "unfrozen later"
+        for m in (model, ref):
+            m[0].requires_grad_(not frozen_at_wrap)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1),
+            named_parameters=[(f"{case}.{k}", v) for k, v in model.named_parameters()])
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
+        for step, (x, y) in enumerate(batches):
+            if step == 2:  # flip the first layer, on every rank and in the reference
+                for m in (model, ref):
+                    m[0].requires_grad_(frozen_at_wrap)
+                layer0 = model[0].weight.detach().clone()
+            opt.zero_grad()
+            F.mse_loss(model(x[4 * r:4 * r + 4]), y[4 * r:4 * r + 4]).backward()
+            opt.step()
+            ref_opt.zero_grad()
+            F.mse_loss(ref(x), y).backward()
+            ref_opt.step()
+        if not frozen_at_wrap:  # frozen for the last steps: no gradient, not moved
+            assert model[0].weight.grad is None and model[0].bias.grad is None
+            assert torch.equal(model[0].weight.detach(), layer0)
+        else:  # trained for the last steps
+            assert not torch.equal(model[0].weight.detach(), layer0)
+        # the hooks followed requires_grad (Horovod's attribute lists the hooked ones)
+        assert (model[0].weight in opt._requires_update) == frozen_at_wrap
+        assert _same_on_every_rank(torch, hvd, model, case.replace(" ", "."))
+        out[case] = _diff(torch, model, ref)
+    hvd.shutdown()
+    return out
+
+
+def schedulers_made_before_wrapping() -> dict:
+    """An LR scheduler made before ``DistributedOptimizer`` (it patches ``opt.step``): the
+    reduction still runs, the schedule advances as in one process, the scheduler warns
+    about nothing, and after ``broadcast_optimizer_state`` (``load_state_dict`` on the
+    other ranks) the scheduler still drives the optimizer that steps, whose step hooks
+    run once per step. Returns per case the largest difference from one process on the
+    global batch."""
+    import warnings
+
+    torch, hvd = _setup()
+    r, n = hvd.rank(), hvd.size()
+    F = torch.nn.functional
+    lr_scheduler = torch.optim.lr_scheduler
+    gen = torch.Generator().manual_seed(9)
+    batches = [(torch.randn(4 * n, 6, generator=gen, dtype=torch.float64),
+                torch.randn(4 * n, 3, generator=gen, dtype=torch.float64)) for _ in range(5)]
+    cases = {
+        "StepLR": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                   lambda o: lr_scheduler.StepLR(o, step_size=2, gamma=0.5)),
+        "OneCycleLR": (lambda ps: torch.optim.Adam(ps, lr=0.01),
+                       lambda o: lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=6)),
+    }
+    out = {}
+    for case, (make_opt, make_sched) in cases.items():
+        model, ref = _model(torch, 2), _model(torch, 2)
+        opt = make_opt(model.parameters())
+        sched = make_sched(opt)
+        opt = hvd.DistributedOptimizer(
+            opt, named_parameters=[(f"{case}.{k}", v) for k, v in model.named_parameters()])
+        if case == "StepLR":  # the usual recipe; SGD's zero-gradient step changes nothing
+            hvd.broadcast_optimizer_state(opt, root_rank=0)
+        hooked = []
+        opt.register_step_post_hook(lambda *_: hooked.append(1))
+        ref_opt = make_opt(ref.parameters())
+        ref_sched = make_sched(ref_opt)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for x, y in batches:
+                opt.zero_grad()
+                F.mse_loss(model(x[4 * r:4 * r + 4]), y[4 * r:4 * r + 4]).backward()
+                opt.step()
+                sched.step()
+                ref_opt.zero_grad()
+                F.mse_loss(ref(x), y).backward()
+                ref_opt.step()
+                ref_sched.step()
+                assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"], case
+        told = [str(w.message) for w in caught if "lr_scheduler" in str(w.message)
+                or "optimizer.step()" in str(w.message)]
+        assert not told, (case, told)
+        assert sched.get_last_lr() == ref_sched.get_last_lr(), case
+        assert hooked == [1] * len(batches), (case, hooked)
+        assert _same_on_every_rank(torch, hvd, model, f"sched.{case}")
+        out[case] = _diff(torch, model, ref)
+    hvd.shutdown()
+    return out
+
+
+def step_with_closure() -> dict:
+    """``opt.step(closure)`` where the closure runs forward and backward (PyTorch
+    Lightning's way): the closure's gradients are the ones reduced, and its loss is
+    returned. Returns the largest difference from one process on the global batch."""
+    torch, hvd = _setup()
+    r, n = hvd.rank(), hvd.size()
+    F = torch.nn.functional
+    model, ref = _model(torch, 8), _model(torch, 8)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(13)
+    losses = []
+    for _ in range(3):
+        x = torch.randn(4 * n, 6, generator=gen, dtype=torch.float64)
+        y = torch.randn(4 * n, 3, generator=gen, dtype=torch.float64)
+
+        def closure():
+            opt.zero_grad()
+            loss = F.mse_loss(model(x[4 * r:4 * r + 4]), y[4 * r:4 * r + 4])
+            loss.backward()
+            losses.append(loss)
+            return loss
+
+        def ref_closure():
+            ref_opt.zero_grad()
+            loss = F.mse_loss(ref(x), y)
+            loss.backward()
+            return loss
+
+        with torch.no_grad():  # the closure runs under enable_grad all the same
+            loss = opt.step(closure)
+        ref_opt.step(ref_closure)
+        assert loss is losses[-1] and loss.requires_grad
+    assert _same_on_every_rank(torch, hvd, model, "closure")
+    diff = _diff(torch, model, ref)
+    hvd.shutdown()
+    return {"step(closure)": diff}
 
 
 def compiled(backend: str = "aot_eager") -> float:

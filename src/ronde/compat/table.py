@@ -48,8 +48,10 @@ NOTES: dict[tuple[str, str], str] = {
     ("horovod.torch", "SyncBatchNorm"): (
         "CPU and CUDA tensors; the batch statistics travel by allgather over the host path"),
     ("horovod.torch", "DistributedOptimizer"): (
-        "a dynamic subclass of the wrapped optimizer's class; ranks outside `process_set` "
-        "step on their own gradients (as Horovod)"),
+        "a dynamic subclass of the wrapped optimizer's class sharing its `__dict__`; ranks "
+        "outside `process_set` step on their own gradients (as Horovod); a parameter no rank "
+        "produced a gradient for keeps `grad=None` (DDP's rule; `zero_unused_grads=True` "
+        "gives Horovod's zeros)"),
     ("horovod.tensorflow", "DistributedOptimizer"): _KERAS3,
     ("horovod.tensorflow.keras", "DistributedOptimizer"): _KERAS3,
     ("horovod.keras", "DistributedOptimizer"): _KERAS3,

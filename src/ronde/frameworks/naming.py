@@ -27,6 +27,12 @@ def gradient_name(param_name: str) -> str:
     return f"allreduce.{param_name}"
 
 
+def presence_name(param_name: str) -> str:
+    """The collective name of an optimizer's per-step count of the ranks that have each
+    gradient, after the optimizer's first parameter (one count per optimizer)."""
+    return f"{gradient_name(param_name)}.presence"
+
+
 def check_unique(names: Iterable[str], what: str = "named_parameters") -> None:
     """Raise ``ValueError`` listing the names that occur more than once."""
     dups = sorted(n for n, c in Counter(names).items() if c > 1)

@@ -17,6 +17,7 @@ from .._ops import ReduceOp
 from ..frameworks.naming import name_parameters
 from ..process_sets import ProcessSet, global_process_set
 from . import _collectives as C
+from ._wrap import inner, wrap
 
 
 class _AdasumMixin:
@@ -32,9 +33,15 @@ class _AdasumMixin:
         """Nothing to wait for: the deltas are combined inside ``step()``."""
 
     def step(self, closure: Any = None) -> Any:
+        """Run ``closure`` if given (its gradients are the ones stepped on), take the local
+        step, then combine the deltas; returns the closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         before = [p.detach().clone() for p in params]
-        loss = super().step(closure)  # type: ignore[misc]
+        out = inner(self, _AdasumMixin, "step")()
         with torch.no_grad():
             handles = []
             for p, old in zip(params, before):
@@ -44,16 +51,15 @@ class _AdasumMixin:
                     process_set=self._ronde_ps))
             for p, old, h in zip(params, before, handles):
                 p.copy_(old + C.synchronize(h))
-        return loss
+        return loss if closure is not None else out
+
+    step.hooked = True  # type: ignore[attr-defined]  # see optimizer.py
 
 
 def AdasumOptimizer(optimizer: torch.optim.Optimizer,
                     named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                     process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
     """``optimizer`` as a delta optimizer combining its steps with Adasum."""
-    base = optimizer.__class__
-    cls = type(base.__name__, (_AdasumMixin, base), {"__module__": base.__module__})
-    wrapped = cls.__new__(cls)
-    wrapped.__dict__.update(optimizer.__dict__)
-    wrapped._ronde_adasum_init(named_parameters, process_set)
-    return wrapped
+    return wrap(optimizer, _AdasumMixin,
+                lambda w: w._ronde_adasum_init(named_parameters, process_set),
+                "DistributedOptimizer(op=Adasum)")

@@ -2,10 +2,12 @@
 
 The wrapper is a dynamic subclass of the user's optimizer class (so
 ``isinstance(opt, torch.optim.SGD)`` holds and LR schedulers work) sharing the
-original's parameter groups and state. A ``post_accumulate_grad`` hook on every
-parameter starts an asynchronous in-place allreduce of ``p.grad`` as soon as the
-gradient is final, so communication overlaps the rest of backward; ``step()``
-waits for all of them (:meth:`synchronize`) and then runs the inner step.
+original's attributes, one ``__dict__`` (``_wrap.py``: an LR scheduler made before
+wrapping keeps counting steps, and the distributed step still runs). A
+``post_accumulate_grad`` hook on every trainable parameter starts an asynchronous
+in-place allreduce of ``p.grad`` as soon as the gradient is final, so communication
+overlaps the rest of backward; ``step()`` waits for all of them (:meth:`synchronize`)
+and then runs the inner step.
 
 Semantics (as Horovod's, where it defines them):
 
@@ -14,9 +16,22 @@ Semantics (as Horovod's, where it defines them):
   passes (a partial last window) reduces what was accumulated; nothing is rescaled,
   so divide the loss by N yourself for a mean over micro-batches. N+1 passes before
   a step raise ``TooManyPassesError`` from ``backward()``.
-* A parameter that got no gradient on this rank in a step is reduced as zeros at
-  ``synchronize()`` time, so every rank submits the same names (no deadlock); it
-  then has a gradient (the average of the other ranks', or zeros) on every rank.
+* Every parameter of the optimizer's groups takes part, whatever its ``requires_grad``
+  when the wrapper was made: the hooks follow ``requires_grad`` (a parameter unfrozen
+  later is hooked, one frozen later unhooked, at the next ``synchronize()``; in that
+  one step the unfrozen one's gradient is reduced there, without overlap).
+* A parameter has a gradient to contribute when it is trainable and ``p.grad`` is not
+  None. Which parameters have one is agreed every step by one small allreduce of
+  per-parameter counts (the *presence* count), started along with the last gradient's
+  allreduce in the usual step. A parameter with a gradient on some ranks only is
+  reduced with zeros from the others (DDP's and Horovod's rule). One with a gradient on
+  no rank keeps ``grad=None``, so the optimizer leaves it alone, as in one process and
+  under DDP: a layer frozen, or unused, does not move under weight decay or momentum.
+  ``zero_unused_grads=True`` gives Horovod's zero gradient instead (to trainable
+  parameters only).
+* ``step(closure)`` runs the closure first (under ``torch.enable_grad()``: forward and
+  backward, as PyTorch Lightning's closures do), then reduces, then steps, and returns
+  the closure's loss.
 * ``step()`` when no parameter has a gradient at all raises ``RondeError`` (usually
   a forgotten ``loss.backward()``).
 * At the first ``synchronize()`` the ranks compare their parameter tables
@@ -38,11 +53,13 @@ from .._errors import ProcessSetError, RondeError, TensorMismatchError, Unsuppor
 from .._ops import ReduceOp
 from ..frameworks.accumulation import PassCounter
 from ..frameworks.compression import Compressor, wire_reduction
-from ..frameworks.naming import as_table, gradient_name, name_parameters, parameter_differences
+from ..frameworks.naming import (as_table, gradient_name, name_parameters, parameter_differences,
+                                 presence_name)
 from ..process_sets import ProcessSet, global_process_set
 from . import _collectives as C
 from . import _device
 from ._tensors import dtype_name
+from ._wrap import inner, wrap
 from .compression import Compression
 
 logger = logging.getLogger(__name__)
@@ -55,7 +72,8 @@ class _DistributedMixin:
 
     def _ronde_init(self, named_parameters: Any, compression: Any, backward_passes_per_step: int,
                     op: Any, gradient_predivide_factor: float, groups: Any,
-                    sparse_as_dense: bool, process_set: ProcessSet) -> None:
+                    sparse_as_dense: bool, process_set: ProcessSet,
+                    zero_unused_grads: bool) -> None:
         resolved = C.resolve_op(op, None)  # Adasum went to torch/adasum.py before this
         if gradient_predivide_factor != 1.0 and resolved != ReduceOp.AVERAGE:
             raise ValueError("gradient_predivide_factor is only supported with op=Average")
@@ -69,12 +87,15 @@ class _DistributedMixin:
         self._ronde_ps = process_set
         self._ronde_counter: PassCounter[torch.Tensor] = PassCounter(backward_passes_per_step)
         self._ronde_names = name_parameters(self.param_groups, named_parameters)
-        self._ronde_params = [p for g in self.param_groups for p in g["params"]
-                              if p.requires_grad]
+        #: every parameter, trainable or not (requires_grad may change after wrapping);
+        #: the presence counts are in this order
+        self._ronde_params = [p for g in self.param_groups for p in g["params"]]
+        trainable = [p for p in self._ronde_params if p.requires_grad]
+        self._ronde_zero_unused = bool(zero_unused_grads)
         #: Horovod's attributes, which tests and user code read
         self._parameter_names = {p: self._ronde_names[id(p)] for g in self.param_groups
                                  for p in g["params"]}
-        self._requires_update = set(self._ronde_params)
+        self._requires_update: set[torch.Tensor] = set()  # the hooked parameters
         self.process_set = process_set
         self.op = resolved
         self.sparse_as_dense = bool(sparse_as_dense)
@@ -85,9 +106,12 @@ class _DistributedMixin:
                                   "call hvd.add_process_set() on every rank first")
         self._ronde_member = process_set is global_process_set or process_set.included()
         self._ronde_handles: dict[torch.Tensor, tuple[Any, Any, str]] = {}
-        self._ronde_groups = self._ronde_make_groups(groups)
-        self._ronde_group_of = {id(q): gid for gid, members in self._ronde_groups.items()
-                                for q in members}
+        #: the step's allreduce of how many ranks have each gradient, and its name
+        self._ronde_presence: Any = None
+        self._ronde_presence_name = presence_name(self._ronde_names[id(self._ronde_params[0])])
+        self._ronde_all_groups = self._ronde_make_groups(groups, trainable)
+        self._ronde_groups: dict[int, list[torch.Tensor]] = {}
+        self._ronde_group_of: dict[int, int] = {}
         self._ronde_ready: dict[int, set[int]] = {}
         #: the job generation the parameters were checked in (an elastic reset starts a
         #: new one, with new ranks that check too: every rank must, in step)
@@ -96,12 +120,13 @@ class _DistributedMixin:
         self._ronde_should_sync = True
         if self._ronde_member:  # the device path's collectives now, not in a hook
             _device.prepare([p for p in self._ronde_params if not p.is_sparse], process_set)
-        self._ronde_hooks = [p.register_post_accumulate_grad_hook(self._ronde_hook)
-                             for p in self._ronde_params] if self._ronde_member else []
+        #: parameter -> its gradient hook: the trainable ones (see _ronde_rehook)
+        self._ronde_hooks: dict[torch.Tensor, Any] = {}
+        self._ronde_rehook()
 
     # -- set-up --------------------------------------------------------------------------
-    def _ronde_make_groups(self, groups: Any) -> dict[int, list[torch.Tensor]]:
-        params = self._ronde_params
+    def _ronde_make_groups(self, groups: Any,
+                           params: list[torch.Tensor]) -> dict[int, list[torch.Tensor]]:
         if not groups:
             return {}
         if isinstance(groups, int):
@@ -118,6 +143,28 @@ class _DistributedMixin:
             out[i] = members
         return out
 
+    def _ronde_rehook(self) -> None:
+        """Hook exactly the parameters that are trainable now (at construction, and at a
+        ``synchronize()`` that found some parameter not as it was): a hook cannot be put
+        on a frozen parameter, and one on a parameter frozen since would keep the
+        presence count from starting early."""
+        hooks = self._ronde_hooks
+        for p in self._ronde_params if self._ronde_member else ():
+            if p.requires_grad and p not in hooks:
+                hooks[p] = p.register_post_accumulate_grad_hook(self._ronde_hook)
+            elif not p.requires_grad and p in hooks:
+                hooks.pop(p).remove()
+        self._requires_update = set(hooks)
+        self._ronde_unhooked_at = [i for i, p in enumerate(self._ronde_params) if p not in hooks]
+        self._ronde_unhooked = [self._ronde_params[i] for i in self._ronde_unhooked_at]
+        #: this rank's presence when every hooked parameter has a gradient (the usual step)
+        self._ronde_usual = torch.tensor([int(p in hooks) for p in self._ronde_params],
+                                         dtype=torch.int32)
+        self._ronde_groups = {gid: [q for q in members if q in hooks]
+                              for gid, members in self._ronde_all_groups.items()}
+        self._ronde_group_of = {id(q): gid for gid, members in self._ronde_groups.items()
+                                for q in members}
+
     # -- backward side ---------------------------------------------------------------------
     def _ronde_hook(self, p: torch.Tensor) -> None:
         name = self._ronde_names[id(p)]
@@ -126,13 +173,23 @@ class _DistributedMixin:
         gid = self._ronde_group_of.get(id(p))
         if gid is None:
             self._ronde_submit(p)
-            return
-        ready = self._ronde_ready.setdefault(gid, set())
-        ready.add(id(p))
-        members = self._ronde_groups[gid]
-        if len(ready) == len(members):
-            for q in members:
-                self._ronde_submit(q)
+        else:
+            ready = self._ronde_ready.setdefault(gid, set())
+            ready.add(id(p))
+            members = self._ronde_groups[gid]
+            if len(ready) == len(members):
+                for q in members:
+                    self._ronde_submit(q)
+        if len(self._ronde_handles) == len(self._ronde_hooks) and self._ronde_validated >= 0 \
+                and self._ronde_presence is None \
+                and not any(q.requires_grad for q in self._ronde_unhooked):
+            # the usual step: the presence count goes along with the last gradient
+            self._ronde_start_presence(self._ronde_usual)
+
+    def _ronde_start_presence(self, flags: torch.Tensor) -> None:
+        """Start the step's allreduce of ``flags`` (1 where this rank has a gradient)."""
+        self._ronde_presence = C.allreduce_async(flags, None, self._ronde_presence_name,
+                                                 ReduceOp.SUM, 1.0, 1.0, self._ronde_ps)
 
     def _ronde_submit(self, p: torch.Tensor) -> None:
         if p in self._ronde_handles:
@@ -165,9 +222,35 @@ class _DistributedMixin:
         diff = parameter_differences(tables, ranks)
         if diff:
             raise TensorMismatchError(
-                f"DistributedOptimizer: the trainable parameters differ across ranks: {diff}; "
+                f"DistributedOptimizer: the parameters differ across ranks: {diff}; "
                 "build the same model on every rank (and pass the same named_parameters)")
         self._ronde_validated = _state.require().generation
+
+    def _ronde_agree(self) -> list[int]:
+        """Start the reductions and the presence count that no hook started; return the
+        indices of the parameters that have no gradient to contribute here.
+
+        A parameter contributes when it is trainable and has a gradient; a frozen one
+        never does (a gradient it has stays local, as under DDP).
+        """
+        params, handles = self._ronde_params, self._ronde_handles
+        if self._ronde_presence is not None:  # the usual step: only the unhooked lack one
+            return self._ronde_unhooked_at
+        changed = any(p.requires_grad != (p in self._ronde_hooks) for p in params)
+        missing = []
+        for i, p in enumerate(params):
+            if p in handles:
+                continue
+            if p.requires_grad and p.grad is not None:  # a partial window, a new trainable
+                self._ronde_submit(p)
+            else:
+                missing.append(i)
+        flags = torch.ones(len(params), dtype=torch.int32)
+        flags[missing] = 0
+        self._ronde_start_presence(flags)
+        if changed:  # hooks for next time, while the counts travel
+            self._ronde_rehook()
+        return missing
 
     def synchronize(self) -> None:
         """Wait until every gradient is reduced (starting those not started yet).
@@ -181,16 +264,22 @@ class _DistributedMixin:
         try:
             if self._ronde_validated != _state.require().generation:
                 self._ronde_validate()
-            if not self._ronde_handles and all(p.grad is None for p in self._ronde_params):
+            params, handles = self._ronde_params, self._ronde_handles
+            if not handles and all(p.grad is None for p in params):
                 raise RondeError("optimizer.step()/synchronize() found no gradients on rank "
                                  f"{_api.rank()}: call loss.backward() before optimizer.step()")
-            for p in self._ronde_params:
-                if p not in self._ronde_handles:
-                    if p.grad is None:  # unused in this step here: contribute zeros
+            missing = self._ronde_agree()
+            counts = self._ronde_presence.wait()
+            if missing:
+                counts = counts.tolist()
+                for i in missing:
+                    p = params[i]
+                    if counts[i]:  # a gradient on other ranks: this one contributes zeros
                         p.grad = torch.zeros_like(p)
-                    self._ronde_submit(p)
-            for p in self._ronde_params:
-                h, kind, name = self._ronde_handles[p]
+                        self._ronde_submit(p)
+                    elif self._ronde_zero_unused and p.requires_grad:  # Horovod's zeros
+                        p.grad = torch.zeros_like(p)
+            for p, (h, kind, name) in handles.items():
                 out = h.wait()
                 if kind == "sparse":
                     p.grad = out
@@ -207,6 +296,7 @@ class _DistributedMixin:
                         p.grad = value.to(p.dtype)
         finally:
             self._ronde_handles.clear()
+            self._ronde_presence = None
             self._ronde_ready.clear()
             self._ronde_counter.reset()
         self._ronde_synchronized = True
@@ -221,7 +311,21 @@ class _DistributedMixin:
             self._ronde_should_sync = True
 
     def step(self, closure: Any = None) -> Any:
-        """Wait for the reduced gradients (unless inside ``skip_synchronize``), then step."""
+        """Run ``closure`` if given, wait for the reduced gradients (unless inside
+        ``skip_synchronize``), then step.
+
+        Args:
+            closure: computes the loss and its gradients (forward and backward, as
+                PyTorch Lightning's closures do); it runs first, under
+                ``torch.enable_grad()``, so that its gradients are the ones reduced.
+
+        Returns:
+            The closure's loss, or what the inner step returns without a closure.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         if self._ronde_should_sync:
             if self._ronde_synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
@@ -230,7 +334,12 @@ class _DistributedMixin:
                               stacklevel=2)
             self.synchronize()
         self._ronde_synchronized = False
-        return super().step(closure)  # type: ignore[misc]
+        out = inner(self, _DistributedMixin, "step")()
+        return loss if closure is not None else out
+
+    #: torch's load_state_dict() wraps a class's step() in its step hooks unless marked:
+    #: they run once, around the inner step (after the reduction), not twice
+    step.hooked = True  # type: ignore[attr-defined]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients; refuses while reductions are still in flight."""
@@ -240,7 +349,7 @@ class _DistributedMixin:
                              "reduced in the background; call step() first")
         self._ronde_counter.reset()
         self._ronde_ready.clear()
-        super().zero_grad(set_to_none)  # type: ignore[misc]
+        inner(self, _DistributedMixin, "zero_grad")(set_to_none)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change ``backward_passes_per_step`` (between steps)."""
@@ -259,7 +368,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          num_groups: int = 0,
                          groups: int | Sequence[Sequence[torch.Tensor]] | None = None,
                          sparse_as_dense: bool = False,
-                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
+                         process_set: ProcessSet = global_process_set,
+                         zero_unused_grads: bool = False) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
     Args:
@@ -278,13 +388,20 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         sparse_as_dense: reduce sparse gradients as dense tensors instead of allgathering
             their indices and values.
         process_set: the ranks that average their gradients (default: all).
+        zero_unused_grads: a trainable parameter that got a gradient on no rank in a step
+            gets a zero gradient (Horovod's behaviour; under weight decay or momentum the
+            optimizer then still moves it). Default False: it keeps ``grad=None`` and the
+            optimizer skips it, as in one process and under DDP.
 
     Returns:
-        An instance of a subclass of ``type(optimizer)`` sharing its groups and state.
+        An instance of a subclass of ``type(optimizer)`` sharing its attributes (one
+        ``__dict__``); an ``optimizer.step`` patched before wrapping (an LR scheduler's
+        step counter) runs inside the distributed step.
 
     Raises:
         ValueError: duplicate names, parameters missing from ``named_parameters``, an
-            unsupported op, or a predivide factor with an op other than Average.
+            unsupported op, a predivide factor with an op other than Average, or an
+            optimizer wrapped already.
     """
     if C.resolve_op(op, None) == ReduceOp.ADASUM:
         if compression is not Compression.none or backward_passes_per_step != 1:
@@ -293,11 +410,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         from .adasum import AdasumOptimizer
 
         return AdasumOptimizer(optimizer, named_parameters, process_set)
-    base = optimizer.__class__
-    cls = type(base.__name__, (_DistributedMixin, base), {"__module__": base.__module__})
-    wrapped = cls.__new__(cls)
-    wrapped.__dict__.update(optimizer.__dict__)
-    wrapped._ronde_init(named_parameters, compression, backward_passes_per_step, op,
-                        gradient_predivide_factor, groups if groups is not None else num_groups,
-                        sparse_as_dense, process_set)
-    return wrapped
+    return wrap(optimizer, _DistributedMixin, lambda w: w._ronde_init(
+        named_parameters, compression, backward_passes_per_step, op, gradient_predivide_factor,
+        groups if groups is not None else num_groups, sparse_as_dense, process_set,
+        zero_unused_grads), "DistributedOptimizer")
