@@ -683,16 +683,29 @@ def step_with_closure() -> dict:
 
 
 def compiled(backend: str = "aot_eager") -> float:
-    """torch.compile(model): the wrapper's hooks see the compiled module's gradients."""
+    """torch.compile(model): the wrapper's hooks see the compiled module's gradients; and
+    a whole compiled step (zero_grad, forward, backward, optimizer.step() in one
+    torch.compile: the wrapper's methods run eagerly, graph breaks around them)."""
     torch, hvd = _setup()
     r, n = hvd.rank(), hvd.size()
     F = torch.nn.functional
-    model = _model(torch, 3)
-    ref = _model(torch, 3)
+    model, whole, ref = _model(torch, 3), _model(torch, 3), _model(torch, 3)
     cmodel = torch.compile(model, backend=backend)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(cmodel.parameters(), lr=0.1, momentum=0.9),
                                    named_parameters=cmodel.named_parameters())
+    whole_opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(whole.parameters(), lr=0.1, momentum=0.9),
+        named_parameters=[(f"whole.{k}", v) for k, v in whole.named_parameters()])
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+
+    @torch.compile(backend=backend)
+    def whole_step(x, y):
+        whole_opt.zero_grad()
+        loss = F.mse_loss(whole(x), y)
+        loss.backward()
+        whole_opt.step()
+        return loss.detach()
+
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
         x = torch.randn(4 * n, 6, generator=gen, dtype=torch.float64)
@@ -700,12 +713,13 @@ def compiled(backend: str = "aot_eager") -> float:
         opt.zero_grad()
         F.mse_loss(cmodel(x[4 * r:4 * r + 4]), y[4 * r:4 * r + 4]).backward()
         opt.step()
+        whole_step(x[4 * r:4 * r + 4], y[4 * r:4 * r + 4])
         ref_opt.zero_grad()
         F.mse_loss(ref(x), y).backward()
         ref_opt.step()
     hvd.shutdown()
     return max(float((a - b).detach().abs().max())
-               for a, b in zip(model.parameters(), ref.parameters()))
+               for m in (model, whole) for a, b in zip(m.parameters(), ref.parameters()))
 
 
 def _pin(torch, hvd, device: str):

@@ -252,6 +252,7 @@ class _DistributedMixin:
             self._ronde_rehook()
         return missing
 
+    @torch.compiler.disable  # a compiled step runs these eagerly (graph breaks)
     def synchronize(self) -> None:
         """Wait until every gradient is reduced (starting those not started yet).
 
@@ -310,6 +311,7 @@ class _DistributedMixin:
         finally:
             self._ronde_should_sync = True
 
+    @torch.compiler.disable
     def step(self, closure: Any = None) -> Any:
         """Run ``closure`` if given, wait for the reduced gradients (unless inside
         ``skip_synchronize``), then step.
@@ -341,6 +343,7 @@ class _DistributedMixin:
     #: they run once, around the inner step (after the reduction), not twice
     step.hooked = True  # type: ignore[attr-defined]
 
+    @torch.compiler.disable
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients; refuses while reductions are still in flight."""
         if self._ronde_handles:
