@@ -34,6 +34,7 @@ from ..runner.elastic_driver import (Blacklist, ElasticDriver, drive, elastic_wo
                                     last_results)
 from ..runner.elastic_rendezvous import ElasticRendezvous, Slot
 from ..runner.hosts import HostSpec, RankSlot
+from ..transport.net import bind_for
 
 
 class RayDiscovery:
@@ -174,8 +175,10 @@ def run_elastic(executor: Any, fn: Callable[..., Any], args: tuple[Any, ...],
     secret = secrets.token_bytes(32)
     job_id = f"ronde-ray-{secrets.token_hex(4)}"
     start_timeout = float(executor.settings.timeout_s)
-    server = ElasticRendezvous(secret, host="0.0.0.0", start_timeout_s=start_timeout).start()
-    rdv = (ray.util.get_node_ip_address(), server.port)
+    driver_ip = ray.util.get_node_ip_address()
+    server = ElasticRendezvous(secret, host=bind_for(driver_ip),
+                               start_timeout_s=start_timeout).start()
+    rdv = (driver_ip, server.port)
     call = _Call(fn, args, kwargs)
     discovery = RayDiscovery(executor.cpus_per_worker, executor.gpus_per_worker,
                              executor.gpus_per_worker > 0)

@@ -13,6 +13,7 @@ import secrets
 from typing import Any, Callable, Sequence
 
 from .._errors import ConfigError, RondeError
+from ..transport.net import bind_for
 
 
 @dataclasses.dataclass
@@ -167,7 +168,7 @@ class RayExecutor:
         placed = [nodes[i][0] for i in ranked]
         secret = secrets.token_bytes(32)
         driver_ip = ray.util.get_node_ip_address()
-        self._server = RendezvousServer(self.num_workers, secret, host="0.0.0.0",
+        self._server = RendezvousServer(self.num_workers, secret, host=bind_for(driver_ip),
                                         start_timeout_s=float(self.settings.timeout_s)).start()
         job_id = f"ronde-ray-{secrets.token_hex(4)}"
         calls = []

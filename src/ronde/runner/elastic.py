@@ -42,7 +42,7 @@ import time
 from typing import IO, Any, Mapping, Sequence
 
 from .._errors import ConfigError
-from ..transport.net import route_address
+from ..transport.net import bind_for, route_address
 from .elastic_driver import (Blacklist, Discovery, ElasticDriver, elastic_worker_vars,
                              parse_cooldown)
 from .elastic_rendezvous import ElasticRendezvous, Slot
@@ -143,7 +143,11 @@ def run_elastic(command: Sequence[str], np: int | None, min_np: int, max_np: int
     local_only = discovery_script is None and all(is_local(h.name)
                                                   for h in discovery.fixed or [])
     bind_env = os.environ.get("RONDE_BIND_ADDR", "")
-    bind = "127.0.0.1" if local_only else (bind_env or "0.0.0.0")
+    remote = [h.name for h in discovery.fixed or [] if not is_local(h.name)]
+    # the address the workers are told; with a discovery script the hosts are not known
+    # yet: every interface (set RONDE_BIND_ADDR to narrow it)
+    bind = "127.0.0.1" if local_only else (
+        bind_env or (bind_for(route_address(remote[0])) if remote else "0.0.0.0"))
     secret = secrets.token_bytes(32)
     job_id = f"ronde-{os.getpid()}-{secrets.token_hex(4)}"
     try:

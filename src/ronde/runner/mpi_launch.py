@@ -70,14 +70,16 @@ def run_mpi(command: Sequence[str], np: int | None, hosts: str | None, hostfile:
     mpiexec, flavour = find_mpiexec()
     all_local = specs is None or all(is_local(h.name) for h in specs)
     secret = secrets.token_bytes(32)
-    server = RendezvousServer(np, secret, host="127.0.0.1" if all_local else "0.0.0.0",
-                              start_timeout_s=start_timeout_s).start()
-    job_id = f"ronde-mpi-{os.getpid()}-{secrets.token_hex(4)}"
     addr = "127.0.0.1"
     if not all_local and specs:
         from ..transport.net import route_address
 
         addr = route_address(next(h.name for h in specs if not is_local(h.name)))
+    from ..transport.net import bind_for
+
+    server = RendezvousServer(np, secret, host="127.0.0.1" if all_local else bind_for(addr),
+                              start_timeout_s=start_timeout_s).start()
+    job_id = f"ronde-mpi-{os.getpid()}-{secrets.token_hex(4)}"
     env = dict(settings)
     env.setdefault("RONDE_TRANSPORT", "mpi")
     env.update({"RONDE_RENDEZVOUS_ADDR": addr, "RONDE_RENDEZVOUS_PORT": str(server.port),

@@ -36,6 +36,8 @@ from ..runner.elastic_driver import (Blacklist, ElasticDriver, drive, elastic_wo
                                     last_results)
 from ..runner.elastic_rendezvous import ElasticRendezvous, Slot
 from ..runner.hosts import HostSpec, RankSlot
+from ..transport.net import bind_for
+from .runner import seconds
 
 
 class SparkDiscovery:
@@ -186,16 +188,13 @@ def run_elastic(fn: Callable[..., Any], args: tuple[Any, ...] = (),
     if min_n < 1 or (max_num_proc is not None and max_num_proc < min_n):
         raise ConfigError(f"ronde.spark.run_elastic: min_num_proc={min_n}, max_num_proc="
                           f"{max_num_proc}: need 1 <= min <= max")
-    timeout = float(start_timeout if start_timeout is not None else
-                    os.environ.get("RONDE_START_TIMEOUT")
-                    or os.environ.get("HOROVOD_SPARK_START_TIMEOUT") or 30.0)
-    wait_s = float(elastic_timeout if elastic_timeout is not None else
-                   os.environ.get("RONDE_ELASTIC_TIMEOUT")
-                   or os.environ.get("HOROVOD_ELASTIC_TIMEOUT") or 600.0)
+    timeout = seconds(start_timeout, "start_timeout_s", "HOROVOD_SPARK_START_TIMEOUT", 30.0)
+    wait_s = seconds(elastic_timeout, "elastic_timeout_s", "HOROVOD_ELASTIC_TIMEOUT", 600.0)
     secret = secrets.token_bytes(32)
     job_id = f"ronde-spark-{secrets.token_hex(4)}"
-    server = ElasticRendezvous(secret, host="0.0.0.0", start_timeout_s=timeout).start()
-    rdv = (sc.getConf().get("spark.driver.host") or socket.gethostname(), server.port)
+    driver = sc.getConf().get("spark.driver.host") or socket.gethostname()
+    server = ElasticRendezvous(secret, host=bind_for(driver), start_timeout_s=timeout).start()
+    rdv = (driver, server.port)
     call = (fn, tuple(args), dict(kwargs or {}))
     extra = dict(env or {})
 

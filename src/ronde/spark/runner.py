@@ -19,6 +19,7 @@ import traceback
 from typing import Any, Callable, Mapping
 
 from .._errors import ConfigError, RondeError
+from ..transport.net import bind_for
 
 
 def _spark_context() -> Any:
@@ -31,6 +32,24 @@ def _spark_context() -> Any:
         raise RondeError("ronde.spark.run needs an active SparkSession (create one with "
                          "SparkSession.builder...getOrCreate() first)")
     return sc
+
+
+def seconds(given: float | None, field: str, spark_name: str, default: float) -> float:
+    """A time limit: the argument, else the knob's variables (range-checked as ``init()``
+    checks them: NaN, infinities and absurd values are a ConfigError naming the variable),
+    else Horovod's Spark spelling ``spark_name``, else ``default``."""
+    from .._config import setting
+
+    if given is not None:
+        value = float(given)
+        if not 0 < value < float("inf"):
+            raise ConfigError(f"{field.removesuffix('_s')}={given!r}: give seconds > 0")
+        return value
+    found = setting(field)
+    if found is None and os.environ.get(spark_name):
+        found = setting(field, {"RONDE_" + spark_name.removeprefix("HOROVOD_"):
+                                os.environ[spark_name]})
+    return default if found is None else float(found)  # type: ignore[arg-type]
 
 
 def run(fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None,
@@ -62,14 +81,13 @@ def run(fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: Mapping[str,
         raise RondeError(f"ronde.spark.run: num_proc={num_proc} but this Spark cluster has "
                          f"{slots} task slots (spark.default.parallelism): a barrier stage "
                          "needs them all at once; lower num_proc or add executors")
-    timeout = float(start_timeout if start_timeout is not None else
-                    os.environ.get("RONDE_START_TIMEOUT")
-                    or os.environ.get("HOROVOD_SPARK_START_TIMEOUT") or 30.0)
+    timeout = seconds(start_timeout, "start_timeout_s", "HOROVOD_SPARK_START_TIMEOUT", 30.0)
     from ..runner.rendezvous import RendezvousServer
 
     secret = secrets.token_bytes(32)
-    server = RendezvousServer(num_proc, secret, host="0.0.0.0", start_timeout_s=timeout).start()
     driver = sc.getConf().get("spark.driver.host") or socket.gethostname()
+    server = RendezvousServer(num_proc, secret, host=bind_for(driver),
+                              start_timeout_s=timeout).start()
     job_id = f"ronde-spark-{secrets.token_hex(4)}"
     call = (fn, tuple(args), dict(kwargs or {}))
     extra = dict(env or {})

@@ -7,6 +7,7 @@ advertises to its peers) and the bindings that start a torch.distributed store.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,27 @@ def route_address(host: str) -> str:
         log.warning("cannot find an address of this machine that %s can reach; "
                     "using 127.0.0.1 (set RONDE_BIND_ADDR)", host)
         return "127.0.0.1"
+
+
+def bind_for(told: str) -> str:
+    """Where a service listens whose peers are told to connect to ``told`` (a host name
+    or an address of this machine): ``RONDE_BIND_ADDR`` if set, else ``told``'s address
+    when this machine has it, never every interface unless asked (docs/security.md). A
+    name that does not resolve to one of this machine's addresses falls back to every
+    interface, with a warning naming the fix."""
+    asked = os.environ.get("RONDE_BIND_ADDR", "")
+    if asked:
+        return asked
+    try:
+        addr = socket.gethostbyname(told)
+        with socket.socket() as s:
+            s.bind((addr, 0))
+        return addr
+    except OSError as exc:
+        log.warning("ronde: peers are told to connect to %s, which is not an address of this "
+                    "machine (%s); listening on every interface: set RONDE_BIND_ADDR to "
+                    "the address peers reach", told, exc)
+        return "0.0.0.0"
 
 
 def free_port(bind: str = "") -> int:
