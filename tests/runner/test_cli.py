@@ -73,3 +73,36 @@ def test_absurd_rank_counts_and_ranges_exit_2(capsys, args, message) -> None:  #
         main([*args, "true"])
     assert exc.value.code == 2
     assert capsys.readouterr().err == f"ronderun: error: {message}\n"
+
+
+@pytest.mark.parametrize("flag", ["--version", "-v"])
+def test_version_prints_ronderuns_version_and_exits_0(capsys: pytest.CaptureFixture[str],
+                                                      flag: str) -> None:
+    from ronde import __version__
+
+    with pytest.raises(SystemExit) as exc:
+        main([flag])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"ronderun (ronde) {__version__}\n"
+
+
+def test_check_build_is_in_the_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps at the terminal's width
+    assert ("-cb, --check-build print which transports and frameworks ronde can use on this "
+            "machine and exit (the same as 'ronde doctor')") in out
+    assert "-v, --version print ronde's version and exit" in out
+
+
+@pytest.mark.parametrize("args", [["--check-build"], ["-cb"], ["-np", "2", "--check-build"],
+                                  ["-H", "a:1", "-cb", "python", "train.py"]])
+def test_check_build_runs_the_doctor_wherever_it_stands(monkeypatch: pytest.MonkeyPatch,
+                                                        args: list[str]) -> None:
+    import ronde.cli
+
+    calls: list[int] = []
+    monkeypatch.setattr(ronde.cli, "doctor", lambda: calls.append(1) or 7)
+    assert main(args) == 7
+    assert calls == [1]

@@ -6,6 +6,8 @@ Example::
 
 Knob flags (``--transport``, ``--fusion-threshold-mb``, ...) only set ``RONDE_*``
 variables for the workers; ``ronde._config`` reads them there. See docs/launcher.md.
+horovodrun's flags that ronde maps, ignores or refuses are in ``horovodrun_flags``
+(the table of all of horovodrun's flags: docs/compat.md).
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ import os
 import sys
 from typing import Callable, NoReturn, Sequence
 
-from .. import _config
+from .. import __version__, _config
 from .._config import KNOBS, TRANSPORTS
 from .._errors import ConfigError
-from . import launch
+from . import horovodrun_flags, launch
 from .hosts import MAX_RANKS, MAX_SLOTS_PER_HOST, resolve_hosts
 
 EXIT_USAGE = 2
@@ -62,11 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a command as N ronde workers, locally or on several hosts.",
         usage="ronderun [-np N] [-H HOSTS | --hostfile FILE] [options] [--] command ...",
     )
+    p.add_argument("-v", "--version", action="version", version=f"ronderun (ronde) {__version__}",
+                   help="print ronde's version and exit")
+    p.add_argument("-cb", "--check-build", action="store_true",
+                   help="print which transports and frameworks ronde can use on this machine "
+                        "and exit (the same as 'ronde doctor')")
     p.add_argument("-np", "--num-proc", dest="np", type=int, default=None,
                    help="number of ranks (default: all slots of -H/--hostfile)")
     p.add_argument("-H", "--hosts", default=None,
                    help="hosts and slots, e.g. host1:2,host2:2 (default: localhost)")
-    p.add_argument("--hostfile", default=None,
+    p.add_argument("-hostfile", "--hostfile", default=None,
                    help="file of 'host slots=N' lines (exclusive with -H)")
     p.add_argument("-p", "--ssh-port", type=int, default=None, help="ssh port for remote hosts")
     p.add_argument("-i", "--ssh-identity-file", default=None,
@@ -116,8 +123,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="fusion buffer size in MiB (RONDE_FUSION_THRESHOLD, in bytes)")
     knobs.add_argument("--cycle-time-ms", type=_knob_number("RONDE_CYCLE_TIME"), default=None,
                        help="engine cycle time (RONDE_CYCLE_TIME)")
+    knobs.add_argument("--cache-capacity", type=_knob_number("RONDE_CACHE_CAPACITY"),
+                       default=None, metavar="N",
+                       help="response cache entries (RONDE_CACHE_CAPACITY)")
+    knobs.add_argument("--hierarchical-allreduce", action=argparse.BooleanOptionalAction,
+                       default=None,
+                       help="shm within hosts, tcp across, where the layout allows "
+                            "(RONDE_HIERARCHICAL_ALLREDUCE; default auto: on where it can)")
     knobs.add_argument("--timeline-filename", default=None,
                        help="write a timeline to this file (RONDE_TIMELINE)")
+    knobs.add_argument("--timeline-mark-cycles", action=argparse.BooleanOptionalAction,
+                       default=None,
+                       help="mark every negotiation round on the timeline "
+                            "(RONDE_TIMELINE_MARK_CYCLES)")
+    knobs.add_argument("--stall-check", action=argparse.BooleanOptionalAction, default=None,
+                       help="--no-stall-check turns the stall inspector off (RONDE_STALL_CHECK)")
     knobs.add_argument("--stall-check-warning-time-seconds", default=None,
                        type=_knob_number("RONDE_STALL_CHECK_TIME"),
                        help="warn about stalled collectives after this long "
@@ -129,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     knobs.add_argument("--bind-addr", default=None,
                        help="address workers and the launcher listen on (RONDE_BIND_ADDR)")
     tune = p.add_argument_group("autotune (see docs/autotune.md)")
-    tune.add_argument("--autotune", action="store_true", default=None,
+    tune.add_argument("--autotune", action=argparse.BooleanOptionalAction, default=None,
                       help="tune fusion threshold, cycle time, inline and spin limits online "
                            "(RONDE_AUTOTUNE)")
     tune.add_argument("--autotune-log-file", default=None, metavar="FILE",
@@ -143,12 +163,17 @@ def build_parser() -> argparse.ArgumentParser:
                           help=f"{what} ({var})")
     knobs.add_argument("--log-level", default=None,
                        help="worker log level, e.g. DEBUG, INFO, WARNING (RONDE_LOG_LEVEL)")
+    horovodrun_flags.add_arguments(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the worker command")
     return p
 
 
 def _num(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def _switch(value: bool | None) -> str | None:
+    return None if value is None else ("1" if value else "0")
 
 
 def worker_settings(args: argparse.Namespace, environ: dict[str, str] | None = None,
@@ -170,19 +195,26 @@ def worker_settings(args: argparse.Namespace, environ: dict[str, str] | None = N
                                   f"export it or write -x {name}=VALUE")
             value = environ[name]
         out[name] = value
+    hierarchical = args.hierarchical_allreduce
+    if hierarchical is None and args.torus_allreduce:
+        hierarchical = True  # ronde's nearest to Horovod's NCCL torus
     knobs = {
         "RONDE_TRANSPORT": args.transport,
         "RONDE_FUSION_THRESHOLD": (None if args.fusion_threshold_mb is None
                                    else str(int(args.fusion_threshold_mb * 1024 * 1024))),
         "RONDE_CYCLE_TIME": None if args.cycle_time_ms is None else _num(args.cycle_time_ms),
+        "RONDE_CACHE_CAPACITY": None if args.cache_capacity is None else _num(args.cache_capacity),
+        "RONDE_HIERARCHICAL_ALLREDUCE": _switch(hierarchical),
         "RONDE_TIMELINE": args.timeline_filename,
+        "RONDE_TIMELINE_MARK_CYCLES": _switch(args.timeline_mark_cycles),
+        "RONDE_STALL_CHECK": _switch(args.stall_check),
         "RONDE_STALL_CHECK_TIME": (None if args.stall_check_warning_time_seconds is None
                                    else _num(args.stall_check_warning_time_seconds)),
         "RONDE_STALL_SHUTDOWN_TIME": (None if args.stall_check_shutdown_time_seconds is None
                                       else _num(args.stall_check_shutdown_time_seconds)),
         "RONDE_BIND_ADDR": args.bind_addr,
         "RONDE_LOG_LEVEL": args.log_level,
-        "RONDE_AUTOTUNE": "1" if args.autotune else None,
+        "RONDE_AUTOTUNE": _switch(args.autotune),
         "RONDE_AUTOTUNE_LOG": args.autotune_log_file,
     }
     for flag in ("warmup_samples", "steps_per_sample", "bayes_opt_max_samples",
@@ -190,6 +222,8 @@ def worker_settings(args: argparse.Namespace, environ: dict[str, str] | None = N
         value = getattr(args, f"autotune_{flag}")
         knobs[f"RONDE_AUTOTUNE_{flag.upper()}"] = None if value is None else _num(value)
     out.update({k: v for k, v in knobs.items() if v is not None})
+    for name, value in horovodrun_flags.interface_variables(args).items():
+        out.setdefault(name, value)  # -x NCCL_SOCKET_IFNAME=... wins
     return out
 
 
@@ -221,17 +255,18 @@ def _validate(args: argparse.Namespace) -> float:
     if args.np is None and not (args.hosts or args.hostfile or args.host_discovery_script
                                 or args.min_np):
         raise ConfigError("-np is required when no -H/--hosts or --hostfile is given")
+    horovodrun_flags.check(args)
     return start_timeout
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ronderun``; returns (and exits with) the job's exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] in (["--check-build"], ["-cb"]):
+    args = build_parser().parse_args(argv)
+    if args.check_build:
         from ..cli import doctor
 
         return doctor()
-    args = build_parser().parse_args(argv)
     command = list(args.command)
     if command[:1] == ["--"]:
         command = command[1:]
@@ -246,14 +281,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         resolve_hosts(args.hosts, args.hostfile)  # report host errors before anything runs
         settings = worker_settings(args)
         _config.check(settings)  # e.g. -x RONDE_CYCLE_TIME=nan: refused before any worker
-        if args.bind_addr:
-            os.environ["RONDE_BIND_ADDR"] = args.bind_addr  # the launcher's server, too
+        # --network-interface's address is this host's: the launcher's server and the
+        # workers here bind to it; other hosts' workers bind where it routes from there
+        bind_addr = args.bind_addr
+        if args.nics:
+            bind_addr = horovodrun_flags.bind_address(args.nics)
+        for note in getattr(args, "horovodrun_notes", []):
+            sys.stderr.write(f"ronderun: note: {note}\n")
+        if bind_addr:
+            os.environ["RONDE_BIND_ADDR"] = bind_addr  # the launcher's server, too
         if _is_elastic(args):
             return _run_elastic(args, command, settings, start_timeout)
         if args.mpi:
             from .mpi_launch import run_mpi
 
-            return run_mpi(command, args.np, args.hosts, args.hostfile, settings, start_timeout)
+            # mpiexec's own options go last before the command (mpi_argv appends it)
+            return run_mpi(horovodrun_flags.mpi_options(args) + command, args.np, args.hosts,
+                           args.hostfile, settings, start_timeout)
         result = launch.run(
             command, args.np, hosts=args.hosts, hostfile=args.hostfile, env=settings,
             start_timeout_s=start_timeout, output_dir=args.output_filename,
@@ -276,6 +320,10 @@ def _run_elastic(args: argparse.Namespace, command: list[str], settings: dict[st
     if args.mpi:
         raise ConfigError("--mpi cannot run an elastic job (--min-np/--max-np/"
                           "--host-discovery-script): MPI's world has a fixed size")
+    if args.transport == "gloo":
+        raise ConfigError("--gloo cannot run an elastic job (--min-np/--max-np/"
+                          "--host-discovery-script): torch's Gloo group has a fixed size; "
+                          "leave it out (ronde's own shm/tcp transports run elastic jobs)")
     if args.host_discovery_script and (args.hosts or args.hostfile):
         raise ConfigError("--host-discovery-script and -H/--hostfile exclude each other")
     min_np = args.min_np if args.min_np is not None else (args.np or 1)
