@@ -404,7 +404,7 @@ LAUNCHER_VARIABLES = frozenset({
     "RONDE_CROSS_SIZE", "RONDE_HOSTNAME", "RONDE_SECRET", "RONDE_RENDEZVOUS_ADDR",
     "RONDE_RENDEZVOUS_PORT", "RONDE_JOB_ID", "RONDE_LAUNCHER", "RONDE_REMOTE_SHELL",
     "RONDE_TESTING_FN", "RONDE_TESTING_DIR", "RONDE_ELASTIC", "RONDE_SLOT",
-    "RONDE_NODE", "RONDE_LAUNCHER_FD",
+    "RONDE_NODE", "RONDE_LAUNCHER_FD", "RONDE_TORCHRUN_SET",
     # the secret as a file (runner/env.py reads it with RONDE_SECRET: not a knob)
     "RONDE_SECRET_FILE",
     # read by scripts/ and tests, not by ronde: a setting of theirs is no typo

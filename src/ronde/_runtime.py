@@ -27,7 +27,7 @@ from .core.engine import Engine
 from .runner import env as worker_env
 from .runner import lifeline, meeting, rendezvous
 from .transport import mesh as mesh_mod
-from .transport.net import route_address
+from .transport.net import free_port, route_address
 from .transport import factory as factory_mod
 
 log = logging.getLogger("ronde")
@@ -95,6 +95,7 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
     wenv, gen, hosts, ctl, mesh = _meet_peers(wenv, cfg, gen)
     _generation = gen
     topo = Topology.build(wenv.rank, hosts)
+    _export_torchrun(wenv, topo)
     _tune_heap(cfg, topo)
     engine_box: list[Engine] = []
     factory = _communicators(cfg, topo, wenv, mesh, gen, engine_box)
@@ -155,7 +156,8 @@ def _meet_peers(wenv: worker_env.WorkerEnv, cfg: _config.Config, gen: int
     listener = mesh_mod.listen(bind)
     advertised = bind if bind not in ("0.0.0.0", "::", "") else route_address(rdv_host)
     info = {"rank": rank, "size": size, "generation": gen, "host": wenv.host,
-            "addr": advertised, "port": listener.getsockname()[1], "cpus": cores_mod.my_cpus()}
+            "addr": advertised, "port": listener.getsockname()[1], "cpus": cores_mod.my_cpus(),
+            "torch_port": free_port(bind) if rank == 0 else 0}
     store = None
     if cfg.transport == "gloo" and rank == 0:
         from .transport import torch_dist
@@ -167,7 +169,8 @@ def _meet_peers(wenv: worker_env.WorkerEnv, cfg: _config.Config, gen: int
     except BaseException:
         listener.close()
         raise
-    wenv = dataclasses.replace(wenv, host_cores=cores_mod.cores_by_rank(peers))
+    wenv = dataclasses.replace(wenv, host_cores=cores_mod.cores_by_rank(peers),
+                               master=_master(peers))
     hosts = [str(p.get("host")) for p in peers]
     mesh = mesh_mod.Mesh(rank, size, gen, secret, listener, peers, cfg.start_timeout_s,
                          _ctl_peers(cfg, rank, hosts, wenv.host_cores))
@@ -197,7 +200,7 @@ def _meet_elastic(wenv: worker_env.WorkerEnv, cfg: _config.Config
     advertised = bind if bind not in ("0.0.0.0", "::", "") else route_address(rdv_host)
     info = {"elastic": True, "host": wenv.host, "slot": wenv.slot, "addr": advertised,
             "port": listener.getsockname()[1], "pid": os.getpid(), "node": wenv.node,
-            "cpus": cores_mod.my_cpus()}
+            "cpus": cores_mod.my_cpus(), "torch_port": free_port(bind)}
     wait_s = cfg.elastic_timeout_s + cfg.start_timeout_s
     try:
         reply = rendezvous.exchange(wenv.rendezvous, wenv.secret, info, wait_s)
@@ -223,7 +226,8 @@ def _meet_elastic(wenv: worker_env.WorkerEnv, cfg: _config.Config
     wenv = dataclasses.replace(wenv, rank=rank, size=size,
                                notice=float(reply.get("notice") or 0.0),
                                local_rank=where.local_rank, local_size=where.local_size,
-                               host_cores=cores_mod.cores_by_rank(peers, hosts))
+                               host_cores=cores_mod.cores_by_rank(peers, hosts),
+                               master=_master(peers))
     if size == 1:
         listener.close()
         return wenv, gen, hosts, {}, None
@@ -231,6 +235,29 @@ def _meet_elastic(wenv: worker_env.WorkerEnv, cfg: _config.Config
                          _ctl_peers(cfg, rank, hosts, wenv.host_cores))
     mesh.connect()
     return wenv, gen, hosts, mesh.ctl, mesh
+
+
+def _master(peers: list[dict[str, Any]]) -> tuple[str, int] | None:
+    """Rank 0's address and the port it found free (``MASTER_ADDR``/``MASTER_PORT``)."""
+    try:
+        port = int(peers[0].get("torch_port") or 0)
+    except (TypeError, ValueError):
+        return None
+    return (str(peers[0].get("addr")), port) if port > 0 else None
+
+
+def _export_torchrun(wenv: worker_env.WorkerEnv, topo: Topology) -> None:
+    """torchrun's variables for this generation, for trainers that read them (see
+    ``runner/env.export_torchrun``): rank, sizes, host index; rank 0's address and port
+    where the launcher did not set them (an elastic job's move with rank 0)."""
+    if topo.size < 2 or wenv.master is None:
+        return
+    hosts = list(dict.fromkeys(topo.hosts))
+    values = worker_env.torchrun_vars(
+        rank=topo.rank, size=topo.size, local_rank=topo.local_rank, local_size=topo.local_size,
+        node_rank=hosts.index(topo.hosts[topo.rank]), nodes=len(hosts), master=wenv.master)
+    changing = [n for n in values if wenv.elastic or not n.startswith("MASTER_")]
+    worker_env.export_torchrun(os.environ, values, update=changing)
 
 
 def _ctl_peers(cfg: _config.Config, rank: int, hosts: list[str],

@@ -37,7 +37,7 @@ import dataclasses
 import os
 import secrets
 import socket
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, MutableMapping, Sequence
 
 if TYPE_CHECKING:
     from .hosts import RankSlot
@@ -71,6 +71,9 @@ class WorkerEnv:
     host_cores: tuple[int, ...] = ()
     #: the launcher's newest host notice when this generation formed (elastic jobs)
     notice: float = 0.0
+    #: rank 0's address and a port free there, for torch.distributed's store
+    #: (``MASTER_ADDR``/``MASTER_PORT``: see :func:`export_torchrun`)
+    master: tuple[str, int] | None = None
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -137,7 +140,9 @@ def detect(env: Mapping[str, str] | None = None) -> WorkerEnv:
             elastic=env.get("RONDE_ELASTIC") == "1" and explicit_rdv is not None,
             slot=_int(env, "RONDE_SLOT", 0), node=env.get("RONDE_NODE", ""),
         )
-    if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env):
+    by_ronde = set(env.get(TORCHRUN_SET, "").split(","))
+    if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env
+                                        and "MASTER_ADDR" in env and "RANK" not in by_ronde):
         rank, size = _int(env, "RANK"), _int(env, "WORLD_SIZE")
         addr, port = env.get("MASTER_ADDR", "127.0.0.1"), _int(env, "MASTER_PORT", 29500)
         run_id = env.get("TORCHELASTIC_RUN_ID", "none")
@@ -199,6 +204,25 @@ def detect(env: Mapping[str, str] | None = None) -> WorkerEnv:
         rendezvous_mode=("server" if env.get("RONDE_LAUNCHER") == "ronderun" else "rank0")
         if mode == "server" else mode,
     )
+
+
+#: the torchrun variables ronde set itself (a comma-separated list): ronde may update
+#: them (an elastic job's next generation); the user's own are left alone
+TORCHRUN_SET = "RONDE_TORCHRUN_SET"
+
+
+def export_torchrun(env: "MutableMapping[str, str]", values: Mapping[str, str],
+                    update: Sequence[str] = ()) -> None:
+    """Put torchrun's variables ``values`` into ``env`` (``os.environ`` at ``init()``):
+    those not set yet, and those in ``update`` that ronde set itself; what the user set
+    stays. Every process ``init()`` joined to a job of several then has the contract,
+    whoever launched it (elastic generations, Ray, Spark, mpirun, srun)."""
+    mine = {n for n in env.get(TORCHRUN_SET, "").split(",") if n}
+    for name, value in values.items():
+        if name not in env or (name in mine and name in update):
+            env[name] = value
+            mine.add(name)
+    env[TORCHRUN_SET] = ",".join(sorted(mine))
 
 
 def torchrun_vars(*, rank: int, size: int, local_rank: int, local_size: int, node_rank: int,
@@ -264,5 +288,7 @@ def torchrun_env(slots: Sequence["RankSlot"], rendezvous_addr: str,
         values = torchrun_vars(rank=s.rank, size=len(slots), local_rank=s.local_rank,
                                local_size=s.local_size, node_rank=nodes.index(s.host),
                                nodes=len(nodes), master=(master, port))
-        out.append({k: v for k, v in values.items() if k not in given})
+        mine = {k: v for k, v in values.items() if k not in given}
+        mine[TORCHRUN_SET] = ",".join(sorted(mine))
+        out.append(mine)
     return out
