@@ -405,8 +405,8 @@ dist.destroy_process_group()
 @pytest.mark.timeout(60)
 def test_workers_get_the_torchrun_contract() -> None:
     """Trainers that read torchrun's variables (Lightning, Hugging Face) used to see
-    none under ronderun and trained one whole copy per process (issue #35); the
-    variables already set in the launcher's environment are left as they are."""
+    none under ronderun and trained one whole copy per process (issue #35); -x wins,
+    and of the launcher's own environment only MASTER_ADDR/MASTER_PORT are kept."""
     r = ronderun("-np", "2", PY, "-c", TORCHRUN_CONTRACT)
     assert r.returncode == 0, r.stderr
     lines = rank_lines(r.stdout)
@@ -418,6 +418,11 @@ def test_workers_get_the_torchrun_contract() -> None:
                  "import os; print(os.environ['MASTER_ADDR'], os.environ['RANK'])")
     assert r.returncode == 0, r.stderr
     assert rank_lines(r.stdout) == {0: ["localhost 0"], 1: ["localhost 1"]}
+    # a WORLD_SIZE=1 left in the shell crashed a -np 2 job in gloo
+    r = ronderun("-np", "2", PY, "-c", TORCHRUN_CONTRACT,
+                 env={"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1"})
+    assert r.returncode == 0, r.stderr
+    assert rank_lines(r.stdout)[1][0] == "1 2 1 2 0 127.0.0.1 True"
 
 
 EARLY_EXIT = """

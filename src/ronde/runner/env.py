@@ -266,13 +266,16 @@ def worker_env_vars(
 def torchrun_env(slots: Sequence["RankSlot"], rendezvous_addr: str,
                  env: Mapping[str, str] | None) -> list[dict[str, str]]:
     """Per rank, the torchrun variables (``RANK``, ``MASTER_ADDR``...: see
-    :func:`ronde.runner.env.torchrun_vars`) that neither the launcher's environment nor
-    ``-x`` already sets. ``MASTER_PORT`` is a port free on this machine now when rank 0
+    :func:`ronde.runner.env.torchrun_vars`) that ``-x`` does not set (and
+    ``MASTER_ADDR``/``MASTER_PORT`` where the launcher's environment has them). ``MASTER_PORT`` is a port free on this machine now when rank 0
     runs here; for a remote rank 0 a random high port (``-x MASTER_PORT=...`` pins one)."""
     from ..transport.net import free_port
     from .hosts import is_local
 
-    given = set(os.environ) | set(env or {})
+    # -x wins for every name; the launcher's own environment only for MASTER_ADDR and
+    # MASTER_PORT: a RANK or WORLD_SIZE left in a shell cannot be right for every rank
+    # (WORLD_SIZE=1 exported made a -np 2 job crash in gloo)
+    given = set(env or {}) | {n for n in ("MASTER_ADDR", "MASTER_PORT") if n in os.environ}
     host0 = slots[0].host
     if is_local(host0):
         master = "127.0.0.1" if all(is_local(s.host) for s in slots) else rendezvous_addr
