@@ -43,6 +43,7 @@ class Config:
     deadlock_time_s: float = 5.0
     timeline_path: str = ""
     timeline_mark_cycles: bool = False
+    torchrun_env: bool = True
     bind_addr: str = ""
     shm_segment_bytes: int = 64 * 1024 * 1024
     small_allreduce_bytes: int = 64 * 1024

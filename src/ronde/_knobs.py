@@ -224,6 +224,13 @@ KNOBS: tuple[Knob, ...] = (
          default='`0`', unit='boolean',
          horovod=('HOROVOD_TIMELINE_MARK_CYCLES',),
          doc='Add an instant event for every negotiation round to the timeline.'),
+    Knob("torchrun_env", "RONDE_TORCHRUN_ENV", parse_bool,
+         default='`1`', unit='boolean',
+         doc="Give workers torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, "
+             '`MASTER_ADDR`...): `ronderun` sets them at start, and `init()` for every '
+             "launcher (see [launcher.md](launcher.md)), so trainers that read them "
+             "(Lightning, Hugging Face) run distributed. `0`: neither does, e.g. for "
+             "ronde's `DistributedOptimizer` inside a one-process Trainer loop."),
     Knob("bind_addr", "RONDE_BIND_ADDR", str,
          default='empty', unit='IP address',
          flag='--bind-addr ADDR',

@@ -95,7 +95,8 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
     wenv, gen, hosts, ctl, mesh = _meet_peers(wenv, cfg, gen)
     _generation = gen
     topo = Topology.build(wenv.rank, hosts)
-    _export_torchrun(wenv, topo)
+    if cfg.torchrun_env:
+        _export_torchrun(wenv, topo)
     _tune_heap(cfg, topo)
     engine_box: list[Engine] = []
     factory = _communicators(cfg, topo, wenv, mesh, gen, engine_box)

@@ -444,3 +444,14 @@ def test_the_summary_names_a_rank_that_left_early_with_exit_code_0() -> None:
     assert r.returncode == 1, r.stderr
     assert "ronderun: rank 1 (host localhost) left first: it ended (with " in r.stderr, r.stderr
     assert "while the other ranks still needed it" in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_torchrun_variables_can_be_turned_off() -> None:
+    """RONDE_TORCHRUN_ENV=0: neither ronderun nor init() sets them (ronde's optimizer
+    inside a one-process Trainer loop, docs/huggingface.md)."""
+    script = ("import os, ronde as hvd; hvd.init(); "
+              "print(os.environ.get('RANK', '-'), os.environ.get('MASTER_PORT', '-'))")
+    r = ronderun("-np", "2", "-x", "RONDE_TORCHRUN_ENV=0", PY, "-c", script)
+    assert r.returncode == 0, r.stderr
+    assert rank_lines(r.stdout) == {0: ["- -"], 1: ["- -"]}

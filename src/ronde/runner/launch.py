@@ -389,7 +389,9 @@ def run(command: Sequence[str], np: int | None, hosts: str | None = None,
                           "check --bind-addr / RONDE_BIND_ADDR") from None
     try:
         server.start()
-        torch_env = torchrun_env(slots, advertise, env)
+        wanted = setting("torchrun_env", {**os.environ, **(env or {})})
+        torch_env = (torchrun_env(slots, advertise, env) if wanted is not False
+                     else [{} for _ in slots])
         workers = []
         for s in slots:
             variables = worker_env_vars(
