@@ -60,3 +60,37 @@ def test_topology_reports_mpi(tmp_path):
 def test_init_with_an_mpi4py_communicator(tmp_path):
     out = run_mpi(tmp_path, 3, "mpi_comm_init")
     assert out == {r: [3.0, True, False] for r in range(3)}
+
+
+SECRET_OVER_MPI = """
+import ronde as hvd, numpy as np
+from ronde.runner import meeting
+hvd.init()
+s = hvd.allreduce(np.array([hvd.rank() + 1.0]), op=hvd.Sum)
+server = meeting._rank0_server
+print("RESULT", hvd.rank(), int(s[0]), len(meeting._open_secret or b""),
+      server is None or not server._open, flush=True)
+hvd.shutdown()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_mpirun_without_a_secret_gets_rank0s_random_one_over_mpi(tmp_path):
+    """A job started by mpiexec with a rendezvous address and no RONDE_SECRET: rank 0
+    makes a random secret and broadcasts it over MPI itself (issue #32; it was sha256 of
+    public job identifiers); no open start-up is needed."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    mpiexec = mpiexec if os.path.exists(mpiexec) else shutil.which("mpiexec")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RONDE_", "HOROVOD_"))}
+    env.update({"RONDE_RENDEZVOUS_ADDR": "127.0.0.1", "RONDE_RENDEZVOUS_PORT": str(port)})
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-c", SECRET_OVER_MPI],
+                          capture_output=True, text=True, timeout=100, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    lines = sorted(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
+    assert lines == ["RESULT 0 3 32 True", "RESULT 1 3 32 True"], proc.stdout
+    assert "was given no secret" not in proc.stderr
