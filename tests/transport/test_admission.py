@@ -51,7 +51,7 @@ def test_a_flood_costs_no_thread_and_a_real_peer_gets_in() -> None:
     for s in flood[:20]:
         s.sendall(b"rd")  # half a hello, then silence
     time.sleep(0.3)
-    assert threading.active_count() == threads  # was one thread per connection
+    assert threading.active_count() <= threads  # was one thread per connection
     # over the cap: closed at once; the rest: closed at their deadline
     deadline = time.monotonic() + 10
     while rejections.count < 200 and time.monotonic() < deadline:
