@@ -1,0 +1,159 @@
+"""PyTorch Lightning's ``Trainer`` on ``ronde.lightning.RondeStrategy`` under ``ronderun``.
+
+One ``ronderun -np 2`` job runs the three scenarios of ``lightning_job.py`` in turn
+(``RondeStrategy()`` with SGD; ``strategy="ronde"`` with Adam and accumulation over a
+partial last window; the user's own ``DistributedOptimizer`` with accumulation, gradient
+clipping and an LR scheduler); each is compared with one plain process (no ronde, no
+Lightning) on the global batch in the ranks' joint sample order. About 7 s on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("lightning")
+
+import lightning_job as job  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NP = 2
+#: float32 sums in another order (two batches of 4 averaged vs one of 8); seen: 4e-7
+ATOL = 2e-6
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                      "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR",
+                      "MASTER_PORT", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED")
+Reports = dict[str, dict[int, dict[str, Any]]]  # scenario -> rank -> its report
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory: pytest.TempPathFactory) -> tuple[Reports, str]:
+    """The job's reports by scenario and rank, and its output folder."""
+    out = str(tmp_path_factory.mktemp("lightning"))
+    env = {k: v for k, v in os.environ.items()
+           if k not in TORCHRUN_VARIABLES and not k.startswith(("RONDE_", "HOROVOD_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "ronde.run", "-np", str(NP), "--timeout", "150",
+           sys.executable, os.path.join(HERE, "lightning_job.py"), out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=HERE)
+    assert proc.returncode == 0, f"job exited {proc.returncode}:\n{proc.stderr[-4000:]}"
+    reports: Reports = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("[") and ']<stdout>:{"scenario"' in line:
+            head, text = line[1:].split("]<stdout>:", 1)
+            report = json.loads(text)
+            reports.setdefault(report["scenario"], {})[int(head)] = report
+    assert sorted(reports) == sorted(job.CASES), proc.stdout[-2000:]
+    for name, by_rank in reports.items():
+        assert sorted(by_rank) == list(range(NP)), f"{name}: reports from ranks {sorted(by_rank)}"
+    return reports, out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", list(job.CASES))
+def test_weights_equal_one_process_on_the_global_batch(name: str, ran: tuple[Reports, str]) -> None:
+    reports = ran[0][name]
+    ref = job.reference(name, NP)
+    want = torch.tensor(ref["params"])
+    for rank in range(NP):
+        got = torch.tensor(reports[rank]["params"])
+        assert torch.equal(got, torch.tensor(reports[0]["params"])), f"rank {rank} differs"
+        worst = float((got - want).abs().max())
+        assert torch.allclose(got, want, rtol=0, atol=ATOL), f"{name}: {worst} from one process"
+        # the logged epoch loss is the mean over ranks (sync_dist=True)
+        assert reports[rank]["train_loss"] == pytest.approx(ref["train_loss"], abs=1e-5)
+    per_epoch = job.SAMPLES // NP
+    for epoch in range(job.EPOCHS):
+        both = sorted(i for rank in range(NP)
+                      for i in reports[rank]["samples"][epoch * per_epoch:(epoch + 1) * per_epoch])
+        assert both == list(range(job.SAMPLES)), f"{name}: epoch {epoch} trained on {both}"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", list(job.CASES))
+def test_the_module_sees_ronde_ranks_and_collectives(name: str, ran: tuple[Reports, str]) -> None:
+    case = job.CASES[name]
+    for rank in range(NP):
+        rep = ran[0][name][rank]
+        assert (rep["strategy"], rep["environment"]) == ("RondeStrategy", "RondeEnvironment")
+        assert (rep["world_size"], rep["global_rank"], rep["local_rank"], rep["node_rank"]) \
+            == (NP, rank, rank, 0)
+        assert rep["is_global_zero"] is (rank == 0)
+        assert rep["sampler"] == ["DistributedSampler", NP, rank]
+        assert rep["distributed_optimizer"] is True
+        assert rep["passes"] == case["accumulate"]  # backward_passes_per_step follows Lightning
+        assert rep["lr"] == case["lr"]  # rank 1's own Adam lr was replaced by rank 0's
+        assert (rep["reduce_mean"], rep["reduce_sum"], rep["reduce_max"]) == (0.5, 1.0, 1.0)
+        assert rep["all_gather"] == [[r, 7] for r in range(NP)]
+        assert rep["all_gather_scalar"] == [float(r) for r in range(NP)]
+        assert rep["all_gather_grad"] == [NP * (rank + 1.0)]  # sum over ranks of row `rank`
+        assert rep["broadcast"] == "from 1"
+        assert (rep["any_rank_one"], rep["all_rank_one"]) == (True, False)
+
+
+@pytest.mark.timeout(240)
+def test_only_rank_zero_writes_checkpoints_and_logs(ran: tuple[Reports, str]) -> None:
+    reports, out = ran
+    for name in job.CASES:
+        zero, one = reports[name][0], reports[name][1]
+        assert zero["saves"] > 0 and one["saves"] == 0, (zero["saves"], one["saves"])
+        # ModelCheckpoint broadcasts its folder: rank 1 names rank 0's
+        assert zero["ckpt_dir"] == one["ckpt_dir"] == os.path.join(out, "rank0", name)
+        files = os.listdir(zero["ckpt_dir"])
+        assert any(f.endswith(".ckpt") for f in files), files
+        assert os.path.exists(os.path.join(out, "rank0", name, "version_0", "metrics.csv"))
+    written = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(out, "rank1")) for f in fs]
+    assert written == []
+
+
+@pytest.mark.timeout(240)
+def test_teardown_shuts_down_what_it_started_and_a_second_stage_restarts(
+        ran: tuple[Reports, str]) -> None:
+    reports = ran[0]
+    # strategy-started ronde is shut down at the end of fit(); the user's own init stays
+    assert [reports[n][0]["initialized_after_fit"] for n in job.CASES] == [False, False, True]
+    ref = job.reference("object", NP)
+    for rank in range(NP):
+        rep = reports["object"][rank]
+        assert rep["validate"] == pytest.approx(ref["val_loss"], abs=1e-5)
+        assert rep["params_after_validate"] == rep["params"]
+
+
+@pytest.mark.timeout(240)
+def test_resuming_from_rank_zeros_checkpoint_continues_the_run(ran: tuple[Reports, str]) -> None:
+    reports = ran[0]["object"]
+    want = torch.tensor(job.reference("object", NP, epochs=job.EPOCHS + 1)["params"])
+    for rank in range(NP):
+        got = torch.tensor(reports[rank]["resumed_params"])
+        assert torch.equal(got, torch.tensor(reports[0]["resumed_params"]))
+        assert torch.allclose(got, want, rtol=0, atol=ATOL), float((got - want).abs().max())
+        assert len(reports[rank]["resumed_samples"]) == job.SAMPLES // NP  # the third epoch only
+
+
+def test_importing_ronde_does_not_import_lightning() -> None:
+    code = "import sys, ronde, ronde.torch; print('lightning' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60).stdout.strip()
+    assert out == "False"
+
+
+def test_the_strategy_name_and_its_errors() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from ronde.lightning import RondeStrategy
+
+    assert StrategyRegistry["ronde"]["strategy"] is RondeStrategy
+    strategy = RondeStrategy()
+    assert strategy.reduce(3.0) == 3.0  # not a tensor: as it is
+    with pytest.raises(ValueError, match=r"reduce_op='median' is not supported; use one of"):
+        strategy.reduce(torch.ones(1), reduce_op="median")
+    with pytest.raises(ValueError, match=r"group=.* is not a ronde ProcessSet; pass group=None"):
+        strategy.reduce(torch.ones(1), group="world")
+    with pytest.raises(ValueError, match=r"all_gather: group='world' is not supported"):
+        strategy.all_gather(torch.ones(1), group="world")
