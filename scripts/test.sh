@@ -1,14 +1,27 @@
 #!/usr/bin/env bash
 # Set up a virtual environment with everything the tests need, then run them.
-# torch is pinned by constraints.txt (an unpinned torch pulls a multi-GB CUDA build).
-# MXNet needs numpy<1.24, so its binding (and the core, on that numpy) is tested in a
-# second venv by scripts/mxnet_tests.sh.
+#   bash scripts/test.sh            the whole suite (what .ci/run calls), then MXNet's venv
+#   bash scripts/test.sh --quick    the edit-test tier: the same venv, reused as it is,
+#                                   without the slow parts (tests/conftest.py, docs/testing.md)
+# Other arguments go to pytest. torch is pinned by constraints.txt (an unpinned torch
+# pulls a multi-GB CUDA build). MXNet needs numpy<1.24, so its binding (and the core, on
+# that numpy) is tested in a second venv by scripts/mxnet_tests.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv
-.venv/bin/pip install -q -c constraints.txt -e '.[test]'
+quick=0
+for arg in "$@"; do
+    [ "$arg" = "--quick" ] && quick=1
+done
+if [ "$quick" = 1 ] && .venv/bin/python -c "import ronde, torch, pytest" 2>/dev/null; then
+    :  # reuse the venv as it is
+else
+    python3 -m venv .venv
+    .venv/bin/pip install -q -c constraints.txt -e '.[test]'
+fi
 # the tests start hundreds of processes: give them ronde's bytecode once (an editable
 # install under PYTHONDONTWRITEBYTECODE=1 would compile every module in every process)
 .venv/bin/python -m compileall -q src/ronde > /dev/null
 .venv/bin/python -m pytest -q "$@"
-RONDE_MXNET_CORE=1 bash scripts/mxnet_tests.sh -k "not gloo"
+if [ "$quick" = 0 ]; then
+    RONDE_MXNET_CORE=1 bash scripts/mxnet_tests.sh -k "not gloo"
+fi

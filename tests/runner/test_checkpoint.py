@@ -85,6 +85,7 @@ def test_a_peer_dying_during_a_save_leaves_a_whole_checkpoint(tmp_path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["model.pt", "model.pt.started"]
 
 
+@pytest.mark.slow  # imports TensorFlow
 def test_keras_models_and_best_checkpoints_are_written_whole(tmp_path) -> None:
     keras = pytest.importorskip("keras")
     import numpy as np

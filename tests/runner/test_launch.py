@@ -168,6 +168,7 @@ def test_rank_reported_lost_is_the_cause_though_seen_to_exit_last() -> None:
                              "2 failed afterwards (exit code 5)\n")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(30)
 def test_reported_failure_that_hangs_is_killed_after_grace() -> None:
     r = ronderun("-np", "2", PY, "-c", REPORTED, "60")
