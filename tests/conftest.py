@@ -63,23 +63,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
     outcome = yield
-    report = outcome.get_result()
-    if os.environ.get("CI") != "true" or not report.skipped or hasattr(report, "wasxfail"):
-        return
-    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-    if any(word in reason for word in ALLOWED_ON_CI):
-        return
-    report.outcome = "failed"
-    report.longrepr = (f"skipped on CI, where .ci/run installs every test dependency and "
-                       f"machine feature: {reason}")
+    _no_quiet_skip(outcome.get_result())
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_make_collect_report(collector: pytest.Collector):  # type: ignore[no-untyped-def]
     """The same for a whole module skipped while collected (``importorskip``)."""
     outcome = yield
-    report = outcome.get_result()
-    if os.environ.get("CI") != "true" or not report.skipped:
+    _no_quiet_skip(outcome.get_result())
+
+
+def _no_quiet_skip(report: pytest.TestReport | pytest.CollectReport) -> None:
+    """On CI, a skip becomes a failure unless its reason is in ALLOWED_ON_CI."""
+    if os.environ.get("CI") != "true" or not report.skipped or hasattr(report, "wasxfail"):
         return
     reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
     if any(word in reason for word in ALLOWED_ON_CI):
