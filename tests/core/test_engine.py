@@ -361,3 +361,37 @@ def test_the_first_failure_sets_the_abort_event_and_is_kept(engines):
     e.fail(first)
     e.fail(RuntimeError("later"))
     assert e.aborted.wait(1.0) and e.failed is first
+
+
+def test_peers_hear_of_a_lost_rank_before_any_waiter_wakes(engines):
+    # CI flake (np=5 over the tree): a rank's user thread woke on the PeerLostError,
+    # exited and closed its sockets before its control thread had told the peers which
+    # rank was lost, so a peer blamed this rank. The notice goes out first now.
+    import threading
+    import time
+
+    from ronde import PeerLostError
+
+    g = engines(2)
+    e = g.engines[0]
+    order: list[str] = []
+    telling = threading.Event()
+    told = e.exchange.tell_peers
+
+    def slow_tell(exc):
+        telling.set()
+        time.sleep(0.3)
+        order.append("told")
+        told(exc)
+
+    e.exchange.tell_peers = slow_tell
+    lost = PeerLostError("rank 1 is gone", rank=1)
+    failer = threading.Thread(target=e.fail, args=(lost,))
+    failer.start()
+    assert telling.wait(2.0)
+    # a second failure (an executor that saw the abort) waits for the telling too
+    e.fail(RuntimeError("the executor's view"))
+    order.append("second fail returned")
+    assert e.failed is lost and e.aborted.is_set()
+    failer.join(5)
+    assert order == ["told", "second fail returned"], order

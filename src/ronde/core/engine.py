@@ -69,6 +69,8 @@ class Engine:
         self._shutdown_announced = False
         self._shutdown_at = 0.0
         self._error: BaseException | None = None
+        self._failing: BaseException | None = None  #: the first failure, being told
+        self._told = threading.Event()  #: set once the first failure is told and shown
         self.aborted = threading.Event()  #: set with the first failure (see ``failed``)
         self.on_failure: Callable[[BaseException], None] | None = None  # first one only
         self._ps_members: dict[int, list[int]] = {k: list(v) for k, v in process_sets.items()}
@@ -220,14 +222,25 @@ class Engine:
 
     # -- failure -------------------------------------------------------------------------
     def fail(self, exc: BaseException) -> None:
+        """Stop the engine with ``exc``: the first failure wins. A lost peer is told to
+        the others (``Exchange.tell_peers``) before the failure shows anywhere: a user
+        thread that catches the error and exits, or an executor that sees the abort,
+        would otherwise close the sockets before the peers heard which rank was lost,
+        and they would blame this rank instead."""
         with self._lock:
-            first = self._error is None
+            first = self._failing is None
             if first:
+                self._failing = exc
+        if first:
+            if isinstance(exc, PeerLostError):
+                self.exchange.tell_peers(exc)
+            with self._lock:
                 self._error = exc
                 self.aborted.set()
+            self._told.set()
+        else:
+            self._told.wait(5.0)  # tell_peers: at most 0.5 s per peer that does not read
         self._fail_all(self._error or exc)
-        if first and isinstance(exc, PeerLostError):
-            self.exchange.tell_peers(exc)
         if first and self.on_failure is not None:
             self.on_failure(exc)
         self.wake(force=True)
