@@ -30,6 +30,7 @@ class Config:
     """Resolved runtime configuration (see docs/configuration.md)."""
 
     fusion_threshold_bytes: int = 64 * 1024 * 1024
+    bucket_bytes: int = 25 * 1024 * 1024
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024
     transport: str = "auto"

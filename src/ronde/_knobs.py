@@ -95,6 +95,17 @@ KNOBS: tuple[Knob, ...] = (
              'reduced in one transfer. `0` disables fusion. On one host '
              'with single-copy reads (`RONDE_CMA`), where no buffer is involved, the '
              'groups of one round run as one operation.'),
+    Knob("bucket_bytes", "RONDE_BUCKET_BYTES", parse_bytes,
+         accepted=_BYTES,
+         default='`25MiB`', unit='bytes ([size syntax](#sizes))',
+         doc='torch `DistributedOptimizer` on CPU tensors: from its third step on, '
+             'gradients travel in buckets of at most this many bytes (the first '
+             'one at most 1 MiB, so that communication starts early in the backward '
+             'pass), laid out once in the order rank 0 saw them become ready, as '
+             "DDP's `bucket_cap_mb`: each gradient is copied into its bucket by its "
+             'hook and each bucket is one allreduce, so the per-tensor work of '
+             'negotiation is paid per bucket. `0` reduces each gradient on its own '
+             '(the path of the first two steps).'),
     Knob("cycle_time_ms", "RONDE_CYCLE_TIME", float,
          accepted=Range(0, 60_000, above=True),
          default='`1.0`', unit='milliseconds',

@@ -100,3 +100,17 @@ def test_step_with_closure_reduces_the_closures_gradients():
 @pytest.mark.timeout(90)
 def test_torch_compile_model_with_distributed_optimizer():
     assert max(run_ranks(2, workers.compiled, timeout_s=80)) < 1e-12
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_gradients_in_buckets_train_as_one_process_on_the_global_batch(np_):
+    # 256-byte buckets: the 6x8 weight (384 bytes of float64) alone, the others grouped
+    out = run_ranks(np_, workers.bucketed, timeout_s=80, env={"RONDE_BUCKET_BYTES": "256"})
+    for res in out:
+        for case, r in res.items():
+            # per tensor for two steps (the second records the ready order; its
+            # synchronize() lays the buckets out), then buckets
+            assert r["buckets"][0] == 0 and min(r["buckets"][1:]) >= 3, (case, r)
+            assert r["diff"] <= (1e-3 if case == "fp16" else 1e-12), (case, r)
+    assert out[0] == out[-1]

@@ -922,3 +922,43 @@ def device_path_prepared_at_construction() -> str:
     w = hvd.allgather(model.weight.detach().reshape(1, -1))
     assert torch.equal(w[0], w[-1])
     return "ok"
+
+
+def bucketed(steps: int = 7) -> dict:
+    """Gradients in buckets (from the third step on; RONDE_BUCKET_BYTES set small by the
+    test, so that every bucket size occurs): SGD, Adam with two backward passes per step,
+    fp16 compression, and a layer frozen in the middle, each against one process on the
+    global batch; returns per case the bucket count and the largest difference."""
+    torch, hvd = _setup()
+    r, n = hvd.rank(), hvd.size()
+    F = torch.nn.functional
+    out = {}
+    for case, opt_name, bpps, comp in (("sgd", "sgd", 1, "none"), ("adam x2", "adam", 2, "none"),
+                                       ("fp16", "sgd", 1, "fp16"),
+                                       ("freeze", "adamw", 1, "none")):
+        model, ref = _model(torch, 3, extra=True), _model(torch, 3, extra=True)
+        opt = hvd.DistributedOptimizer(
+            _optimizer(torch, opt_name, model.parameters()), backward_passes_per_step=bpps,
+            named_parameters=[(f"b.{case}.{k}", v) for k, v in model.named_parameters()],
+            compression=getattr(hvd.Compression, comp))
+        ref_opt = _optimizer(torch, opt_name, ref.parameters())
+        gen = torch.Generator().manual_seed(5)
+        seen = []
+        for step in range(steps):
+            if case == "freeze" and step == 4:
+                for m in (model, ref):
+                    m[2].requires_grad_(False)
+            x = torch.randn(4 * n, 6, generator=gen, dtype=torch.float64)
+            y = torch.randn(4 * n, 3, generator=gen, dtype=torch.float64)
+            ref_opt.zero_grad()
+            F.mse_loss(ref.extra(ref[:3](x)), y).backward()
+            ref_opt.step()
+            opt.zero_grad()
+            for xs, ys in zip(x[4 * r:4 * r + 4].chunk(bpps), y[4 * r:4 * r + 4].chunk(bpps)):
+                (F.mse_loss(model.extra(model[:3](xs)), ys) / bpps).backward()
+            opt.step()
+            seen.append(0 if opt._ronde_buckets is None else len(opt._ronde_buckets.buckets))
+        assert _same_on_every_rank(torch, hvd, model, f"bucketed.{case}")
+        out[case] = {"buckets": seen, "diff": _diff(torch, model, ref)}
+    hvd.shutdown()
+    return out

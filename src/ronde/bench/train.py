@@ -1,8 +1,11 @@
 """Training throughput: ronde's DistributedOptimizer vs DDP (Gloo) vs one process.
 
-``python -m ronde.bench.train [--np 2 | --np 1,2,4,8] [--steps 30] [--models cnn,transformer]``
-measures samples/s of a small CNN (3x32x32 inputs) and a small transformer encoder
-(sequence 32, width 128) on the CPU, one thread per rank, for:
+``python -m ronde.bench.train [--np 2 | --np 1,2,4,8] [--steps 30] [--models cnn,transformer,resnet]``
+measures samples/s of a small CNN (3x32x32 inputs, 8 gradient tensors), a small
+transformer encoder (sequence 32, width 128, 26 tensors) and a ResNet-18-shaped CNN
+(basic blocks ``[2, 2, 2, 2]``, batch norm, 62 tensors of 10 to 147,456 values, 0.70 M in all; widths
+16-128, a quarter of ResNet-18's, so that a CPU step takes tens of milliseconds) on the
+CPU, one thread per rank, for:
 
 * ``single``: one process, the per-rank batch (the baseline);
 * ``ronde``: ``--np`` ranks started by ronde's launcher, ``ronde.torch.DistributedOptimizer``;
@@ -12,7 +15,12 @@ measures samples/s of a small CNN (3x32x32 inputs) and a small transformer encod
   started the way :mod:`ronde.bench._gloo` starts its workers.
 
 Each rank trains on a fixed random batch of ``--batch`` samples; the first ``--warmup``
-steps are not timed. Prints one JSON line per point, then a table.
+steps are not timed. Besides samples/s, each rank counts the CPU time of its whole
+process (every thread: ``resource.getrusage``) over the timed steps; the table shows
+the CPU milliseconds per step per rank beyond the single process's (what the library
+costs a rank: its threads, copies and reductions; on a machine with one rank per core
+that is time the backward pass does not get). Prints one JSON line per point, then a
+table.
 """
 
 from __future__ import annotations
@@ -42,12 +50,50 @@ def _model(torch: Any, name: str) -> tuple[Any, Any, Any]:
         model = nn.Sequential(nn.TransformerEncoder(layer, 2), nn.Flatten(),
                               nn.Linear(32 * 128, 10))
         return model, (32, 128), 10
+    if name == "resnet":
+        return _resnet18(nn, width=16), (3, 32, 32), 10
     raise ValueError(f"unknown model {name!r}")
 
 
+def _resnet18(nn: Any, width: int) -> Any:
+    """ResNet-18's layout (basic blocks [2, 2, 2, 2], 1x1 downsample with batch norm
+    where the stride or width changes) for 32x32 inputs, at base ``width``."""
+
+    class Block(nn.Module):
+        def __init__(self, cin: int, cout: int, stride: int) -> None:
+            super().__init__()
+            self.body = nn.Sequential(
+                nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout),
+                nn.ReLU(), nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout))
+            self.short = nn.Sequential() if stride == 1 and cin == cout else nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+            self.relu = nn.ReLU()
+
+        def forward(self, x: Any) -> Any:
+            return self.relu(self.body(x) + self.short(x))
+
+    layers: list[Any] = [nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width),
+                         nn.ReLU()]
+    cin = width
+    for i, cout in enumerate((width, 2 * width, 4 * width, 8 * width)):
+        for b in range(2):
+            layers.append(Block(cin, cout, 2 if (b == 0 and i > 0) else 1))
+            cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, 10)]
+    return nn.Sequential(*layers)
+
+
+def _cpu_s() -> float:
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
+    return ru.ru_utime + ru.ru_stime
+
+
 def _train(mode: str, model_name: str, batch: int, steps: int, warmup: int,
-           rank: int = 0, world: int = 1) -> float:
-    """Run the loop in this process; return samples/s over all ranks."""
+           rank: int = 0, world: int = 1) -> tuple[float, float]:
+    """Run the loop in this process; return (samples/s over all ranks, this process's
+    CPU milliseconds per timed step)."""
     import torch
     import torch.nn.functional as F
 
@@ -64,30 +110,36 @@ def _train(mode: str, model_name: str, batch: int, steps: int, warmup: int,
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(batch, *shape, generator=gen)
     y = torch.randint(0, classes, (batch,), generator=gen)
-    t0 = 0.0
+    t0 = c0 = 0.0
     for i in range(warmup + steps):
         if i == warmup:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), _cpu_s()
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
     elapsed = time.perf_counter() - t0
-    return world * batch * steps / elapsed
+    cpu_ms = (_cpu_s() - c0) * 1e3 / steps
+    return world * batch * steps / elapsed, cpu_ms
 
 
-def ronde_worker(model_name: str, batch: int, steps: int, warmup: int) -> float:
-    """One rank of the ``ronde`` contender (run through :func:`ronde.testing.run_ranks`)."""
+def ronde_worker(model_name: str, batch: int, steps: int, warmup: int
+                 ) -> tuple[float, float]:
+    """One rank of the ``ronde`` contender (run through :func:`ronde.testing.run_ranks`):
+    (samples/s of the slowest rank, the mean CPU ms per step over the ranks)."""
+    import torch
+
     import ronde.torch as hvd
 
     hvd.init()
-    rate = _train("ronde", model_name, batch, steps, warmup, hvd.rank(), hvd.size())
-    worst = float(hvd.allreduce(__import__("torch").tensor([1.0 / rate]), op=hvd.Max)[0])
+    rate, cpu_ms = _train("ronde", model_name, batch, steps, warmup, hvd.rank(), hvd.size())
+    worst = float(hvd.allreduce(torch.tensor([1.0 / rate]), op=hvd.Max)[0])
+    cpu = float(hvd.allreduce(torch.tensor([cpu_ms], dtype=torch.float64), op=hvd.Average)[0])
     hvd.shutdown()
-    return 1.0 / worst  # the slowest rank sets the pace
+    return 1.0 / worst, cpu  # the slowest rank sets the pace
 
 
 def _run_ddp(np_: int, model_name: str, batch: int, steps: int, warmup: int,
-             timeout_s: float) -> float:
+             timeout_s: float) -> tuple[float, float]:
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     procs = [subprocess.Popen([sys.executable, "-m", "ronde.bench.train", "--ddp-worker",
@@ -95,13 +147,15 @@ def _run_ddp(np_: int, model_name: str, batch: int, steps: int, warmup: int,
                                str(batch), "--steps", str(steps), "--warmup", str(warmup)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(np_)]
-    rates = []
+    rates, cpus = [], []
     for p in procs:
         out, err = p.communicate(timeout=timeout_s)
         if p.returncode != 0:
             raise RuntimeError(f"ddp worker failed: {err[-2000:]}")
-        rates.append(float(out.strip().splitlines()[-1]))
-    return min(rates)
+        rate, cpu = out.strip().splitlines()[-1].split()
+        rates.append(float(rate))
+        cpus.append(float(cpu))
+    return min(rates), sum(cpus) / len(cpus)
 
 
 def _ddp_worker(spec: str, model_name: str, batch: int, steps: int, warmup: int) -> None:
@@ -110,9 +164,9 @@ def _ddp_worker(spec: str, model_name: str, batch: int, steps: int, warmup: int)
     rank, world, port = (int(v) for v in spec.split(","))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    rate = _train("ddp", model_name, batch, steps, warmup, rank, world)
+    rate, cpu_ms = _train("ddp", model_name, batch, steps, warmup, rank, world)
     dist.barrier()
-    print(rate, flush=True)
+    print(rate, cpu_ms, flush=True)
     # no destroy_process_group() and no interpreter teardown: Gloo may abort a process
     # whose peer tore its pairs down first ("terminate called without an active
     # exception"), which would lose a finished measurement
@@ -120,13 +174,15 @@ def _ddp_worker(spec: str, model_name: str, batch: int, steps: int, warmup: int)
     os._exit(0)
 
 
-def _run_single(model_name: str, batch: int, steps: int, warmup: int, timeout_s: float) -> float:
-    code = (f"from ronde.bench.train import _train; print(_train('single', {model_name!r}, "
+def _run_single(model_name: str, batch: int, steps: int, warmup: int, timeout_s: float
+                ) -> tuple[float, float]:
+    code = (f"from ronde.bench.train import _train; print(*_train('single', {model_name!r}, "
             f"{batch}, {steps}, {warmup}))")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=timeout_s, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    rate, cpu = out.stdout.strip().splitlines()[-1].split()
+    return float(rate), float(cpu)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -134,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ronde.bench.train", description=__doc__)
     p.add_argument("--np", default="2", help="ranks, or a comma list (1,2,4,8): a "
                    "scaling table with the efficiency of each")
-    p.add_argument("--models", default="cnn,transformer")
+    p.add_argument("--models", default="cnn,transformer,resnet")
     p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
@@ -159,7 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         (os.cpu_count() or 1)
     rows = []
     for model_name in models:
-        best: dict[tuple[str, int], float] = {}
+        best: dict[tuple[str, int], float] = {}  # samples/s: the best round's
+        cpu: dict[tuple[str, int], float] = {}  # CPU ms per step per rank: the least
         for _ in range(args.rounds):  # interleaved: every contender and N once a round
             runs: list[tuple[str, int, Any]] = [("single", 1, lambda n: _run_single(
                 model_name, args.batch, args.steps, args.warmup, args.timeout_s))]
@@ -179,31 +236,38 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                           args.steps, args.warmup,
                                                           args.timeout_s)))
             for name, n, fn in runs:
-                rate = fn(n)
+                rate, cpu_ms = fn(n)
                 best[(name, n)] = max(best.get((name, n), 0.0), rate)
+                cpu[(name, n)] = min(cpu.get((name, n), float("inf")), cpu_ms)
         for (name, n), rate in best.items():
             point = {"case": "train", "model": model_name, "contender": name, "np": n,
-                     "batch_per_rank": args.batch, "samples_per_s": round(rate, 1)}
+                     "batch_per_rank": args.batch, "samples_per_s": round(rate, 1),
+                     "cpu_ms_per_step": round(cpu[(name, n)], 2)}
             print(json.dumps(point), flush=True)
-        rows.append((model_name, best))
+        rows.append((model_name, best, cpu))
     print("\n| model | N | single | ronde | ddp | ronde/ddp | ronde eff. | ddp eff. | "
-          f"ronde eff. within {cores} cores |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for model_name, best in rows:
-        single = best[("single", 1)]
+          f"ronde eff. within {cores} cores | CPU ms/step single | extra CPU ms/step ronde "
+          "| ddp | ronde/ddp |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for model_name, best, cpu in rows:
+        single, c1 = best[("single", 1)], cpu[("single", 1)]
         for n in counts:
             if n < 2:
                 continue
             r, d = best[("ronde", n)], best[("ddp", n)]
+            xr, xd = cpu[("ronde", n)] - c1, cpu[("ddp", n)] - c1
             print(f"| {model_name} | {n} | {single:.1f} | {r:.1f} | {d:.1f} | {r / d:.2f} | "
                   f"{r / (n * single):.2f} | {d / (n * single):.2f} | "
-                  f"{r / (min(n, cores) * single):.2f} |")
+                  f"{r / (min(n, cores) * single):.2f} | {c1:.1f} | {xr:.1f} | {xd:.1f} | "
+                  f"{xr / xd if xd > 0 else float('nan'):.2f} |")
             if ("autotune", n) in best:
                 a = best[("autotune", n)]
                 print(f"| {model_name} | {n} | autotuned ronde: {a:.1f} | autotuned/ronde "
-                      f"{a / r:.2f} | autotuned/ddp {a / d:.2f} | | | |")
+                      f"{a / r:.2f} | autotuned/ddp {a / d:.2f} | | | | | "
+                      f"{cpu[('autotune', n)] - c1:.1f} | | |")
     print("(samples/s; one thread per rank; best of rounds; efficiency = throughput(N) / "
-          "(N x single); within cores: / (min(N, cores) x single))")
+          "(N x single); within cores: / (min(N, cores) x single); extra CPU = the "
+          "process's CPU time per step (all threads, least of rounds) minus one process's)")
     return 0
 
 

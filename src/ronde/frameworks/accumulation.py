@@ -31,8 +31,10 @@ class PassCounter(Generic[K]):
         self.passes_per_step = int(passes_per_step)
         self._seen: dict[K, int] = {}
 
-    def record(self, key: K, what: str = "gradient") -> bool:
+    def record(self, key: K, what: str = "gradient", *args: object) -> bool:
         """Count one backward pass of ``key``; True when its window is now complete.
+        ``what`` names it in the error, formatted with ``args`` (only then: a hook
+        calls this for every gradient of every step).
 
         Raises:
             TooManyPassesError: the window already completed and was not reset by a step.
@@ -40,7 +42,7 @@ class PassCounter(Generic[K]):
         seen = self._seen.get(key, 0)
         if seen >= self.passes_per_step:
             raise TooManyPassesError(
-                f"{what} was computed {seen + 1} times before optimizer.step() with "
+                f"{what.format(*args)} was computed {seen + 1} times before optimizer.step() with "
                 f"backward_passes_per_step={self.passes_per_step}; call step() (or "
                 "synchronize()) after each window, or raise backward_passes_per_step")
         self._seen[key] = seen + 1

@@ -56,6 +56,7 @@ from ..frameworks.compression import Compressor, wire_reduction
 from ..frameworks.naming import (as_table, gradient_name, name_parameters, parameter_differences,
                                  presence_name)
 from ..process_sets import ProcessSet, global_process_set
+from . import _buckets
 from . import _collectives as C
 from . import _device
 from ._tensors import dtype_name
@@ -116,6 +117,12 @@ class _DistributedMixin:
         #: the job generation the parameters were checked in (an elastic reset starts a
         #: new one, with new ranks that check too: every rank must, in step)
         self._ronde_validated = -1
+        #: gradient buckets (``_buckets.py``): laid out at the second synchronize() of a
+        #: generation, from the ready order the hooks record in it (None: per tensor)
+        self._ronde_buckets: _buckets.Buckets | None = None
+        self._ronde_syncs = 0  #: synchronize() calls in this generation
+        self._ronde_order: list[int] | None = None
+        self._ronde_index = {id(p): i for i, p in enumerate(self._ronde_params)}
         self._ronde_synchronized = False
         self._ronde_should_sync = True
         if self._ronde_member:  # the device path's collectives now, not in a hook
@@ -167,9 +174,18 @@ class _DistributedMixin:
 
     # -- backward side ---------------------------------------------------------------------
     def _ronde_hook(self, p: torch.Tensor) -> None:
-        name = self._ronde_names[id(p)]
-        if not self._ronde_counter.record(p, f"the gradient of {name!r}"):
+        if not self._ronde_counter.record(p, "the gradient of {!r}", self._ronde_names[id(p)]):
             return
+        buckets = self._ronde_buckets
+        if buckets is not None and id(p) in buckets.slot_of:  # the steady state
+            buckets.take(p, p.grad)
+            if len(buckets.taken) + len(self._ronde_handles) == len(self._ronde_hooks) \
+                    and self._ronde_presence is None \
+                    and not any(q.requires_grad for q in self._ronde_unhooked):
+                self._ronde_start_presence(self._ronde_usual)
+            return
+        if self._ronde_order is not None:
+            self._ronde_order.append(self._ronde_index[id(p)])
         gid = self._ronde_group_of.get(id(p))
         if gid is None:
             self._ronde_submit(p)
@@ -180,8 +196,9 @@ class _DistributedMixin:
             if len(ready) == len(members):
                 for q in members:
                     self._ronde_submit(q)
-        if len(self._ronde_handles) == len(self._ronde_hooks) and self._ronde_validated >= 0 \
-                and self._ronde_presence is None \
+        taken = len(buckets.taken) if buckets is not None else 0
+        if taken + len(self._ronde_handles) == len(self._ronde_hooks) \
+                and self._ronde_validated >= 0 and self._ronde_presence is None \
                 and not any(q.requires_grad for q in self._ronde_unhooked):
             # the usual step: the presence count goes along with the last gradient
             self._ronde_start_presence(self._ronde_usual)
@@ -194,23 +211,42 @@ class _DistributedMixin:
     def _ronde_submit(self, p: torch.Tensor) -> None:
         if p in self._ronde_handles:
             return
-        name = gradient_name(self._ronde_names[id(p)])
         grad = p.grad
         assert grad is not None
-        op, pre, post = self._ronde_op, self._ronde_pre, self._ronde_post
+        buckets = self._ronde_buckets
+        if buckets is not None and id(p) in buckets.slot_of:
+            buckets.take(p, grad)
+            return
+        name = gradient_name(self._ronde_names[id(p)])
         if grad.is_sparse and not self._ronde_sparse_as_dense:
-            h = C.sparse_allreduce_async(grad, name, op, self._ronde_ps, pre, post)
+            h = C.sparse_allreduce_async(grad, name, self._ronde_op, self._ronde_ps,
+                                         self._ronde_pre, self._ronde_post)
             self._ronde_handles[p] = (h, "sparse", name)
             return
-        dense = grad.to_dense() if grad.is_sparse else grad
+        self._ronde_handles[p] = self._ronde_start(grad.to_dense() if grad.is_sparse
+                                                   else grad, name)
+
+    def _ronde_start(self, dense: torch.Tensor, name: str) -> tuple[Any, Any, str]:
+        """Start the allreduce of ``dense`` (a gradient, or a bucket's flat buffer) with
+        the optimizer's op, scaling and compression: ``(handle, kind, name)``."""
+        op, pre, post = self._ronde_op, self._ronde_pre, self._ronde_post
         comp = self._ronde_compression
         compressed, ctx = comp.compress(dense)
         if isinstance(comp, Compressor) and comp.compresses(dtype_name(dense.dtype)):
             op, pre, post = wire_reduction(op, pre, post, C.set_size(self._ronde_ps),
                                            comp.wire_dtype)
         h = C.allreduce_async_(compressed, None, name, op, pre, post, self._ronde_ps)
-        kind = "inplace" if compressed is grad else ("dense", ctx)
-        self._ronde_handles[p] = (h, kind, name)
+        return h, ("inplace" if compressed is dense else ("dense", ctx)), name
+
+    def _ronde_result(self, started: tuple[Any, Any, str]) -> torch.Tensor:
+        """Wait for what :meth:`_ronde_start` started; the reduced tensor (decompressed)."""
+        h, kind, name = started
+        out = h.wait()
+        if kind == "inplace":
+            return out
+        comp = self._ronde_compression
+        return comp.decompress(out, kind[1], name) if isinstance(comp, Compressor) \
+            else comp.decompress(out, kind[1])
 
     # -- step side -------------------------------------------------------------------------
     def _ronde_validate(self) -> None:
@@ -234,17 +270,23 @@ class _DistributedMixin:
         never does (a gradient it has stays local, as under DDP).
         """
         params, handles = self._ronde_params, self._ronde_handles
+        buckets = self._ronde_buckets
+        taken = buckets.taken if buckets is not None else ()
         if self._ronde_presence is not None:  # the usual step: only the unhooked lack one
+            if buckets is not None:
+                buckets.flush()
             return self._ronde_unhooked_at
         changed = any(p.requires_grad != (p in self._ronde_hooks) for p in params)
         missing = []
         for i, p in enumerate(params):
-            if p in handles:
+            if p in handles or id(p) in taken:
                 continue
             if p.requires_grad and p.grad is not None:  # a partial window, a new trainable
                 self._ronde_submit(p)
             else:
                 missing.append(i)
+        if buckets is not None:
+            buckets.flush()
         flags = torch.ones(len(params), dtype=torch.int32)
         flags[missing] = 0
         self._ronde_start_presence(flags)
@@ -265,29 +307,35 @@ class _DistributedMixin:
         try:
             if self._ronde_validated != _state.require().generation:
                 self._ronde_validate()
+                self._ronde_syncs, self._ronde_buckets = 0, None
             params, handles = self._ronde_params, self._ronde_handles
-            if not handles and all(p.grad is None for p in params):
+            buckets = self._ronde_buckets
+            if not handles and (buckets is None or not buckets.taken) \
+                    and all(p.grad is None for p in params):
                 raise RondeError("optimizer.step()/synchronize() found no gradients on rank "
                                  f"{_api.rank()}: call loss.backward() before optimizer.step()")
             missing = self._ronde_agree()
             counts = self._ronde_presence.wait()
             if missing:
                 counts = counts.tolist()
+            if buckets is not None:
+                buckets.finish(counts if missing else None, self._ronde_zero_unused)
+            if missing:
                 for i in missing:
                     p = params[i]
+                    if buckets is not None and p in buckets:
+                        continue  # its bucket gave it what it should have
                     if counts[i]:  # a gradient on other ranks: this one contributes zeros
                         p.grad = torch.zeros_like(p)
                         self._ronde_submit(p)
                     elif self._ronde_zero_unused and p.requires_grad:  # Horovod's zeros
                         p.grad = torch.zeros_like(p)
-            for p, (h, kind, name) in handles.items():
-                out = h.wait()
-                if kind == "sparse":
-                    p.grad = out
-                elif kind != "inplace":
-                    value = self._ronde_compression.decompress(out, kind[1], name) \
-                        if isinstance(self._ronde_compression, Compressor) \
-                        else self._ronde_compression.decompress(out, kind[1])
+            for p, started in handles.items():
+                if started[1] == "sparse":
+                    p.grad = started[0].wait()
+                    continue
+                value = self._ronde_result(started)
+                if started[1] != "inplace":
                     if p.grad is not None and not p.grad.is_sparse:
                         with torch.no_grad():
                             p.grad.copy_(value)
@@ -295,12 +343,46 @@ class _DistributedMixin:
                         p.grad = value.to(p.dtype).to_sparse()
                     else:
                         p.grad = value.to(p.dtype)
+            self._ronde_syncs += 1
+            if self._ronde_syncs == _buckets.LAYOUT_STEP + 1 and self._ronde_order is not None:
+                self._ronde_make_buckets(self._ronde_order)
+            self._ronde_order = [] if self._ronde_syncs == _buckets.LAYOUT_STEP \
+                and self._ronde_bucket_cap() else None
         finally:
             self._ronde_handles.clear()
             self._ronde_presence = None
             self._ronde_ready.clear()
             self._ronde_counter.reset()
+            if self._ronde_buckets is not None:
+                self._ronde_buckets.reset()
         self._ronde_synchronized = True
+
+    def _ronde_bucket_cap(self) -> int:
+        """Bytes per bucket; 0 where this optimizer reduces each gradient on its own
+        (``RONDE_BUCKET_BYTES=0``, or ``groups=``: the user's own grouping)."""
+        if self._ronde_all_groups:
+            return 0
+        return _state.require().cfg.bucket_bytes
+
+    def _ronde_make_buckets(self, order: list[int]) -> None:
+        """Lay the buckets out (rank 0's ready order, broadcast: the same on every rank)
+        at the same synchronize() on every rank."""
+        params = self._ronde_params
+        hooks = self._ronde_hooks
+
+        def eligible(i: int) -> bool:
+            p = params[i]
+            return p in hooks and p.device.type == "cpu" and not p.is_sparse and \
+                p.grad is not None and not p.grad.is_sparse and p.dtype.is_floating_point
+
+        names = [self._ronde_names[id(p)] for p in params]
+        base = self._ronde_presence_name[: -len(".presence")]
+        layout = _buckets.agree_layout(order, params, eligible, self._ronde_bucket_cap(),
+                                       self._ronde_ps, f"{base}.buckets")
+        if layout:
+            self._ronde_buckets = _buckets.Buckets(
+                layout, params, names, base, lambda t, n: self._ronde_start(t, n),
+                lambda started, flat, n: self._ronde_result(started))
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -346,7 +428,8 @@ class _DistributedMixin:
     @torch.compiler.disable
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients; refuses while reductions are still in flight."""
-        if self._ronde_handles:
+        if self._ronde_handles or (self._ronde_buckets is not None
+                                   and self._ronde_buckets.in_flight):
             raise RondeError("optimizer.zero_grad() was called after loss.backward() but before "
                              "optimizer.step() or optimizer.synchronize(): gradients are being "
                              "reduced in the background; call step() first")
