@@ -962,3 +962,39 @@ def bucketed(steps: int = 7) -> dict:
         out[case] = {"buckets": seen, "diff": _diff(torch, model, ref)}
     hvd.shutdown()
     return out
+
+
+def calls_in_backward(tensors: int = 40, steps: int = 6) -> dict:
+    """Python calls inside ronde while ``loss.backward()`` runs (the gradient hooks and
+    the bucket submissions, on this thread; counts, not times) in the steady state, for
+    a model of ``tensors`` gradient tensors; and the bucket count."""
+    import os
+    import sys
+
+    torch, hvd = _setup()
+    nn = torch.nn
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(tensors // 2)])
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    src = os.path.dirname(os.path.dirname(os.path.abspath(hvd.__file__)))
+    counted = [0]
+
+    def prof(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(src):
+            counted[0] += 1
+
+    x = torch.randn(4, 8)
+    per_step = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = model(x).pow(2).sum()
+        counted[0] = 0
+        sys.setprofile(prof)
+        loss.backward()
+        sys.setprofile(None)
+        per_step.append(counted[0])
+        opt.step()
+    buckets = len(opt._ronde_buckets.buckets) if opt._ronde_buckets is not None else 0
+    hvd.shutdown()
+    return {"calls": per_step, "buckets": buckets, "tensors": tensors}
