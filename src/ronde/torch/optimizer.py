@@ -177,6 +177,10 @@ class _DistributedMixin:
         if not self._ronde_counter.record(p, "the gradient of {!r}", self._ronde_names[id(p)]):
             return
         buckets = self._ronde_buckets
+        if buckets is not None and not buckets.taken and not self._ronde_same_generation():
+            # an elastic reset since the layout: the new ranks lay theirs out anew, with
+            # this rank, after two per-tensor steps
+            buckets = self._ronde_buckets = None
         if buckets is not None and id(p) in buckets.slot_of:  # the steady state
             buckets.take(p, p.grad)
             if len(buckets.taken) + len(self._ronde_handles) == len(self._ronde_hooks) \
@@ -334,27 +338,23 @@ class _DistributedMixin:
                 if started[1] == "sparse":
                     p.grad = started[0].wait()
                     continue
-                value = self._ronde_result(started)
-                if started[1] != "inplace":
-                    if p.grad is not None and not p.grad.is_sparse:
-                        with torch.no_grad():
-                            p.grad.copy_(value)
-                    elif p.grad is not None:  # sparse_as_dense: sparse again for the step
-                        p.grad = value.to(p.dtype).to_sparse()
-                    else:
-                        p.grad = value.to(p.dtype)
+                value, grad = self._ronde_result(started), p.grad
+                if value is grad:  # reduced in place
+                    continue
+                if grad is not None and not grad.is_sparse:  # compressed on the wire
+                    with torch.no_grad():
+                        grad.copy_(value)
+                elif grad is not None:  # sparse_as_dense: sparse again for the step
+                    p.grad = value.to(p.dtype).to_sparse()
+                else:
+                    p.grad = value.to(p.dtype)
             self._ronde_syncs += 1
             if self._ronde_syncs == _buckets.LAYOUT_STEP + 1 and self._ronde_order is not None:
                 self._ronde_make_buckets(self._ronde_order)
             self._ronde_order = [] if self._ronde_syncs == _buckets.LAYOUT_STEP \
                 and self._ronde_bucket_cap() else None
         finally:
-            self._ronde_handles.clear()
-            self._ronde_presence = None
-            self._ronde_ready.clear()
-            self._ronde_counter.reset()
-            if self._ronde_buckets is not None:
-                self._ronde_buckets.reset()
+            self._ronde_drop_step()
         self._ronde_synchronized = True
 
     def _ronde_bucket_cap(self) -> int:
@@ -427,15 +427,35 @@ class _DistributedMixin:
 
     @torch.compiler.disable
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear gradients; refuses while reductions are still in flight."""
-        if self._ronde_handles or (self._ronde_buckets is not None
-                                   and self._ronde_buckets.in_flight):
+        """Clear gradients; refuses while reductions are still in flight (those of a
+        step that a failure interrupted, e.g. before an elastic reset, are dropped)."""
+        buckets = self._ronde_buckets
+        if self._ronde_handles or (buckets is not None and buckets.in_flight):
+            rt = _state.current()
+            if rt is None or rt.engine.failed is not None or not self._ronde_same_generation():
+                self._ronde_drop_step()
+        if self._ronde_handles or (buckets is not None and buckets.in_flight):
             raise RondeError("optimizer.zero_grad() was called after loss.backward() but before "
                              "optimizer.step() or optimizer.synchronize(): gradients are being "
                              "reduced in the background; call step() first")
         self._ronde_counter.reset()
         self._ronde_ready.clear()
         inner(self, _DistributedMixin, "zero_grad")(set_to_none)
+
+    def _ronde_same_generation(self) -> bool:
+        """Whether the job is still the generation the parameters were checked in."""
+        rt = _state.current()
+        return rt is not None and rt.generation == self._ronde_validated
+
+    def _ronde_drop_step(self) -> None:
+        """Forget the step in flight (its reductions were started by an engine that
+        failed, or by an earlier generation of the job)."""
+        self._ronde_handles.clear()
+        self._ronde_presence = None
+        self._ronde_ready.clear()
+        self._ronde_counter.reset()
+        if self._ronde_buckets is not None:
+            self._ronde_buckets.reset()
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change ``backward_passes_per_step`` (between steps)."""
