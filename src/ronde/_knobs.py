@@ -113,9 +113,10 @@ KNOBS: tuple[Knob, ...] = (
          flag_note='must be > 0',
          doc='While the executor is busy moving data, how long newly submitted '
              'collectives may wait to be announced, so that tensors arriving meanwhile'
-             ' are negotiated (and fused) together. Also the period at which the '
-             'control thread looks for new submissions while the engine is active '
-             '(submissions do not wake it then; a caller that waits drives at once).'),
+             ' are negotiated (and fused) together. A submission that wakes the idle '
+             'engine is announced after a quarter of it, so that the rest of a burst '
+             '(a loop of async calls) goes in the same round; a caller that waits '
+             'drives the round at once.'),
     Knob("cache_capacity", "RONDE_CACHE_CAPACITY", int,
          accepted=Range(0, 1 << 20),
          default='`1024`', unit='entries',

@@ -20,9 +20,7 @@ dies closes its sockets, which every rank sees at once as ``PeerLostError``.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import socket
 import threading
 import time
@@ -80,8 +78,7 @@ class Engine:
                                      cfg.fusion_threshold_bytes, cfg.cache_capacity)
         self.exchange = Exchange(rank, size, ctl_socks, mailboxes, cfg, describe_rank, links)
         self.announcer = rounds.Announcer(self.negotiator.cache, rank, cfg.inline_bytes)
-        self._wake_r, self._wake_w = os.pipe()
-        self._wake_pending = False
+        self._bell = ready.Doorbell()  #: rung to wake the control thread
         #: negotiation rounds completed (the same count on every rank)
         self._rounds = 0
         self._last_round = 0.0
@@ -90,8 +87,8 @@ class Engine:
         self._spinners = 0
         self._last_activity = 0.0
         self._ctl_deep_sleep = True
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        #: a local round waits for this (a burst of submissions after a long sleep)
+        self._hold_until = 0.0
         self.executor = Executor(self)
         self.executor.on_idle = self.wake
         self.stall = StallInspector(cfg, describe_rank)
@@ -130,22 +127,15 @@ class Engine:
         for comm in self._comms.values():
             comm.close()
         self.exchange.close()
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        self._bell.close()
 
     def wake(self, force: bool = False) -> None:
         """Make the control thread look at the outbox (and the peers) again."""
         # one byte in the pipe is enough until the control thread has drained it, and a
         # caller spinning in wait() drives the engine itself: skip the system call (and
         # the thread switch) then
-        if not force and (self._wake_pending or self._spinners):
-            return
-        self._wake_pending = True
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass
+        if force or not (self._bell.pending or self._spinners):
+            self._bell.ring()
 
     # -- API used by the facade ------------------------------------------------------------
     def submit(self, req: Request) -> Request:
@@ -165,11 +155,15 @@ class Engine:
                 self._joins.append(req.ps_id)
             else:
                 self._outbox.append(req)
-            self._last_activity = time.monotonic()
+            self._last_activity = now = time.monotonic()
             deep = self._ctl_deep_sleep
-        # a caller that waits drives the round itself, and a control thread in a short
-        # sleep (the cycle, with something to announce) looks at the outbox after it:
-        # wake it (a system call and a thread switch) only from a long sleep
+            if deep and WAITERS.engine is self:
+                # the rest of a burst (a loop of async calls) joins this round; a
+                # caller that waits drives it at once (``progress``)
+                self._hold_until = now + self.cycle_s / 4
+        # a control thread in a short sleep (the cycle, with something to announce)
+        # looks at the outbox after it: wake it (a system call and a thread switch)
+        # only from a long sleep
         if deep:
             self.wake()
         return req
@@ -293,9 +287,15 @@ class Engine:
 
         Due: a peer started one, or this rank has something to announce and the
         executor is idle (or ``RONDE_CYCLE_TIME`` passed since the last round, so that
-        tensors arriving while data moves batch into one fused op).
+        tensors arriving while data moves batch into one fused op). The control thread
+        (``direct`` None) woken from a long sleep by a submission waits a quarter cycle
+        first, for the rest of the burst, before it starts a round or joins a peer's
+        (which would take the burst's first tensors alone), unless a caller waits and
+        drives.
         """
         have_local = self._has_local()
+        if direct is None and now < self._hold_until:
+            return False, have_local
         start_local = have_local and (self.executor.idle()
                                       or now - self._last_round >= self.cycle_s)
         if not (start_local or self.exchange.peer_started(self._rounds)):
@@ -314,7 +314,7 @@ class Engine:
             if self._spinners:
                 # a waiting caller drives (and runs collectives without a hand-off): stay
                 # out of its way, but keep reading the sockets (EOF, remote frames)
-                readable, _ = ready.wait([self._wake_r] + ex.sockets(), [], self.cycle_s)
+                readable, _ = ready.wait([self._bell] + ex.sockets(), [], self.cycle_s)
                 self._read_ready(readable)
             else:
                 with self._drive:
@@ -350,16 +350,22 @@ class Engine:
         """
         ex = self.exchange
         if have_local:
-            timeout = max(0.0, self.cycle_s - (now - self._last_round))
+            due = self._hold_until
+            if not self.executor.idle():
+                due = max(due, self._last_round + self.cycle_s)
+            timeout = max(0.0, due - now)
         else:
             timeout = _IDLE_S if self.timeline is None else 0.1
+        if now < self._hold_until:  # then a peer's round is joined too (_maybe_round)
+            timeout = min(timeout, self._hold_until - now)
         deep = timeout > self.cycle_s
         with self._lock:
             self._ctl_deep_sleep = deep
-        if ex.before_block(self._rounds) or (deep and self._has_local()):
+        ahead = ex.before_block(self._rounds)
+        if (ahead and now >= self._hold_until) or (deep and self._has_local()):
             timeout = 0.0
         try:
-            readable, _ = ready.wait([self._wake_r] + ex.sockets(), [], timeout)
+            readable, _ = ready.wait([self._bell] + ex.sockets(), [], timeout)
         finally:
             self._ctl_deep_sleep = False
             ex.after_block()
@@ -370,18 +376,10 @@ class Engine:
             return
         with self._drive:
             for obj in readable:
-                if obj == self._wake_r:
-                    self._drain_wake_pipe()
+                if obj is self._bell:
+                    self._bell.drain()
                 else:
                     self.exchange.fill(obj)
-
-    def _drain_wake_pipe(self) -> None:
-        with contextlib.suppress(BlockingIOError):
-            while os.read(self._wake_r, 4096):
-                pass
-        # cleared before the outbox is read again (next iteration), so a submission
-        # racing with this still leaves a byte or is seen
-        self._wake_pending = False
 
     # -- callers that wait drive the engine themselves ---------------------------------------
     def progress(self) -> bool:
@@ -434,12 +432,8 @@ class Engine:
             if shut:
                 self._shutdown_announced = True
                 self._shutdown_at = time.monotonic()
-        tl = self.timeline
-        if tl is not None:
-            stamp = now_us()
-            for r in reqs:
-                r.t_announce = stamp
-                tl.phase(r.name, "QUEUE", r.t_submit or stamp, stamp)
+        if self.timeline is not None:
+            self.timeline.queued(reqs)
         announced, wired, blob = self.announcer(reqs) if reqs else ((), None, b"")
         return protocol.RoundMessage(announced, tuple(joins), tuple(ps_reqs), abort, tuple(ask),
                                      rounds.main_thread_stack() if send_stack else None, shut,
@@ -460,17 +454,9 @@ class Engine:
         self._rounds += 1
         responses = self.negotiator.apply_round(messages, blobs)
         self.autotune.after_round(self, messages[0].tune, responses)
-        tl = self.timeline
-        if tl is not None:
-            tl.cycle(self.negotiator.round)
-            stamp = now_us()
+        if self.timeline is not None:
             with self._lock:
-                for resp in responses:
-                    for name in resp.names:
-                        req = self._pending.get(name)
-                        if req is not None and req.t_announce:
-                            tl.phase(name, "NEGOTIATE", req.t_announce, stamp,
-                                     {"error": resp.error} if resp.error else None)
+                self.timeline.negotiated(self.negotiator.round, responses, self._pending)
         if self.rank in messages[0].ask_stacks:
             self._send_stack = True
             self.wake()

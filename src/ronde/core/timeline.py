@@ -92,6 +92,25 @@ class Timeline:
             self._append(f'{{"name":"{phase}","ph":"X","pid":{self.rank},"tid":{tid},'
                          f'"ts":{start_us:.1f},"dur":{dur:.1f}{extra}}},\n')
 
+    def queued(self, reqs: list[Any]) -> None:
+        """Requests leaving the outbox for a round: their QUEUE phase ends now."""
+        stamp = now_us()
+        for r in reqs:
+            r.t_announce = stamp
+            self.phase(r.name, "QUEUE", r.t_submit or stamp, stamp)
+
+    def negotiated(self, round_no: int, responses: list[Any], pending: dict[str, Any]) -> None:
+        """A round agreed on ``responses``: their NEGOTIATE phase ends now (``pending``:
+        the engine's requests by name, read under its lock)."""
+        self.cycle(round_no)
+        stamp = now_us()
+        for resp in responses:
+            for name in resp.names:
+                req = pending.get(name)
+                if req is not None and req.t_announce:
+                    self.phase(name, "NEGOTIATE", req.t_announce, stamp,
+                               {"error": resp.error} if resp.error else None)
+
     def tick(self) -> None:
         """Flush if events have waited longer than ``_FLUSH_S`` (control thread, idle)."""
         now = time.monotonic()

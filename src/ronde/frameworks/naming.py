@@ -108,3 +108,18 @@ def _ranks(rs: Sequence[int]) -> str:
 def as_table(items: Iterable[tuple[str, Any, Sequence[int]]]) -> dict[str, Signature]:
     """Build a ``{name: (dtype, shape)}`` table from ``(name, dtype, shape)`` triples."""
     return {name: (str(dtype), tuple(int(d) for d in shape)) for name, dtype, shape in items}
+
+
+def require_same_parameters(entries: Iterable[tuple[str, Any, Sequence[int]]], name: str,
+                            process_set: Any, what: str, fix: str) -> None:
+    """Compare ``(name, dtype, shape)`` entries across the ranks of ``process_set`` (one
+    ``allgather_object`` called ``name``); where they differ, raise
+    ``TensorMismatchError``: ``what`` (e.g. "DistributedOptimizer: the parameters differ
+    across ranks"), the differences, then ``fix``."""
+    from .. import _objects
+    from .._errors import TensorMismatchError
+
+    tables = _objects.allgather_object(as_table(entries), name, process_set)
+    diff = parameter_differences(tables, process_set.ranks)
+    if diff:
+        raise TensorMismatchError(f"{what}: {diff}; {fix}")

@@ -23,9 +23,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import _api, _objects
-from .._errors import TensorMismatchError
-from ..frameworks.naming import as_table, parameter_differences
+from .. import _api
+from ..frameworks.naming import require_same_parameters
 from ..process_sets import ProcessSet, global_process_set
 from ._arrays import any_traced, to_device, to_host
 
@@ -50,14 +49,11 @@ def check_same_tree(names: list[str], leaves: list[Any], what: str, name: str,
         name: the name of the ``allgather_object`` collective.
         process_set: the ranks that compare.
     """
-    table = as_table((n, np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype,
-                      np.shape(x)) for n, x in zip(names, leaves))
-    tables = _objects.allgather_object(table, name, process_set)
-    diff = parameter_differences(tables, process_set.ranks)
-    if diff:
-        raise TensorMismatchError(f"{what}: the pytrees differ across ranks: {diff}; every "
-                                  "rank must pass a pytree of the same structure, shapes and "
-                                  "dtypes")
+    require_same_parameters(
+        ((n, np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype, np.shape(x))
+         for n, x in zip(names, leaves)), name, process_set,
+        f"{what}: the pytrees differ across ranks",
+        "every rank must pass a pytree of the same structure, shapes and dtypes")
 
 
 def broadcast_tree(tree: Any, root_rank: int = 0, prefix: str = "broadcast_tree",

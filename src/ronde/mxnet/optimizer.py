@@ -26,11 +26,10 @@ from typing import Any
 import mxnet as mx
 import numpy as np
 
-from .. import _objects, _state
-from .._errors import TensorMismatchError
+from .. import _state
 from .._ops import ReduceOp
 from ..frameworks.host_reduce import NUMPY_COMPRESSION as Compression, wire_dtype_of
-from ..frameworks.naming import as_table, parameter_differences
+from ..frameworks.naming import require_same_parameters
 from ..process_sets import ProcessSet, global_process_set
 from . import _collectives as C
 
@@ -155,14 +154,10 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._ronde_validated = -1  # the job generation checked in (see ronde.torch)
 
     def _ronde_validate(self, params: list[Any]) -> None:
-        table = as_table((p.name, np.dtype(p.dtype), p.shape) for p in params)
-        tables = _objects.allgather_object(table, f"{self._ronde_prefix}DistributedTrainer.params",
-                                       self._ronde_ps)
-        diff = parameter_differences(tables, self._ronde_ps.ranks)
-        if diff:
-            raise TensorMismatchError(
-                f"DistributedTrainer: the trainable parameters differ across ranks: {diff}; "
-                "build the same model on every rank")
+        require_same_parameters(((p.name, np.dtype(p.dtype), p.shape) for p in params),
+                                f"{self._ronde_prefix}DistributedTrainer.params", self._ronde_ps,
+                                "DistributedTrainer: the trainable parameters differ across "
+                                "ranks", "build the same model on every rank")
         self._ronde_validated = _state.require().generation
 
     def _allreduce_grads(self) -> None:

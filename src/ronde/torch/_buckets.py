@@ -212,3 +212,40 @@ def agree_layout(order: Sequence[int], params: Sequence[torch.Tensor],
             out.append([])
         out[k].append(i)
     return out
+
+
+def make(order: Sequence[int], params: Sequence[torch.Tensor], hooked: Any,
+         names: Sequence[str], base: str, cap_bytes: int, process_set: ProcessSet,
+         start: Callable[..., Any], result: Callable[..., torch.Tensor]) -> Buckets | None:
+    """The buckets of an optimizer's ``params`` (None where none is laid out), from rank
+    0's ready ``order``. A gradient goes in one when its parameter is ``hooked`` (its
+    hook copies it in), on the CPU, dense and floating; the rest keep their own
+    reductions."""
+    def eligible(i: int) -> bool:
+        p = params[i]
+        return p in hooked and p.device.type == "cpu" and not p.is_sparse and \
+            p.grad is not None and not p.grad.is_sparse and p.dtype.is_floating_point
+
+    found = agree_layout(order, params, eligible, cap_bytes, process_set, f"{base}.buckets")
+    return Buckets(found, params, names, base, start, result) if found else None
+
+
+def user_groups(groups: Any, params: list[torch.Tensor]) -> dict[int, list[torch.Tensor]]:
+    """``DistributedOptimizer(groups=...)``: an int (that many groups of consecutive
+    ``params``) or lists of parameters, as ``{group: members}``; a group's reductions
+    start together once all its members have gradients (no buckets then)."""
+    if not groups:
+        return {}
+    if isinstance(groups, int):
+        n = max(1, min(groups, len(params)))
+        per = -(-len(params) // n)
+        return {i: params[i * per:(i + 1) * per] for i in range(n) if params[i * per:]}
+    wanted = {id(p) for p in params}
+    out = {}
+    for i, group in enumerate(groups):
+        members = [p for p in group if id(p) in wanted]
+        if len(members) != len(list(group)):
+            raise ValueError(f"groups[{i}] holds tensors that are not trainable parameters "
+                             "of this optimizer")
+        out[i] = members
+    return out

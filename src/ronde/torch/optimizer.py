@@ -48,13 +48,13 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
-from .. import _api, _objects, _state
-from .._errors import ProcessSetError, RondeError, TensorMismatchError, UnsupportedError
+from .. import _api, _state
+from .._errors import ProcessSetError, RondeError, UnsupportedError
 from .._ops import ReduceOp
 from ..frameworks.accumulation import PassCounter
 from ..frameworks.compression import Compressor, wire_reduction
-from ..frameworks.naming import (as_table, gradient_name, name_parameters, parameter_differences,
-                                 presence_name)
+from ..frameworks.naming import (gradient_name, name_parameters, presence_name,
+                                 require_same_parameters)
 from ..process_sets import ProcessSet, global_process_set
 from . import _buckets
 from . import _collectives as C
@@ -110,7 +110,7 @@ class _DistributedMixin:
         #: the step's allreduce of how many ranks have each gradient, and its name
         self._ronde_presence: Any = None
         self._ronde_presence_name = presence_name(self._ronde_names[id(self._ronde_params[0])])
-        self._ronde_all_groups = self._ronde_make_groups(groups, trainable)
+        self._ronde_all_groups = _buckets.user_groups(groups, trainable)
         self._ronde_groups: dict[int, list[torch.Tensor]] = {}
         self._ronde_group_of: dict[int, int] = {}
         self._ronde_ready: dict[int, set[int]] = {}
@@ -132,24 +132,6 @@ class _DistributedMixin:
         self._ronde_rehook()
 
     # -- set-up --------------------------------------------------------------------------
-    def _ronde_make_groups(self, groups: Any,
-                           params: list[torch.Tensor]) -> dict[int, list[torch.Tensor]]:
-        if not groups:
-            return {}
-        if isinstance(groups, int):
-            n = max(1, min(groups, len(params)))
-            per = -(-len(params) // n)
-            return {i: params[i * per:(i + 1) * per] for i in range(n) if params[i * per:]}
-        wanted = {id(p) for p in params}
-        out = {}
-        for i, group in enumerate(groups):
-            members = [p for p in group if id(p) in wanted]
-            if len(members) != len(list(group)):
-                raise ValueError(f"groups[{i}] holds tensors that are not trainable parameters "
-                                 "of this optimizer")
-            out[i] = members
-        return out
-
     def _ronde_rehook(self) -> None:
         """Hook exactly the parameters that are trainable now (at construction, and at a
         ``synchronize()`` that found some parameter not as it was): a hook cannot be put
@@ -254,16 +236,11 @@ class _DistributedMixin:
 
     # -- step side -------------------------------------------------------------------------
     def _ronde_validate(self) -> None:
-        table = as_table((self._ronde_names[id(p)], dtype_name(p.dtype), p.shape)
-                         for p in self._ronde_params)
-        tables = _objects.allgather_object(table, "ronde.torch.DistributedOptimizer.parameters",
-                                    self._ronde_ps)
-        ranks = self._ronde_ps.ranks
-        diff = parameter_differences(tables, ranks)
-        if diff:
-            raise TensorMismatchError(
-                f"DistributedOptimizer: the parameters differ across ranks: {diff}; "
-                "build the same model on every rank (and pass the same named_parameters)")
+        require_same_parameters(
+            ((self._ronde_names[id(p)], dtype_name(p.dtype), p.shape) for p in self._ronde_params),
+            "ronde.torch.DistributedOptimizer.parameters", self._ronde_ps,
+            "DistributedOptimizer: the parameters differ across ranks",
+            "build the same model on every rank (and pass the same named_parameters)")
         self._ronde_validated = _state.require().generation
 
     def _ronde_agree(self) -> list[int]:
@@ -368,21 +345,11 @@ class _DistributedMixin:
         """Lay the buckets out (rank 0's ready order, broadcast: the same on every rank)
         at the same synchronize() on every rank."""
         params = self._ronde_params
-        hooks = self._ronde_hooks
-
-        def eligible(i: int) -> bool:
-            p = params[i]
-            return p in hooks and p.device.type == "cpu" and not p.is_sparse and \
-                p.grad is not None and not p.grad.is_sparse and p.dtype.is_floating_point
-
-        names = [self._ronde_names[id(p)] for p in params]
         base = self._ronde_presence_name[: -len(".presence")]
-        layout = _buckets.agree_layout(order, params, eligible, self._ronde_bucket_cap(),
-                                       self._ronde_ps, f"{base}.buckets")
-        if layout:
-            self._ronde_buckets = _buckets.Buckets(
-                layout, params, names, base, lambda t, n: self._ronde_start(t, n),
-                lambda started, flat, n: self._ronde_result(started))
+        self._ronde_buckets = _buckets.make(
+            order, params, self._ronde_hooks, [self._ronde_names[id(p)] for p in params],
+            base, self._ronde_bucket_cap(), self._ronde_ps,
+            lambda t, n: self._ronde_start(t, n), lambda started, flat, n: self._ronde_result(started))
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:

@@ -9,6 +9,8 @@ which has no such limit.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import select
 from typing import Any, Sequence
 
@@ -57,3 +59,35 @@ def _poll(readers: Sequence[Any], writers: Sequence[Any], timeout_s: float,
         if ev & _OUT and fd in wobjs:
             writable.append(wobjs[fd])
     return readable, writable
+
+
+class Doorbell:
+    """A pipe that wakes a thread blocked in :func:`wait` (pass the bell among its
+    readers). One byte stays in the pipe until the woken thread drains it, so ringing
+    again before then costs nothing."""
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+        self.pending = False  #: rung and not drained yet
+
+    def fileno(self) -> int:
+        return self._r
+
+    def ring(self) -> None:
+        self.pending = True
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._w, b"x")
+
+    def drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._r, 4096):
+                pass
+        # cleared after reading, so a ring racing with this still leaves a byte
+        self.pending = False
+
+    def close(self) -> None:
+        for fd in (self._r, self._w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
