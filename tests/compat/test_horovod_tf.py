@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 pytest.importorskip("tensorflow")
@@ -20,6 +22,15 @@ CASES = [workers.errors_are_tf_errors, workers.ops_and_return_forms,
 @pytest.mark.parametrize("case", CASES, ids=lambda f: f.__name__)
 def test_horovod_tensorflow_semantics(case, np_):
     assert run_ranks(np_, case, timeout_s=130) == ["ok"] * np_
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(importlib.util.find_spec("tf_keras") is None,
+                    reason="needs tf_keras (pip install tf_keras)")
+def test_horovod_keras2_semantics_under_tf_use_legacy_keras():
+    # tf.keras = tf_keras, as for most Horovod TF users (TensorFlow's rule)
+    env = {"TF_USE_LEGACY_KERAS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    assert run_ranks(2, workers.keras2_semantics, timeout_s=130, env=env) == ["ok"] * 2
 
 
 def test_tf_errors_pickle_as_the_plain_ronde_error():

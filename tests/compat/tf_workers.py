@@ -197,3 +197,76 @@ def sync_bn_and_local_layers() -> str:
     shared_k = hvd.allreduce(tf.constant(plain[2])).numpy()
     np.testing.assert_allclose(before[2] - after[2], shared_k, rtol=1e-5)
     return "ok"
+
+
+def keras2_semantics() -> str:
+    """Under TF_USE_LEGACY_KERAS=1 (tf.keras = tf_keras), what Horovod's Keras 2 tests rely
+    on: SyncBatchNormalization is a tf_keras layer with the global batch's statistics; the
+    partial tape takes tf_keras layers; a Keras 2 optimizer with backward_passes_per_step=k
+    applies once per k passes (``_compute_gradients`` then ``apply_gradients`` in a
+    tf.function), ``_agg_helper.counter`` counts the window and ``iterations`` every pass."""
+    import tf_keras
+
+    tf, hvd = _setup()
+    r, n = hvd.rank(), hvd.size()
+    assert tf.keras.layers.Dense is tf_keras.layers.Dense, "tf.keras is not tf_keras"
+    # SyncBatchNormalization: ranks hold 2(q+1) rows; the reference sees them all
+    rows = [np.arange(2 * (q + 1) * 3, dtype=np.float32).reshape(-1, 3) * (q + 1)
+            for q in range(n)]
+    sync = hvd.SyncBatchNormalization(momentum=0.5)
+    assert isinstance(sync, tf_keras.layers.BatchNormalization), type(sync).__mro__
+    out = sync(tf.constant(rows[r]), training=True).numpy()
+    ref = tf.keras.layers.BatchNormalization(momentum=0.5, fused=False)
+    want = ref(tf.constant(np.concatenate(rows)), training=True).numpy()
+    start = sum(len(q) for q in rows[:r])
+    np.testing.assert_allclose(out, want[start:start + len(rows[r])], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(sync.moving_mean.numpy(), ref.moving_mean.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(sync.moving_variance.numpy(), ref.moving_variance.numpy(),
+                               rtol=1e-4)
+    # the partial tape on tf_keras layers: local gradients divided by the size
+    init = tf.keras.initializers.Constant(float(r + 1))
+    model = tf.keras.Sequential([tf.keras.layers.Dense(2, input_shape=(3,),
+                                                       kernel_initializer=init),
+                                 tf.keras.layers.Dense(2, kernel_initializer=init)])
+    with tf.GradientTape(persistent=True) as tape:
+        loss = tf.reduce_sum(model(tf.ones([2, 3])) ** 2)
+    plain = tape.gradient(loss, model.trainable_weights)
+    ptape = hvd.PartialDistributedGradientTape(tape, local_layers=model.layers[0])
+    local, _ = ptape.get_local_and_global_gradients(loss, model.trainable_weights)
+    for (_, g), p in zip(local, plain[:2]):
+        np.testing.assert_allclose(g.numpy(), p.numpy() / n, rtol=1e-6)
+    # a Keras 2 optimizer aggregating 3 passes: the gradient of x is rank+1 every pass
+    import ronde.tensorflow.keras as hk
+
+    for make in (lambda: tf.keras.optimizers.SGD(1.0), lambda: tf.keras.optimizers.legacy.SGD(1.0)):
+        for average in (False, True):
+            x = tf.Variable([0.0])
+            opt = hk.DistributedOptimizer(make(), backward_passes_per_step=3,
+                                          average_aggregated_gradients=average)
+
+            @tf.function
+            def step():
+                pairs = opt._compute_gradients(lambda: x * float(r + 1), var_list=[x])
+                opt.apply_gradients(pairs)
+
+            mean = (n + 1) / 2  # the gradient averaged over the ranks
+            for k in range(1, 8):
+                step()
+                applied = (k // 3) * mean * (1 if average else 3)
+                np.testing.assert_allclose(x.numpy(), [-applied], rtol=1e-6)
+                assert int(opt._agg_helper.counter.numpy()) == k % 3
+                assert int(opt.iterations.numpy()) == k
+    # IndexedSlices cannot be accumulated unless densified
+    emb = tf.Variable(tf.ones([4, 2]))
+    opt = hk.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), backward_passes_per_step=2)
+    try:
+        opt._compute_gradients(lambda: tf.reduce_sum(tf.gather(emb, [r])), var_list=[emb])
+        raise AssertionError("IndexedSlices accumulated")
+    except ValueError as exc:
+        assert "sparse_as_dense=True" in str(exc), exc
+    try:
+        hk.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), op=hk.Adasum)
+        raise AssertionError("Adasum accepted")
+    except ValueError as exc:
+        assert "Average or Sum" in str(exc), exc
+    return "ok"

@@ -37,7 +37,12 @@ class Ref:
 
 
 def install() -> None:
-    """Add the spellings to the installed Keras 3 (idempotent; no-op without Keras)."""
+    """Add the spellings to the installed Keras 3 (idempotent; no-op without Keras, and
+    under ``TF_USE_LEGACY_KERAS=1``, where ``tf.keras`` is Keras 2 and has them)."""
+    from ..keras._choice import legacy_requested
+
+    if legacy_requested():
+        return
     try:
         import keras
     except ImportError:  # pragma: no cover - depends on the environment

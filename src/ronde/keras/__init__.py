@@ -15,22 +15,23 @@ tensorflow``)::
                          hvd.callbacks.MetricAverageCallback()],
               verbose=1 if hvd.rank() == 0 else 0)
 
-See docs/keras.md for what runs where on each backend.
+See docs/keras.md for what runs where on each backend. With ``TF_USE_LEGACY_KERAS=1`` and
+``tf_keras`` installed (TensorFlow's rule for ``tf.keras``, :mod:`._choice`), the same API
+works on Keras 2: the callbacks are ``tf_keras`` callbacks and ``DistributedOptimizer``
+wraps Keras 2 optimizers (:mod:`.keras2_optimizer`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-try:
-    import keras as _keras  # noqa: F401
-except ImportError as _exc:  # pragma: no cover - depends on the environment
-    raise ImportError("ronde.keras needs Keras 3 and a backend: pip install 'keras>=3' "
-                      "and one of tensorflow-cpu, jax or torch") from _exc
+from ._choice import keras_module
 
-import numpy as np
+keras_module()  # the Keras that tf.keras is (TensorFlow's rule), or an ImportError naming the fix
 
-from .. import _api, _facade, _objects
+import numpy as np  # noqa: E402
+
+from .. import _api, _facade, _objects  # noqa: E402
 
 __all__ = _facade.export_common(globals())
 
@@ -38,16 +39,14 @@ from .._api import barrier, join  # noqa: E402,F401
 from ..frameworks.host_reduce import NUMPY_COMPRESSION as Compression
 from ..process_sets import ProcessSet, global_process_set
 from . import callbacks
-from ._bridge import to_numpy
+from ._bridge import to_numpy, to_tensor
 from .callbacks import broadcast_model
 from .optimizer import DistributedOptimizer, PartialDistributedOptimizer, is_distributed
 from .saving import load_model, save_checkpoint
 
 
 def _tensor(value: np.ndarray) -> Any:
-    import keras
-
-    return keras.ops.convert_to_tensor(value)
+    return to_tensor(value)
 
 
 def allreduce(value: Any, name: str | None = None, average: bool | None = None,

@@ -12,6 +12,9 @@ eager. What runs where:
 * ``torch``: eager (Keras' default on torch); tensors cross through numpy
   without copies on CPU (:mod:`ronde.torch._tensors`).
 * ``numpy``: a direct call.
+
+With Keras 2 (``tf_keras``, chosen by TensorFlow's rule: :mod:`._choice`) the backend
+is always TensorFlow.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ._choice import keras_module, uses_tf_keras
+
 logger = logging.getLogger(__name__)
 
 HostFn = Callable[..., Sequence[np.ndarray]]
@@ -28,9 +33,7 @@ HostFn = Callable[..., Sequence[np.ndarray]]
 
 def backend_name() -> str:
     """The active Keras backend (``tensorflow``, ``jax``, ``torch``, ``numpy``)."""
-    import keras
-
-    return str(keras.backend.backend())
+    return str(keras_module().backend.backend())
 
 
 def host_map(fn: HostFn, tensors: Sequence[Any], name: str = "ronde") -> list[Any]:
@@ -71,9 +74,20 @@ def host_map(fn: HostFn, tensors: Sequence[Any], name: str = "ronde") -> list[An
 
 def to_numpy(tensor: Any) -> np.ndarray:
     """A numpy copy of a backend tensor or Keras variable (eager only)."""
-    import keras
+    if uses_tf_keras():
+        import tensorflow as tf
 
-    return np.asarray(keras.ops.convert_to_numpy(tensor))
+        return np.asarray(tf.convert_to_tensor(tensor).numpy())
+    return np.asarray(keras_module().ops.convert_to_numpy(tensor))
+
+
+def to_tensor(value: Any) -> Any:
+    """A backend tensor holding ``value`` (a numpy array or number)."""
+    if uses_tf_keras():
+        import tensorflow as tf
+
+        return tf.convert_to_tensor(value)
+    return keras_module().ops.convert_to_tensor(value)
 
 
 def sync_jax_state(model: Any) -> None:

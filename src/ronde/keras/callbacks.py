@@ -14,23 +14,30 @@
 Each switches off ``jit_compile`` on the TensorFlow backend when the model uses a
 ``DistributedOptimizer`` (XLA cannot compile ronde's host call), with one log line.
 On JAX, callbacks that assign variables during ``fit`` sync JAX's in-flight state
-first, so their changes are not lost.
+first, so their changes are not lost. They subclass the callbacks of the Keras that
+``tf.keras`` is (:mod:`._choice`): Keras 3, or ``tf_keras`` under
+``TF_USE_LEGACY_KERAS=1``; on Keras 2 optimizers whose momentum is a variable
+(``tf_keras.optimizers.legacy``), the learning-rate callbacks apply Horovod's momentum
+correction.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Callable
 
-import keras
 import numpy as np
 
 from .. import _api
 from ..process_sets import ProcessSet, global_process_set
 from ._bridge import backend_name, mark_variables_changed, sync_jax_state, to_numpy
+from ._choice import keras_module, uses_tf_keras
 from .optimizer import is_distributed
+from .saving import write_atomically
 
 logger = logging.getLogger(__name__)
+keras = keras_module()
 
 
 def switch_off_xla(model: Any) -> None:
@@ -56,13 +63,20 @@ def broadcast_model(model: Any, root_rank: int, optimizer: bool,
     if optimizer and getattr(model, "optimizer", None) is not None:
         # Gradient accumulators hold this rank's partial window: never overwrite them.
         local = {id(v) for v in getattr(model.optimizer, "_accumulated_gradients", None) or ()}
-        variables += [v for v in model.optimizer.variables
+        variables += [v for v in optimizer_variables(model.optimizer)
                       if id(v) not in local and id(v) not in keep]
     values = _broadcast_arrays([to_numpy(v) for v in variables], root_rank,
                               f"broadcast_model.{len(variables)}", process_set)
     for v, value in zip(variables, values):
         v.assign(value)
     mark_variables_changed(model)
+
+
+def optimizer_variables(optimizer: Any) -> list[Any]:
+    """An optimizer's variables: Keras 3's and ``tf_keras``' property, or Keras 2's
+    legacy method ``variables()``."""
+    found = optimizer.variables
+    return list(found() if callable(found) else found)
 
 
 def _broadcast_arrays(arrays: list[np.ndarray], root_rank: int, prefix: str,
@@ -134,6 +148,15 @@ class MetricAverageCallback(keras.callbacks.Callback):
             logs[k] = v
 
 
+def momentum_is_variable(optimizer: Any) -> bool:
+    """True for a Keras 2 legacy optimizer with momentum (``OptimizerV2`` keeps it in a
+    variable that the compiled step reads, so changing it between batches takes effect)."""
+    tf_keras = sys.modules.get("tf_keras")
+    legacy = getattr(getattr(tf_keras, "optimizers", None), "legacy", None)
+    return bool(legacy is not None and isinstance(optimizer, legacy.Optimizer)
+                and "momentum" in optimizer.get_config())
+
+
 def get_lr(optimizer: Any) -> float:
     """The optimizer's current learning rate as a float."""
     return float(to_numpy(optimizer.learning_rate))
@@ -149,8 +172,11 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         end_epoch: epoch it stops applying at (None: never).
         staircase: adjust once per epoch (True) or every batch with a fractional
             epoch ``epoch + batch / steps_per_epoch`` (False).
-        momentum_correction: Horovod scales momentum with the LR change; Keras 3
-            optimizers hold momentum as a constant, so this is not applied (logged once).
+        momentum_correction: Horovod's correction: for the batch after an LR change,
+            momentum is scaled by ``new_lr / old_lr``. Applied where momentum is a
+            variable (Keras 2's ``tf_keras.optimizers.legacy``); Keras 3 and current
+            ``tf_keras`` optimizers compile momentum in as a constant, so there it is
+            not applied (logged once).
         steps_per_epoch: batches per epoch (default: from ``fit``'s parameters).
         verbose: print changes on rank 0.
     """
@@ -169,6 +195,8 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         self.steps_per_epoch = steps_per_epoch
         self.verbose = verbose
         self.current_epoch = 0
+        self._correct_momentum = False
+        self._restore_momentum: float | None = None
 
     def _active(self, epoch: int) -> bool:
         return epoch >= self.start_epoch and (self.end_epoch is None or epoch < self.end_epoch)
@@ -176,7 +204,15 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
     def _set(self, epoch: float) -> None:
         lr = self.initial_lr * float(self.multiplier(epoch))
         sync_jax_state(self.model)
-        self.model.optimizer.learning_rate = lr
+        opt = self.model.optimizer
+        if self._correct_momentum:
+            old_lr = get_lr(opt)
+            momentum = (self._restore_momentum if self._restore_momentum is not None
+                        else float(to_numpy(opt.momentum)))
+            if old_lr and momentum:
+                self._restore_momentum = momentum
+                opt.momentum = momentum * lr / old_lr
+        opt.learning_rate = lr
         mark_variables_changed(self.model)
 
     def on_train_begin(self, logs: Any = None) -> None:
@@ -186,9 +222,13 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         if not self.staircase and not self.steps_per_epoch:
             raise ValueError(f"{type(self).__name__}: could not tell the number of batches "
                              "per epoch; pass steps_per_epoch=")
-        if self.momentum_correction and getattr(self.model.optimizer, "momentum", None):
-            logger.info("%s: momentum correction is not applied to Keras 3 optimizers "
-                        "(momentum is a constant of the compiled step)", type(self).__name__)
+        opt = self.model.optimizer
+        self._correct_momentum = bool(self.momentum_correction and momentum_is_variable(opt))
+        if (self.momentum_correction and not self._correct_momentum
+                and getattr(opt, "momentum", None)):
+            logger.info("%s: momentum correction is not applied to %s (its momentum is a "
+                        "constant of the compiled step; Keras 2's tf_keras.optimizers.legacy "
+                        "optimizers get it)", type(self).__name__, type(opt).__name__)
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self.current_epoch = epoch
@@ -198,6 +238,11 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
         if self._active(self.current_epoch) and not self.staircase:
             self._set(self.current_epoch + float(batch) / float(self.steps_per_epoch or 1))
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if self._restore_momentum is not None:
+            self.model.optimizer.momentum = self._restore_momentum
+            self._restore_momentum = None
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         if logs is not None:
@@ -262,12 +307,13 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
     def _save_model(self, *args: Any, **kwargs: Any) -> Any:
         if _api.rank() != 0:
             return None
-        model = self._model
-        self._model = _AtomicSaves(model)  # whole files only (ronde/checkpoint.py)
+        attr = "model" if uses_tf_keras() else "_model"  # tf_keras: a plain attribute
+        model = getattr(self, attr)
+        setattr(self, attr, _AtomicSaves(model))  # whole files only (ronde/checkpoint.py)
         try:
             return super()._save_model(*args, **kwargs)
         finally:
-            self._model = model
+            setattr(self, attr, model)
 
 
 class _AtomicSaves:
@@ -278,15 +324,11 @@ class _AtomicSaves:
         self._wrapped = model
 
     def save(self, filepath: str, *args: Any, **kwargs: Any) -> None:
-        from ..checkpoint import atomic_save
-
-        atomic_save(filepath, write_path=lambda tmp: self._wrapped.save(tmp, *args, **kwargs))
+        write_atomically(filepath, lambda path: self._wrapped.save(path, *args, **kwargs))
 
     def save_weights(self, filepath: str, *args: Any, **kwargs: Any) -> None:
-        from ..checkpoint import atomic_save
-
-        atomic_save(filepath,
-                    write_path=lambda tmp: self._wrapped.save_weights(tmp, *args, **kwargs))
+        write_atomically(filepath,
+                         lambda path: self._wrapped.save_weights(path, *args, **kwargs))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._wrapped, name)

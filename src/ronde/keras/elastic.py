@@ -1,8 +1,9 @@
-"""Elastic training with Keras 3: ``KerasState`` and the state callbacks.
+"""Elastic training with Keras: ``KerasState`` and the state callbacks.
 
 Horovod's ``horovod.keras.elastic`` / ``horovod.tensorflow.keras.elastic`` API, on every
-Keras backend (the values move as numpy arrays through ronde's collectives). The reset
-loop and host notices are ronde's shared ones (:mod:`ronde.elastic`)::
+Keras 3 backend and on Keras 2 (``tf_keras``, :mod:`._choice`); the values move as numpy
+arrays through ronde's collectives. The reset loop and host notices are ronde's shared
+ones (:mod:`ronde.elastic`)::
 
     state = hvd.elastic.KerasState(model, batch=0, epoch=0)
     callbacks = [hvd.elastic.CommitStateCallback(state),
@@ -25,12 +26,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import keras
 import numpy as np
 
 from ..elastic import (HorovodInternalError, HostsUpdatedInterrupt, HostUpdateResult,
                        ObjectState, State, run, run_fn)
 from ._bridge import to_numpy
+from ._choice import keras_module
+
+keras = keras_module()  # Keras 3, or tf_keras under TF_USE_LEGACY_KERAS=1 (TensorFlow's rule)
 
 
 def _optimizer_variables(optimizer: Any) -> list[Any]:

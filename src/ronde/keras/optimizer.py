@@ -17,6 +17,9 @@ On TensorFlow, XLA cannot compile the host call: a model compiled with
 ``jit_compile=True`` must not use this optimizer (the ronde callbacks switch
 ``jit_compile`` off with a log line; otherwise the first step raises a
 ``RondeError`` that says so). JAX's ``jit`` and torch need nothing.
+
+A Keras 2 optimizer (``tf_keras``, used under ``TF_USE_LEGACY_KERAS=1``) is wrapped
+by :mod:`.keras2_optimizer` instead, with Horovod's Keras 2 semantics.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from ..frameworks.local_grads import LocalSources, layer_variables, reduce_excep
 from ..frameworks.naming import gradient_name
 from ..process_sets import ProcessSet, global_process_set
 from ._bridge import backend_name, host_map
+from ._choice import keras_module
 
 logger = logging.getLogger(__name__)
 
@@ -197,8 +201,21 @@ def distributed_class(base: type) -> type:
 
 
 def is_distributed(optimizer: Any) -> bool:
-    """True for an optimizer returned by ``DistributedOptimizer``."""
-    return isinstance(optimizer, _DistributedMixin)
+    """True for an optimizer returned by ``DistributedOptimizer`` (Keras 3 or Keras 2)."""
+    return isinstance(optimizer, _DistributedMixin) or bool(
+        getattr(type(optimizer), "_ronde_keras2", False))
+
+
+def is_keras2(optimizer: Any) -> bool:
+    """True for a Keras 2 optimizer (a class of the ``tf_keras`` package)."""
+    return "tf_keras" in sys.modules and any(
+        c.__module__.split(".")[0] == "tf_keras" for c in type(optimizer).__mro__)
+
+
+def optimizer_name(optimizer: Any) -> str:
+    """The optimizer's name (Keras 2's legacy optimizers keep it in ``_name``)."""
+    return str(getattr(optimizer, "name", None) or getattr(optimizer, "_name", None)
+               or type(optimizer).__name__)
 
 
 def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: bool = False,
@@ -209,10 +226,12 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
                          average_aggregated_gradients: bool = False, num_groups: int = 0,
                          groups: Any = None, process_set: ProcessSet = global_process_set,
                          scale_local_gradients: bool = True) -> Any:
-    """Wrap a Keras 3 optimizer so that it applies gradients averaged over the ranks.
+    """Wrap a Keras optimizer so that it applies gradients averaged over the ranks.
 
     Args:
-        optimizer: a Keras 3 optimizer (``keras.optimizers.Adam(...)``).
+        optimizer: a Keras 3 optimizer (``keras.optimizers.Adam(...)``), or a Keras 2
+            one (``tf_keras.optimizers.Adam``, ``tf_keras.optimizers.legacy.Adam``; see
+            :mod:`.keras2_optimizer`).
         name: prefix of the gradients' collective names (default: the optimizer's name).
         use_locking: ignored (Horovod compatibility).
         device_dense: ignored (Horovod compatibility).
@@ -238,6 +257,8 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
         A new optimizer of a subclass of ``type(optimizer)`` built from its config.
         An optimizer that already holds variables (after a step, or from
         ``load_model``) is converted in place instead, keeping its state.
+        For a Keras 2 optimizer, ``backward_passes_per_step`` is Horovod's own local
+        aggregation (``opt._agg_helper``), and ``op`` must be Average or Sum.
 
     Raises:
         ValueError: an unsupported op, or ``backward_passes_per_step`` that conflicts
@@ -255,15 +276,19 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
     passes = int(backward_passes_per_step)
     if passes < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+    options = Options(int(resolved), 1.0 / gradient_predivide_factor,
+                      float(gradient_predivide_factor), compression, bool(sparse_as_dense),
+                      process_set, name or f"DistributedOptimizer.{optimizer_name(optimizer)}",
+                      passes, bool(average_aggregated_gradients), LocalSources(),
+                      bool(scale_local_gradients))
+    if is_keras2(optimizer):
+        from .keras2_optimizer import distributed
+
+        return distributed(optimizer, options)
     own = int(getattr(optimizer, "gradient_accumulation_steps", None) or 1)
     if passes > 1 and own > 1 and own != passes:
         raise ValueError(f"backward_passes_per_step={passes} conflicts with the optimizer's "
                          f"gradient_accumulation_steps={own}; set only one of them")
-    options = Options(int(resolved), 1.0 / gradient_predivide_factor,
-                      float(gradient_predivide_factor), compression, bool(sparse_as_dense),
-                      process_set, name or f"DistributedOptimizer.{optimizer.name}", passes,
-                      bool(average_aggregated_gradients), LocalSources(),
-                      bool(scale_local_gradients))
     cls: Any = distributed_class(type(optimizer))
     if getattr(optimizer, "built", False):
         if passes > 1 and own != passes:
@@ -304,11 +329,9 @@ def PartialDistributedOptimizer(optimizer: Any, name: str | None = None,
     ``scale_local_gradients``, are divided by the set's size. The other arguments are
     ``DistributedOptimizer``'s.
     """
-    import keras
-
     if _api.resolve_op(op, None) not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise ValueError("op currently only supports Average and Sum")
-    local_vars = layer_variables(local_layers, keras.layers.Layer)
+    local_vars = layer_variables(local_layers, keras_module().layers.Layer)
     opt = DistributedOptimizer(optimizer, name=name, compression=compression,
                                sparse_as_dense=sparse_as_dense,
                                backward_passes_per_step=backward_passes_per_step, op=op,

@@ -1,4 +1,8 @@
-"""ronde for TensorFlow 2: Horovod's ``horovod.tensorflow`` API on TF >= 2.16 and Keras 3.
+"""ronde for TensorFlow 2: Horovod's ``horovod.tensorflow`` API on TF >= 2.16.
+
+``tf.keras`` is Keras 3, or Keras 2 (``tf_keras``) under ``TF_USE_LEGACY_KERAS=1``: the
+Keras parts (optimizer, callbacks, ``SyncBatchNormalization``) follow TensorFlow's rule
+(:mod:`ronde.keras._choice`).
 
 A Horovod TF2 script runs with only its import changed::
 
@@ -36,8 +40,9 @@ from typing import Any
 try:
     import tensorflow as _tensorflow  # noqa: F401
 except ImportError as _exc:  # pragma: no cover - depends on the environment
-    raise ImportError("ronde.tensorflow needs TensorFlow >= 2.16 and Keras 3: pip install "
-                      "tensorflow-cpu 'keras>=3' (not tf-keras)") from _exc
+    raise ImportError("ronde.tensorflow needs TensorFlow >= 2.16: pip install tensorflow-cpu "
+                      "'keras>=3' (and tf_keras for Keras 2 under TF_USE_LEGACY_KERAS=1)"
+                      ) from _exc
 
 from .. import _facade
 

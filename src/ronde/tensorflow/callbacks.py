@@ -1,6 +1,6 @@
 """``hvd.callbacks`` on the TensorFlow module (as many Horovod TF2 tutorials write it).
 
-The same Keras 3 callbacks as :mod:`ronde.keras.callbacks`.
+The same callbacks as :mod:`ronde.keras.callbacks` (of the Keras that ``tf.keras`` is).
 """
 
 from ..keras.callbacks import (BestModelCheckpoint, BroadcastGlobalVariablesCallback,  # noqa: F401

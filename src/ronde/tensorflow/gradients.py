@@ -223,9 +223,9 @@ def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense: str 
     ``get_local_and_global_gradients(target, sources)`` returns both parts. The
     other arguments are ``DistributedGradientTape``'s.
     """
-    import keras
+    from ..keras._choice import keras_module
 
-    local_vars = layer_variables(local_layers, keras.layers.Layer)
+    local_vars = layer_variables(local_layers, keras_module().layers.Layer)
     tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression,
                                    sparse_as_dense, op, gradient_predivide_factor,
                                    num_groups, groups, process_set, scale_local_gradients)

@@ -1,7 +1,8 @@
 """``import ronde.tensorflow.keras as hvd``: Horovod's ``horovod.tensorflow.keras`` spelling.
 
-Everything is :mod:`ronde.keras` (Keras 3 on the TensorFlow backend here), plus
-the TensorFlow collectives' ``broadcast_variables``.
+Everything is :mod:`ronde.keras` (Keras 3 on the TensorFlow backend, or Keras 2 =
+``tf_keras`` under ``TF_USE_LEGACY_KERAS=1``, as ``tf.keras`` is), plus the TensorFlow
+collectives' ``broadcast_variables``.
 """
 
 from __future__ import annotations
