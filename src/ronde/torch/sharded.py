@@ -1,0 +1,487 @@
+"""``ShardedOptimizer``: the optimizer's state (stage 1) and the gradients (stage 2) split
+over the ranks, for any torch optimizer whose step is elementwise (ZeRO, arXiv 1910.02054;
+docs/sharding.md for users).
+
+Layout: the parameters, in reverse order (backward's), go in buckets of one dtype laid out
+as :mod:`._buckets` does; a bucket of ``L`` elements is padded to ``N * S`` (``S =
+ceil(L / N)``) and rank ``r`` owns elements ``[r*S, (r+1)*S)``: split by elements, not by
+tensors, so the ranks' shares differ by at most one element a bucket. The layout follows
+from the parameter table (compared across ranks when the optimizer is made) and ``N``.
+
+Pieces: the part of a parameter this rank owns is a flat view of its storage
+(``p.detach().view(-1)[a:b]``); the param groups hold the pieces, so the optimizer's state
+exists for them only, LR schedulers still work, and the optimizer's own step updates the
+owned part of each parameter in place.
+
+A step: each final gradient is copied by its hook into its bucket, and a full bucket
+starts a reduce-scatter (Average) while backward goes on; at the end of the backward pass
+(an autograd callback) every bucket not started in it starts, with zeros where this rank
+has no gradient, so every rank reduces every bucket exactly once per window (stage 1) or
+per pass (stage 2, which frees ``p.grad`` and the bucket buffers as it goes).
+``step()`` gives each piece its averaged slice as ``.grad`` (None where no rank had a
+gradient: DDP's rule, one presence count a step), steps on the pieces, and allgathers the
+updated slices into the parameters: the volume of one allreduce.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from .. import _api, _state
+from .._errors import RondeError, UnsupportedError
+from .._ops import ReduceOp
+from ..frameworks.accumulation import TooManyPassesError
+from ..frameworks.naming import name_parameters, require_same_parameters
+from ..process_sets import ProcessSet, global_process_set
+from . import _buckets
+from . import _collectives as C
+from ._tensors import dtype_name
+from ._wrap import inner, wrap
+from .compression import Compression
+from ._elementwise import check_elementwise, slice_state
+
+class _Piece:
+    """The part ``[a, b)`` of flattened parameter ``index`` that this rank owns, at
+    ``at`` in its bucket's slice."""
+
+    __slots__ = ("index", "name", "a", "b", "at", "tensor")
+
+    def __init__(self, index: int, name: str, a: int, b: int, at: int,
+                 tensor: torch.Tensor) -> None:
+        self.index, self.name, self.a, self.b, self.at, self.tensor = index, name, a, b, at, tensor
+
+
+class _Bucket:
+    """Consecutive parameters of one dtype, reduce-scattered as one flat buffer."""
+
+    def __init__(self, name: str, members: list[int], params: list[torch.Tensor],
+                 names: list[str], rank: int, size: int) -> None:
+        self.name = name
+        self.members = members
+        self.dtype = params[members[0]].dtype
+        self.offset: dict[int, int] = {}
+        at = 0
+        for i in members:
+            self.offset[i] = at
+            at += params[i].numel()
+        self.length = at
+        self.per = -(-at // size)  # S: each rank's slice, the bucket padded to size * S
+        self.padded = self.per * size
+        lo, hi = rank * self.per, min((rank + 1) * self.per, at)
+        self.pieces: list[_Piece] = []
+        for i in members:
+            o, m = self.offset[i], params[i].numel()
+            a, b = max(o, lo) - o, min(o + m, hi) - o
+            if a < b:
+                flat = params[i].detach().view(-1)
+                self.pieces.append(_Piece(i, names[i], a, b, o + a - lo, flat[a:b]))
+        self.hooked: set[int] = set()  # members whose hook puts their gradient
+        self.unhooked: list[torch.Tensor] = []  # members without a hook now
+        self.buf: torch.Tensor | None = None  # size * S: this pass's gradients
+        self.filled: set[int] = set()
+        self.started: Any = None  # (handle, compression context)
+        self.slice = torch.zeros(self.per, dtype=self.dtype)  # the averaged slice
+        self.summed = False  # whether ``slice`` holds a reduction of this window
+        self.last_pass = -1  # the backward pass (of this window) it was last started in
+        self.gathering: Any = None  # the allgather of the updated slices
+
+    def put(self, i: int, grad: torch.Tensor) -> None:
+        if self.buf is None:
+            self.buf = torch.zeros(self.padded, dtype=self.dtype)
+        o = self.offset[i]
+        dst = self.buf[o:o + grad.numel()]
+        with torch.no_grad():
+            if i in self.filled:  # a second pass before this bucket was reduced
+                dst.add_(grad.reshape(-1))
+            else:
+                dst.copy_(grad.reshape(-1))
+        self.filled.add(i)
+
+    def due(self, cur: int, stage: int) -> bool:
+        """Whether this bucket is still to be reduced in backward pass ``cur`` (stage 2:
+        once a pass; stage 1: once a window)."""
+        return self.last_pass != cur and (stage == 2 or self.last_pass < 0)
+
+    def complete(self, cur: int, stage: int) -> bool:
+        """Every hooked member's gradient is in, and no member without a hook wants in."""
+        return self.started is None and self.due(cur, stage) \
+            and len(self.filled) >= len(self.hooked) and self.filled >= self.hooked \
+            and not any(p.requires_grad for p in self.unhooked)
+
+
+class _ShardedMixin:
+    """Methods mixed in front of the user's optimizer class."""
+
+    param_groups: list[dict[str, Any]]
+    state: Any
+
+    def _ronde_init(self, named_parameters: Any, stage: int, backward_passes_per_step: int,
+                    compression: Any, process_set: ProcessSet) -> None:
+        self._ronde_stage = stage
+        self._ronde_passes = int(backward_passes_per_step)
+        self._ronde_compression = compression
+        self._ronde_ps = process_set
+        names = name_parameters(self.param_groups, named_parameters)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for p in params:
+            if p.is_sparse or not p.dtype.is_floating_point:
+                raise UnsupportedError(f"ShardedOptimizer: parameter {names[id(p)]!r} is "
+                                       f"{'sparse' if p.is_sparse else dtype_name(p.dtype)}; "
+                                       "only dense floating-point parameters can be sharded")
+            if not p.is_contiguous():
+                raise UnsupportedError(f"ShardedOptimizer: parameter {names[id(p)]!r} is not "
+                                       "contiguous (channels_last?); its pieces must be views "
+                                       "of its storage: make it contiguous before wrapping")
+        self._ronde_params = params
+        self._ronde_names = [names[id(p)] for p in params]
+        self._ronde_index = {id(p): i for i, p in enumerate(params)}
+        self._ronde_full_groups = [list(g["params"]) for g in self.param_groups]
+        member = process_set is global_process_set or process_set.included()
+        self._ronde_solo = not member or _api.size() == 1 or C.set_size(process_set) == 1
+        if not self._ronde_solo:
+            require_same_parameters(
+                zip(self._ronde_names, (dtype_name(p.dtype) for p in params),
+                    (p.shape for p in params)),
+                "ronde.torch.ShardedOptimizer.parameters", process_set,
+                "ShardedOptimizer: the parameters differ across ranks",
+                "build the same model on every rank (and pass the same named_parameters)")
+        rank, size = (0, 1) if self._ronde_solo else (_api.set_rank(process_set),
+                                                      C.set_size(process_set))
+        self._ronde_rank, self._ronde_size = rank, size
+        self._ronde_generation = _state.require().generation
+        order = list(range(len(params)))[::-1]
+        base = f"ShardedOptimizer.{self._ronde_names[0]}" if params else "ShardedOptimizer"
+        layout = _buckets.layout(order, params, lambda i: True, _state.require().cfg.bucket_bytes
+                                 or _buckets.FIRST_BUCKET_BYTES)
+        self._ronde_buckets = [_Bucket(f"{base}.shard{k}.{len(ids)}", ids, params,
+                                       self._ronde_names, rank, size)
+                               for k, ids in enumerate(layout)]
+        self._ronde_bucket_of = {i: b for b in self._ronde_buckets for i in b.members}
+        pieces = {p.index: p for b in self._ronde_buckets for p in b.pieces}
+        self._ronde_pieces = pieces
+        old_state = dict(self.state)
+        self.state = collections.defaultdict(dict)
+        for group in self.param_groups:
+            group["params"] = [pieces[self._ronde_index[id(p)]].tensor for p in group["params"]
+                               if self._ronde_index[id(p)] in pieces]
+        for i, piece in pieces.items():  # an optimizer with state already: keep this rank's part
+            if params[i] in old_state:
+                self.state[piece.tensor] = slice_state(old_state[params[i]], params[i], piece.a,
+                                                       piece.b, piece.name)
+        self._ronde_had: set[int] = set()  # parameters with a gradient in this window
+        self._ronde_pass = 0  # backward passes in this window
+        self._ronde_queued = False
+        self._ronde_synced = False
+        self._ronde_should_sync = True
+        self._ronde_hooks: dict[torch.Tensor, Any] = {}
+        self._ronde_rehook()
+
+    # -- hooks -----------------------------------------------------------------------------
+    def _ronde_rehook(self) -> None:
+        hooks = self._ronde_hooks
+        for p in self._ronde_params:
+            if p.requires_grad and p not in hooks:
+                hooks[p] = p.register_post_accumulate_grad_hook(self._ronde_hook)
+            elif not p.requires_grad and p in hooks:
+                hooks.pop(p).remove()
+        for b in self._ronde_buckets:
+            b.hooked = {i for i in b.members if self._ronde_params[i] in hooks}
+            b.unhooked = [self._ronde_params[i] for i in b.members if i not in b.hooked]
+
+    def _ronde_hook(self, p: torch.Tensor) -> None:
+        if not self._ronde_queued:  # the end of this backward pass closes it (see _ronde_pass_end)
+            if self._ronde_pass >= self._ronde_passes:
+                raise TooManyPassesError(
+                    f"ShardedOptimizer: {self._ronde_pass + 1} backward passes before "
+                    f"optimizer.step() with backward_passes_per_step={self._ronde_passes}; "
+                    "call step() after each window, or raise backward_passes_per_step")
+            self._ronde_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._ronde_pass_end)
+        i = self._ronde_index[id(p)]
+        self._ronde_had.add(i)
+        if self._ronde_stage == 1 and self._ronde_pass + 1 < self._ronde_passes:
+            return  # torch accumulates the window in p.grad; the last pass puts it
+        b = self._ronde_bucket_of[i]
+        if b.started is not None:  # stage 2: this bucket's previous pass is still moving
+            self._ronde_finish(b)
+        b.put(i, p.grad)
+        if self._ronde_stage == 2:
+            p.grad = None
+        if b.complete(self._ronde_pass, self._ronde_stage):
+            self._ronde_start(b)
+
+    def _ronde_pass_end(self) -> None:
+        """The end of a backward pass: on the window's last pass (every pass in stage
+        2), start every bucket not started in it: the same count on every rank."""
+        self._ronde_queued = False
+        if self._ronde_stage == 2 or self._ronde_pass + 1 == self._ronde_passes:
+            self._ronde_start_rest()
+        self._ronde_pass += 1
+
+    def _ronde_start_rest(self) -> None:
+        params, cur, stage = self._ronde_params, self._ronde_pass, self._ronde_stage
+        for b in self._ronde_buckets:
+            if not b.due(cur, stage):
+                continue
+            if b.started is not None:  # stage 2: the previous pass's reduction
+                self._ronde_finish(b)
+            for q in b.unhooked:  # unfrozen since the hooks were set: its gradient now
+                i = self._ronde_index[id(q)]
+                if q.requires_grad and q.grad is not None and i not in b.filled:
+                    self._ronde_had.add(i)
+                    b.put(i, q.grad)
+            if self._ronde_stage == 1:  # a partial window: what torch accumulated so far
+                for i in b.hooked - b.filled:
+                    if params[i].grad is not None:
+                        b.put(i, params[i].grad)
+            self._ronde_start(b)
+
+    def _ronde_start(self, b: _Bucket) -> None:
+        if b.buf is None:
+            b.buf = torch.zeros(b.padded, dtype=b.dtype)
+        else:  # zeros where this rank has no gradient
+            for i in b.members:
+                if i not in b.filled:
+                    o = b.offset[i]
+                    b.buf[o:o + self._ronde_params[i].numel()].zero_()
+        b.last_pass = self._ronde_pass
+        if self._ronde_solo:
+            b.started = (None, b.buf)
+            return
+        comp = self._ronde_compression
+        wire, ctx = comp.compress(b.buf)
+        b.started = (C.reducescatter_async(wire, b.name, ReduceOp.AVERAGE, self._ronde_ps), ctx)
+
+    def _ronde_finish(self, b: _Bucket) -> None:
+        handle, ctx = b.started
+        if handle is None:  # one rank: the gradients are the average
+            out = ctx[:b.per]
+        else:
+            out = handle.wait()
+            comp = self._ronde_compression
+            out = comp.decompress(out, ctx) if comp is not Compression.none else out
+        with torch.no_grad():
+            if b.summed:
+                b.slice.add_(out)
+            else:
+                b.slice.copy_(out)
+        b.summed = True
+        b.started, b.filled = None, set()
+        if self._ronde_stage == 2:
+            b.buf = None
+
+    # -- the step --------------------------------------------------------------------------
+    @torch.compiler.disable
+    def synchronize(self) -> None:
+        """Wait for every bucket's averaged slice and give each piece its ``.grad``
+        (None where no rank had a gradient). ``step()`` calls it; call it yourself
+        before reading the pieces' gradients, then step inside ``skip_synchronize()``."""
+        if self._ronde_synced:
+            return
+        if _state.require().generation != self._ronde_generation:
+            raise UnsupportedError(
+                "ShardedOptimizer: the job was resized (an elastic reset) since this optimizer "
+                "was made; its shards follow no resize yet: save_sharded() before and "
+                "load_sharded() into a new ShardedOptimizer after, or use DistributedOptimizer")
+        if not self._ronde_had and not any(b.summed or b.started for b in self._ronde_buckets):
+            raise RondeError(f"optimizer.step() found no gradients on rank {_api.rank()}: call "
+                             "loss.backward() before optimizer.step()")
+        if self._ronde_stage == 1 or self._ronde_pass == 0:
+            self._ronde_start_rest()  # a window cut short (fewer passes), or no hook ran
+        flags = torch.zeros(len(self._ronde_params), dtype=torch.int32)
+        flags[list(self._ronde_had)] = 1
+        presence = flags if self._ronde_solo else C.allreduce_async(
+            flags, None, f"{self._ronde_buckets[0].name}.presence", ReduceOp.SUM, 1.0, 1.0,
+            self._ronde_ps)
+        for b in self._ronde_buckets:
+            if b.started is not None:
+                self._ronde_finish(b)
+        counts = presence if self._ronde_solo else presence.wait()
+        counts = counts.tolist()
+        for b in self._ronde_buckets:
+            for piece in b.pieces:
+                piece.tensor.grad = b.slice[piece.at:piece.at + piece.b - piece.a] \
+                    if counts[piece.index] else None
+        self._ronde_synced = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside this block ``step()`` does not synchronize (you called it)."""
+        self._ronde_should_sync = False
+        try:
+            yield
+        finally:
+            self._ronde_should_sync = True
+
+    @torch.compiler.disable
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the averaged gradients by their global norm (over every rank's slices:
+        one allreduce of a number); returns the norm before clipping, as
+        ``torch.nn.utils.clip_grad_norm_`` does for one process."""
+        self.synchronize()
+        grads = [p.tensor.grad for b in self._ronde_buckets for p in b.pieces
+                 if p.tensor.grad is not None]
+        p_ = float(norm_type)
+        if p_ == float("inf"):
+            local = torch.tensor([max((g.abs().max().item() for g in grads), default=0.0)])
+            total = local if self._ronde_solo else C.allreduce_async(
+                local, None, "ShardedOptimizer.clip", ReduceOp.MAX, 1.0, 1.0,
+                self._ronde_ps).wait()
+            norm = total[0]
+        else:
+            local = torch.tensor([sum(float(g.double().abs().pow(p_).sum()) for g in grads)],
+                                 dtype=torch.float64)
+            total = local if self._ronde_solo else C.allreduce_async(
+                local, None, "ShardedOptimizer.clip", ReduceOp.SUM, 1.0, 1.0,
+                self._ronde_ps).wait()
+            norm = total[0] ** (1.0 / p_)
+        scale = float(max_norm) / (float(norm) + 1e-6)
+        if scale < 1.0:
+            with torch.no_grad():
+                for g in grads:
+                    g.mul_(scale)
+        return torch.as_tensor(float(norm))
+
+    @torch.compiler.disable
+    def step(self, closure: Any = None) -> Any:
+        """Run ``closure`` (if any), synchronize, step on this rank's pieces, then gather
+        every rank's updated pieces into the parameters."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._ronde_should_sync:
+            self.synchronize()
+        elif not self._ronde_synced:
+            raise RondeError("ShardedOptimizer.step() inside skip_synchronize() needs "
+                             "synchronize() first")
+        out = inner(self, _ShardedMixin, "step")()
+        self._ronde_gather()
+        self._ronde_new_window()
+        return loss if closure is not None else out
+
+    step.hooked = True  # type: ignore[attr-defined]
+
+    def _ronde_gather(self) -> None:
+        """Every rank's updated slices into the parameters (one allgather a bucket)."""
+        params = self._ronde_params
+        for b in self._ronde_buckets:
+            send = torch.zeros(b.per, dtype=b.dtype)
+            for piece in b.pieces:
+                send[piece.at:piece.at + piece.b - piece.a].copy_(piece.tensor)
+            b.gathering = send if self._ronde_solo else C.allgather_async(
+                send, f"{b.name}.params", self._ronde_ps)
+        with torch.no_grad():
+            for b in self._ronde_buckets:
+                full = b.gathering if self._ronde_solo else b.gathering.wait()
+                b.gathering = None
+                for i in b.members:
+                    o, p = b.offset[i], params[i]
+                    p.view(-1).copy_(full[o:o + p.numel()])
+
+    def _ronde_new_window(self) -> None:
+        for b in self._ronde_buckets:
+            b.summed = False
+            b.last_pass = -1
+            b.filled = set()
+            if self._ronde_stage == 2:
+                b.buf = None
+        self._ronde_had = set()
+        self._ronde_pass = 0
+        self._ronde_synced = False
+        if any(p.requires_grad != (p in self._ronde_hooks) for p in self._ronde_params):
+            self._ronde_rehook()
+
+    @torch.compiler.disable
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model's gradients and the pieces'. Called between a backward and
+        its step, it drops that window (waiting for what it started)."""
+        for b in self._ronde_buckets:
+            if b.started is not None:
+                handle = b.started[0]
+                if handle is not None:
+                    with contextlib.suppress(Exception):
+                        handle.wait()
+                b.started = None
+        self._ronde_new_window()
+        for group in self._ronde_full_groups:
+            for p in group:
+                if p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.detach_().zero_()
+        for b in self._ronde_buckets:
+            for piece in b.pieces:
+                piece.tensor.grad = None
+
+    # -- what checkpoints read -------------------------------------------------------------
+    def shard_pieces(self) -> list[tuple[str, int, int, torch.Tensor, int]]:
+        """This rank's pieces: ``(parameter name, start, end, piece, param group)``."""
+        group_of = {self._ronde_index[id(p)]: g
+                    for g, ps in enumerate(self._ronde_full_groups) for p in ps}
+        return [(pc.name, pc.a, pc.b, pc.tensor, group_of[pc.index])
+                for b in self._ronde_buckets for pc in b.pieces]
+
+    @property
+    def stage(self) -> int:
+        return self._ronde_stage
+
+
+def ShardedOptimizer(optimizer: torch.optim.Optimizer,
+                     named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+                     stage: int = 1, backward_passes_per_step: int = 1,
+                     compression: Any = Compression.none, op: Any = ReduceOp.AVERAGE,
+                     process_set: ProcessSet = global_process_set,
+                     elementwise: bool | None = None, sparse_as_dense: bool = False,
+                     ) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that each rank keeps ``1/N`` of its state (and, with
+    ``stage=2``, of the gradients), and ``step()`` applies gradients averaged over all
+    ranks: the same update as ``DistributedOptimizer``, in less memory.
+
+    Every rank must make it (it compares the parameter tables across ranks).
+
+    Args:
+        optimizer: a constructed torch optimizer whose step is elementwise (SGD, Adam,
+            AdamW, RMSprop, Adagrad...); use the returned object instead. State it holds
+            already (loaded before wrapping) is cut to this rank's part.
+        named_parameters: ``model.named_parameters()``: names in errors and checkpoints
+            (recommended: :func:`save_sharded` files are keyed by these names).
+        stage: 1 (optimizer state sharded) or 2 (gradients too).
+        backward_passes_per_step: backward passes per step (see the module doc).
+        compression: ``Compression.none``, ``.fp16`` or ``.bf16`` for the reduce-scatter.
+        op: ``Average`` only (Adasum and Sum are refused).
+        process_set: the ranks that shard (default: all); outside it, a plain optimizer.
+        elementwise: True to vouch for an optimizer ronde does not know; False refuses.
+        sparse_as_dense: refused if True (sparse gradients cannot be sharded).
+
+    Raises:
+        UnsupportedError: an optimizer that needs whole tensors, Adasum or Sum, sparse
+            gradients or parameters, a non-contiguous parameter.
+        TensorMismatchError: the ranks' parameters differ.
+    """
+    if stage not in (1, 2):
+        raise ValueError(f"ShardedOptimizer: stage must be 1 or 2, got {stage!r}")
+    resolved = C.resolve_op(op, None)
+    if resolved != ReduceOp.AVERAGE:
+        raise UnsupportedError("ShardedOptimizer averages gradients: op=Adasum and op=Sum are "
+                               "not supported (Adasum combines whole gradients pairwise; use "
+                               "DistributedOptimizer(op=hvd.Adasum))")
+    if sparse_as_dense:
+        raise UnsupportedError("ShardedOptimizer: sparse gradients cannot be sharded; use "
+                               "DistributedOptimizer(sparse_as_dense=True)")
+    if int(backward_passes_per_step) < 1:
+        raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+    check_elementwise(optimizer, elementwise)
+    return wrap(optimizer, _ShardedMixin, lambda w: w._ronde_init(
+        named_parameters, stage, backward_passes_per_step, compression, process_set),
+        "ShardedOptimizer")
+
+
+def is_sharded(optimizer: Any) -> bool:
+    """True for an optimizer returned by :func:`ShardedOptimizer`."""
+    return isinstance(optimizer, _ShardedMixin)

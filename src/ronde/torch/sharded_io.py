@@ -1,0 +1,165 @@
+"""Checkpoints of a ``ShardedOptimizer`` that load at any world size, with no conversion.
+
+``save_sharded(dir, model, optimizer)`` (every rank calls it) writes::
+
+    dir/optim.<id>.<r>-of-<N>.pt   each rank: its pieces, (parameter name, start, end),
+                                   and each piece's optimizer state (tensor slices)
+    dir/model.pt                   rank 0: model.state_dict() (if a model is given)
+    dir/meta.pt                    rank 0, last: N, the parameters' shapes and dtypes,
+                                   every file's pieces, the param groups' hyperparameters
+
+Every file is written atomically (:func:`ronde.checkpoint.atomic_save`) and ``meta.pt``
+only after every rank's file is complete; the files of the previous save (another
+``<id>``) are removed after it. A save cut short leaves the previous checkpoint whole.
+
+``load_sharded(dir, model, optimizer)`` reads ``meta.pt`` and, for each of this rank's
+pieces, only the files whose pieces overlap it: at any N, including a plain optimizer in
+one process (which then holds the whole state, as ``optimizer.state_dict()`` would: the
+export). A plain optimizer's checkpoint saved with ``save_sharded`` is one file of whole
+parameters and loads into a ``ShardedOptimizer`` the same way. Files are read with
+``torch.load(weights_only=True)``: tensors and plain values, never arbitrary objects.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from typing import Any
+
+import torch
+
+from .. import _api, _objects
+from .._errors import RondeError, UnsupportedError
+from ..checkpoint import atomic_save
+from ..process_sets import global_process_set
+from .sharded import is_sharded
+
+META = "meta.pt"
+MODEL = "model.pt"
+
+
+def _pieces(optimizer: Any, model: Any) -> list[tuple[str, int, int, torch.Tensor, int]]:
+    """``(name, start, end, tensor, group)`` of every part of a parameter this rank keeps
+    state for: a ``ShardedOptimizer``'s pieces, or a plain optimizer's whole parameters
+    (named by ``model.named_parameters()``)."""
+    if is_sharded(optimizer):
+        return optimizer.shard_pieces()
+    if model is None:
+        raise ValueError("save_sharded/load_sharded with a plain optimizer need the model, "
+                         "whose named_parameters() name its parameters")
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = []
+    for g, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError("a parameter of the optimizer is not in model.named_parameters()")
+            out.append((names[id(p)], 0, p.numel(), p, g))
+    return out
+
+
+def _hyper(optimizer: Any) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def save_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) -> None:
+    """Write this rank's part of ``optimizer`` (and, on rank 0, ``model``) to
+    ``directory`` (a folder every rank can reach). Every rank must call it."""
+    directory = os.fspath(directory)
+    sharded = is_sharded(optimizer)
+    ps = optimizer._ronde_ps if sharded else global_process_set
+    many = sharded and not optimizer._ronde_solo
+    rank, size = (optimizer._ronde_rank, optimizer._ronde_size) if sharded else (0, 1)
+    together = _api.is_initialized() and _api.size() > 1
+    writer = many or not together or _api.rank() == 0  # one copy of an unsharded state
+    token = secrets.token_hex(6)
+    if many:
+        token = _objects.broadcast_object(token, ps.ranks[0] if ps.ranks else 0,
+                                          "ronde.save_sharded.id", ps)
+    os.makedirs(directory, exist_ok=True)
+    pieces = _pieces(optimizer, model)
+    if writer:
+        state = optimizer.state
+        entries = [(name, a, b) for name, a, b, _, _ in pieces]
+        states = [{k: (v.detach().reshape(-1).clone() if torch.is_tensor(v) and v.dim() > 0
+                       else v) for k, v in state.get(t, {}).items()}
+                  for _, _, _, t, _ in pieces]
+        own = f"optim.{token}.{rank}-of-{size}.pt"
+        atomic_save(os.path.join(directory, own),
+                    lambda fh: torch.save({"pieces": entries, "state": states}, fh))
+    index = [[(name, a, b) for name, a, b, _, _ in pieces]]
+    if many:
+        index = _objects.allgather_object(index[0], "ronde.save_sharded.index", ps)
+    first = not many or rank == 0
+    if first and writer:
+        if model is not None:
+            atomic_save(os.path.join(directory, MODEL), lambda fh: torch.save(model.state_dict(), fh))
+        meta = {"format": "ronde.sharded/1", "id": token, "world_size": size,
+                "files": [f"optim.{token}.{r}-of-{size}.pt" for r in range(size)],
+                "pieces": index, "param_groups": _hyper(optimizer),
+                "optimizer": type(optimizer).__name__}
+        atomic_save(os.path.join(directory, META), lambda fh: torch.save(meta, fh))
+        for f in os.listdir(directory):  # the previous save's files
+            if f.startswith("optim.") and f.endswith(".pt") and f".{token}." not in f:
+                os.remove(os.path.join(directory, f))
+    if together:
+        _api.barrier(process_set=ps)
+
+
+def load_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) -> None:
+    """Load ``model`` (if given) and this rank's part of ``optimizer`` from a folder that
+    :func:`save_sharded` wrote, whatever the world size it was written at."""
+    directory = os.fspath(directory)
+    meta_path = os.path.join(directory, META)
+    if not os.path.exists(meta_path):
+        raise FileNotFoundError(f"{meta_path} is missing: not a save_sharded() folder, or the "
+                                "save did not complete")
+    meta = torch.load(meta_path, weights_only=True)
+    if meta.get("format") != "ronde.sharded/1":
+        raise RondeError(f"{meta_path}: unknown format {meta.get('format')!r}")
+    if model is not None:
+        model.load_state_dict(torch.load(os.path.join(directory, MODEL), weights_only=True))
+    mine = _pieces(optimizer, model)
+    wanted: dict[str, list[tuple[int, int, int]]] = {}
+    for k, (name, a, b, _, _) in enumerate(mine):
+        wanted.setdefault(name, []).append((a, b, k))
+    got: list[dict[str, Any]] = [{} for _ in mine]
+    covered = [0] * len(mine)
+    for f, entries in zip(meta["files"], meta["pieces"]):
+        if not any(n in wanted and any(a < e and s < b for a, b, _ in wanted[n])
+                   for n, s, e in entries):
+            continue  # nothing of this rank's in that file
+        saved = torch.load(os.path.join(directory, f), weights_only=True)
+        for (name, s, e), state in zip(saved["pieces"], saved["state"]):
+            for a, b, k in wanted.get(name, ()):
+                lo, hi = max(a, s), min(b, e)
+                if lo >= hi:
+                    continue
+                covered[k] += hi - lo
+                _merge(got[k], state, lo - a, lo - s, hi - lo, b - a)
+    for k, (name, a, b, tensor, _) in enumerate(mine):
+        if not got[k]:
+            continue  # no state saved for it (never stepped)
+        if covered[k] != b - a:
+            raise RondeError(f"{directory}: the optimizer state of {name!r} [{a}:{b}] is only "
+                             f"{covered[k]} of {b - a} elements in the files")
+        optimizer.state[tensor] = {key: (v.view(tensor.shape) if torch.is_tensor(v)
+                                         and v.dim() > 0 else v) for key, v in got[k].items()}
+    if len(meta["param_groups"]) != len(optimizer.param_groups):
+        raise UnsupportedError(f"{directory}: {len(meta['param_groups'])} param groups saved, "
+                               f"the optimizer has {len(optimizer.param_groups)}")
+    for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
+        group.update(saved)
+
+
+def _merge(into: dict[str, Any], state: dict[str, Any], at: int, src: int, n: int,
+           length: int) -> None:
+    """Copy ``n`` elements of a saved piece's ``state`` from ``src`` into this rank's
+    piece's state at ``at`` (``length`` elements in all); scalars as they are."""
+    for key, value in state.items():
+        if torch.is_tensor(value) and value.dim() > 0:
+            dst = into.get(key)
+            if dst is None:
+                dst = into[key] = torch.zeros(length, dtype=value.dtype)
+            dst[at:at + n].copy_(value[src:src + n])
+        elif key not in into:
+            into[key] = value.clone() if torch.is_tensor(value) else value

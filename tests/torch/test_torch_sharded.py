@@ -1,0 +1,80 @@
+"""ShardedOptimizer (issue #31): the same training as one process on the global batch,
+each rank holding about 1/N of the optimizer state, and checkpoints that load at any
+world size. Real processes through ronde's launcher (ronde.testing.run_ranks)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+from ronde.testing import run_ranks  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import sharded_workers as workers  # noqa: E402
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np_,transport", [(2, "shm"), (3, "tcp"), (4, "shm")])
+def test_sharded_training_equals_one_process_on_the_global_batch(np_, transport):
+    # 200-byte buckets: several buckets, tensors split across ranks mid-tensor
+    out = run_ranks(np_, workers.equivalence, timeout_s=110,
+                    env={"RONDE_BUCKET_BYTES": "200", "RONDE_TRANSPORT": transport})
+    for rank, res in enumerate(out):
+        assert len(res) == 11
+        for case, r in res.items():
+            assert r["same"] and r["diff"] <= (1e-3 if "fp16" in case else 1e-12), (rank, case, r)
+            assert not r["unused_moved"], (rank, case, r)  # no gradient anywhere: not moved
+            # each rank keeps state for its elements only: at most ceil(used / N) + one
+            # element per bucket, per state tensor (Adam: 2; SGD momentum, RMSprop: 1)
+            per_tensor = 2 if ("adam" in case) else 1
+            used = r["total"] - 3 * 3 - 3 - 2 * 2 - 2  # "unused" and "d" never step
+            assert r["held"] <= per_tensor * (-(-used // np_) + 8), (rank, case, r)
+    held = [sum(r["held"] for r in res.values()) for res in out]
+    assert max(held) - min(held) <= 11 * 8, held  # balanced by elements
+
+
+@pytest.mark.timeout(90)
+def test_a_layer_used_on_some_ranks_is_averaged_with_zeros_and_an_unused_one_stays():
+    out = run_ranks(3, workers.unused_on_some_ranks, timeout_s=80)
+    for res in out:
+        for stage, r in res.items():
+            assert r["same"] and r["diff"] <= 1e-12 and r["d_still"], (stage, r)
+
+
+@pytest.mark.timeout(60)
+def test_optimizers_that_need_whole_tensors_are_refused_with_the_reason():
+    out = run_ranks(2, workers.refusals, timeout_s=50)
+    lbfgs, sparse, unknown, adasum, sparse_grads, vouched = out[0]
+    assert "LBFGS" in lbfgs and "line search" in lbfgs
+    assert "SparseAdam" in sparse and "sparse" in sparse
+    assert "elementwise=True" in unknown and "Mine" in unknown
+    assert "Adasum" in adasum
+    assert "sparse" in sparse_grads
+    assert vouched == "Mine"  # elementwise=True: the user vouches for it
+    assert out[0] == out[1]
+
+
+@pytest.mark.timeout(150)
+def test_a_checkpoint_saved_at_four_ranks_resumes_at_three_and_in_one_plain_optimizer(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    saved = run_ranks(4, workers.checkpoint, ckpt, "save", timeout_s=60)
+    assert all(r["same"] and r["diff"] <= 1e-12 for r in saved), saved
+    files = sorted(os.listdir(ckpt))
+    assert files[:2] == ["meta.pt", "model.pt"] and len(files) == 6, files
+    # three ranks read the four ranks' slices where they overlap theirs
+    resumed = run_ranks(3, workers.checkpoint, ckpt, "resume", timeout_s=60)
+    for r in resumed:
+        assert r["same"] and r["diff"] <= 1e-12 and r["lr"] == 0.01, resumed
+    # one process, a plain torch.optim.Adam: the whole state (the export)
+    plain = run_ranks(1, workers.checkpoint, ckpt, "plain", timeout_s=60)
+    assert plain[0]["diff"] <= 1e-12 and plain[0]["lr"] == 0.01, plain
+    # which it saved with save_sharded (one file of whole parameters): into two ranks
+    assert sorted(os.listdir(ckpt + ".plain"))[:2] == ["meta.pt", "model.pt"]
+    again = run_ranks(2, workers.checkpoint, ckpt, "from_plain", timeout_s=60)
+    for r in again:
+        assert r["same"] and r["diff"] <= 1e-12 and r["lr"] == 0.01, again
