@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import atexit
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence
 
 import numpy as np
 
@@ -225,6 +225,12 @@ def as_array(tensor: Any, what: str) -> np.ndarray:
     if not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)
     return arr
+
+
+def together() -> ContextManager[None]:
+    """Collectives started inside are announced together (one negotiation round): what
+    grouped collectives use, so a group is negotiated and fused as one."""
+    return runtime().engine.batch()
 
 
 def submit(kind: Kind, array: np.ndarray | None, name: str | None, process_set: ProcessSet | None,

@@ -1,9 +1,10 @@
 """Grouped collectives: a list of tensors as one call, ``<name>.<i>`` each.
 
-Each member is the numpy facade's own collective (:mod:`ronde._api`), submitted before
-any is awaited, so the engine negotiates and fuses them together; unnamed groups take
-the next automatic name of their kind on the process set. The framework bindings build
-their grouped forms on these or on their own single collectives the same way.
+Each member is the numpy facade's own collective (:mod:`ronde._api`), all submitted
+inside one ``together()`` block, so the engine negotiates and fuses them in one round;
+unnamed groups take the next automatic name of their kind on the process set. The
+framework bindings build their grouped forms on these, or on their own single
+collectives inside ``together()`` the same way.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ._api import allgather_async, allreduce_async, group_names, reducescatter_async
+from ._api import allgather_async, allreduce_async, group_names, reducescatter_async, together
 from .core.requests import GroupOfHandles
 from .process_sets import ProcessSet
 
@@ -23,9 +24,10 @@ def grouped_allreduce_async(tensors: Sequence[Any], average: bool | None = None,
                             process_set: ProcessSet | None = None) -> GroupOfHandles:
     """Start an allreduce of every tensor in the list (negotiated and fused together)."""
     names = group_names("grouped_allreduce", name, len(tensors), process_set)
-    return GroupOfHandles([allreduce_async(t, average, n, op, prescale_factor,
-                                           postscale_factor, process_set)
-                           for n, t in zip(names, tensors)])
+    with together():
+        return GroupOfHandles([allreduce_async(t, average, n, op, prescale_factor,
+                                               postscale_factor, process_set)
+                               for n, t in zip(names, tensors)])
 
 
 def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
@@ -41,7 +43,9 @@ def grouped_allgather_async(tensors: Sequence[Any], name: str | None = None,
                             process_set: ProcessSet | None = None) -> GroupOfHandles:
     """Start an allgather of every tensor in the list (``<name>.<i>`` each)."""
     names = group_names("grouped_allgather", name, len(tensors), process_set)
-    return GroupOfHandles([allgather_async(t, n, process_set) for n, t in zip(names, tensors)])
+    with together():
+        return GroupOfHandles([allgather_async(t, n, process_set)
+                               for n, t in zip(names, tensors)])
 
 
 def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
@@ -56,9 +60,10 @@ def grouped_reducescatter_async(tensors: Sequence[Any], op: Any = None, name: st
                                 postscale_factor: float = 1.0) -> GroupOfHandles:
     """Start a reducescatter of every tensor in the list (``<name>.<i>`` each)."""
     names = group_names("grouped_reducescatter", name, len(tensors), process_set)
-    return GroupOfHandles([reducescatter_async(t, op, n, process_set, prescale_factor,
-                                               postscale_factor)
-                           for n, t in zip(names, tensors)])
+    with together():
+        return GroupOfHandles([reducescatter_async(t, op, n, process_set, prescale_factor,
+                                                   postscale_factor)
+                               for n, t in zip(names, tensors)])
 
 
 def grouped_reducescatter(tensors: Sequence[Any], op: Any = None, name: str | None = None,

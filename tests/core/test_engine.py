@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
 from ronde import DuplicateNameError, JoinedError, TensorMismatchError
 from ronde.collectives.ops import ReduceOp
 from ronde.core import protocol
+from ronde.core.communicators import Communicators
 from ronde.core.protocol import SILENT, RoundMessage
 from ronde.core.requests import Kind, Request
 
@@ -318,13 +321,7 @@ def test_fused_groups_run_as_one_only_on_the_single_copy_path_and_with_fusion_on
 
         def __init__(self, threshold):
             self.cfg = load({"RONDE_FUSION_THRESHOLD": threshold})
-            self._comms = {0: Comm()}
-
-        def process_set_members(self, ps_id):
-            return [0, 1]
-
-        def communicator(self, ps_id):
-            return self._comms[ps_id]
+            self.sets = Communicators(0, {0: Comm()}, {0: [0, 1]}, lambda ps_id, ranks: None)
 
     meta = Meta(ar("x", np.ones(1 << 16, np.float32)).meta())
 
@@ -395,3 +392,30 @@ def test_peers_hear_of_a_lost_rank_before_any_waiter_wakes(engines):
     assert e.failed is lost and e.aborted.is_set()
     failer.join(5)
     assert order == ["told", "second fail returned"], order
+
+
+def test_submissions_inside_batch_are_announced_in_one_round(engines):
+    # grouped collectives (ronde._api.together): a control thread woken by the first
+    # submission, or a peer's round, must not take the first tensors alone
+    g = engines(2)
+    announced: list[list[str]] = [[], []]
+    for r, eng in enumerate(g.engines):
+        real = eng._build_message
+
+        def build(real=real, r=r):
+            msg, blob = real()
+            if msg.announced:
+                announced[r].append(len(msg.announced))
+            return msg, blob
+
+        eng._build_message = build
+    for step in range(5):
+        hs = []
+        for r, eng in enumerate(g.engines):
+            with eng.batch():
+                for i in range(12):
+                    hs.append(eng.submit(ar(f"s{step}.{i}", np.full(5, r + 1.0))).handle)
+                    time.sleep(0.001)  # slow submissions: the engine would not wait
+        for h in hs:
+            np.testing.assert_array_equal(h.wait(10), np.full(5, 3.0))
+    assert announced == [[12] * 5, [12] * 5], announced

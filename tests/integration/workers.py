@@ -326,7 +326,7 @@ def multihost() -> tuple:
     b = hvd.broadcast(np.arange(5) + r, root_rank=n - 1)
     np.testing.assert_array_equal(b, np.arange(5) + n - 1)
     # the shared-memory part reads peers in place unless RONDE_CMA=0 (once ignored here)
-    cma_used = hvd._api.runtime().engine.communicator(0).local._cma
+    cma_used = hvd._api.runtime().engine.sets.get(0).local._cma
     out = (hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size(),
            hvd.active_transport(), cma_used)
     hvd.shutdown()
@@ -426,7 +426,7 @@ def hugepages_steady() -> tuple:
         for i, t in enumerate(ts):
             want = n * (np.arange(t.size) % 7 + step + i) + n * (n - 1) // 2
             np.testing.assert_array_equal(t, want.astype(np.float32))
-    comm = hvd._api.runtime().engine.communicator(0)
+    comm = hvd._api.runtime().engine.sets.get(0)
     from ronde.transport import hugepages
 
     with open("/proc/self/maps") as f:
@@ -466,7 +466,7 @@ def _before_gather_reads(action) -> None:
 
     import ronde as hvd
 
-    comm = hvd._api.runtime().engine.communicator(0)  # built at init: its bound publish
+    comm = hvd._api.runtime().engine.sets.get(0)  # built at init: its bound publish
     comm.publish = types.MethodType(publish, comm.counters)
 
 
@@ -513,7 +513,7 @@ def slow_owner_progressive() -> int:
     x = np.arange(2 << 20, dtype=np.float32) % 1000 + r  # 8 MiB: 4 chunks per block
     hvd.allreduce_async(x, op=hvd.Sum, name="x", out=x).wait()
     np.testing.assert_array_equal(x, (np.arange(2 << 20) % 1000) * n + n * (n - 1) // 2)
-    assert not hvd._api.runtime().engine.communicator(0).push_agreed
+    assert not hvd._api.runtime().engine.sets.get(0).push_agreed
     hvd.shutdown()
     return gathers[0]
 
@@ -549,7 +549,7 @@ def owners_push_reduced_chunks() -> tuple:
         h.wait()
     for x in xs:
         np.testing.assert_array_equal(x, (np.arange(x.size) % 977) * n + n * (n - 1) // 2)
-    assert hvd._api.runtime().engine.communicator(0).push_agreed
+    assert hvd._api.runtime().engine.sets.get(0).push_agreed
     hvd.shutdown()
     return counts["read"], counts["write"]
 
@@ -565,7 +565,7 @@ def slow_owner_block_shrinks() -> list:
     r, n = hvd.rank(), hvd.size()
     if r == 1:
         _slow_reductions(0.004)
-    comm = hvd._api.runtime().engine.communicator(0)
+    comm = hvd._api.runtime().engine.sets.get(0)
     for step in range(6):
         x = np.arange(3 << 20, dtype=np.float32) % 1000 + r + step  # 12 MiB
         hvd.allreduce_async(x, op=hvd.Sum, name="x", out=x).wait()
@@ -581,9 +581,8 @@ def chunk_plans_reused() -> tuple:
     """Single-copy allreduces of two sets of separately allocated tensors, alternated,
     while rank 1 reduces slowly (so the blocks move every op): every value exact, and
     the per-chunk plans of whole chunks are built once per set of layouts, not per op.
-    Returns how many times each whole chunk's plan was built for each set of layouts
-    (an op may cover part of a set where its submissions straddle two rounds: another
-    set of layouts), and how many ops ran."""
+    Returns how many times each whole chunk's plan was built for each set of layouts,
+    how many sets of layouts there were, and how many ops ran."""
     import ronde as hvd
     from ronde.transport.shm import single_copy as cma
 
@@ -610,7 +609,9 @@ def chunk_plans_reused() -> tuple:
         xs = sets[step % 2]
         for i, x in enumerate(xs):
             x[:] = np.arange(x.size) % 997 + r + step + i
-        hs = [hvd.allreduce_async(x, op=hvd.Sum, name=f"x{i}", out=x) for i, x in enumerate(xs)]
+        with hvd._api.together():  # one round: one set of layouts per set of tensors
+            hs = [hvd.allreduce_async(x, op=hvd.Sum, name=f"x{i}", out=x)
+                  for i, x in enumerate(xs)]
         for h in hs:
             h.wait()
         for i, x in enumerate(xs):
@@ -707,7 +708,7 @@ def cma_write_denied_on_one_rank() -> tuple:
                                    hvd.size() * (hvd.size() + 1) / 2)
     n = hvd.size()
     np.testing.assert_array_equal(hvd.allgather(x), np.repeat(np.arange(1.0, n + 1), x.size))
-    comm = hvd._api.runtime().engine.communicator(0)
+    comm = hvd._api.runtime().engine.sets.get(0)
     out = (comm._cma, comm.push_agreed)
     hvd.shutdown()
     return out
@@ -725,7 +726,7 @@ def cma_denied_on_one_rank() -> bool:
     for _ in range(3):
         np.testing.assert_allclose(hvd.allreduce(x, op=hvd.Sum, name="x"),
                                    hvd.size() * (hvd.size() + 1) / 2)
-    decision = hvd._api.runtime().engine.communicator(0)._cma
+    decision = hvd._api.runtime().engine.sets.get(0)._cma
     hvd.shutdown()
     return decision
 
@@ -811,6 +812,10 @@ def at_scale() -> tuple:
     for i in range(20):  # steady state: the cached, inline path
         got = hvd.allreduce(np.array([r + i], np.float32), op=hvd.Sum, name="small")
         assert got[0] == n * i + n * (n - 1) / 2, got
+    # how rounds go, read while every rank is in (a round after a peer's shutdown goes
+    # through the star: exchange._end_tree)
+    ex = hvd._api.runtime().engine.exchange
+    mode = "tree" if ex.over_tree else "star" if ex.coordinated else "all-to-all"
     big = hvd.allreduce(np.full(300_007, r, np.float64), op=hvd.Sum, name="big")
     assert np.all(big == n * (n - 1) / 2)
     rows = hvd.allgather(np.full((r + 1, 2), r, np.int32), name="rows")
@@ -834,8 +839,6 @@ def at_scale() -> tuple:
         hvd.allreduce(np.ones(3), name="uneven")
     last = hvd.join()
     assert last == n - 1, last
-    ex = hvd._api.runtime().engine.exchange
-    mode = "tree" if ex.over_tree else "star" if ex.coordinated else "all-to-all"
     hvd.shutdown()
     return mode, "ok"
 

@@ -20,17 +20,19 @@ dies closes its sockets, which every rank sees at once as ``PeerLostError``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .._config import Config
 from .._errors import (DuplicateNameError, PeerLostError, RondeError, fresh_copy,
                        ShutdownError)
 from ..transport import mailbox, ready
 from ..transport.base import Communicator
+from .communicators import Communicators
 from .exchange import Exchange, Links
 from .executor import Executor
 from .negotiation import Negotiator, Response
@@ -57,10 +59,11 @@ class Engine:
         self.rank, self.size, self.cfg = rank, size, cfg
         self.cycle_s = cfg.cycle_time_ms / 1000.0  #: set anew by autotune (autotune.py)
         self.describe_rank = describe_rank
-        self._make_comm = make_communicator
         self._lock = threading.Lock()
         self._pending: dict[str, Request] = {}
         self._outbox: list[Request] = []
+        self._staged: list[Request] = []  #: submitted inside ``batch()``, not announced yet
+        self._batching = 0
         self._joins: list[int] = []
         self._ps_requests: list[protocol.ProcessSetRequest] = []
         self._abort_msg: protocol.Abort | None = None
@@ -72,8 +75,8 @@ class Engine:
         self._told = threading.Event()  #: set once the first failure is told and shown
         self.aborted = threading.Event()  #: set with the first failure (see ``failed``)
         self.on_failure: Callable[[BaseException], None] | None = None  # first one only
-        self._ps_members: dict[int, list[int]] = {k: list(v) for k, v in process_sets.items()}
-        self._comms = comms
+        #: members and communicators of the process sets (the executor's: communicators.py)
+        self.sets = Communicators(rank, comms, process_sets, make_communicator)
         self.negotiator = Negotiator(size, {k: list(v) for k, v in process_sets.items()},
                                      cfg.fusion_threshold_bytes, cfg.cache_capacity)
         self.exchange = Exchange(rank, size, ctl_socks, mailboxes, cfg, describe_rank, links)
@@ -124,8 +127,7 @@ class Engine:
         timeline, self.timeline = self.timeline, None
         if timeline is not None:
             timeline.close()
-        for comm in self._comms.values():
-            comm.close()
+        self.sets.close()
         self.exchange.close()
         self._bell.close()
 
@@ -154,9 +156,9 @@ class Engine:
             if req.kind == Kind.JOIN:
                 self._joins.append(req.ps_id)
             else:
-                self._outbox.append(req)
+                (self._staged if self._batching else self._outbox).append(req)
             self._last_activity = now = time.monotonic()
-            deep = self._ctl_deep_sleep
+            deep = self._ctl_deep_sleep and not self._batching
             if deep and WAITERS.engine is self:
                 # the rest of a burst (a loop of async calls) joins this round; a
                 # caller that waits drives it at once (``progress``)
@@ -167,6 +169,24 @@ class Engine:
         if deep:
             self.wake()
         return req
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Submissions inside reach the outbox together at the end, so one round takes
+        them all: a grouped collective is negotiated (and fused) as one, as in Horovod."""
+        with self._lock:
+            self._batching += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._batching -= 1
+                deep = not self._batching and bool(self._staged) and self._ctl_deep_sleep
+                if not self._batching:
+                    self._outbox.extend(self._staged)
+                    self._staged = []
+            if deep:
+                self.wake()
 
     def request_process_set(self, action: str, arg: Any, req: Request) -> Request:
         with self._lock:
@@ -188,27 +208,6 @@ class Engine:
         with self._lock:
             pop = self._pending.pop
             return [pop(name, None) for name in names]
-
-    def process_set_members(self, ps_id: int) -> list[int]:
-        return self._ps_members.get(ps_id, [])
-
-    def communicator(self, ps_id: int) -> Communicator:
-        return self._comms[ps_id]
-
-    def apply_process_set_change(self, change: tuple[str, int, list[int]]) -> None:
-        """Executor thread, in response order: create or drop a communicator."""
-        action, ps_id, ranks = change
-        if action == "add":
-            self._ps_members[ps_id] = list(ranks)
-            # every rank calls the factory (a Gloo group needs all of them); members keep it
-            comm = self._make_comm(ps_id, list(ranks))
-            if comm is not None and self.rank in ranks:
-                self._comms[ps_id] = comm
-        else:
-            self._ps_members.pop(ps_id, None)
-            comm = self._comms.pop(ps_id, None)
-            if comm is not None:
-                comm.close()
 
     @property
     def failed(self) -> BaseException | None:
@@ -257,6 +256,7 @@ class Engine:
             reqs = list(self._pending.values())
             self._pending.clear()
             self._outbox.clear()
+            self._staged.clear()
         for req in reqs:
             req.fail(fresh_copy(exc))
 
@@ -343,10 +343,7 @@ class Engine:
         last round is over, so that submissions arriving meanwhile share a round;
         otherwise until a submission (``submit`` wakes it through the pipe), a peer's
         frame (a socket, or a same-host peer's doorbell, rung while it sleeps) or
-        ``_IDLE_S``. It used to look every cycle for a while after any activity, so that
-        submissions need not wake it: about 30 Python calls a millisecond through a
-        training step (half of a ResNet-18 step's calls in ronde once gradients went
-        in buckets), where a wake costs one system call per sleep.
+        ``_IDLE_S``. (Polling every cycle instead cost ~30 Python calls a millisecond.)
         """
         ex = self.exchange
         if have_local:

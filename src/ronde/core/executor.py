@@ -32,7 +32,7 @@ from .timeline import now_us
 
 if TYPE_CHECKING:
     from .._config import Config
-    from ..transport.base import Communicator
+    from .communicators import Communicators
     from .timeline import Timeline
 
 
@@ -45,15 +45,11 @@ class ExecutorContext(Protocol):
     cfg: "Config"
     timeline: "Timeline | None"
 
-    def communicator(self, ps_id: int) -> "Communicator": ...
-
-    def process_set_members(self, ps_id: int) -> list[int]: ...
+    sets: "Communicators"  #: every process set's members and this rank's communicators
 
     def take(self, name: str) -> "Request | None": ...
 
     def take_many(self, names: list[str]) -> "list[Request | None]": ...
-
-    def apply_process_set_change(self, change: tuple[str, int, list[int]]) -> None: ...
 
     def fail_from_executor(self, exc: BaseException, resp: Response) -> None: ...
 
@@ -150,8 +146,8 @@ class Executor:
         """What to run for ``item`` (``planner.parts``): with its followers as one
         operation where this rank's communicator takes them so."""
         eng = self.engine
-        comm = (eng.communicator(item.ps_id)
-                if item.followers and eng.rank in eng.process_set_members(item.ps_id)
+        comm = (eng.sets.get(item.ps_id)
+                if item.followers and eng.rank in eng.sets.members(item.ps_id)
                 else None)
         return planner.parts(item, comm.fuses_round if comm is not None else None)
 
@@ -194,15 +190,15 @@ class Executor:
             return
         if resp.value is not None and resp.kind == Kind.BARRIER and resp.ps_id == 0 \
                 and resp.names[0].startswith("process_set."):
-            eng.apply_process_set_change(resp.value)
+            eng.sets.apply(resp.value)
             req = eng.take(resp.names[0])
             if req is not None:
                 req.complete(resp.value[1])
             return
-        members = eng.process_set_members(resp.ps_id)
+        members = eng.sets.members(resp.ps_id)
         if eng.rank not in members:
             return
-        comm = eng.communicator(resp.ps_id)
+        comm = eng.sets.get(resp.ps_id)
         reqs = eng.take_many(resp.names)
         self._marks = [] if eng.timeline is not None else None
         try:

@@ -105,8 +105,9 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set) -> MultiHandle:
     """Start an allreduce of every tensor; the handle's result is the list of outputs."""
-    hs = [allreduce_async(t, average, n, op, prescale_factor, postscale_factor, process_set)
-          for t, n in zip(tensors, _group_names(name, len(tensors), process_set))]
+    with _api.together():
+        hs = [allreduce_async(t, average, n, op, prescale_factor, postscale_factor, process_set)
+              for t, n in zip(tensors, _group_names(name, len(tensors), process_set))]
     return MultiHandle(hs, lambda outs: list(outs), name or "grouped_allreduce")
 
 
@@ -115,8 +116,9 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: ProcessSet = global_process_set) -> MultiHandle:
     """In-place form of :func:`grouped_allreduce_async`."""
-    hs = [allreduce_async_(t, average, n, op, prescale_factor, postscale_factor, process_set)
-          for t, n in zip(tensors, _group_names(name, len(tensors), process_set))]
+    with _api.together():
+        hs = [allreduce_async_(t, average, n, op, prescale_factor, postscale_factor, process_set)
+              for t, n in zip(tensors, _group_names(name, len(tensors), process_set))]
     return MultiHandle(hs, lambda outs: list(outs), name or "grouped_allreduce")
 
 
@@ -169,9 +171,10 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> MultiHandle:
     """Start an allgather of every tensor; the handle's result is the list of outputs."""
-    hs = [allgather_async(t, n, process_set)
-          for t, n in zip(tensors, _group_names(name, len(tensors), process_set,
-                                                "grouped_allgather"))]
+    with _api.together():
+        hs = [allgather_async(t, n, process_set)
+              for t, n in zip(tensors, _group_names(name, len(tensors), process_set,
+                                                    "grouped_allgather"))]
     return MultiHandle(hs, lambda outs: list(outs), name or "grouped_allgather")
 
 
@@ -240,9 +243,10 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
                                 prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> MultiHandle:
     """Start a reducescatter of every tensor; the result is the list of this rank's blocks."""
-    hs = [reducescatter_async(t, n, op, process_set, prescale_factor, postscale_factor)
-          for t, n in zip(tensors, _group_names(name, len(tensors), process_set,
-                                                "grouped_reducescatter"))]
+    with _api.together():
+        hs = [reducescatter_async(t, n, op, process_set, prescale_factor, postscale_factor)
+              for t, n in zip(tensors, _group_names(name, len(tensors), process_set,
+                                                    "grouped_reducescatter"))]
     return MultiHandle(hs, lambda outs: list(outs), name or "grouped_reducescatter")
 
 
