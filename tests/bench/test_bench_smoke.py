@@ -136,3 +136,18 @@ def test_training_throughput_reports_samples_and_extra_cpu_for_every_contender()
     assert all(p["samples_per_s"] > 0 and p["cpu_ms_per_step"] > 0 for p in points.values())
     row = [line for line in out.stdout.splitlines() if line.startswith("| resnet | 2 |")]
     assert len(row) == 1 and row[0].count("|") == 14, out.stdout
+
+
+@pytest.mark.timeout(180)
+def test_memory_case_measures_the_sharded_optimizer_against_its_formula():
+    out = subprocess.run([sys.executable, "-m", "ronde.bench", "memory", "--np", "2",
+                          "--contenders", "distributed,stage2", "--steps", "1", "--warmup",
+                          "2"], capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stderr[-2000:]
+    points = {p["contender"]: p for p in _json_lines(out.stdout)}
+    assert set(points) == {"distributed", "stage2"}, out.stdout
+    params = points["stage2"]["params"]
+    # fp32 Adam: 8 bytes of state a parameter, half of it per rank at np=2 (counts, not times)
+    assert abs(points["distributed"]["state_bytes"] - 8 * params) <= 0.02 * 8 * params
+    assert abs(points["stage2"]["state_bytes"] - 4 * params) <= 0.02 * 4 * params
+    assert "| stage2 | 2 |" in out.stdout

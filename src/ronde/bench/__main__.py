@@ -51,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
                                 "these, or all; separate commands: train (training "
                                 "throughput vs DDP), multihost (simulated hosts, root), "
                                 "scale (costs against N, beside Gloo), control (one "
-                                "negotiation round's work against N), recommend (the "
+                                "negotiation round's work against N), memory (bytes per rank of "
+                                "sharded optimizers, ZeRO, FSDP2), recommend (the "
                                 "fusion threshold and cycle time to use here)")
     p.add_argument("--np", type=int, default=2, help="ranks per job (default 2)")
     p.add_argument("--sizes", default=None,
@@ -132,6 +133,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .train import main as train_main
 
         return train_main(raw[1:])
+    if raw[:1] == ["memory"]:  # memory per rank: sharded optimizers, ZeRO, FSDP2
+        from .memory import main as memory_main
+
+        return memory_main(raw[1:])
     if raw[:1] == ["scale"]:  # costs against the number of ranks, beside Gloo
         from .scale import main as scale_main
 

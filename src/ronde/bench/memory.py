@@ -1,0 +1,222 @@
+"""Memory of a training step per rank: ``python -m ronde.bench memory [--np 1,2,4]``.
+
+A model of about 20 M fp32 parameters (four 1024-2304-1024 MLP blocks and a 1024x1024
+head: 19.9 M) trains with Adam, one thread per rank, for each contender:
+
+* ``distributed``: ``ronde.torch.DistributedOptimizer`` (every rank holds everything);
+* ``stage1``, ``stage2``: ``ronde.torch.ShardedOptimizer(stage=1 | 2)``;
+* ``zero``: torch's ``ZeroRedundancyOptimizer`` inside ``DistributedDataParallel`` (Gloo);
+* ``fsdp2``: torch's ``fully_shard`` (FSDP2) on Gloo, where it runs.
+
+Per rank (the largest over ranks): the optimizer state's bytes after the last step; the
+gradient bytes held right after the last ``backward()`` (``p.grad`` plus the library's
+own gradient buffers where they can be counted: ronde's buckets and slices); the growth
+of peak RSS over the RSS with the model built; and the median step time. Beside them,
+ZeRO's formula for the state (``8 P`` bytes for Adam, ``8 P / N`` sharded). Prints one
+JSON line per point, then a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Sequence
+
+from ._gloo import free_port
+
+RONDE = ("distributed", "stage1", "stage2")
+TORCH = ("zero", "fsdp2")
+
+
+def _model(torch: Any) -> Any:
+    nn = torch.nn
+    torch.manual_seed(0)
+    blocks: list[Any] = []
+    for _ in range(4):
+        blocks += [nn.Linear(1024, 2304), nn.ReLU(), nn.Linear(2304, 1024), nn.ReLU()]
+    return nn.Sequential(*blocks, nn.Linear(1024, 1024))
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _bytes(t: Any) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t  # an FSDP2 DTensor: this rank's
+    return local.numel() * local.element_size()
+
+
+def measure(contender: str, rank: int, world: int, steps: int, warmup: int) -> dict:
+    """Train in this process (the distributed runtime already set up); returns this
+    rank's figures."""
+    import torch
+
+    torch.set_num_threads(1)
+    model = _model(torch)
+    rss0 = _rss()
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    params = sum(p.numel() for p in model.parameters())
+    opt: Any
+    if contender in RONDE:
+        import ronde.torch as hvd
+
+        adam = torch.optim.Adam(model.parameters(), lr=1e-4)
+        opt = hvd.DistributedOptimizer(adam, named_parameters=model.named_parameters()) \
+            if contender == "distributed" else hvd.ShardedOptimizer(
+                adam, named_parameters=model.named_parameters(), stage=int(contender[-1]))
+    elif contender == "zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
+                                      lr=1e-4)
+    elif contender == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for m in model:
+            if isinstance(m, torch.nn.Linear):
+                fully_shard(m)
+        fully_shard(model)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    else:
+        raise ValueError(contender)
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(8, 1024, generator=gen)
+    times, grad_bytes = [], 0
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        if i == warmup + steps - 1:
+            grad_bytes = sum(_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+            grad_bytes += _library_grad_bytes(opt)
+        opt.step()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    state = opt.optim.state if contender == "zero" else opt.state
+    state_bytes = sum(_bytes(v) for st in state.values() for v in st.values()
+                      if torch.is_tensor(v))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"params": params, "state_bytes": state_bytes, "grad_bytes": grad_bytes,
+            "peak_rss_growth": max(0, peak - max(base, rss0)),
+            "step_ms": 1e3 * statistics.median(times)}
+
+
+def _library_grad_bytes(opt: Any) -> int:
+    """Gradient buffers ronde's optimizers hold besides ``p.grad``."""
+    buckets = getattr(opt, "_ronde_buckets", None)
+    if isinstance(buckets, list):  # ShardedOptimizer: buffers in flight and the slices
+        tensors = [t for b in buckets for t in (b.buf, b.slice) if t is not None]
+    else:  # DistributedOptimizer's gradient buckets (from its third step)
+        tensors = [b.flat for b in getattr(buckets, "buckets", ())]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def ronde_worker(contender: str, steps: int, warmup: int) -> dict:
+    import ronde.torch as hvd
+
+    hvd.init()
+    out = measure(contender, hvd.rank(), hvd.size(), steps, warmup)
+    hvd.shutdown()
+    return out
+
+
+def _torch_worker(spec: str, contender: str, steps: int, warmup: int) -> None:
+    import torch.distributed as dist
+
+    rank, world, port = (int(v) for v in spec.split(","))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    out = measure(contender, rank, world, steps, warmup)
+    dist.barrier()
+    print(json.dumps(out), flush=True)
+    sys.stderr.flush()
+    os._exit(0)  # see train.py: no Gloo teardown that could abort a finished measurement
+
+
+def _run_torch(contender: str, n: int, steps: int, warmup: int, timeout_s: float) -> list:
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "ronde.bench.memory", "--torch-worker",
+                               f"{r},{n},{port}", "--contenders", contender, "--steps",
+                               str(steps), "--warmup", str(warmup)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(n)]
+    out = []
+    for p in procs:
+        try:
+            so, se = p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise RuntimeError(f"{contender} at np={n}: timed out")
+        if p.returncode != 0:
+            raise RuntimeError(f"{contender} at np={n} failed (exit {p.returncode}): "
+                               f"{se.strip().splitlines()[-1] if se.strip() else ''}")
+        out.append(json.loads(so.strip().splitlines()[-1]))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; see the module docstring."""
+    p = argparse.ArgumentParser(prog="python -m ronde.bench memory", description=__doc__)
+    p.add_argument("--np", default="1,2,4")
+    p.add_argument("--contenders", default=",".join(RONDE + TORCH))
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--torch-worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    contenders = [c for c in args.contenders.split(",") if c]
+    if args.torch_worker:
+        _torch_worker(args.torch_worker, contenders[0], args.steps, args.warmup)
+        return 0
+    from ..testing import run_ranks
+    from . import memory as importable
+
+    rows = []
+    for n in [int(v) for v in args.np.split(",") if v.strip()]:
+        for c in contenders:
+            try:
+                if c in RONDE:
+                    per_rank = run_ranks(n, importable.ronde_worker, c, args.steps, args.warmup,
+                                         timeout_s=args.timeout_s, env={"OMP_NUM_THREADS": "1"})
+                else:
+                    per_rank = _run_torch(c, n, args.steps, args.warmup, args.timeout_s)
+            except Exception as exc:  # noqa: BLE001 - a contender that cannot run here
+                print(json.dumps({"case": "memory", "contender": c, "np": n,
+                                  "error": str(exc)[-300:]}), flush=True)
+                rows.append((c, n, None))
+                continue
+            point = {"case": "memory", "contender": c, "np": n,
+                     "params": per_rank[0]["params"],
+                     **{k: max(r[k] for r in per_rank) for k in
+                        ("state_bytes", "grad_bytes", "peak_rss_growth", "step_ms")}}
+            print(json.dumps(point), flush=True)
+            rows.append((c, n, point))
+    print("\n| contender | N | state MB/rank | formula MB | state/formula | grad MB/rank | "
+          "peak RSS growth MB | step ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c, n, pt in rows:
+        if pt is None:
+            print(f"| {c} | {n} | did not run | | | | | |")
+            continue
+        formula = 8 * pt["params"] / (1 if c == "distributed" else n)
+        print(f"| {c} | {n} | {pt['state_bytes'] / 1e6:.1f} | {formula / 1e6:.1f} | "
+              f"{pt['state_bytes'] / formula:.3f} | {pt['grad_bytes'] / 1e6:.1f} | "
+              f"{pt['peak_rss_growth'] / 1e6:.1f} | {pt['step_ms']:.0f} |")
+    print("(the largest over ranks; fp32 Adam; formula: ZeRO's 8 P bytes of Adam state, / N "
+          "where sharded; grad = p.grad after backward plus ronde's own gradient buffers; "
+          "peak RSS growth over the RSS with the model built)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
