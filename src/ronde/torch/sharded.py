@@ -90,8 +90,9 @@ class _Bucket:
         self.gathering: Any = None  # the allgather of the updated slices
 
     def put(self, i: int, grad: torch.Tensor) -> None:
-        if self.buf is None:
-            self.buf = torch.zeros(self.padded, dtype=self.dtype)
+        if self.buf is None:  # every slot is copied into or zeroed before it moves
+            self.buf = torch.empty(self.padded, dtype=self.dtype)
+            self.buf[self.length:].zero_()
         o = self.offset[i]
         dst = self.buf[o:o + grad.numel()]
         with torch.no_grad():
@@ -175,6 +176,7 @@ class _ShardedMixin:
         self._ronde_had: set[int] = set()  # parameters with a gradient in this window
         self._ronde_pass = 0  # backward passes in this window
         self._ronde_queued = False
+        self._ronde_moving: list[_Bucket] = []  # reduce-scatters in flight, in start order
         self._ronde_synced = False
         self._ronde_should_sync = True
         self._ronde_hooks: dict[torch.Tensor, Any] = {}
@@ -206,8 +208,8 @@ class _ShardedMixin:
         if self._ronde_stage == 1 and self._ronde_pass + 1 < self._ronde_passes:
             return  # torch accumulates the window in p.grad; the last pass puts it
         b = self._ronde_bucket_of[i]
-        if b.started is not None:  # stage 2: this bucket's previous pass is still moving
-            self._ronde_finish(b)
+        if self._ronde_stage == 2:
+            self._ronde_reap(b)
         b.put(i, p.grad)
         if self._ronde_stage == 2:
             p.grad = None
@@ -220,7 +222,14 @@ class _ShardedMixin:
         self._ronde_queued = False
         if self._ronde_stage == 2 or self._ronde_pass + 1 == self._ronde_passes:
             self._ronde_start_rest()
+            self._ronde_reap(None)
         self._ronde_pass += 1
+
+    def _ronde_reap(self, wanted: _Bucket | None) -> None:
+        """Stage 2: take the slices that arrived (their buffers freed), and ``wanted``'s
+        whether or not it did (its buffer is about to take the next pass)."""
+        for b in [b for b in self._ronde_moving if b is wanted or b.started[0].poll()]:
+            self._ronde_finish(b)
 
     def _ronde_start_rest(self) -> None:
         params, cur, stage = self._ronde_params, self._ronde_pass, self._ronde_stage
@@ -255,6 +264,7 @@ class _ShardedMixin:
         comp = self._ronde_compression
         wire, ctx = comp.compress(b.buf)
         b.started = (C.reducescatter_async(wire, b.name, ReduceOp.AVERAGE, self._ronde_ps), ctx)
+        self._ronde_moving.append(b)
 
     def _ronde_finish(self, b: _Bucket) -> None:
         handle, ctx = b.started
@@ -271,6 +281,8 @@ class _ShardedMixin:
                 b.slice.copy_(out)
         b.summed = True
         b.started, b.filled = None, set()
+        if handle is not None:
+            self._ronde_moving.remove(b)
         if self._ronde_stage == 2:
             b.buf = None
 
@@ -326,20 +338,15 @@ class _ShardedMixin:
         grads = [p.tensor.grad for b in self._ronde_buckets for p in b.pieces
                  if p.tensor.grad is not None]
         p_ = float(norm_type)
-        if p_ == float("inf"):
-            local = torch.tensor([max((g.abs().max().item() for g in grads), default=0.0)])
-            total = local if self._ronde_solo else C.allreduce_async(
-                local, None, "ShardedOptimizer.clip", ReduceOp.MAX, 1.0, 1.0,
-                self._ronde_ps).wait()
-            norm = total[0]
-        else:
-            local = torch.tensor([sum(float(g.double().abs().pow(p_).sum()) for g in grads)],
-                                 dtype=torch.float64)
-            total = local if self._ronde_solo else C.allreduce_async(
-                local, None, "ShardedOptimizer.clip", ReduceOp.SUM, 1.0, 1.0,
-                self._ronde_ps).wait()
-            norm = total[0] ** (1.0 / p_)
-        scale = float(max_norm) / (float(norm) + 1e-6)
+        inf = p_ == float("inf")
+        local = torch.tensor([max((float(g.abs().max()) for g in grads), default=0.0) if inf
+                              else sum(float(g.double().abs().pow(p_).sum()) for g in grads)],
+                             dtype=torch.float64)
+        total = local if self._ronde_solo else C.allreduce_async(
+            local, None, "ShardedOptimizer.clip", ReduceOp.MAX if inf else ReduceOp.SUM,
+            1.0, 1.0, self._ronde_ps).wait()
+        norm = float(total[0]) if inf else float(total[0]) ** (1.0 / p_)
+        scale = float(max_norm) / (norm + 1e-6)
         if scale < 1.0:
             with torch.no_grad():
                 for g in grads:
@@ -367,21 +374,25 @@ class _ShardedMixin:
     step.hooked = True  # type: ignore[attr-defined]
 
     def _ronde_gather(self) -> None:
-        """Every rank's updated slices into the parameters (one allgather a bucket)."""
-        params = self._ronde_params
-        for b in self._ronde_buckets:
-            send = torch.zeros(b.per, dtype=b.dtype)
-            for piece in b.pieces:
-                send[piece.at:piece.at + piece.b - piece.a].copy_(piece.tensor)
-            b.gathering = send if self._ronde_solo else C.allgather_async(
-                send, f"{b.name}.params", self._ronde_ps)
-        with torch.no_grad():
-            for b in self._ronde_buckets:
-                full = b.gathering if self._ronde_solo else b.gathering.wait()
-                b.gathering = None
-                for i in b.members:
-                    o, p = b.offset[i], params[i]
-                    p.view(-1).copy_(full[o:o + p.numel()])
+        """Every rank's updated slices into the parameters: one allgather a bucket, two
+        in flight (a third bucket's full buffer is not needed before one is unpacked)."""
+        moving: list[_Bucket] = []
+        for k, b in enumerate(self._ronde_buckets + [None]):  # type: ignore[operator]
+            if b is not None:
+                send = torch.zeros(b.per, dtype=b.dtype)
+                for piece in b.pieces:
+                    send[piece.at:piece.at + piece.b - piece.a].copy_(piece.tensor)
+                b.gathering = send if self._ronde_solo else C.allgather_async(
+                    send, f"{b.name}.params", self._ronde_ps)
+                moving.append(b)
+            while moving and (len(moving) > 2 or b is None):
+                done = moving.pop(0)
+                full = done.gathering if self._ronde_solo else done.gathering.wait()
+                done.gathering = None
+                with torch.no_grad():
+                    for i in done.members:
+                        o, p = done.offset[i], self._ronde_params[i]
+                        p.view(-1).copy_(full[o:o + p.numel()])
 
     def _ronde_new_window(self) -> None:
         for b in self._ronde_buckets:
@@ -400,13 +411,12 @@ class _ShardedMixin:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients and the pieces'. Called between a backward and
         its step, it drops that window (waiting for what it started)."""
+        for b in self._ronde_moving:
+            with contextlib.suppress(Exception):
+                b.started[0].wait()
         for b in self._ronde_buckets:
-            if b.started is not None:
-                handle = b.started[0]
-                if handle is not None:
-                    with contextlib.suppress(Exception):
-                        handle.wait()
-                b.started = None
+            b.started = None
+        self._ronde_moving = []
         self._ronde_new_window()
         for group in self._ronde_full_groups:
             for p in group:
