@@ -10,21 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-B, S, D, C = 8, 6, 5, 3  # batch per rank, steps, features, classes
+from keras_workers import B, C, D, S, _shard  # noqa: F401 - the same data layout
+from keras_workers import _data as _data_seeded
 
 
 def _data(size: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(7)
-    x = rng.normal(size=(size * B * S, D)).astype(np.float32)
-    y = rng.integers(0, C, size=size * B * S)
-    return x, y
-
-
-def _shard(a: np.ndarray, rank: int, size: int, b: int) -> np.ndarray:
-    """Rows of this rank: at step t, global batch t's block ``rank`` of b rows."""
-    steps = len(a) // (size * b)
-    return np.concatenate([a[(t * size + rank) * b:(t * size + rank + 1) * b]
-                           for t in range(steps)])
+    return _data_seeded(size, seed=7)
 
 
 def _model(seed: int):

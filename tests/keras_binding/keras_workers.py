@@ -12,8 +12,8 @@ import numpy as np
 B, S, D, C = 8, 6, 5, 3  # batch per rank, steps, features, classes
 
 
-def _data(size: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(42)
+def _data(size: int, seed: int = 42) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
     x = rng.normal(size=(size * B * S, D)).astype(np.float32)
     y = rng.integers(0, C, size=size * B * S)
     return x, y

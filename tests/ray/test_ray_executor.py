@@ -143,3 +143,29 @@ def test_the_seed_digits_training_runs_through_ray(executor, tmp_path):
     out = ex.run(_digits_example, args=(str(tmp_path / "ckpt.pt"),))
     accuracy = float(out[0].split("test accuracy ")[1].split()[0])
     assert accuracy >= 0.95 and "2 ranks" in out[0]  # as under ronderun (~0.97)
+
+
+TORCH_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch")
+
+
+def _lightning_case(name, out, tests_dir):
+    sys.path.insert(0, tests_dir)
+    import lightning_job
+    import torch
+
+    torch.set_num_threads(1)
+    return lightning_job.run(name, out)
+
+
+def test_a_lightning_trainer_on_the_ronde_strategy_trains_as_one_process(executor, tmp_path):
+    # issue #35 item 4 under Ray: strategy="ronde" (ronde started by the strategy), Adam,
+    # accumulation over a partial last window; the ranks agree and equal one process
+    pytest.importorskip("torch")
+    pytest.importorskip("lightning")
+    ex = executor(num_workers=2)
+    ex.start()
+    reports = ex.run(_lightning_case, args=("string", str(tmp_path), TORCH_TESTS))
+    sys.path.insert(0, TORCH_TESTS)
+    import lightning_job
+
+    lightning_job.check_ranks(reports, "string")

@@ -105,3 +105,28 @@ def test_a_plain_init_works_under_torch_distributor():
     # the size and the allreduce across both processes (TorchDistributor returns one
     # process's result; in local mode not always rank 0's)
     assert got[0] in (0, 1) and got[1:] == (2, 2.0)
+
+
+TORCH_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch")
+
+
+def _lightning_case(name, out, tests_dir):
+    sys.path.insert(0, tests_dir)
+    import lightning_job
+    import torch
+
+    torch.set_num_threads(1)
+    return lightning_job.run(name, out)
+
+
+def test_a_lightning_trainer_on_the_ronde_strategy_trains_as_one_process(tmp_path):
+    # issue #35 item 4 under Spark: strategy="ronde" (ronde started by the strategy), Adam,
+    # accumulation over a partial last window; the ranks agree and equal one process
+    pytest.importorskip("torch")
+    pytest.importorskip("lightning")
+    reports = ronde.spark.run(_lightning_case, args=("string", str(tmp_path), TORCH_TESTS),
+                              num_proc=2)
+    sys.path.insert(0, TORCH_TESTS)
+    import lightning_job
+
+    lightning_job.check_ranks(reports, "string")

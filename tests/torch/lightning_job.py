@@ -222,6 +222,21 @@ def run(name: str, out: str) -> dict[str, Any]:
     return report
 
 
+def check_ranks(reports: list[dict[str, Any]], name: str) -> None:
+    """What a job of ``len(reports)`` ranks must show, launched by anything (Ray, Spark):
+    ronde's ranks in Lightning, the distributed sampler, weights equal on every rank and
+    to one process on the global batch, checkpoints written by rank 0 only."""
+    size = len(reports)
+    ref = torch.tensor(reference(name, size)["params"])
+    for rank, rep in enumerate(reports):
+        assert (rep["world_size"], rep["global_rank"], rep["is_global_zero"]) == \
+            (size, rank, rank == 0), rep
+        assert rep["sampler"] == ["DistributedSampler", size, rank]
+        assert rep["params"] == reports[0]["params"], f"rank {rank} differs"
+        assert torch.allclose(torch.tensor(rep["params"]), ref, rtol=0, atol=2e-6)
+    assert reports[0]["saves"] > 0 and all(rep["saves"] == 0 for rep in reports[1:])
+
+
 def main() -> None:
     torch.set_num_threads(1)
     out = sys.argv[1]

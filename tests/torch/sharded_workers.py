@@ -194,3 +194,42 @@ def checkpoint(directory: str, phase: str, steps: int = 3) -> dict:
            "same": _same_on_every_rank(torch, hvd, model, f"ckpt.{phase}")}
     hvd.shutdown()
     return res
+
+
+def versus_distributed(steps: int = 100) -> dict:
+    """The same float32 training through DistributedOptimizer and ShardedOptimizer (stage
+    1 and 2; SGD with momentum, Adam, AdamW), same data: per case the largest relative
+    difference of the losses over ``steps`` steps, and of the final weights."""
+    torch, hvd = _setup()
+    r, n = hvd.rank(), hvd.size()
+    F = torch.nn.functional
+    gen = torch.Generator().manual_seed(21 + r)
+    data = [(torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen))
+            for _ in range(steps)]
+    out = {}
+    for opt_name in ("sgd", "adam", "adamw"):
+        runs = {}
+        for kind in ("distributed", "stage1", "stage2"):
+            model = _net(torch, 4).float()
+            inner = OPTS[opt_name](torch, model.parameters())
+            named = [(f"{kind}.{opt_name}.{k}", v) for k, v in model.named_parameters()]
+            opt = hvd.DistributedOptimizer(inner, named_parameters=named) \
+                if kind == "distributed" else hvd.ShardedOptimizer(
+                    inner, named_parameters=named, stage=int(kind[-1]))
+            losses = []
+            for x, y in data:
+                opt.zero_grad()
+                loss = F.mse_loss(_forward(model, x), y)
+                loss.backward()
+                opt.step()
+                losses.append(float(loss))
+            runs[kind] = (torch.tensor(losses, dtype=torch.float64),
+                          torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+        base_l, base_w = runs["distributed"]
+        for kind in ("stage1", "stage2"):
+            lo, w = runs[kind]
+            out[f"{opt_name}.{kind}"] = {
+                "loss": float(((lo - base_l).abs() / base_l.abs()).max()),
+                "weights": float(((w - base_w).abs() / base_w.abs().clamp_min(1e-3)).max())}
+    hvd.shutdown()
+    return out

@@ -20,8 +20,9 @@ run the wrapper's method, and the patch still sees every call.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 #: methods a wrapper may define over the optimizer's own (reaching those by :func:`inner`)
 LAYERED = ("step", "zero_grad")
@@ -82,3 +83,19 @@ def inner(wrapped: Any, mixin: type, name: str) -> Callable[..., Any]:
     that :func:`wrap` layered over, else the base class's."""
     patch = wrapped.__dict__.get(_PATCHES, {}).get(name)
     return patch if patch is not None else getattr(super(mixin, wrapped), name)
+
+
+class SkipSynchronize:
+    """``skip_synchronize()`` of the gradient-averaging wrappers (mixed in with them)."""
+
+    _ronde_should_sync: bool
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside this block ``step()`` does not synchronize (you called
+        ``synchronize()``, e.g. to clip the averaged gradients first)."""
+        self._ronde_should_sync = False
+        try:
+            yield
+        finally:
+            self._ronde_should_sync = True

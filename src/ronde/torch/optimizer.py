@@ -41,10 +41,9 @@ Semantics (as Horovod's, where it defines them):
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import warnings
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -60,13 +59,13 @@ from . import _buckets
 from . import _collectives as C
 from . import _device
 from ._tensors import dtype_name
-from ._wrap import inner, wrap
+from ._wrap import SkipSynchronize, inner, wrap
 from .compression import Compression
 
 logger = logging.getLogger(__name__)
 
 
-class _DistributedMixin:
+class _DistributedMixin(SkipSynchronize):
     """Methods mixed in front of the user's optimizer class."""
 
     param_groups: list[dict[str, Any]]
@@ -350,15 +349,6 @@ class _DistributedMixin:
             order, params, self._ronde_hooks, [self._ronde_names[id(p)] for p in params],
             base, self._ronde_bucket_cap(), self._ronde_ps,
             lambda t, n: self._ronde_start(t, n), lambda started, flat, n: self._ronde_result(started))
-
-    @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """Inside this block ``step()`` does not synchronize (you called ``synchronize()``)."""
-        self._ronde_should_sync = False
-        try:
-            yield
-        finally:
-            self._ronde_should_sync = True
 
     @torch.compiler.disable
     def step(self, closure: Any = None) -> Any:

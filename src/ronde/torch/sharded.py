@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 
@@ -40,7 +40,7 @@ from ..process_sets import ProcessSet, global_process_set
 from . import _buckets
 from . import _collectives as C
 from ._tensors import dtype_name
-from ._wrap import inner, wrap
+from ._wrap import SkipSynchronize, inner, wrap
 from .compression import Compression
 from ._elementwise import check_elementwise, slice_state
 
@@ -114,7 +114,7 @@ class _Bucket:
             and not any(p.requires_grad for p in self.unhooked)
 
 
-class _ShardedMixin:
+class _ShardedMixin(SkipSynchronize):
     """Methods mixed in front of the user's optimizer class."""
 
     param_groups: list[dict[str, Any]]
@@ -319,15 +319,6 @@ class _ShardedMixin:
                 piece.tensor.grad = b.slice[piece.at:piece.at + piece.b - piece.a] \
                     if counts[piece.index] else None
         self._ronde_synced = True
-
-    @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """Inside this block ``step()`` does not synchronize (you called it)."""
-        self._ronde_should_sync = False
-        try:
-            yield
-        finally:
-            self._ronde_should_sync = True
 
     @torch.compiler.disable
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
