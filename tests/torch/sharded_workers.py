@@ -233,3 +233,34 @@ def versus_distributed(steps: int = 100) -> dict:
                 "weights": float(((w - base_w).abs() / base_w.abs().clamp_min(1e-3)).max())}
     hvd.shutdown()
     return out
+
+
+def process_set(steps: int = 4) -> dict:
+    """A ShardedOptimizer on the process set {0, 1} of a 3-rank job: ranks 0 and 1 shard
+    and average between them (as one process on their two batches), rank 2 steps alone on
+    its own batch (as Horovod's DistributedOptimizer does outside its set)."""
+    torch, hvd = _setup()
+    r = hvd.rank()
+    F = torch.nn.functional
+    pair = hvd.add_process_set([0, 1])
+    model, ref = _net(torch, 6), _net(torch, 6)
+    opt = hvd.ShardedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), stage=2,
+                               named_parameters=model.named_parameters(), process_set=pair)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(steps):
+        x, y = torch.randn(12, 6, generator=gen, dtype=torch.float64), \
+            torch.randn(12, 3, generator=gen, dtype=torch.float64)
+        mine = slice(4 * r, 4 * r + 4)
+        ref_opt.zero_grad()  # ranks 0 and 1: their 8 samples; rank 2: its own 4
+        want = slice(0, 8) if r < 2 else mine
+        F.mse_loss(_forward(ref, x[want]), y[want]).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        F.mse_loss(_forward(model, x[mine]), y[mine]).backward()
+        opt.step()
+    held = sum(v.numel() for st in opt.state.values() for v in st.values()
+               if torch.is_tensor(v) and v.dim() > 0)
+    out = {"diff": _diff(torch, model, ref), "held": held}
+    hvd.shutdown()
+    return out

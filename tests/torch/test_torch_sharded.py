@@ -93,3 +93,12 @@ def test_a_hundred_steps_equal_distributed_optimizer(np_):
         for case, r in res.items():
             assert r["loss"] <= bound, (np_, case, r)
             assert r["weights"] <= max(bound, 1e-5), (np_, case, r)
+
+
+@pytest.mark.timeout(90)
+def test_a_process_set_shards_among_its_members_and_the_rest_step_alone():
+    out = run_ranks(3, workers.process_set, timeout_s=80)
+    for rank, r in enumerate(out):
+        assert r["diff"] <= 1e-12, (rank, r)
+    used = 125 - 18  # "unused" and "d" never step
+    assert out[0]["held"] + out[1]["held"] == 2 * used and out[2]["held"] == 2 * used, out
