@@ -56,3 +56,17 @@ def test_differing_parameters_fail_every_rank_at_init():
     for msg, _elapsed in run_ranks(2, workers.mismatch, timeout_s=50):
         assert "['extra']['w']" in msg and "exists on rank 1 but not on rank 0" in msg, msg
         assert "same structure, shapes and dtypes" in msg
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_sharded_optimizer_equals_one_process_with_a_share_of_the_state(np_):
+    out = run_ranks(np_, workers.sharded, timeout_s=110)
+    params = 6 * 8 + 8 + 8 * 3 + 3  # 83
+    for res in out:
+        assert list(res) == ["sgd.jit", "adam", "adamw.jit"]
+        for case, r in res.items():
+            assert r["diff"] <= 1e-12, (case, r)
+            per_rank = -(-params // np_)  # elements of this rank's slice
+            moments = 1 if case.startswith("sgd") else 2  # momentum; adam's mu and nu
+            assert r["held"] == moments * per_rank, (case, r)

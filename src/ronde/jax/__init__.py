@@ -38,6 +38,7 @@ from ._collectives import (allgather_async, allreduce_async, alltoall_async, bro
                            grouped_allreduce_async, poll, reducescatter_async, synchronize)
 from .optimizer import (DistributedOptimizer, DistributedState, allreduce_gradients,
                         reduce_gradients)
+from .sharded import ShardedOptimizer, ShardedState
 from .state import (broadcast_optimizer_state, broadcast_parameters, broadcast_variables,
                     save_checkpoint)
 

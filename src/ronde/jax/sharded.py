@@ -1,0 +1,116 @@
+"""``ShardedOptimizer`` for JAX: an optax transformation whose state covers ``1/N`` of the
+parameters on each rank (ZeRO stage 1; docs/sharding.md).
+
+``update`` flattens the gradient pytree into one padded vector per dtype (``N * S``
+elements, ``S = ceil(L / N)``), reduce-scatters it (Average: each rank gets the averaged
+elements ``[r*S, (r+1)*S)``), runs the inner transformation on that slice and the same
+slice of the parameters, and allgathers the updated slices back into an update pytree:
+the traffic of one allreduce. Eager or inside ``jax.jit`` (host callbacks, as the
+other collectives). The inner transformation must be elementwise (``optax.sgd``,
+``adam``, ``adamw`` without a ``mask``, ``rmsprop``, ``adagrad``...): one that looks at
+whole leaves or at all of them (``clip_by_global_norm``, ``lamb``, masks by leaf) sees a
+flat slice instead and would compute something else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from .._errors import UnsupportedError
+from .._ops import ReduceOp
+from ..process_sets import ProcessSet, global_process_set
+from . import _collectives as C
+from ._arrays import any_traced
+from .state import check_same_tree, leaf_table
+
+
+class ShardedState(NamedTuple):
+    """The state of :func:`ShardedOptimizer`: one inner state per dtype of the
+    parameters, over this rank's slice of them (``inner[k]`` for ``dtypes[k]``)."""
+
+    inner: tuple
+
+
+def _groups(leaves: list[Any]) -> dict[Any, list[int]]:
+    """Leaf indices by dtype, in first-seen order (one flat vector each)."""
+    out: dict[Any, list[int]] = {}
+    for i, x in enumerate(leaves):
+        dt = jnp.result_type(x)
+        if not jnp.issubdtype(dt, jnp.floating):
+            raise UnsupportedError(f"ShardedOptimizer: leaf {i} is {dt}; only floating-point "
+                                   "parameters can be sharded")
+        out.setdefault(dt, []).append(i)
+    return out
+
+
+def _flat(leaves: list[Any], ids: list[int], size: int) -> tuple[Any, int, int]:
+    """The leaves ``ids`` as one vector padded to a multiple of ``size``: (vector,
+    unpadded length, per-rank slice length)."""
+    flat = jnp.concatenate([jnp.ravel(leaves[i]) for i in ids])
+    length = int(flat.shape[0])
+    per = -(-length // size)
+    return jnp.pad(flat, (0, per * size - length)), length, per
+
+
+def ShardedOptimizer(optimizer: optax.GradientTransformation,
+                     process_set: ProcessSet = global_process_set,
+                     name: str = "ShardedOptimizer") -> optax.GradientTransformation:
+    """Wrap an elementwise optax transformation: gradients averaged over the ranks, the
+    inner state and update computed on this rank's ``1/N`` of the parameters.
+
+    Args:
+        optimizer: the inner transformation (``optax.adam(1e-3)``...), elementwise.
+        process_set: the ranks that shard (default: all); every member must call
+            ``init`` and ``update`` with pytrees of the same structure, shapes, dtypes.
+        name: base name of the collectives (give two optimizers that may run at the
+            same time different names).
+
+    ``update`` needs ``params`` when the inner transformation does (``adamw``).
+    """
+    def rank_size() -> tuple[int, int]:
+        if process_set is not global_process_set and not process_set.included():
+            return 0, 1  # outside the set: a plain optimizer on everything
+        return C.set_rank_and_size(process_set)
+
+    def init(params: Any) -> ShardedState:
+        names, leaves, _ = leaf_table(params)
+        r, n = rank_size()
+        if n > 1 and not any_traced(leaves):
+            check_same_tree(names, leaves, "ShardedOptimizer", f"{name}.parameters",
+                            process_set)
+        states = []
+        for ids in _groups(leaves).values():
+            flat, _, per = _flat(leaves, ids, n)
+            states.append(optimizer.init(flat[r * per:(r + 1) * per]))
+        return ShardedState(tuple(states))
+
+    def update(grads: Any, state: ShardedState, params: Any = None) -> tuple[Any, ShardedState]:
+        g_leaves, treedef = jax.tree_util.tree_flatten(grads)
+        p_leaves = jax.tree_util.tree_flatten(params)[0] if params is not None else None
+        r, n = rank_size()
+        out: list[Any] = [None] * len(g_leaves)
+        states = []
+        for k, ((dt, ids), inner) in enumerate(zip(_groups(g_leaves).items(), state.inner)):
+            flat, length, per = _flat(g_leaves, ids, n)
+            tag = f"{name}.{k}.{jnp.dtype(dt).name}"
+            mine = flat if n == 1 else C.reducescatter_array(
+                flat, ReduceOp.AVERAGE, f"{tag}.grads", process_set, 1.0, 1.0)
+            p_mine = None
+            if p_leaves is not None:
+                p_mine = _flat(p_leaves, ids, n)[0][r * per:(r + 1) * per]
+            upd, new_inner = optimizer.update(mine, inner, p_mine)
+            full = upd if n == 1 else C.allgather_array(upd, f"{tag}.updates", process_set)
+            at = 0
+            for i in ids:
+                size = g_leaves[i].size
+                out[i] = full[at:at + size].reshape(jnp.shape(g_leaves[i]))
+                at += size
+            states.append(new_inner)
+            assert at == length
+        return jax.tree_util.tree_unflatten(treedef, out), ShardedState(tuple(states))
+
+    return optax.GradientTransformation(init, update)
