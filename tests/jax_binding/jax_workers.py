@@ -248,9 +248,10 @@ def mismatch() -> tuple[str, float]:
 
 
 def sharded(steps: int = 6, batch: int = 4) -> dict:
-    """ronde.jax.ShardedOptimizer (sgd with momentum, adam, adamw; eager and under jit)
-    against one process on the global batch (float64): the largest parameter
-    difference, and how many elements of the inner state this rank holds."""
+    """ronde.jax.ShardedOptimizer (sgd with momentum, adam, adamw; eager and under jit;
+    two passes accumulated) against one process on the global batch (float64): the
+    largest parameter difference, and how many elements of the inner state this rank
+    holds (the accumulator left out)."""
     jax, hvd = _setup(x64=True)
     import optax
 
@@ -260,28 +261,33 @@ def sharded(steps: int = 6, batch: int = 4) -> dict:
     make = {"sgd": lambda: optax.sgd(0.1, momentum=0.9), "adam": lambda: optax.adam(0.01),
             "adamw": lambda: optax.adamw(0.01, weight_decay=0.1)}
     out = {}
-    for ci, (opt, jit) in enumerate((("sgd", True), ("adam", False), ("adamw", True))):
-        x, y = _data(10 + ci, steps * n * batch)
+    cases = (("sgd", True, 1), ("adam", False, 1), ("adamw", True, 1), ("adam", True, 2))
+    for ci, (opt, jit, passes) in enumerate(cases):
+        x, y = _data(10 + ci, steps * passes * n * batch)
         ref = _init(jax)
         ref_tx = make[opt]()
         ref_state = ref_tx.init(ref)
-        tx = hvd.ShardedOptimizer(make[opt](), name=f"sharded.{ci}")
+        tx = hvd.ShardedOptimizer(make[opt](), name=f"sharded.{ci}",
+                                  backward_passes_per_step=passes,
+                                  average_aggregated_gradients=True)
         params = hvd.broadcast_parameters(_init(jax, seed=r), root_rank=0)
         state = tx.init(params)
         update = jax.jit(tx.update) if jit else tx.update
         for s in range(steps):
-            window = slice(s * n * batch, (s + 1) * n * batch)
+            window = slice(s * passes * n * batch, (s + 1) * passes * n * batch)
             u, ref_state = ref_tx.update(grad(ref, jnp.asarray(x[window]),
                                               jnp.asarray(y[window])), ref_state, ref)
             ref = optax.apply_updates(ref, u)
-            lo = s * n * batch + r * batch
-            g = grad(params, jnp.asarray(x[lo:lo + batch]), jnp.asarray(y[lo:lo + batch]))
-            u, state = update(g, state, params)
-            params = optax.apply_updates(params, u)
+            for k in range(passes):
+                lo = s * passes * n * batch + (k * n + r) * batch
+                g = grad(params, jnp.asarray(x[lo:lo + batch]), jnp.asarray(y[lo:lo + batch]))
+                u, state = update(g, state, params)
+                params = optax.apply_updates(params, u)
         diff = max(float(jnp.abs(a - b).max()) for a, b in zip(
             jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(ref)))
-        held = sum(int(np.size(v)) for v in jax.tree_util.tree_leaves(state)
+        held = sum(int(np.size(v)) for v in jax.tree_util.tree_leaves(state.inner)
                    if np.ndim(v) > 0)
-        out[f"{opt}{'.jit' if jit else ''}"] = {"diff": diff, "held": held}
+        out[f"{opt}{'.jit' if jit else ''}{'.x2' if passes > 1 else ''}"] = {
+            "diff": diff, "held": held}
     hvd.shutdown()
     return out

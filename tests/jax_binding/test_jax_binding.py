@@ -64,7 +64,7 @@ def test_sharded_optimizer_equals_one_process_with_a_share_of_the_state(np_):
     out = run_ranks(np_, workers.sharded, timeout_s=110)
     params = 6 * 8 + 8 + 8 * 3 + 3  # 83
     for res in out:
-        assert list(res) == ["sgd.jit", "adam", "adamw.jit"]
+        assert list(res) == ["sgd.jit", "adam", "adamw.jit", "adam.jit.x2"]
         for case, r in res.items():
             assert r["diff"] <= 1e-12, (case, r)
             per_rank = -(-params // np_)  # elements of this rank's slice

@@ -22,6 +22,7 @@ import optax
 
 from .._errors import UnsupportedError
 from .._ops import ReduceOp
+from ..frameworks.accumulation import PassCounter
 from ..process_sets import ProcessSet, global_process_set
 from . import _collectives as C
 from ._arrays import any_traced
@@ -30,9 +31,12 @@ from .state import check_same_tree, leaf_table
 
 class ShardedState(NamedTuple):
     """The state of :func:`ShardedOptimizer`: one inner state per dtype of the
-    parameters, over this rank's slice of them (``inner[k]`` for ``dtypes[k]``)."""
+    parameters, over this rank's slice of them; the gradients accumulated in the
+    current window (``()`` without accumulation) and the passes in it."""
 
     inner: tuple
+    acc: Any = ()
+    passes: Any = 0
 
 
 def _groups(leaves: list[Any]) -> dict[Any, list[int]]:
@@ -58,7 +62,9 @@ def _flat(leaves: list[Any], ids: list[int], size: int) -> tuple[Any, int, int]:
 
 def ShardedOptimizer(optimizer: optax.GradientTransformation,
                      process_set: ProcessSet = global_process_set,
-                     name: str = "ShardedOptimizer") -> optax.GradientTransformation:
+                     name: str = "ShardedOptimizer", backward_passes_per_step: int = 1,
+                     average_aggregated_gradients: bool = False,
+                     ) -> optax.GradientTransformation:
     """Wrap an elementwise optax transformation: gradients averaged over the ranks, the
     inner state and update computed on this rank's ``1/N`` of the parameters.
 
@@ -68,6 +74,10 @@ def ShardedOptimizer(optimizer: optax.GradientTransformation,
             ``init`` and ``update`` with pytrees of the same structure, shapes, dtypes.
         name: base name of the collectives (give two optimizers that may run at the
             same time different names).
+        backward_passes_per_step: ``update`` calls accumulated locally (in a gradient
+            pytree in the state) before one reduce-scatter and one inner update; the
+            others return zero updates, as ``DistributedOptimizer``'s.
+        average_aggregated_gradients: divide the accumulated sum by the passes.
 
     ``update`` needs ``params`` when the inner transformation does (``adamw``).
     """
@@ -86,15 +96,39 @@ def ShardedOptimizer(optimizer: optax.GradientTransformation,
         for ids in _groups(leaves).values():
             flat, _, per = _flat(leaves, ids, n)
             states.append(optimizer.init(flat[r * per:(r + 1) * per]))
-        return ShardedState(tuple(states))
+        acc = jax.tree_util.tree_map(jnp.zeros_like, params) if passes_per_step > 1 else ()
+        return ShardedState(tuple(states), acc, jnp.zeros((), jnp.int32))
 
     def update(grads: Any, state: ShardedState, params: Any = None) -> tuple[Any, ShardedState]:
+        if passes_per_step == 1:
+            updates, inner = apply(grads, state.inner, params)
+            return updates, ShardedState(inner, state.acc, state.passes)
+        acc = jax.tree_util.tree_map(lambda a, g: a + g.astype(a.dtype), state.acc, grads)
+        passes = state.passes + 1
+
+        def last(_: Any) -> tuple[Any, ShardedState]:
+            total = acc if not average_aggregated_gradients else \
+                jax.tree_util.tree_map(lambda a: a / passes_per_step, acc)
+            updates, inner = apply(total, state.inner, params)
+            zeros = jax.tree_util.tree_map(jnp.zeros_like, acc)
+            return updates, ShardedState(inner, zeros, jnp.zeros((), jnp.int32))
+
+        def more(_: Any) -> tuple[Any, ShardedState]:
+            zeros = jax.tree_util.tree_map(jnp.zeros_like, acc)
+            return zeros, ShardedState(state.inner, acc, passes)
+
+        if not any_traced([passes]):  # eager: no need to trace both branches
+            return last(None) if int(passes) >= passes_per_step else more(None)
+        return jax.lax.cond(passes >= passes_per_step, last, more, None)
+
+    def apply(grads: Any, inners: tuple, params: Any) -> tuple[Any, tuple]:
+        """Reduce-scatter, the inner update on this rank's slice, allgather."""
         g_leaves, treedef = jax.tree_util.tree_flatten(grads)
         p_leaves = jax.tree_util.tree_flatten(params)[0] if params is not None else None
         r, n = rank_size()
         out: list[Any] = [None] * len(g_leaves)
         states = []
-        for k, ((dt, ids), inner) in enumerate(zip(_groups(g_leaves).items(), state.inner)):
+        for k, ((dt, ids), inner) in enumerate(zip(_groups(g_leaves).items(), inners)):
             flat, length, per = _flat(g_leaves, ids, n)
             tag = f"{name}.{k}.{jnp.dtype(dt).name}"
             mine = flat if n == 1 else C.reducescatter_array(
@@ -111,6 +145,7 @@ def ShardedOptimizer(optimizer: optax.GradientTransformation,
                 at += size
             states.append(new_inner)
             assert at == length
-        return jax.tree_util.tree_unflatten(treedef, out), ShardedState(tuple(states))
+        return jax.tree_util.tree_unflatten(treedef, out), tuple(states)
 
+    passes_per_step = PassCounter(backward_passes_per_step).passes_per_step
     return optax.GradientTransformation(init, update)
