@@ -201,7 +201,7 @@ def versus_distributed(steps: int = 100) -> dict:
     1 and 2; SGD with momentum, Adam, AdamW), same data: per case the largest relative
     difference of the losses over ``steps`` steps, and of the final weights."""
     torch, hvd = _setup()
-    r, n = hvd.rank(), hvd.size()
+    r = hvd.rank()
     F = torch.nn.functional
     gen = torch.Generator().manual_seed(21 + r)
     data = [(torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen))

@@ -181,26 +181,35 @@ def DistributedOptimizer(optimizer: optax.GradientTransformation,
         if passes_per_step == 1:
             updates, inner = optimizer.update(reduce(grads), state.inner, params)
             return updates, DistributedState(inner, state.acc, state.passes)
-        acc = jax.tree_util.tree_map(lambda a, g: a + g.astype(a.dtype), state.acc, grads)
-        passes = state.passes + 1
-
-        def apply(_: Any) -> tuple[Any, DistributedState]:
-            total = acc if not average_aggregated_gradients else \
-                jax.tree_util.tree_map(lambda a: a / passes_per_step, acc)
-            updates, inner = optimizer.update(reduce(total), state.inner, params)
-            zeros = jax.tree_util.tree_map(jnp.zeros_like, acc)
-            return updates, DistributedState(inner, zeros, jnp.zeros((), jnp.int32))
-
-        def accumulate(_: Any) -> tuple[Any, DistributedState]:
-            shapes = jax.eval_shape(lambda: optimizer.update(acc, state.inner, params)[0])
-            zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-            return zeros, DistributedState(state.inner, acc, passes)
-
-        if not any_traced([passes]):  # eager: no need to trace both branches
-            return apply(None) if int(passes) >= passes_per_step else accumulate(None)
-        return jax.lax.cond(passes >= passes_per_step, apply, accumulate, None)
+        updates, inner, acc, passes = windowed(
+            lambda total: optimizer.update(reduce(total), state.inner, params), grads,
+            state.inner, state.acc, state.passes, passes_per_step, average_aggregated_gradients)
+        return updates, DistributedState(inner, acc, passes)
 
     return optax.GradientTransformation(init, update)
+
+
+def windowed(apply: Any, grads: Any, inner: Any, acc: Any, passes: Any, passes_per_step: int,
+             average: bool) -> tuple[Any, Any, Any, Any]:
+    """One backward pass of a ``backward_passes_per_step`` window: ``grads`` added to
+    ``acc``; on the window's last pass, ``apply(total)`` (the reduction and the inner
+    update: ``(updates, inner)``) and a new window, else zero updates. Eager, or both
+    branches traced under ``jax.lax.cond``. Returns ``(updates, inner, acc, passes)``."""
+    acc = jax.tree_util.tree_map(lambda a, g: a + g.astype(a.dtype), acc, grads)
+    passes = passes + 1
+
+    def last(_: Any) -> tuple[Any, Any, Any, Any]:
+        total = jax.tree_util.tree_map(lambda a: a / passes_per_step, acc) if average else acc
+        updates, new_inner = apply(total)
+        return (updates, new_inner, jax.tree_util.tree_map(jnp.zeros_like, acc),
+                jnp.zeros((), jnp.int32))
+
+    def more(_: Any) -> tuple[Any, Any, Any, Any]:
+        return jax.tree_util.tree_map(jnp.zeros_like, acc), inner, acc, passes
+
+    if not any_traced([passes]):  # eager: no need to trace both branches
+        return last(None) if int(passes) >= passes_per_step else more(None)
+    return jax.lax.cond(passes >= passes_per_step, last, more, None)
 
 
 def _adasum_optimizer(optimizer: optax.GradientTransformation, compression: Any,

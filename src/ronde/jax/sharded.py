@@ -26,6 +26,7 @@ from ..frameworks.accumulation import PassCounter
 from ..process_sets import ProcessSet, global_process_set
 from . import _collectives as C
 from ._arrays import any_traced
+from .optimizer import windowed
 from .state import check_same_tree, leaf_table
 
 
@@ -103,23 +104,10 @@ def ShardedOptimizer(optimizer: optax.GradientTransformation,
         if passes_per_step == 1:
             updates, inner = apply(grads, state.inner, params)
             return updates, ShardedState(inner, state.acc, state.passes)
-        acc = jax.tree_util.tree_map(lambda a, g: a + g.astype(a.dtype), state.acc, grads)
-        passes = state.passes + 1
-
-        def last(_: Any) -> tuple[Any, ShardedState]:
-            total = acc if not average_aggregated_gradients else \
-                jax.tree_util.tree_map(lambda a: a / passes_per_step, acc)
-            updates, inner = apply(total, state.inner, params)
-            zeros = jax.tree_util.tree_map(jnp.zeros_like, acc)
-            return updates, ShardedState(inner, zeros, jnp.zeros((), jnp.int32))
-
-        def more(_: Any) -> tuple[Any, ShardedState]:
-            zeros = jax.tree_util.tree_map(jnp.zeros_like, acc)
-            return zeros, ShardedState(state.inner, acc, passes)
-
-        if not any_traced([passes]):  # eager: no need to trace both branches
-            return last(None) if int(passes) >= passes_per_step else more(None)
-        return jax.lax.cond(passes >= passes_per_step, last, more, None)
+        updates, inner, acc, passes = windowed(
+            lambda total: apply(total, state.inner, params), grads, state.inner, state.acc,
+            state.passes, passes_per_step, average_aggregated_gradients)
+        return updates, ShardedState(inner, acc, passes)
 
     def apply(grads: Any, inners: tuple, params: Any) -> tuple[Any, tuple]:
         """Reduce-scatter, the inner update on this rank's slice, allgather."""
