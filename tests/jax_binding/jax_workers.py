@@ -172,6 +172,36 @@ def _loss(jax, params, x, y):
     return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
 
 
+def _train_both(jax, hvd, tx, ref_tx, x, y, steps: int, passes: int, batch: int,
+                jit: bool) -> tuple:
+    """Train ``tx`` on this rank's shard, ``passes`` update calls a step, and ``ref_tx``
+    in one process on each step's whole window; (the largest parameter difference,
+    ``tx``'s final state)."""
+    import optax
+
+    jnp = jax.numpy
+    r, n = hvd.rank(), hvd.size()
+    grad = jax.grad(lambda p, a, b: _loss(jax, p, a, b))
+    ref = _init(jax)
+    ref_state = ref_tx.init(ref)
+    params = hvd.broadcast_parameters(_init(jax, seed=r), root_rank=0)
+    state = tx.init(params)
+    update = jax.jit(tx.update) if jit else tx.update
+    for s in range(steps):
+        window = slice(s * passes * n * batch, (s + 1) * passes * n * batch)
+        u, ref_state = ref_tx.update(grad(ref, jnp.asarray(x[window]), jnp.asarray(y[window])),
+                                     ref_state, ref)
+        ref = optax.apply_updates(ref, u)
+        for k in range(passes):
+            lo = s * passes * n * batch + (k * n + r) * batch
+            g = grad(params, jnp.asarray(x[lo:lo + batch]), jnp.asarray(y[lo:lo + batch]))
+            u, state = update(g, state, params)
+            params = optax.apply_updates(params, u)
+    diff = max(float(jnp.abs(a - b).max()) for a, b in zip(
+        jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(ref)))
+    return diff, state
+
+
 def equivalence(configs: list[tuple[str, int, str, bool]], steps: int = 5,
                 batch: int = 4) -> list[float]:
     """Max |param difference| between np=n training on batch b and 1 process on n*b.
@@ -183,8 +213,7 @@ def equivalence(configs: list[tuple[str, int, str, bool]], steps: int = 5,
 
     import ronde._api as api
 
-    jnp = jax.numpy
-    r, n = hvd.rank(), hvd.size()
+    n = hvd.size()
     sent: list[str] = []
     real = api.allreduce_async
 
@@ -199,34 +228,17 @@ def equivalence(configs: list[tuple[str, int, str, bool]], steps: int = 5,
         make = {"sgd": lambda: optax.sgd(0.1, momentum=0.9), "adam": lambda: optax.adam(0.01)}
         compression = getattr(hvd.Compression, comp)
         x, y = _data(ci, steps * passes * n * batch)
-        grad = jax.grad(lambda p, a, b: _loss(jax, p, a, b))
-        # reference: one process, full batch of n*batch per pass, mean over the window
-        ref_tx = make[opt]()
-        ref = _init(jax)
-        ref_state = ref_tx.init(ref)
-        # distributed: this rank's shard, accumulated over `passes` update calls
+        # distributed: this rank's shard, accumulated over `passes` update calls, against
+        # one process on the full batch of n*batch per pass, mean over the window
         tx = hvd.DistributedOptimizer(make[opt](), compression=compression,
                                       backward_passes_per_step=passes,
                                       average_aggregated_gradients=True,
                                       name=f"grads.{ci}")
-        params = hvd.broadcast_parameters(_init(jax, seed=r), root_rank=0)
-        state = tx.init(params)
-        update = jax.jit(tx.update) if jit else tx.update
         sent.clear()
-        for s in range(steps):
-            window = slice(s * passes * n * batch, (s + 1) * passes * n * batch)
-            g_ref = grad(ref, jnp.asarray(x[window]), jnp.asarray(y[window]))
-            u, ref_state = ref_tx.update(g_ref, ref_state, ref)
-            ref = optax.apply_updates(ref, u)
-            for k in range(passes):
-                lo = s * passes * n * batch + (k * n + r) * batch
-                g = grad(params, jnp.asarray(x[lo:lo + batch]), jnp.asarray(y[lo:lo + batch]))
-                u, state = update(g, state, params)
-                params = optax.apply_updates(params, u)
+        diff, _ = _train_both(jax, hvd, tx, make[opt](), x, y, steps, passes, batch, jit)
         # fusion: one allreduce per step (all leaves are float64)
         assert sent == [f"grads.{ci}.float64"] * steps, sent
-        diffs = jax.tree_util.tree_map(lambda a, b: float(jnp.max(jnp.abs(a - b))), params, ref)
-        out.append(max(jax.tree_util.tree_leaves(diffs)))
+        out.append(diff)
     api.allreduce_async = real
     return out
 
@@ -255,36 +267,17 @@ def sharded(steps: int = 6, batch: int = 4) -> dict:
     jax, hvd = _setup(x64=True)
     import optax
 
-    jnp = jax.numpy
-    r, n = hvd.rank(), hvd.size()
-    grad = jax.grad(lambda p, a, b: _loss(jax, p, a, b))
+    n = hvd.size()
     make = {"sgd": lambda: optax.sgd(0.1, momentum=0.9), "adam": lambda: optax.adam(0.01),
             "adamw": lambda: optax.adamw(0.01, weight_decay=0.1)}
     out = {}
     cases = (("sgd", True, 1), ("adam", False, 1), ("adamw", True, 1), ("adam", True, 2))
     for ci, (opt, jit, passes) in enumerate(cases):
         x, y = _data(10 + ci, steps * passes * n * batch)
-        ref = _init(jax)
-        ref_tx = make[opt]()
-        ref_state = ref_tx.init(ref)
         tx = hvd.ShardedOptimizer(make[opt](), name=f"sharded.{ci}",
                                   backward_passes_per_step=passes,
                                   average_aggregated_gradients=True)
-        params = hvd.broadcast_parameters(_init(jax, seed=r), root_rank=0)
-        state = tx.init(params)
-        update = jax.jit(tx.update) if jit else tx.update
-        for s in range(steps):
-            window = slice(s * passes * n * batch, (s + 1) * passes * n * batch)
-            u, ref_state = ref_tx.update(grad(ref, jnp.asarray(x[window]),
-                                              jnp.asarray(y[window])), ref_state, ref)
-            ref = optax.apply_updates(ref, u)
-            for k in range(passes):
-                lo = s * passes * n * batch + (k * n + r) * batch
-                g = grad(params, jnp.asarray(x[lo:lo + batch]), jnp.asarray(y[lo:lo + batch]))
-                u, state = update(g, state, params)
-                params = optax.apply_updates(params, u)
-        diff = max(float(jnp.abs(a - b).max()) for a, b in zip(
-            jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(ref)))
+        diff, state = _train_both(jax, hvd, tx, make[opt](), x, y, steps, passes, batch, jit)
         held = sum(int(np.size(v)) for v in jax.tree_util.tree_leaves(state.inner)
                    if np.ndim(v) > 0)
         out[f"{opt}{'.jit' if jit else ''}{'.x2' if passes > 1 else ''}"] = {
