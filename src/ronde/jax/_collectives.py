@@ -173,9 +173,11 @@ def grouped_allreduce_async(tensors: Sequence[Any], average: bool | None = None,
         _eager_only("grouped_allreduce_async", x)
     base = collective_name("grouped_allreduce", name, process_set)
     resolved = resolve_op(op, average)
-    inners = [_api.allreduce_async(to_host(x, "grouped_allreduce"), None, f"{base}.{i}",
-                                   resolved, prescale_factor, postscale_factor, process_set)
-              for i, x in enumerate(xs)]
+    hosts = [to_host(x, "grouped_allreduce") for x in xs]
+    with _api.together():  # one negotiation round for the group
+        inners = [_api.allreduce_async(h, None, f"{base}.{i}", resolved, prescale_factor,
+                                       postscale_factor, process_set)
+                  for i, h in enumerate(hosts)]
     return ConvertingHandle(group(inners), lambda raws: [to_device(np.asarray(r), x)
                                                          for r, x in zip(raws, xs)],
                             base, "JaxHandle")

@@ -93,8 +93,9 @@ def _grouped(tensors: Sequence[mx.nd.NDArray], average: bool | None, name: str |
              op: Any) -> list[np.ndarray]:
     resolved = resolve_op(op, average)
     hosts = [to_host(t, "grouped_allreduce") for t in tensors]
-    handles = [_api.allreduce_async(h, None, n, resolved, prescale, postscale, process_set)
-               for h, n in zip(hosts, group_names(name, len(hosts), process_set))]
+    with _api.together():  # one negotiation round for the group
+        handles = [_api.allreduce_async(h, None, n, resolved, prescale, postscale, process_set)
+                   for h, n in zip(hosts, group_names(name, len(hosts), process_set))]
     return [h.wait() for h in handles]
 
 
