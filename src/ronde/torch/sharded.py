@@ -163,7 +163,6 @@ class _ShardedMixin(SkipSynchronize):
                                for k, ids in enumerate(layout)]
         self._ronde_bucket_of = {i: b for b in self._ronde_buckets for i in b.members}
         pieces = {p.index: p for b in self._ronde_buckets for p in b.pieces}
-        self._ronde_pieces = pieces
         old_state = dict(self.state)
         self.state = collections.defaultdict(dict)
         for group in self.param_groups:
