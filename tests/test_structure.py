@@ -9,13 +9,19 @@
   ``ronde.tensorflow`` exposes ronde.keras's optimizer and callbacks;
 - no module reaches a private (``_name``) attribute of a module in another package,
   whether imported by name or read from the module;
-- no module is over 500 lines.
+- no module is over 500 lines;
+- ``Any`` never stands for a ronde object: no ``X = Any`` alias, and no parameter typed
+  ``Any`` named after a ronde class (``engine: Any``, ``process_set: Any``): such an
+  annotation hid two import cycles (exchange <-> coordinator <-> tree, autotune <->
+  engine) whose modules wrote each other's attributes unseen. Where the object is
+  another library's (mpi4py's ``comm``, MXNet's optimizer ``state``), ``FOREIGN`` says so.
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import re
 from collections import defaultdict
 
 
@@ -183,3 +189,45 @@ def test_module_size():
         if lines > MAX_LINES:
             too_long.append(f"{module} has {lines} lines")
     assert not too_long, "; ".join(too_long) + f" (at most {MAX_LINES}): split along a seam"
+
+
+#: (module, function, parameter) typed ``Any`` whose name is a ronde class's but whose
+#: object is another library's
+FOREIGN = {
+    ("ronde._api", "init", "comm"),  # an mpi4py communicator
+    ("ronde.transport.mpi", "__init__", "comm"),  # an mpi4py communicator
+    ("ronde.mxnet.optimizer", "update", "state"),  # MXNet's optimizer state
+    ("ronde.mxnet.optimizer", "update_multi_precision", "state"),
+    ("ronde.jax.optimizer", "update", "state"),  # an optax optimizer state
+}
+
+
+def _any_standing_for_ronde() -> list[str]:
+    trees = {}
+    classes = set()
+    for module, path in MODULES.items():
+        with open(path, encoding="utf-8") as fh:
+            trees[module] = ast.parse(fh.read(), path)
+        classes |= {re.sub(r"(?<!^)(?=[A-Z])", "_", n.name).lower()
+                    for n in ast.walk(trees[module])
+                    if isinstance(n, ast.ClassDef) and not n.name.startswith("_")}
+
+    def is_any(a: ast.AST | None) -> bool:
+        return a is not None and ast.unparse(a).strip("'\"") in ("Any", "typing.Any")
+
+    bad = []
+    for module, tree in sorted(trees.items()):
+        bad += [f"{module}:{n.lineno} {ast.unparse(n)}" for n in tree.body
+                if isinstance(n, (ast.Assign, ast.AnnAssign)) and is_any(n.value)]
+        for f in ast.walk(tree):
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = f.args
+                bad += [f"{module}:{f.lineno} {f.name}({p.arg}: Any)"
+                        for p in a.posonlyargs + a.args + a.kwonlyargs
+                        if is_any(p.annotation) and p.arg in classes
+                        and (module, f.name, p.arg) not in FOREIGN]
+    return bad
+
+
+def test_any_never_stands_for_a_ronde_object():
+    assert _any_standing_for_ronde() == []

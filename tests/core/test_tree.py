@@ -12,7 +12,7 @@ import pytest
 
 from ronde import ProtocolError, ShutdownError, TensorMismatchError, _config
 from ronde.core import coordinator, protocol, tree
-from ronde.core.exchange import Exchange
+from ronde.core.channels import Channels
 from ronde.core.requests import Kind, Request
 from ronde.collectives.ops import ReduceOp
 from ronde.transport import wire
@@ -108,7 +108,7 @@ def test_ranks_watch_their_tree_neighbours_until_a_rank_shuts_down(engines):
         time.sleep(0.01)
     assert not any(e.exchange.over_tree for e in g.engines)
     ex = g.engines[0].exchange
-    assert ex.linked() == [r for r in ex.readers if r not in ex.gone]  # all it holds
+    assert ex.linked() == ex.channels.connected()  # all it holds
     hs = [eng.submit(_ar("y", np.ones(2))).handle for r, eng in enumerate(g.engines)
           if r != 3]
     for h in hs:  # the others' rounds go on, star-shaped, and agree on why
@@ -126,11 +126,11 @@ def test_a_mismatch_over_the_tree_fails_every_rank(engines):
             h.wait(20)
 
 
-def _exchange(rank: int, size: int) -> tuple[Exchange, dict[int, socket.socket]]:
+def _channels(rank: int, size: int) -> tuple[Channels, dict[int, socket.socket]]:
     mine, theirs = {}, {}
     for r in tree.neighbours(rank, size):
         mine[r], theirs[r] = socket.socketpair()
-    return Exchange(rank, size, mine, None, _config.Config(), str), theirs
+    return Channels(rank, size, mine, _config.Config(), str), theirs
 
 
 def _aggregate(frames: dict[int, bytes]) -> bytes:
@@ -142,29 +142,29 @@ def _aggregate(frames: dict[int, bytes]) -> bytes:
     ([2, 3, 4], "ranks \\[2, 3, 4\\], not its subtree's"),  # rank 4 is not below rank 2
 ])
 def test_an_aggregate_must_hold_exactly_its_senders_subtree(ranks, match):
-    ex, theirs = _exchange(0, 8)  # rank 0's children: 1, 2, 4; rank 2's subtree: 2, 3
+    ch, theirs = _channels(0, 8)  # rank 0's children: 1, 2, 4; rank 2's subtree: 2, 3
     silent = _payload(protocol.SILENT)
     theirs[2].sendall(_aggregate({r: silent for r in ranks}))
-    rd = ex.readers[2]
+    rd = ch.readers[2]
     rd.fill()
     with pytest.raises(ProtocolError, match=match):
-        tree._aggregate(ex, rd, 2)
+        tree._aggregate(ch, rd, 2)
 
 
 def test_a_malformed_aggregate_names_its_sender():
-    ex, theirs = _exchange(0, 8)
+    ch, theirs = _channels(0, 8)
     theirs[4].sendall(wire.encode_frame(tree.KIND_AGGREGATE, b"\x01\x00"))
-    rd = ex.readers[4]
+    rd = ch.readers[4]
     rd.fill()
     with pytest.raises(ProtocolError, match="rank 4 sent a malformed bundle"):
-        tree._aggregate(ex, rd, 4)
+        tree._aggregate(ch, rd, 4)
 
 
 def test_a_bundle_that_leaves_ranks_out_is_refused():
-    ex, theirs = _exchange(3, 8)  # rank 3: parent 2, no children
+    ch, theirs = _channels(3, 8)  # rank 3: parent 2, no children
     theirs[2].sendall(coordinator.GO + coordinator.pack_bundle(
         coordinator.group({0: _payload(protocol.SILENT)})))
     msgs = [protocol.SILENT] * 8
     with pytest.raises(ProtocolError, match="left ranks"):
         # rank 3 sends its aggregate, drops the go, then reads a bundle of rank 0 only
-        tree.run(ex, _payload(protocol.SILENT), msgs, [b""] * 8, lambda: None)
+        tree.run(ch, _payload(protocol.SILENT), msgs, [b""] * 8, lambda: None)

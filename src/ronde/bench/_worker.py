@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import __version__
 from .._ops import Max, Sum
-from ._timing import Settings, run_cases
+from ._timing import Comm, Settings, run_cases
 
 
 def worker_arguments(prog: str) -> argparse.ArgumentParser:
@@ -59,7 +59,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     latency_ops=args.latency_ops)
 
 
-def run_from_args(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
+def run_from_args(comm: Comm, args: argparse.Namespace) -> dict[str, Any]:
     """:func:`run_cases` with the cases, sizes and settings of a parsed command line."""
     coll = [int(s) for s in args.coll_sizes.split(",")] if args.coll_sizes else None
     return run_cases(comm, args.cases.split(","), [int(s) for s in args.sizes.split(",")],

@@ -38,14 +38,15 @@ import csv
 import dataclasses
 import logging
 import time
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
+from .._config import Config
 from .bayes import BayesianOptimizer
 from .protocol import Tuning
 from .requests import Kind
-from .responses import any_meta
+from .responses import Response, any_meta
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +77,13 @@ class Settings:
     log_path: str = ""
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "Settings":
+    def from_config(cls, cfg: Config) -> "Settings":
         return cls(cfg.autotune_warmup_samples, cfg.autotune_steps_per_sample,
                    cfg.autotune_bayes_opt_max_samples, cfg.autotune_gaussian_process_noise,
                    cfg.autotune_log)
 
 
-def search_steps(cfg: Any) -> int:
+def search_steps(cfg: Config) -> int:
     """Training steps a whole search takes with these settings (the documented length:
     warm-up, Bayesian and 4 alternative samples of ``steps_per_sample + 1`` steps), plus
     a little slack."""
@@ -90,7 +91,7 @@ def search_steps(cfg: Any) -> int:
         cfg.autotune_steps_per_sample + 1) + 10
 
 
-def start_values(cfg: Any) -> Tuning:
+def start_values(cfg: Config) -> Tuning:
     return Tuning(cfg.fusion_threshold_bytes, cfg.cycle_time_ms, cfg.inline_bytes,
                   cfg.spin_time_us)
 
@@ -272,7 +273,7 @@ def _describe(t: Tuning) -> str:
             f"inline {t.inline_bytes} B, spin {t.spin_time_us:g} us")
 
 
-def response_bytes(responses: Iterable[Any]) -> tuple[list[str], int]:
+def response_bytes(responses: Iterable[Response]) -> tuple[list[str], int]:
     """The names and the bytes of a round's successful data-moving responses."""
     names: list[str] = []
     total = 0
@@ -301,35 +302,29 @@ class AutoTune:
         out, self.outgoing = self.outgoing, None
         return out
 
-    def after_round(self, engine: Any, tune: Tuning | None, responses: list[Any]) -> None:
+    def after_round(self, round_no: int, tune: Tuning | None, responses: list[Response],
+                    apply: Callable[[Tuning], None]) -> bool:
+        """After round ``round_no``: ``apply`` the values it carried (every rank alike),
+        and on rank 0 measure its responses; True when rank 0 has new values to
+        announce (wake the control thread to send them)."""
         if tune is not None:
-            apply(engine, tune)
-            self.history.append((engine.negotiator.round, tune))
+            apply(tune)
+            self.history.append((round_no, tune))
         if self.tuner is not None and not self.tuner.done and responses:
             names, nbytes = response_bytes(responses)
             if names:
                 proposal = self.tuner.observe(names, nbytes)
                 if proposal is not None:
                     self.outgoing = proposal
-                    engine.wake(force=True)
+                    return True
+        return False
 
     def close(self) -> None:
         if self.tuner is not None:
             self.tuner.close()
 
 
-def apply(engine: Any, t: Tuning) -> None:
-    """Apply agreed values on this rank (after the round that carried them)."""
-    neg = engine.negotiator
-    if neg.fusion_threshold_bytes != t.fusion_threshold_bytes:
-        neg.fusion_threshold_bytes = t.fusion_threshold_bytes
-        neg.steady.clear()
-    engine.cycle_s = t.cycle_time_ms / 1000.0
-    engine.announcer.set_inline_bytes(t.inline_bytes)
-    engine.exchange.spin_s = t.spin_time_us / 1e6
-
-
-def for_config(cfg: Any, explicit: Iterable[str]) -> AutoTune:
+def for_config(cfg: Config, explicit: Iterable[str]) -> AutoTune:
     """Rank 0's autotuner for this configuration (``explicit``: the fields set by hand)."""
     fixed = set(explicit) & set(TUNABLE)
     if cfg.spin_time_us <= 0:

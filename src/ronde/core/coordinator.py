@@ -42,21 +42,14 @@ a frame from that rank itself.
 
 from __future__ import annotations
 
-import logging
 import struct
 import time
 from typing import Any, Callable, NamedTuple
 
 from .._errors import PeerLostError, ProtocolError
 from ..transport import ready, wire
-from . import protocol
-
-log = logging.getLogger(__name__)
-
-#: what the functions here get as ``ex``: the engine's ``exchange.Exchange`` (its readers,
-#: decoder, live ranks and failure helpers; not imported, so that the two modules do not
-#: import each other)
-Exchange = Any
+from . import channels, protocol
+from .channels import Channels
 
 #: the coordinator asks a rank to take part in the round it started
 KIND_GO = 5
@@ -158,7 +151,7 @@ def unpack_bundle(payload: bytes, size: int,
     return Grouped(parts, blobs)
 
 
-def decode(decoder: protocol.Decoder, g: Grouped, size: int, messages: list[Any],
+def decode(decoder: protocol.Decoder, g: Grouped, size: int, messages: list[protocol.RoundMessage],
            blobs: list[bytes], ranks: set[int],
            check: Callable[[Any, int], None] = lambda msg, r: None) -> set[int]:
     """Each distinct JSON part decoded once (in the name of its lowest rank, then
@@ -183,170 +176,145 @@ class _CoordinatorLeft(Exception):
     """This round's coordinator left after its shutdown: ask the next one."""
 
 
-def coordinator(ex: Exchange) -> int:
+def coordinator(ch: Channels) -> int:
     """The rank that coordinates this rank's next round: the lowest rank still here (a
     rank that announced its shutdown and closed its sockets is not)."""
-    return min([ex.rank, *ex.live()])
+    return min([ch.rank, *ch.live()])
 
 
-def run(ex: Exchange, round_no: int, payload: bytes, messages: list[Any],
+def run(ch: Channels, round_no: int, payload: bytes, messages: list[protocol.RoundMessage],
         blobs: list[bytes], failed: Callable[[], BaseException | None],
         shut_down: set[int]) -> None:
     """One round through the coordinator (what :meth:`Exchange.run` does then)."""
     while True:
-        root = coordinator(ex)
-        if root == ex.rank:
-            _run_root(ex, payload, messages, blobs, failed, shut_down)
+        root = coordinator(ch)
+        if root == ch.rank:
+            _run_root(ch, payload, messages, blobs, failed, shut_down)
             return
         try:
-            _run_member(ex, root, payload, messages, blobs, failed, shut_down)
+            _run_member(ch, root, payload, messages, blobs, failed, shut_down)
             return
         except _CoordinatorLeft:
             continue  # the same round's frame goes to the next coordinator
 
 
-def _run_root(ex: Exchange, payload: bytes, messages: list[Any], blobs: list[bytes],
+def _run_root(ch: Channels, payload: bytes, messages: list[protocol.RoundMessage],
+              blobs: list[bytes],
               failed: Callable[[], BaseException | None], shut_down: set[int]) -> None:
-    ex.await_members(shut_down, failed)  # after a failover the members connect now
-    live = ex.live()
-    got: dict[int, bytes] = {ex.rank: payload}
+    ch.await_members(shut_down, failed)  # after a failover the members connect now
+    live = ch.live()
+    got: dict[int, bytes] = {ch.rank: payload}
     for r in live:
-        frame = _pop(ex, r)
+        frame = _pop(ch, r)
         if frame is not None:
             got[r] = frame
     to_send = {r: memoryview(GO) for r in live if r not in got}
     waiting = set(live) - set(got)
-    start = time.monotonic()
+    wait = channels.Wait(ch, failed)
     while waiting or to_send:
-        rlist = [ex.readers[r].sock for r in waiting]
-        wlist = [ex.readers[r].sock for r in to_send]
+        rlist = [ch.readers[r].sock for r in waiting]
+        wlist = [ch.readers[r].sock for r in to_send]
         readable, writable = ready.wait(rlist, wlist, 0.5)
-        ex._send_some(writable, to_send)
+        ch.send_some(writable, to_send)
         for s in readable:
-            r = ex._rank_of(s)
-            reader = ex.readers[r]
+            r = ch.rank_of(s)
+            reader = ch.readers[r]
             reader.fill()
-            frame = _pop(ex, r)
+            frame = _pop(ch, r)
             if frame is not None:
                 got[r] = frame
                 waiting.discard(r)
             elif reader.eof:
-                ex.peer_closed(r, shut_down)  # raises unless r shut down
+                ch.peer_closed(r, shut_down)  # raises unless r shut down
                 waiting.discard(r)
                 to_send.pop(r, None)
-        _checks(ex, failed, start, waiting)
-    live = ex.live()
-    grouped = group({r: got[r] for r in [ex.rank, *live]})
-    decode(ex.decoder, grouped, ex.size, messages, blobs, set(live), ex._check_notice)
+        wait.check(waiting)
+    live = ch.live()
+    grouped = group({r: got[r] for r in [ch.rank, *live]})
+    decode(ch.decoder, grouped, ch.size, messages, blobs, set(live), ch.check_notice)
     bundle = memoryview(pack_bundle(grouped))
     to_send = {r: bundle for r in live}
     while to_send:
-        _, writable = ready.wait([], [ex.readers[r].sock for r in to_send], 0.5)
-        ex._send_some(writable, to_send)
+        _, writable = ready.wait([], [ch.readers[r].sock for r in to_send], 0.5)
+        ch.send_some(writable, to_send)
         err = failed()
         if err is not None:
             raise err
 
 
-def _run_member(ex: Exchange, root_rank: int, payload: bytes, messages: list[Any],
-                blobs: list[bytes], failed: Callable[[], BaseException | None],
+def _run_member(ch: Channels, root_rank: int, payload: bytes,
+                messages: list[protocol.RoundMessage], blobs: list[bytes],
+                failed: Callable[[], BaseException | None],
                 shut_down: set[int]) -> None:
-    root = ex.reader(root_rank, shut_down, failed)
+    root = ch.reader(root_rank, shut_down, failed)
     if root is None:  # it shut down and left before this rank connected
         raise _CoordinatorLeft
     to_send = {root_rank: memoryview(wire.encode_frame(protocol.KIND_ROUND, payload))}
-    start = time.monotonic()
+    wait = channels.Wait(ch, failed, LEVEL_MARGIN_S)
     while True:
-        _other_sockets(ex, root_rank, shut_down)
+        _other_sockets(ch, root_rank, shut_down)
         got = root.pop_frame()
         if got is not None:
             kind, body = got
             if kind == KIND_BUNDLE:
                 break
             if kind == protocol.KIND_ROUND:  # its failure notice
-                ex._check_notice(ex.decoder.unpack(body, root_rank)[0], root_rank)
+                ch.check_notice(ch.decoder.unpack(body, root_rank)[0], root_rank)
                 raise ProtocolError(f"rank {root_rank} sent a round frame outside a bundle")
             if kind != KIND_GO:
                 raise ProtocolError(f"rank {root_rank} sent control frame kind {kind}")
             continue  # a go: this rank takes part already
         if root.eof:
             if root_rank in shut_down:  # it left after its shutdown, between rounds
-                ex.gone.add(root_rank)
+                ch.left(root_rank)
                 raise _CoordinatorLeft
-            raise PeerLostError(f"rank {ex.describe_rank(root_rank)} (the negotiation "
+            raise PeerLostError(f"rank {ch.describe_rank(root_rank)} (the negotiation "
                                 "coordinator) exited or lost its connection", rank=root_rank)
         readable, writable = ready.wait([root.sock], [root.sock] if to_send else [], 0.5)
-        ex._send_some(writable, to_send)
+        ch.send_some(writable, to_send)
         if readable:
             root.fill()
-        _checks(ex, failed, start, {root_rank}, LEVEL_MARGIN_S)
-    grouped = unpack_bundle(body, ex.size)
-    live = ex.live()
-    present = decode(ex.decoder, grouped, ex.size, messages, blobs, set(live),
-                     ex._check_notice)
-    if root_rank not in present or ex.rank not in present:
+        wait.check({root_rank})
+    grouped = unpack_bundle(body, ch.size)
+    live = ch.live()
+    present = decode(ch.decoder, grouped, ch.size, messages, blobs, set(live),
+                     ch.check_notice)
+    if root_rank not in present or ch.rank not in present:
         raise ProtocolError(f"rank {root_rank} sent a negotiation bundle without its or "
                             "this rank's frame")
     for r in live:
         if r in present:
             continue
         if r in shut_down:
-            ex.gone.add(r)  # the coordinator saw it leave: so does every rank, this round
+            ch.left(r)  # the coordinator saw it leave: so does every rank, this round
         else:
             raise ProtocolError(f"rank {root_rank} left rank {r} out of a negotiation bundle")
 
 
-def _other_sockets(ex: Exchange, root_rank: int, shut_down: set[int]) -> None:
+def _other_sockets(ch: Channels, root_rank: int, shut_down: set[int]) -> None:
     """What the sockets to ranks other than this round's coordinator carry: a failure
     notice (a rank that lost a peer tells everyone: raised here), their close, or what
     a rank that already coordinates, or one that takes this rank for the coordinator,
     sent early (left buffered for that round)."""
-    for r in ex.linked():
+    for r in ch.connected():
         if r == root_rank:
             continue
-        reader = ex.readers[r]
+        reader = ch.readers[r]
         got = reader.peek_frame()
         if got is not None:
             kind, body = got
             if kind == protocol.KIND_ROUND:
-                ex._check_notice(ex.decoder.unpack(body, r)[0], r)
+                ch.check_notice(ch.decoder.unpack(body, r)[0], r)
             elif kind not in (KIND_GO, KIND_BUNDLE):
                 raise ProtocolError(f"rank {r} sent control frame kind {kind}")
         elif reader.eof:
-            ex.peer_closed(r, shut_down)
+            ch.peer_closed(r, shut_down)
 
 
-def _checks(ex: Exchange, failed: Callable[[], BaseException | None], start: float,
-            waiting: set[int], extra_s: float = 0.0) -> None:
-    """A failure raised; the ranks of ``waiting`` logged once the wait passed
-    ``RONDE_PEER_TIMEOUT`` (a warning, as the all-to-all exchange logs it), and one of
-    them named by a ``PeerLostError`` once it passed ``RONDE_STALL_SHUTDOWN_TIME`` (plus
-    ``extra_s``)."""
-    err = failed()
-    if err is not None:
-        raise err
-    limit = ex.cfg.stall_shutdown_time_s
-    waited = time.monotonic() - start
-    if waiting and waited > ex.cfg.peer_timeout_s and ex.warned_wait != start:
-        ex.warned_wait = start
-        if extra_s and len(waiting) == 1 and min(waiting) < ex.rank:  # its coordinator
-            log.warning("rank %d: rank %s, which relays this rank's negotiation rounds, has "
-                        "not answered for %.0fs; it waits for a silent rank, or is blocked "
-                        "itself (its own log names which)", ex.rank, min(waiting), waited)
-        else:
-            log.warning("rank %d: rank(s) %s have not answered a negotiation round for "
-                        "%.0fs; is their Python process blocked?", ex.rank, sorted(waiting),
-                        waited)
-    if waiting and limit > 0 and waited > limit + extra_s:
-        r = min(waiting)
-        raise PeerLostError(f"rank {ex.describe_rank(r)} stopped responding for "
-                            f"{waited:.0f}s", rank=r)
-
-
-def _pop(ex: Exchange, r: int) -> bytes | None:
+def _pop(ch: Channels, r: int) -> bytes | None:
     """Rank ``r``'s round frame, if complete (the coordinator's side: only round frames
     arrive)."""
-    got = ex.readers[r].pop_frame()
+    got = ch.readers[r].pop_frame()
     if got is None:
         return None
     kind, body = got

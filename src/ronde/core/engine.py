@@ -200,10 +200,6 @@ class Engine:
         self.wake()
         return req
 
-    def take(self, name: str) -> Request | None:
-        with self._lock:
-            return self._pending.pop(name, None)
-
     def take_many(self, names: list[str]) -> list[Request | None]:
         with self._lock:
             pop = self._pending.pop
@@ -398,9 +394,8 @@ class Engine:
         return ran
 
     def spinner_enter(self) -> None:
-        # the mailbox "sleeping" flag is left alone (see exchange.py): a spinner that
-        # cleared it while another thread slept in select, holding the drive lock,
-        # would lose that thread its doorbell
+        # the mailbox "sleeping" flag is left alone (exchange.py): a spinner clearing it
+        # while another thread slept in select would lose that thread its doorbell
         with self._lock:
             self._spinners += 1
 
@@ -450,7 +445,9 @@ class Engine:
                               blobs, self._reraise_error, self.negotiator.shutdown)
         self._rounds += 1
         responses = self.negotiator.apply_round(messages, blobs)
-        self.autotune.after_round(self, messages[0].tune, responses)
+        if self.autotune.after_round(self.negotiator.round, messages[0].tune, responses,
+                                     self._tuned):
+            self.wake(force=True)
         if self.timeline is not None:
             with self._lock:
                 self.timeline.negotiated(self.negotiator.round, responses, self._pending)
@@ -464,6 +461,13 @@ class Engine:
                 responses = self.negotiator.abort(m.abort.names, m.abort.message,
                                                   "stall") + responses
         self.executor.dispatch(responses, direct)
+
+    def _tuned(self, t: protocol.Tuning) -> None:
+        """Apply the autotuner's agreed values (after the round that carried them)."""
+        self.negotiator.set_fusion_threshold(t.fusion_threshold_bytes)
+        self.cycle_s = t.cycle_time_ms / 1000.0
+        self.announcer.set_inline_bytes(t.inline_bytes)
+        self.exchange.set_spin(t.spin_time_us / 1e6)
 
     def _reraise_error(self) -> BaseException | None:
         return fresh_copy(self._error) if self._error is not None else None

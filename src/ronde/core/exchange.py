@@ -23,32 +23,18 @@ the control thread stays out of their way meanwhile and looks every
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import threading
 import time
-from typing import Any, Callable, Protocol
+from typing import Callable
 
 from .._config import Config
 from .._errors import PeerLostError
 from ..transport import mailbox, ready, wire
-from ..transport.mesh import LinkError
-from . import coordinator, protocol, rounds, tree
+from . import coordinator, protocol, tree
+from .channels import Channels, Links, Wait
 
-log = logging.getLogger(__name__)
-
-
-class Links(Protocol):
-    """What the exchange uses of the mesh (``transport/mesh.py``): control sockets
-    opened after ``init()`` (the coordinator's, after rank 0 left)."""
-
-    def link(self, peer: int, chan: str = ..., timeout_s: float = ...,
-             aborted: Callable[[], BaseException | None] = ...) -> socket.socket: ...
-
-    def opened(self, peer: int, chan: str) -> socket.socket | None: ...
-
-    def wait_opened(self, timeout_s: float) -> None: ...
 
 
 class Exchange:
@@ -58,24 +44,12 @@ class Exchange:
                  mailboxes: "mailbox.Mailboxes | None", cfg: Config,
                  describe_rank: Callable[[int], str], links: Links | None = None) -> None:
         self.rank = rank
-        self.cfg = cfg
-        self.describe_rank = describe_rank
-        #: the control sockets open (every peer's, or under the coordinator only rank 0's
-        #: on a member: see transport/mesh.py); more come from ``links`` after a
-        #: failover. Replaced, never changed in place: other threads iterate over it.
-        self.readers = {r: rounds.FrameReader(s) for r, s in ctl_socks.items()}
-        #: which rank each control socket joins (replaced with ``readers``)
-        self._ranks_by_sock = {s: r for r, s in ctl_socks.items()}
-        self._links = links
-        #: :meth:`await_members` found every live rank connected (or gone) once
-        self._members_linked = False
-        self.decoder = protocol.Decoder()
-        for s in ctl_socks.values():
-            s.setblocking(False)
-        self.mailboxes = mailboxes
         self.size = size
-        #: every other rank of the job
-        self.peers = [r for r in range(size) if r != rank]
+        self.cfg = cfg
+        #: the control sockets to the peers (shared with the coordinator's and the tree's
+        #: rounds: ``channels.py``)
+        self.channels = Channels(rank, size, ctl_socks, cfg, describe_rank, links)
+        self.mailboxes = mailboxes
         #: rounds go through rank 0 (``coordinator.py``) instead of all-to-all (decided
         #: alike on every rank by ``_cores.coordinated``, which sets ``coordinator_min``
         #: to 0 where not)
@@ -86,84 +60,26 @@ class Exchange:
         #: what this rank watches between rounds while the tree holds: its neighbours
         #: only (rank 0 is not woken by, and does not poll, N - 1 sockets)
         self._tree_peers = tree.neighbours(rank, size) if self.over_tree else []
-        self.gone: set[int] = set()
-        #: the start of the last wait whose slowness was logged (coordinator._checks)
-        self.warned_wait = -1.0
         self.spin_s = cfg.spin_time_us / 1e6
         self._sleep_lock = threading.Lock()
         self._sleepers = 0
 
     # -- state seen by the driver ---------------------------------------------------------
-    def live(self) -> list[int]:
-        """The other ranks still in the job (whether or not a socket joins them)."""
-        return [r for r in self.peers if r not in self.gone]
+    @property
+    def gone(self) -> set[int]:
+        """The ranks that shut down and left."""
+        return self.channels.gone
 
     def linked(self) -> list[int]:
         """The live ranks this rank holds a control socket to (over the tree: its
         neighbours there)."""
         if self.over_tree:
             return self._tree_peers
-        return [r for r in self.readers if r not in self.gone]
+        return self.channels.connected()
 
-    def reader(self, r: int, shut_down: set[int], failed: Callable[[], BaseException | None],
-               ) -> "rounds.FrameReader | None":
-        """The control socket to lower rank ``r`` (this rank's coordinator), opened if
-        it is not yet (after rank 0 left: transport/mesh.py); None, and ``r`` gone, when
-        ``r`` shut down and refuses the connection (it left too)."""
-        reader = self.readers.get(r)
-        if reader is not None or self._links is None:
-            return reader
-        try:
-            sock = self._links.link(r, "ctl", self.cfg.start_timeout_s, failed)
-        except LinkError as exc:
-            if r not in shut_down:
-                raise PeerLostError(f"rank {self.describe_rank(r)} (the negotiation "
-                                    f"coordinator now) cannot be reached: {exc}",
-                                    rank=r) from None
-            self.gone.add(r)
-            return None
-        return self._add_reader(r, sock)
-
-    def _add_reader(self, r: int, sock: socket.socket) -> "rounds.FrameReader":
-        sock.setblocking(False)
-        reader = rounds.FrameReader(sock)
-        self.readers = {**self.readers, r: reader}
-        self._ranks_by_sock = {**self._ranks_by_sock, sock: r}
-        return reader
-
-    def await_members(self, shut_down: set[int],
-                      failed: Callable[[], BaseException | None]) -> None:
-        """This rank coordinates now (rank 0 left): wait, under one deadline, until
-        every live rank has connected; a rank that shut down and does not within
-        ``RONDE_SHUTDOWN_TIMEOUT`` (the time it had to leave) is gone, any other one
-        within ``RONDE_START_TIMEOUT`` is lost."""
-        links = self._links
-        if self._members_linked or links is None:
-            return
-        missing = [r for r in self.live() if r not in self.readers]
-        start = time.monotonic()
-        while missing:
-            for r in list(missing):
-                sock = links.opened(r, "ctl")
-                if sock is not None:
-                    self._add_reader(r, sock)
-                    missing.remove(r)
-            err = failed()
-            if err is not None:
-                raise err
-            waited = time.monotonic() - start
-            for r in list(missing):
-                if r in shut_down and waited > self.cfg.shutdown_timeout_s:
-                    self.gone.add(r)
-                    missing.remove(r)
-                elif r not in shut_down and waited > self.cfg.start_timeout_s:
-                    raise PeerLostError(
-                        f"rank {self.describe_rank(r)} did not connect to rank "
-                        f"{self.rank}, the negotiation coordinator after rank 0 left, "
-                        f"within {waited:.0f}s", rank=r)
-            if missing:
-                links.wait_opened(0.05)
-        self._members_linked = True  # no rank joins later: one wait per coordinator
+    def set_spin(self, spin_s: float) -> None:
+        """A new ``RONDE_SPIN_TIME`` (autotune)."""
+        self.spin_s = spin_s
 
     def _end_tree(self, leaving: int, failed: Callable[[], BaseException | None]) -> None:
         """Ranks of ``leaving`` (a bit mask) announced their shutdown in a round over the
@@ -172,29 +88,29 @@ class Exchange:
         on a socket rank 0 does not watch would wait for nothing): each member connects
         to rank 0, which waits for every one. Not when every rank is leaving."""
         self.over_tree = False
-        if leaving == (1 << self.size) - 1 or self._links is None:
+        if leaving == (1 << self.size) - 1 or not self.channels.can_link:
             return
         if self.rank == 0:
             shut = {r for r in range(self.size) if leaving >> r & 1}
-            self.await_members(shut, failed)
+            self.channels.await_members(shut, failed)
         else:
-            self.reader(0, set(), failed)
+            self.channels.reader(0, set(), failed)
 
     def peer_started(self, rounds_done: int) -> bool:
         """Whether a peer has started the next round (or closed its socket)."""
         for r in self.linked():
-            rd = self.readers[r]
+            rd = self.channels.readers[r]
             if rd.eof or rd.has_frame():
                 return True
         mb = self.mailboxes
-        return mb is not None and mb.ahead(rounds_done, self.gone)
+        return mb is not None and mb.ahead(rounds_done, self.channels.gone)
 
     def sockets(self) -> list[socket.socket]:
-        return [self.readers[r].sock for r in self.linked()]
+        return [self.channels.readers[r].sock for r in self.linked()]
 
-    def fill(self, sock: Any) -> None:
+    def fill(self, sock: socket.socket) -> None:
         """Read what a socket that ``select`` found readable holds (hold the drive lock)."""
-        self.readers[self._rank_of(sock)].fill()
+        self.channels.readers[self.channels.rank_of(sock)].fill()
 
     # -- sleeping and doorbells -----------------------------------------------------------
     def before_block(self, rounds_done: int) -> bool:
@@ -209,7 +125,7 @@ class Exchange:
             self._sleepers += 1
             mb.set_sleeping(True)
         mailbox.fence()
-        return mb.ahead(rounds_done, self.gone)
+        return mb.ahead(rounds_done, self.channels.gone)
 
     def after_block(self) -> None:
         mb = self.mailboxes
@@ -230,14 +146,16 @@ class Exchange:
             if self.over_tree and (shut_down or self.gone):
                 self.over_tree = False
             if self.over_tree:
-                leaving = tree.run(self, payload, messages, blobs, failed)
+                leaving = tree.run(self.channels, payload, messages, blobs, failed)
                 if leaving:
                     self._end_tree(leaving, failed)
             else:
-                coordinator.run(self, round_no, payload, messages, blobs, failed, shut_down)
+                coordinator.run(self.channels, round_no, payload, messages, blobs, failed,
+                                shut_down)
             return
         mb = self.mailboxes
-        live = self.live()
+        ch = self.channels
+        live = ch.live()
         local = {r for r in live if mb is not None and r in mb.peers}
         remote = [r for r in live if r not in local]
         # the socket frame (a copy of the payload) only when some peer needs it
@@ -255,17 +173,16 @@ class Exchange:
                 for r in local:
                     to_send[r] = memoryview(frame)
         to_recv = set(live)
-        start = time.monotonic()
-        spin_until = start + self.spin_s
+        wait = Wait(ch, failed)
+        spin_until = wait.start + self.spin_s
         polls = 0
-        warned = False
         while to_send or to_recv:
             for r in list(to_recv):
                 got = self._take(r, round_no, via_socket)
                 if got is not None:
-                    messages[r], blobs[r] = self.decoder.unpack(got, r)
+                    messages[r], blobs[r] = ch.decoder.unpack(got, r)
                     to_recv.discard(r)
-                    self._check_notice(messages[r], r)
+                    ch.check_notice(messages[r], r)
             if not (to_send or to_recv):
                 break
             polls += 1
@@ -273,8 +190,8 @@ class Exchange:
             if spinning and not to_send and polls % 16:
                 os.sched_yield()  # a same-host peer answers within microseconds
                 continue
-            rlist = [self.readers[r].sock for r in to_recv]
-            wlist = [self.readers[r].sock for r in to_send]
+            rlist = [ch.readers[r].sock for r in to_recv]
+            wlist = [ch.readers[r].sock for r in to_send]
             timeout = 0.0 if spinning else 0.5
             sleeping = not spinning and bool(to_recv & local)
             if sleeping and self.before_block(round_no - 1):
@@ -284,40 +201,27 @@ class Exchange:
             finally:
                 if sleeping:
                     self.after_block()
-            self._send_some(writable, to_send)
+            ch.send_some(writable, to_send)
             for s in readable:
-                r = self._rank_of(s)
-                reader = self.readers[r]
+                r = ch.rank_of(s)
+                reader = ch.readers[r]
                 reader.fill()
                 if reader.eof and not reader.has_frame():
                     if self._posted(r, round_no, via_socket):
                         continue  # its last frame (say, its shutdown) is taken first
-                    self.peer_closed(r, shut_down)
+                    ch.peer_closed(r, shut_down)
                     to_recv.discard(r)
                     to_send.pop(r, None)
-            err = failed()
-            if err is not None:
-                raise err
-            waited = time.monotonic() - start
-            if not warned and waited > self.cfg.peer_timeout_s and to_recv:
-                warned = True
-                log.warning("rank %d: rank(s) %s have not answered a negotiation round for "
-                            "%.0fs; is their Python process blocked?", self.rank,
-                            sorted(to_recv), waited)
-            limit = self.cfg.stall_shutdown_time_s
-            if to_recv and limit > 0 and waited > limit:
-                r = min(to_recv)
-                raise PeerLostError(f"rank {self.describe_rank(r)} stopped responding for "
-                                    f"{waited:.0f}s", rank=r)
+            wait.check(to_recv)
 
     def _take(self, r: int, round_no: int, via_socket: set[int]) -> bytes | None:
         """Peer ``r``'s frame for this round if it has arrived."""
-        reader = self.readers[r]
+        reader = self.channels.readers[r]
         if r in via_socket:
             return reader.pop()
         early = reader.peek()  # before the mailbox says "on the socket": only a notice
         if early is not None:
-            self._check_notice(protocol.unpack_round(early, r)[0], r)
+            self.channels.check_notice(protocol.unpack_round(early, r)[0], r)
         got = self.mailboxes.take(r, round_no)  # type: ignore[union-attr]
         if got is None:
             return None
@@ -333,64 +237,13 @@ class Exchange:
         return (r not in via_socket and mb is not None and r in mb.peers
                 and mb.take(r, round_no) is not None)
 
-    def _send_some(self, writable: list[Any], to_send: dict[int, memoryview]) -> None:
-        for s in writable:
-            r = self._rank_of(s)
-            view = to_send[r]
-            try:
-                n = s.send(view)
-            except BlockingIOError:
-                continue
-            except OSError:
-                to_send.pop(r)  # peer gone: reading will tell why
-                continue
-            if n >= len(view):
-                to_send.pop(r)
-            else:
-                to_send[r] = view[n:]
-
-    def _rank_of(self, sock: Any) -> int:
-        return self._ranks_by_sock[sock]
-
-    def _check_notice(self, msg: protocol.RoundMessage, r: int) -> None:
-        """A peer's failure notice ("rank X was lost") ends this rank the same way."""
-        notice = msg.notice
-        if notice:
-            lost = notice.rank if notice.rank is not None else r
-            raise PeerLostError(
-                f"rank {self.describe_rank(lost)} was lost (rank {r} reports: "
-                f"{notice.message})", rank=lost)
-
-    def peer_closed(self, r: int, shut_down: set[int]) -> None:
-        if r in shut_down:
-            self.gone.add(r)
-            return
-        raise PeerLostError(
-            f"rank {self.describe_rank(r)} exited or lost its connection without calling "
-            f"shutdown(); see that rank's output for the first failure", rank=r)
-
     # -- failure and the end --------------------------------------------------------------
     def tell_peers(self, exc: PeerLostError) -> None:
-        """Before leaving, tell every live peer which rank was lost, so that they blame
-        that rank rather than this one when this process exits."""
-        frame = wire.encode_frame(protocol.KIND_ROUND, protocol.pack_round(
-            protocol.RoundMessage(notice=protocol.Notice(exc.rank, str(exc)))))
-        for r, reader in self.readers.items():
-            if r in self.gone or r == exc.rank:
-                continue
-            try:
-                reader.sock.setblocking(True)
-                reader.sock.settimeout(0.5)
-                reader.sock.sendall(frame)
-            except OSError:
-                pass
+        """Before leaving, tell every live peer which rank was lost (``Channels``)."""
+        self.channels.tell_peers(exc)
 
     def close_sockets(self) -> None:
-        for rd in self.readers.values():
-            try:
-                rd.sock.close()
-            except OSError:
-                pass
+        self.channels.close_sockets()
 
     def close(self) -> None:
         if self.mailboxes is not None:

@@ -32,6 +32,7 @@ from .timeline import now_us
 
 if TYPE_CHECKING:
     from .._config import Config
+    from ..transport.base import Communicator
     from .communicators import Communicators
     from .timeline import Timeline
 
@@ -175,8 +176,7 @@ class Executor:
         eng = self.engine
         if resp.error is not None:
             cls = _ERRORS.get(resp.error_type, RondeError)
-            for name in resp.names:
-                req = eng.take(name)
+            for req in eng.take_many(resp.names):
                 if req is not None:
                     exc = cls(resp.error)
                     if cls is ShutdownError:
@@ -184,14 +184,14 @@ class Executor:
                     req.fail(exc)
             return
         if resp.kind == Kind.JOIN:
-            req = eng.take(resp.names[0])
+            req, = eng.take_many(resp.names[:1])
             if req is not None:
                 req.complete(resp.value)
             return
         if resp.value is not None and resp.kind == Kind.BARRIER and resp.ps_id == 0 \
                 and resp.names[0].startswith("process_set."):
             eng.sets.apply(resp.value)
-            req = eng.take(resp.names[0])
+            req, = eng.take_many(resp.names[:1])
             if req is not None:
                 req.complete(resp.value[1])
             return
@@ -255,7 +255,7 @@ class Executor:
             inline_mod.run_batch(self.engine, inline)
 
     # -- per kind ------------------------------------------------------------------------
-    def _allreduce(self, resp: Response, reqs: list[Request | None], comm: Any,
+    def _allreduce(self, resp: Response, reqs: list[Request | None], comm: Communicator,
                    members: list[int]) -> None:
         meta0 = any_meta(resp.metas[0])
         dtype = resolve_dtype(meta0.dtype)
@@ -291,7 +291,7 @@ class Executor:
             if req is not None:
                 req.complete(out)
 
-    def _adasum(self, resp: Response, reqs: list[Request | None], comm: Any,
+    def _adasum(self, resp: Response, reqs: list[Request | None], comm: Communicator,
                 members: list[int], dtype: np.dtype, pre: float, post: float) -> None:
         """Adasum (``collectives/adasum.py``): allgather the fused contributions, then
         every rank combines the same rows, tensor by tensor, into the same result."""
@@ -321,7 +321,7 @@ class Executor:
                 out.reshape(-1)[:] = result[lo:hi]
                 req.complete(out)
 
-    def _allgather(self, resp: Response, reqs: list[Request | None], comm: Any,
+    def _allgather(self, resp: Response, reqs: list[Request | None], comm: Communicator,
                    members: list[int]) -> None:
         metas, req = resp.metas[0], reqs[0]
         meta = metas[self.engine.rank]
@@ -334,7 +334,7 @@ class Executor:
                         [f * row for f in firsts])
         req.complete(out)  # type: ignore[union-attr]
 
-    def _broadcast(self, resp: Response, reqs: list[Request | None], comm: Any,
+    def _broadcast(self, resp: Response, reqs: list[Request | None], comm: Communicator,
                    members: list[int]) -> None:
         req = reqs[0]
         meta = resp.metas[0][self.engine.rank]
@@ -353,7 +353,7 @@ class Executor:
         comm.broadcast(out.reshape(-1), root)
         req.complete(out)  # type: ignore[union-attr]
 
-    def _alltoall(self, resp: Response, reqs: list[Request | None], comm: Any,
+    def _alltoall(self, resp: Response, reqs: list[Request | None], comm: Communicator,
                   members: list[int]) -> None:
         req, metas = reqs[0], resp.metas[0]
         me = self.engine.rank
@@ -378,7 +378,7 @@ class Executor:
                        out.reshape(-1), [s * row for s in recv_rows], **kwargs)
         req.complete((out, np.asarray(recv_rows, dtype=np.int32)))  # type: ignore[union-attr]
 
-    def _reducescatter(self, resp: Response, reqs: list[Request | None], comm: Any,
+    def _reducescatter(self, resp: Response, reqs: list[Request | None], comm: Communicator,
                        members: list[int]) -> None:
         req = reqs[0]
         meta = resp.metas[0][self.engine.rank]
@@ -406,7 +406,7 @@ class Executor:
             fusion.scaled_copy(flat, block, post)
         req.complete(out)  # type: ignore[union-attr]
 
-    def _barrier(self, resp: Response, reqs: list[Request | None], comm: Any,
+    def _barrier(self, resp: Response, reqs: list[Request | None], comm: Communicator,
                  members: list[int]) -> None:
         comm.barrier()
         for req in reqs:

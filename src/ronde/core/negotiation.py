@@ -341,6 +341,12 @@ class Negotiator:
         self.steady.clear()
         return [Response(Kind.BARRIER, 0, [name], [{}], value=("remove", ps_id, []))]
 
+    def set_fusion_threshold(self, nbytes: int) -> None:
+        """A new ``RONDE_FUSION_THRESHOLD`` (autotune): steady rounds are planned afresh."""
+        if nbytes != self.fusion_threshold_bytes:
+            self.fusion_threshold_bytes = nbytes
+            self.steady.clear()
+
     def stalled(self, older_than_s: float) -> list[tuple[str, list[int], list[int], float]]:
         """Pending entries older than the limit: (name, ready ranks, missing ranks, age)."""
         now = time.monotonic()

@@ -15,10 +15,12 @@ import math
 import os
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from .engine import Engine
 
 
 class Kind(enum.IntEnum):
@@ -70,15 +72,15 @@ class Waiters:
     """
 
     def __init__(self) -> None:
-        self.engine: Any = None
+        self.engine: Engine | None = None
         #: threads of this process asleep on a handle right now (the engine's check for
         #: crossed collectives reads it: a rank counts as waiting only while one is)
         self.sleeping = 0
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: Engine) -> None:
         self.engine = engine
 
-    def detach(self, engine: Any) -> None:
+    def detach(self, engine: Engine) -> None:
         if self.engine is engine:
             self.engine = None
 

@@ -36,7 +36,7 @@ the round that ends the tree opens the star's: each member connects to rank 0, w
 waits for them (unless every rank is leaving), before any rank can start the next.
 
 Failure: a rank sees its children and its parent; a socket that closes is a
-``PeerLostError`` naming that rank, whose notice (``Exchange.tell_peers``) travels on
+``PeerLostError`` naming that rank, whose notice (``Channels.tell_peers``) travels on
 to every neighbour of every rank that fails, along the tree. A rank waits for its
 children ``RONDE_STALL_SHUTDOWN_TIME`` plus a second per level of its subtree (and for
 its bundle a level more than the root), so the parent of a rank that stopped
@@ -54,10 +54,11 @@ from typing import Any, Callable
 
 from .._errors import ProtocolError
 from ..transport import ready, wire
+from .._config import Config
 from . import coordinator, protocol
+from .channels import Channels, Wait
+from .rounds import FrameReader
 
-#: what the functions here get as ``ex``: the engine's ``exchange.Exchange``
-Exchange = Any
 
 #: a subtree's frames, grouped as in a bundle, on their way to rank 0
 KIND_AGGREGATE = 7
@@ -65,7 +66,7 @@ KIND_AGGREGATE = 7
 LEVEL_MARGIN_S = coordinator.LEVEL_MARGIN_S
 
 
-def wanted(cfg: Any, size: int) -> bool:
+def wanted(cfg: Config, size: int) -> bool:
     """Whether a job of ``size`` ranks whose rounds go through the coordinator uses the
     tree (``RONDE_COORDINATOR_TREE``; decided alike on every rank)."""
     return cfg.coordinator_tree_min > 0 and size >= max(cfg.coordinator_tree_min, 3)
@@ -130,61 +131,61 @@ def merge(parts: list[coordinator.Grouped]) -> coordinator.Grouped:
     return coordinator.Grouped(out, blobs)
 
 
-def run(ex: Exchange, payload: bytes, messages: list[Any], blobs: list[bytes],
+def run(ch: Channels, payload: bytes, messages: list[protocol.RoundMessage], blobs: list[bytes],
         failed: Callable[[], BaseException | None]) -> int:
     """One round over the tree (what :meth:`Exchange.run` does while every rank is
     here and the job has ``RONDE_COORDINATOR_TREE`` ranks or more); returns the bit mask
     of the ranks that announced their shutdown in it (every rank sees the same bundle:
     when it is not 0, all go back to the star from the next round)."""
-    rank, size = ex.rank, ex.size
+    rank, size = ch.rank, ch.size
     kids = children(rank, size)
     up = None if rank == 0 else parent(rank)
-    readers = {r: ex.readers[r] for r in neighbours(rank, size)}
+    readers = {r: ch.readers[r] for r in neighbours(rank, size)}
     by_sock = {rd.sock: r for r, rd in readers.items()}
     got: dict[int, coordinator.Grouped] = {}
     for c in kids:
-        g = _aggregate(ex, readers[c], c)
+        g = _aggregate(ch, readers[c], c)
         if g is not None:
             got[c] = g
     to_send = {c: memoryview(coordinator.GO) for c in kids if c not in got}
     waiting = {c for c in kids if c not in got}
-    start = time.monotonic()
+    wait = Wait(ch, failed, LEVEL_MARGIN_S * len(kids))
     while waiting or to_send:
         watch = [readers[r].sock for r in waiting] + ([readers[up].sock] if up is not None
                                                       else [])
         readable, writable = ready.wait(watch, [readers[r].sock for r in to_send], 0.5)
-        ex._send_some(writable, to_send)
+        ch.send_some(writable, to_send)
         for s in readable:
             r = by_sock[s]
             rd = readers[r]
             rd.fill()
             if r == up:
-                if _from_parent(ex, rd, r) is not None:
+                if _from_parent(ch, rd, r) is not None:
                     raise ProtocolError(f"rank {r} sent a negotiation bundle before this "
                                         "rank's aggregate")
                 continue
-            g = _aggregate(ex, rd, r)
+            g = _aggregate(ch, rd, r)
             if g is not None:
                 got[r] = g
                 waiting.discard(r)
-        coordinator._checks(ex, failed, start, waiting, LEVEL_MARGIN_S * len(kids))
+        wait.check(waiting)
     grouped = merge([coordinator.group({rank: payload}), *got.values()])
     if up is None:
         frame = coordinator.pack_bundle(grouped)
     else:
-        body = _exchange_with_parent(ex, readers[up], up, grouped, failed)
+        body = _exchange_with_parent(ch, readers[up], up, grouped, failed)
         frame = wire.encode_frame(coordinator.KIND_BUNDLE, body)
         grouped = coordinator.unpack_bundle(body, size, f"rank {up}")
     bundle = memoryview(frame)
     to_send = {c: bundle for c in kids}
     while to_send:
         _, writable = ready.wait([], [readers[c].sock for c in to_send], 0.5)
-        ex._send_some(writable, to_send)
+        ch.send_some(writable, to_send)
         err = failed()
         if err is not None:
             raise err
-    present = coordinator.decode(ex.decoder, grouped, size, messages, blobs, set(ex.peers),
-                                 ex._check_notice)
+    present = coordinator.decode(ch.decoder, grouped, size, messages, blobs, set(ch.peers),
+                                 ch.check_notice)
     if len(present) != size:
         missing = sorted(set(range(size)) - present)
         raise ProtocolError(f"a negotiation bundle from rank {up} left ranks {missing} out")
@@ -195,56 +196,57 @@ def run(ex: Exchange, payload: bytes, messages: list[Any], blobs: list[bytes],
     return leaving
 
 
-def _exchange_with_parent(ex: Exchange, rd: Any, up: int, grouped: coordinator.Grouped,
+def _exchange_with_parent(ch: Channels, rd: FrameReader, up: int,
+                          grouped: coordinator.Grouped,
                           failed: Callable[[], BaseException | None]) -> bytes:
     """Send this subtree's aggregate to the parent; return the round's bundle (payload)."""
     to_send = {up: memoryview(coordinator.pack_bundle(grouped, KIND_AGGREGATE))}
-    start = time.monotonic()
-    levels = ex.size.bit_length() + 1  # longer than any rank waiting for a child
+    levels = ch.size.bit_length() + 1  # longer than any rank waiting for a child
+    wait = Wait(ch, failed, LEVEL_MARGIN_S * levels)
     while True:
-        body = _from_parent(ex, rd, up)
+        body = _from_parent(ch, rd, up)
         if body is not None:
             return body
         readable, writable = ready.wait([rd.sock], [rd.sock] if to_send else [], 0.5)
-        ex._send_some(writable, to_send)
+        ch.send_some(writable, to_send)
         if readable:
             rd.fill()
-        coordinator._checks(ex, failed, start, {up}, LEVEL_MARGIN_S * levels)
+        wait.check({up})
 
 
-def _from_parent(ex: Exchange, rd: Any, up: int) -> bytes | None:
+def _from_parent(ch: Channels, rd: FrameReader, up: int) -> bytes | None:
     """The bundle's payload once the parent's socket holds it (goes read and dropped; a
     failure notice raised; a close is a lost parent)."""
     while True:
         got = rd.pop_frame()
         if got is None:
             if rd.eof:
-                ex.peer_closed(up, set())  # raises: nobody leaves while the tree holds
+                ch.peer_closed(up, set())  # raises: nobody leaves while the tree holds
             return None
         kind, body = got
         if kind == coordinator.KIND_BUNDLE:
             return body
         if kind == protocol.KIND_ROUND:  # its failure notice
-            ex._check_notice(ex.decoder.unpack(body, up)[0], up)
+            ch.check_notice(ch.decoder.unpack(body, up)[0], up)
             raise ProtocolError(f"rank {up} sent a round frame outside a bundle")
         if kind != coordinator.KIND_GO:
             raise ProtocolError(f"rank {up} sent control frame kind {kind} to a child")
 
 
-def _aggregate(ex: Exchange, rd: Any, child: int) -> coordinator.Grouped | None:
+def _aggregate(ch: Channels, rd: FrameReader, child: int) -> coordinator.Grouped | None:
     """Child ``child``'s aggregate if its socket holds it, checked to be exactly its
     subtree; a failure notice raised; a close is a lost child."""
     got = rd.pop_frame()
     if got is None:
         if rd.eof:
-            ex.peer_closed(child, set())  # raises
+            ch.peer_closed(child, set())  # raises
         return None
     kind, body = got
     if kind == protocol.KIND_ROUND:  # its failure notice
-        ex._check_notice(ex.decoder.unpack(body, child)[0], child)
+        ch.check_notice(ch.decoder.unpack(body, child)[0], child)
         raise ProtocolError(f"rank {child} sent a round frame outside an aggregate")
     if kind != KIND_AGGREGATE:
         raise ProtocolError(f"rank {child} sent control frame kind {kind} to its parent")
-    g = coordinator.unpack_bundle(body, ex.size, f"rank {child}")
-    check_aggregate(g, child, ex.size)
+    g = coordinator.unpack_bundle(body, ch.size, f"rank {child}")
+    check_aggregate(g, child, ch.size)
     return g

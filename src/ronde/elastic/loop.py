@@ -26,6 +26,7 @@ from typing import Any, Callable, TypeVar
 
 from .._errors import (HorovodInternalError, HostsUpdatedInterrupt, PeerLostError, RondeError,
                        WorkerRemovedError)
+from .state import State
 
 log = logging.getLogger("ronde")
 
@@ -86,7 +87,7 @@ def run_fn(func: F, reset: Callable[[], None] | None = None) -> F:
     ``reset`` re-forms the job (default: this module's :func:`reset`)."""
 
     @functools.wraps(func)
-    def wrapper(state: Any, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         from . import notify
         from .. import _api
 

@@ -101,6 +101,16 @@ class Compressor(Generic[T]):
         return self.name
 
 
+class Compresses(Protocol):
+    """What ``compression=`` takes: a framework's ``Compression.none``, ``.fp16`` or
+    ``.bf16`` (a :class:`Compressor`), or a Horovod-style compressor of the user's own (a
+    class with static ``compress`` and ``decompress``)."""
+
+    def compress(self, tensor: Any) -> tuple[Any, Any]: ...
+
+    def decompress(self, tensor: Any, ctx: Any) -> Any: ...
+
+
 class Compression(Generic[T]):
     """The three built-in compressors for one framework (``Compression.none`` ...)."""
 

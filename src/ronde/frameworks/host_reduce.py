@@ -33,7 +33,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .compression import Compression, Compressor, wire_reduction
+from ..process_sets import ProcessSet
+from .compression import Compresses, Compression, Compressor, wire_reduction
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class NumpyAdapter:
 NUMPY_COMPRESSION: Compression[np.ndarray] = Compression(NumpyAdapter())
 
 
-def wire_dtype_of(compression: Any) -> str | None:
+def wire_dtype_of(compression: Compresses) -> str | None:
     """The wire dtype of a ronde compressor of any binding (``None``: no cast).
 
     Raises:
@@ -135,10 +136,10 @@ class Reduction:
     prescale: float = 1.0
     postscale: float = 1.0
     wire_dtype: str | None = None
-    process_set: Any = None
+    process_set: ProcessSet | None = None
 
 
-def set_size(process_set: Any) -> int:
+def set_size(process_set: ProcessSet) -> int:
     """Number of ranks of a process set (the job size for None or the global set)."""
     from .. import _api
 

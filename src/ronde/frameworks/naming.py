@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Iterable, Mapping, Sequence
 
+from ..process_sets import ProcessSet
+
 #: one parameter's signature: (dtype name, shape)
 Signature = tuple[str, tuple[int, ...]]
 
@@ -111,7 +113,7 @@ def as_table(items: Iterable[tuple[str, Any, Sequence[int]]]) -> dict[str, Signa
 
 
 def require_same_parameters(entries: Iterable[tuple[str, Any, Sequence[int]]], name: str,
-                            process_set: Any, what: str, fix: str) -> None:
+                            process_set: ProcessSet, what: str, fix: str) -> None:
     """Compare ``(name, dtype, shape)`` entries across the ranks of ``process_set`` (one
     ``allgather_object`` called ``name``); where they differ, raise
     ``TensorMismatchError``: ``what`` (e.g. "DistributedOptimizer: the parameters differ

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..frameworks.compression import Compresses
 from .. import _api
 from .._ops import ReduceOp
 from ..frameworks.host_reduce import NUMPY_COMPRESSION
@@ -46,7 +47,7 @@ def _differentiable(x: Any) -> bool:
 
 
 def _reduce_leaves(xs: Sequence[Any], names: Sequence[str], op: ReduceOp, pre: float,
-                   post: float, ps: ProcessSet, compression: Any) -> list[Any]:
+                   post: float, ps: ProcessSet, compression: Compresses) -> list[Any]:
     """Allreduce float leaves through a custom VJP and the others directly."""
     xs = [as_jax_input(x, "allreduce") for x in xs]
     diff = [i for i, x in enumerate(xs) if _differentiable(x)]
@@ -100,7 +101,8 @@ def _leaf_names(kind: str, name: str | None, n: int, single: bool,
 
 
 def allreduce(tensor: Any, average: bool | None = None, name: str | None = None,
-              compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
+              compression: Compresses = Compression.none, op: Any = None,
+              prescale_factor: float = 1.0,
               postscale_factor: float = 1.0,
               process_set: ProcessSet = global_process_set) -> Any:
     """Reduce an array, or every leaf of a pytree, over the ranks of the process set.
@@ -135,7 +137,7 @@ def allreduce(tensor: Any, average: bool | None = None, name: str | None = None,
 
 
 def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
-                      name: str | None = None, compression: Any = Compression.none,
+                      name: str | None = None, compression: Compresses = Compression.none,
                       op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list[Any]:
     """Allreduce a list of arrays together (tensor ``i`` is ``<name>.<i>``); differentiable."""

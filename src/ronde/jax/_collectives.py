@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from ..frameworks.compression import Compresses
 from .. import _api
 from .._ops import ReduceOp
 from ..frameworks.handles import ConvertingHandle, group
@@ -53,7 +54,7 @@ def _eager_only(what: str, x: Any) -> None:
 # -- blocking, jit-capable ------------------------------------------------------------------
 def allreduce_arrays(xs: Sequence[Any], names: Sequence[str], op: ReduceOp, prescale: float,
                      postscale: float, process_set: ProcessSet | None,
-                     compression: Any) -> list[Any]:
+                     compression: Compresses) -> list[Any]:
     """Allreduce each array under its own name; all start before any is awaited.
 
     ``compression`` is a ``Compression.none/fp16/bf16`` (the cast happens on the host,
@@ -229,12 +230,12 @@ def reducescatter_async(tensor: Any, name: str | None = None, op: Any = ReduceOp
     return _handle(inner, None, inner.name)
 
 
-def synchronize(handle: Any) -> Any:
+def synchronize(handle: ConvertingHandle) -> Any:
     """Wait for an async collective and return its result (JAX arrays for JAX calls)."""
     return handle.wait()
 
 
-def poll(handle: Any) -> bool:
+def poll(handle: ConvertingHandle) -> bool:
     """True if the async collective behind ``handle`` finished."""
     return bool(handle.poll())
 

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ..frameworks.compression import Compresses
 from .._ops import ReduceOp
 from ..frameworks.accumulation import PassCounter
 from ..frameworks.host_reduce import NUMPY_COMPRESSION as Compression
@@ -79,7 +80,7 @@ def _factors(op: ReduceOp, predivide: float) -> tuple[float, float]:
 def reduce_gradients(grads: Any, name: str = DEFAULT_NAME, op: Any = ReduceOp.AVERAGE,
                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set,
-                     compression: Any = Compression.none) -> Any:
+                     compression: Compresses = Compression.none) -> Any:
     """Allreduce a gradient pytree as one buffer per dtype; eager or inside ``jit``.
 
     Not differentiable (it is meant for gradients). Every rank must pass a pytree
@@ -99,7 +100,7 @@ def reduce_gradients(grads: Any, name: str = DEFAULT_NAME, op: Any = ReduceOp.AV
     return jax.tree_util.tree_unflatten(treedef, list(out))
 
 
-def allreduce_gradients(op: Any = ReduceOp.AVERAGE, compression: Any = Compression.none,
+def allreduce_gradients(op: Any = ReduceOp.AVERAGE, compression: Compresses = Compression.none,
                         gradient_predivide_factor: float = 1.0,
                         process_set: ProcessSet = global_process_set,
                         name: str = DEFAULT_NAME) -> optax.GradientTransformation:
@@ -123,7 +124,7 @@ def allreduce_gradients(op: Any = ReduceOp.AVERAGE, compression: Any = Compressi
 
 
 def DistributedOptimizer(optimizer: optax.GradientTransformation,
-                         compression: Any = Compression.none,
+                         compression: Compresses = Compression.none,
                          backward_passes_per_step: int = 1, op: Any = ReduceOp.AVERAGE,
                          gradient_predivide_factor: float = 1.0,
                          average_aggregated_gradients: bool = False,
@@ -212,7 +213,7 @@ def windowed(apply: Any, grads: Any, inner: Any, acc: Any, passes: Any, passes_p
     return jax.lax.cond(passes >= passes_per_step, last, more, None)
 
 
-def _adasum_optimizer(optimizer: optax.GradientTransformation, compression: Any,
+def _adasum_optimizer(optimizer: optax.GradientTransformation, compression: Compresses,
                       backward_passes_per_step: int, process_set: ProcessSet,
                       name: str) -> optax.GradientTransformation:
     """``DistributedOptimizer(tx, op=Adasum)``: optax's updates are the parameter

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..frameworks.compression import Compresses
 from ._choice import keras_module
 
 keras_module()  # the Keras that tf.keras is (TensorFlow's rule), or an ImportError naming the fix
@@ -51,7 +52,8 @@ def _tensor(value: np.ndarray) -> Any:
 
 def allreduce(value: Any, name: str | None = None, average: bool | None = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0, op: Any = None,
-              compression: Any = None, process_set: ProcessSet = global_process_set) -> Any:
+              compression: Compresses | None = None,
+              process_set: ProcessSet = global_process_set) -> Any:
     """Reduce a value (backend tensor, numpy array, number) over the ranks; eager."""
     return _tensor(_api.allreduce(np.asarray(to_numpy(value)), average, name, op,
                                   prescale_factor, postscale_factor, process_set))

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import replace
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import tensorflow as tf
 
@@ -41,6 +41,9 @@ from .._ops import ReduceOp
 from ..frameworks.host_reduce import set_size
 from ..frameworks.local_grads import LocalSources, reduce_except_local
 from ..tensorflow.gradients import reduce_gradients, take_reduced
+
+if TYPE_CHECKING:
+    from .optimizer import Options
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +158,7 @@ class _Keras2Mixin:
     """What both Keras 2 families share: the reduction, local variables, aggregation."""
 
     _ronde_keras2 = True
-    _ronde_options: Any
+    _ronde_options: Options
     _ronde: Any
     _agg_helper: PassAggregator | None
 
@@ -266,7 +269,7 @@ class _LegacyMixin(_Keras2Mixin):
                 [v for g, v in pairs if g is not None])
 
 
-def setup(optimizer: Any, options: Any) -> None:
+def setup(optimizer: Any, options: Options) -> None:
     """Give ``optimizer`` its own copy of the options (its own local variables) and, with
     ``passes > 1``, its aggregation window."""
     optimizer._ronde = replace(options, local=LocalSources())
@@ -289,7 +292,7 @@ def holds_state(optimizer: Any) -> bool:
     return bool(getattr(optimizer, "_built", False))
 
 
-def distributed(optimizer: Any, options: Any) -> Any:
+def distributed(optimizer: Any, options: Options) -> Any:
     """The distributed version of a Keras 2 optimizer (``DistributedOptimizer``'s work).
 
     Args:

@@ -29,6 +29,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
+from ..frameworks.compression import Compresses
 from .. import _api
 from .._errors import UnsupportedError
 from .._ops import ReduceOp
@@ -57,9 +58,9 @@ class Options:
     op: int
     prescale: float
     postscale: float
-    compression: Any
+    compression: Compresses
     sparse_as_dense: bool
-    process_set: Any
+    process_set: ProcessSet
     prefix: str
     passes: int
     average_aggregated: bool
@@ -220,7 +221,7 @@ def optimizer_name(optimizer: Any) -> str:
 
 def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: bool = False,
                          device_dense: str = "", device_sparse: str = "",
-                         compression: Any = None, sparse_as_dense: bool = False,
+                         compression: Compresses | None = None, sparse_as_dense: bool = False,
                          backward_passes_per_step: int = 1, op: Any = ReduceOp.AVERAGE,
                          gradient_predivide_factor: float = 1.0,
                          average_aggregated_gradients: bool = False, num_groups: int = 0,
@@ -315,7 +316,8 @@ def with_options(optimizer: Any, **changes: Any) -> None:
 
 def PartialDistributedOptimizer(optimizer: Any, name: str | None = None,
                                 device_dense: str = "", device_sparse: str = "",
-                                compression: Any = None, sparse_as_dense: bool = False,
+                                compression: Compresses | None = None,
+                                sparse_as_dense: bool = False,
                                 gradient_predivide_factor: float = 1.0,
                                 op: Any = ReduceOp.AVERAGE, backward_passes_per_step: int = 1,
                                 average_aggregated_gradients: bool = False, groups: Any = None,

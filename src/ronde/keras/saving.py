@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
+from ..frameworks.compression import Compresses
 from ..process_sets import ProcessSet, global_process_set
 from ._choice import keras_module, uses_tf_keras
 from .optimizer import DistributedOptimizer, is_distributed, with_options
@@ -16,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 
 def load_model(filepath: str, custom_optimizers: list[type] | None = None,
-               custom_objects: dict[str, Any] | None = None, compression: Any = None,
+               custom_objects: dict[str, Any] | None = None, compression: Compresses | None = None,
                backward_passes_per_step: int = 1, op: Any = None,
                process_set: ProcessSet = global_process_set, **kwargs: Any) -> Any:
     """Load a model saved with ``model.save`` and wrap its optimizer in ``DistributedOptimizer``.

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import mxnet as mx
 import numpy as np
 
+from ..frameworks.compression import Compresses
 from .. import _api
 from .. import _grouped as grouped_ops
 from .._ops import ReduceOp
@@ -122,7 +123,7 @@ def grouped_allreduce_(tensors: Sequence[mx.nd.NDArray], average: bool | None = 
 def fused_allreduce_(tensors: Sequence[mx.nd.NDArray], name: str, op: Any = None,
                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set,
-                     compression: Any = NUMPY_COMPRESSION.none) -> list[mx.nd.NDArray]:
+                     compression: Compresses = NUMPY_COMPRESSION.none) -> list[mx.nd.NDArray]:
     """Allreduce arrays in place as one flat buffer per dtype, with compression.
 
     The buffer of dtype ``d`` is the collective ``<name>.<d>``; see

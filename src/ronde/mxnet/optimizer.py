@@ -26,6 +26,7 @@ from typing import Any
 import mxnet as mx
 import numpy as np
 
+from ..frameworks.compression import Compresses
 from .. import _state
 from .._ops import ReduceOp
 from ..frameworks.host_reduce import NUMPY_COMPRESSION as Compression, wire_dtype_of
@@ -61,7 +62,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
 
     def __init__(self, optimizer: mx.optimizer.Optimizer, gradient_predivide_factor: float = 1.0,
                  num_groups: int = 0, process_set: ProcessSet = global_process_set,
-                 compression: Any = Compression.none) -> None:
+                 compression: Compresses = Compression.none) -> None:
         # no super().__init__(): every optimizer attribute lives on the inner optimizer
         object.__setattr__(self, "_optimizer", optimizer)
         wire_dtype_of(compression)  # fail now on an unsupported compressor
@@ -137,7 +138,7 @@ class DistributedTrainer(mx.gluon.Trainer):
     """
 
     def __init__(self, params: Any, optimizer: Any, optimizer_params: dict | None = None,
-                 compression: Any = Compression.none,
+                 compression: Compresses = Compression.none,
                  gradient_predivide_factor: float = 1.0, prefix: str | None = None,
                  num_groups: int = 0, process_set: ProcessSet = global_process_set) -> None:
         if isinstance(optimizer, DistributedOptimizer):

@@ -27,7 +27,7 @@ import secrets
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .._errors import RondeError
 from ..runner.elastic_driver import (Blacklist, ElasticDriver, drive, elastic_worker_vars,
@@ -35,6 +35,9 @@ from ..runner.elastic_driver import (Blacklist, ElasticDriver, drive, elastic_wo
 from ..runner.elastic_rendezvous import ElasticRendezvous, Slot
 from ..runner.hosts import HostSpec, RankSlot
 from ..transport.net import bind_for
+
+if TYPE_CHECKING:
+    from .executor import RayExecutor
 
 
 class RayDiscovery:
@@ -102,7 +105,8 @@ class RayElasticJob:
 
     name = "RayExecutor"
 
-    def __init__(self, executor: Any, call: Callable[[Any], Any], server: ElasticRendezvous,
+    def __init__(self, executor: RayExecutor, call: Callable[[Any], Any],
+                 server: ElasticRendezvous,
                  stderr: Any, discovery: RayDiscovery) -> None:
         self.executor, self.call, self.server, self.stderr = executor, call, server, stderr
         self.discovery = discovery
@@ -165,7 +169,7 @@ class RayElasticJob:
                          ) from cause
 
 
-def run_elastic(executor: Any, fn: Callable[..., Any], args: tuple[Any, ...],
+def run_elastic(executor: RayExecutor, fn: Callable[..., Any], args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` as an elastic job of ``executor``'s settings (what
     :meth:`RayExecutor.run` does with ``min_workers``); the last generation's results in

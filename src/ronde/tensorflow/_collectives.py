@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 import tensorflow as tf
 
+from ..frameworks.compression import Compresses
 from .. import _api
 from .._errors import UnsupportedError
 from .._ops import ReduceOp
@@ -91,7 +92,7 @@ def _reduce(tensors: Sequence[tf.Tensor], names: Sequence[str], red: Reduction,
 
 
 def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
-              device_sparse: str = "", compression: Any = None, op: Any = None,
+              device_sparse: str = "", compression: Compresses | None = None, op: Any = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               name: str | None = None, process_set: ProcessSet = global_process_set,
               ignore_name_scope: bool = False) -> Any:
@@ -126,7 +127,8 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
 
 
 def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
-                      device_dense: str = "", device_sparse: str = "", compression: Any = None,
+                      device_dense: str = "", device_sparse: str = "",
+                      compression: Compresses | None = None,
                       op: Any = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
@@ -259,7 +261,7 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
     return (y, received) if given else y
 
 
-def reducescatter(tensor: Any, device_dense: str = "", compression: Any = None,
+def reducescatter(tensor: Any, device_dense: str = "", compression: Compresses | None = None,
                   op: Any = ReduceOp.AVERAGE, process_set: ProcessSet = global_process_set,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                   name: str | None = None) -> tf.Tensor:
@@ -330,7 +332,7 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
 
 
 def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
-                          compression: Any = None, op: Any = ReduceOp.AVERAGE,
+                          compression: Compresses | None = None, op: Any = ReduceOp.AVERAGE,
                           process_set: ProcessSet = global_process_set,
                           prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                           name: str | None = None) -> list[tf.Tensor]:
@@ -359,7 +361,7 @@ def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None
         return [tf.identity(tf.convert_to_tensor(v)) for v in variables]
 
 
-def _set_of(process_set: Any) -> ProcessSet:
+def _set_of(process_set: ProcessSet) -> ProcessSet:
     """Horovod's ``process_set_id`` arguments (an int) or a ProcessSet, as a ProcessSet."""
     if isinstance(process_set, ProcessSet):
         return process_set

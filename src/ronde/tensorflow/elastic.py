@@ -26,7 +26,7 @@ def run(func: F) -> F:
     """Decorator: run ``func(state, ...)`` elastically (see :mod:`ronde.elastic.loop`)."""
 
     @functools.wraps(func)
-    def translated(state: Any, *args: Any, **kwargs: Any) -> Any:
+    def translated(state: State, *args: Any, **kwargs: Any) -> Any:
         try:
             return func(state, *args, **kwargs)
         except tf.errors.OpError as exc:

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
+from ..frameworks.compression import Compresses
 from .. import _api
 from .._ops import ReduceOp
 from ..frameworks.host_reduce import (GradientSpec, Reduction, count_inputs, reduce_arrays,
@@ -55,7 +56,7 @@ def variable_label(v: Any, i: int) -> str:
 
 def reduce_gradients(grads: Sequence[Any], sources: Sequence[Any], prefix: str,
                      op: Any = ReduceOp.AVERAGE, prescale: float = 1.0, postscale: float = 1.0,
-                     compression: Any = None, sparse_as_dense: bool = False,
+                     compression: Compresses | None = None, sparse_as_dense: bool = False,
                      process_set: ProcessSet = global_process_set) -> list[Any]:
     """Reduce a step's gradients over the ranks in one host call.
 
@@ -161,7 +162,7 @@ class _DistributedTapeMixin:
 
 
 def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",
-                            device_sparse: str = "", compression: Any = None,
+                            device_sparse: str = "", compression: Compresses | None = None,
                             sparse_as_dense: bool = False, op: Any = ReduceOp.AVERAGE,
                             gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                             groups: Any = None, process_set: ProcessSet = global_process_set,
@@ -208,7 +209,7 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",
 
 
 def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",
-                                   device_sparse: str = "", compression: Any = None,
+                                   device_sparse: str = "", compression: Compresses | None = None,
                                    sparse_as_dense: bool = False, op: Any = ReduceOp.AVERAGE,
                                    gradient_predivide_factor: float = 1.0,
                                    num_groups: int = 0, groups: Any = None,

@@ -30,7 +30,7 @@ import torch
 from .. import _api, _objects
 from .._errors import UnsupportedError
 from .._ops import ReduceOp
-from ..frameworks.compression import Compressor, wire_reduction
+from ..frameworks.compression import Compresses, Compressor, wire_reduction
 from ..process_sets import ProcessSet, global_process_set
 from . import _collectives as C
 from ._tensors import dtype_name
@@ -72,7 +72,8 @@ class _Allreduce(torch.autograd.Function):
 
 
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-              compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
+              compression: Compresses = Compression.none, op: Any = None,
+              prescale_factor: float = 1.0,
               postscale_factor: float = 1.0,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks of the process set; differentiable.
@@ -120,7 +121,7 @@ class _GroupedAllreduce(torch.autograd.Function):
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None,
-                      name: str | None = None, compression: Any = Compression.none,
+                      name: str | None = None, compression: Compresses = Compression.none,
                       op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allreduce a list of tensors together (fused when they fit); differentiable."""
@@ -295,7 +296,7 @@ class _GroupedReducescatter(torch.autograd.Function):
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
-                          compression: Any = Compression.none, op: Any = ReduceOp.AVERAGE,
+                          compression: Compresses = Compression.none, op: Any = ReduceOp.AVERAGE,
                           process_set: ProcessSet = global_process_set,
                           prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
@@ -313,7 +314,7 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None,
-                  compression: Any = Compression.none, op: Any = ReduceOp.AVERAGE,
+                  compression: Compresses = Compression.none, op: Any = ReduceOp.AVERAGE,
                   process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce over ranks and give rank r its block of dimension 0; differentiable.

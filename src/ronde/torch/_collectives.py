@@ -250,11 +250,11 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
     return MultiHandle(hs, lambda outs: list(outs), name or "grouped_reducescatter")
 
 
-def synchronize(handle: Any) -> Any:
+def synchronize(handle: TorchHandle) -> Any:
     """Wait for an async collective and return its result (torch tensors for torch calls)."""
     return handle.wait()
 
 
-def poll(handle: Any) -> bool:
+def poll(handle: TorchHandle) -> bool:
     """True if the async collective behind ``handle`` finished."""
     return bool(handle.poll())

@@ -50,6 +50,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from ..process_sets import ProcessSet
 from .. import _api, _objects, _state
 from .._ops import ReduceOp
 from ..core import device as device_mod
@@ -65,7 +66,7 @@ def _mode() -> str:
     return rt.cfg.torch_device_path if rt is not None else "auto"
 
 
-def wants_device_path(tensor: torch.Tensor, process_set: Any) -> bool:
+def wants_device_path(tensor: torch.Tensor, process_set: ProcessSet) -> bool:
     """Whether a collective on ``tensor`` should stay on its device."""
     mode = _mode()
     if mode == "never":
@@ -77,7 +78,7 @@ def wants_device_path(tensor: torch.Tensor, process_set: Any) -> bool:
     return mode == "always" and tensor.device.type == "cpu" and not tensor.is_sparse
 
 
-def prepare(tensors: Sequence[torch.Tensor], process_set: Any) -> bool:
+def prepare(tensors: Sequence[torch.Tensor], process_set: ProcessSet) -> bool:
     """Set up the device path for ``tensors`` now, where the caller is (never in a hook).
 
     The placement check (every member on a GPU of its own) and the process group's
@@ -113,7 +114,7 @@ class TorchDeviceBackend:
             self._placement.clear()
             self._generation = -1
 
-    def own_gpus(self, sample: torch.Tensor, process_set: Any) -> bool:
+    def own_gpus(self, sample: torch.Tensor, process_set: ProcessSet) -> bool:
         """Whether every member of ``process_set`` has a GPU of its own (NCCL's rule).
 
         Decided once per process set and generation, collectively (see module doc).
@@ -145,7 +146,7 @@ class TorchDeviceBackend:
         return not shared
 
     # -- set-up (caller's thread, at the first device collective of a generation) ---------
-    def ensure(self, sample: torch.Tensor, process_set: Any = None) -> None:
+    def ensure(self, sample: torch.Tensor, process_set: ProcessSet | None = None) -> None:
         ps_id = getattr(process_set, "process_set_id", None) or 0
         if ps_id:
             self._ensure_set(sample, process_set, ps_id)
@@ -174,7 +175,7 @@ class TorchDeviceBackend:
             logger.info("ronde.torch: %s tensors reduce through a %s process group",
                         sample.device.type, backend)
 
-    def _ensure_set(self, sample: torch.Tensor, process_set: Any, ps_id: int) -> None:
+    def _ensure_set(self, sample: torch.Tensor, process_set: ProcessSet, ps_id: int) -> None:
         """The members-only process group of a process set (see module doc)."""
         rt = _api.runtime()
         have = self._sets.get(ps_id)
@@ -343,7 +344,7 @@ def _scale(buf: torch.Tensor, factor: float) -> None:
         buf.copy_((wide / inv if whole else wide * factor).to(buf.dtype))
 
 
-def store_for(rt: Any, members: list[int], name: str, process_set: Any,
+def store_for(rt: Any, members: list[int], name: str, process_set: ProcessSet,
            timeout: datetime.timedelta) -> Any:
     """A ``TCPStore`` for ``members``: the first one serves it on a port the kernel
     picks (no window in which another process could take the port) at its own address,
@@ -391,7 +392,7 @@ def on_caller_stream(result: torch.Tensor) -> torch.Tensor:
     return result
 
 
-def _prepare(tensor: torch.Tensor, process_set: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def _prepare(tensor: torch.Tensor, process_set: ProcessSet) -> tuple[torch.Tensor, torch.Tensor]:
     """(what is sent, what an in-place call writes): the tensor, detached only if it
     requires grad (gradients do not: like every torch operator call, ``detach`` lets go
     of the GIL, and the engine's thread then runs first, see _tensors), the sent one
@@ -404,7 +405,7 @@ def _prepare(tensor: torch.Tensor, process_set: Any) -> tuple[torch.Tensor, torc
 
 
 def submit_allreduce(tensor: torch.Tensor, average: bool | None, name: str | None, op: Any,
-                     prescale: float, postscale: float, process_set: Any,
+                     prescale: float, postscale: float, process_set: ProcessSet,
                      inplace: bool) -> Any:
     """Submit a device allreduce; returns the runtime handle (result: the torch tensor)."""
     t, own = _prepare(tensor, process_set)
@@ -415,7 +416,8 @@ def submit_allreduce(tensor: torch.Tensor, average: bool | None, name: str | Non
                        out=own if inplace else None)
 
 
-def submit_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, process_set: Any,
+def submit_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None,
+                     process_set: ProcessSet,
                      inplace: bool) -> Any:
     """Submit a device broadcast; returns the runtime handle (result: the torch tensor)."""
     t, own = _prepare(tensor, process_set)

@@ -51,7 +51,7 @@ from .. import _api, _state
 from .._errors import ProcessSetError, RondeError, UnsupportedError
 from .._ops import ReduceOp
 from ..frameworks.accumulation import PassCounter
-from ..frameworks.compression import Compressor, wire_reduction
+from ..frameworks.compression import Compresses, Compressor, wire_reduction
 from ..frameworks.naming import (gradient_name, name_parameters, presence_name,
                                  require_same_parameters)
 from ..process_sets import ProcessSet, global_process_set
@@ -70,7 +70,8 @@ class _DistributedMixin(SkipSynchronize):
 
     param_groups: list[dict[str, Any]]
 
-    def _ronde_init(self, named_parameters: Any, compression: Any, backward_passes_per_step: int,
+    def _ronde_init(self, named_parameters: Any, compression: Compresses,
+                    backward_passes_per_step: int,
                     op: Any, gradient_predivide_factor: float, groups: Any,
                     sparse_as_dense: bool, process_set: ProcessSet,
                     zero_unused_grads: bool) -> None:
@@ -426,7 +427,8 @@ class _DistributedMixin(SkipSynchronize):
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
-                         compression: Any = Compression.none, backward_passes_per_step: int = 1,
+                         compression: Compresses = Compression.none,
+                         backward_passes_per_step: int = 1,
                          op: Any = ReduceOp.AVERAGE, gradient_predivide_factor: float = 1.0,
                          num_groups: int = 0,
                          groups: int | Sequence[Sequence[torch.Tensor]] | None = None,

@@ -31,6 +31,7 @@ from typing import Any, Iterable
 
 import torch
 
+from ..frameworks.compression import Compresses
 from .. import _api, _state
 from .._errors import RondeError, UnsupportedError
 from .._ops import ReduceOp
@@ -121,7 +122,7 @@ class _ShardedMixin(SkipSynchronize):
     state: Any
 
     def _ronde_init(self, named_parameters: Any, stage: int, backward_passes_per_step: int,
-                    compression: Any, process_set: ProcessSet) -> None:
+                    compression: Compresses, process_set: ProcessSet) -> None:
         self._ronde_stage = stage
         self._ronde_passes = int(backward_passes_per_step)
         self._ronde_compression = compression
@@ -435,7 +436,7 @@ class _ShardedMixin(SkipSynchronize):
 def ShardedOptimizer(optimizer: torch.optim.Optimizer,
                      named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                      stage: int = 1, backward_passes_per_step: int = 1,
-                     compression: Any = Compression.none, op: Any = ReduceOp.AVERAGE,
+                     compression: Compresses = Compression.none, op: Any = ReduceOp.AVERAGE,
                      process_set: ProcessSet = global_process_set,
                      elementwise: bool | None = None, sparse_as_dense: bool = False,
                      ) -> torch.optim.Optimizer:
