@@ -73,9 +73,11 @@ def epoch_order(epoch: int) -> list[int]:
     return torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(epoch)).tolist()
 
 
-def reference(name: str, size: int, epochs: int = EPOCHS) -> dict[str, Any]:
+def reference(name: str, size: int, epochs: int = EPOCHS,
+              sizes: list[int] | None = None) -> dict[str, Any]:
     """One process on the global batch: the final weights, the last epoch's mean loss
-    and the validation loss at the end."""
+    and the validation loss at the end; ``sizes``: the job's size in each epoch, where
+    it changed (an elastic job's)."""
     case = CASES[name]
     x, y = data()
     net = make_net(SEED)
@@ -85,6 +87,8 @@ def reference(name: str, size: int, epochs: int = EPOCHS) -> dict[str, Any]:
     losses: list[float] = []
     for epoch in range(epochs):
         order, losses = epoch_order(epoch), []
+        if sizes is not None:
+            step = BATCH * sizes[epoch]
         batches = SAMPLES // step
         for k in range(batches):
             idx = order[k * step:(k + 1) * step]

@@ -9,6 +9,7 @@ Lightning) on the global batch in the ranks' joint sample order. About 7 s on tw
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -157,3 +158,36 @@ def test_the_strategy_name_and_its_errors() -> None:
         strategy.reduce(torch.ones(1), group="world")
     with pytest.raises(ValueError, match=r"all_gather: group='world' is not supported"):
         strategy.all_gather(torch.ones(1), group="world")
+
+
+@pytest.mark.elastic
+@pytest.mark.timeout(240)
+def test_elastic_fit_goes_on_from_the_last_epoch_after_a_killed_worker(tmp_path) -> None:
+    # Under elastic ronderun (np=2, --min-np 1): the worker of 127.0.0.2 is SIGKILLed in
+    # epoch 1; the survivor resumes from its commit at epoch 0's end, alone, and a third
+    # host, listed 2 s later, joins at epoch 2's end (a new rank, from other weights, gets
+    # the commit). The weights of both ranks of the last generation must equal one
+    # process trained on the global batch of each epoch's size.
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "elastic"))
+    from elastic_jobs import discovery_script
+
+    from ronde.runner.elastic import run_elastic
+
+    out = tmp_path / "result.json"
+    script = discovery_script(tmp_path, ["127.0.0.1:1", "127.0.0.2:1"])
+    env = {"LIGHTNING_OUT": str(out), "LIGHTNING_MARK": str(tmp_path / "mark"),
+           "LIGHTNING_HOSTS_FILE": str(tmp_path / "hosts"), "LIGHTNING_DIE": "127.0.0.2:1:3",
+           "LIGHTNING_ADD": "127.0.0.3:1", "RONDE_ELASTIC_POLL": "0.2",
+           "OMP_NUM_THREADS": "1"}
+    text = io.StringIO()
+    res = run_elastic([sys.executable, os.path.join(HERE, "lightning_elastic_worker.py")], 2,
+                      1, 2, discovery_script=str(script), env=env, start_timeout_s=20.0,
+                      elastic_timeout_s=30.0, timeout_s=180.0, stdout=text, stderr=text)
+    assert res.returncode == 0, text.getvalue()[-4000:]
+    result = json.loads(out.read_text())
+    sizes = result["sizes"]
+    assert sizes == [2, 1, 1, 2], sizes  # epoch 1 ran again, alone; then two ranks
+    assert result["fits"] == 3 and result["weights_equal"] and result["size"] == 2, result
+    want = torch.tensor(job.reference("object", 1, epochs=4, sizes=sizes)["params"])
+    got = torch.tensor(result["params"])
+    assert torch.allclose(got, want, rtol=0, atol=ATOL), float((got - want).abs().max())

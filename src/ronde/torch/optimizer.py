@@ -154,6 +154,15 @@ class _DistributedMixin(SkipSynchronize):
         self._ronde_group_of = {id(q): gid for gid, members in self._ronde_groups.items()
                                 for q in members}
 
+    def remove_hooks(self) -> None:
+        """Take this wrapper's gradient hooks off its parameters, for a model that another
+        wrapper will train (Lightning wraps anew at every ``fit``, an elastic retry
+        too): two wrappers' hooks would reduce each gradient twice under one name. A
+        later ``step()`` of this wrapper puts them back (its gradients are reduced then)."""
+        for hook in self._ronde_hooks.values():
+            hook.remove()
+        self._ronde_hooks.clear()
+
     # -- backward side ---------------------------------------------------------------------
     def _ronde_hook(self, p: torch.Tensor) -> None:
         if not self._ronde_counter.record(p, "the gradient of {!r}", self._ronde_names[id(p)]):

@@ -1,4 +1,4 @@
-"""PyTorch Lightning on ronde: ``Trainer(strategy="ronde")``.
+"""PyTorch Lightning on ronde: ``Trainer(strategy="ronde")`` (:class:`RondeStrategy`).
 
 Lightning 2.0 removed Horovod's ``strategy="horovod"``; this module is its successor on
 ronde's engine. Every process runs the same script, started by a launcher (``ronderun``,
@@ -65,14 +65,18 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 import torch
 from torch import Tensor
 
-from . import torch as hvd
-from .process_sets import ProcessSet
+from .. import torch as hvd
+from ..process_sets import ProcessSet
 
-__all__ = ["RondeEnvironment", "RondeStrategy"]
+__all__ = ["RondeEnvironment", "RondeStrategy", "COMMITTED"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: the ``ckpt_path`` that resumes from the checkpoint given to
+#: :meth:`RondeStrategy.resume_from` (held in memory: ``ronde.lightning.elastic``)
+COMMITTED = "ronde-elastic:committed"
 
 #: Lightning's names for reductions -> ronde's ops
 _OPS = {"mean": hvd.Average, "avg": hvd.Average, "sum": hvd.Sum, "max": hvd.Max,
@@ -221,6 +225,23 @@ class RondeStrategy(ParallelStrategy):
                          cluster_environment=RondeEnvironment(), checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self._failed = False
+        self._committed: dict[str, Any] | None = None
+
+    def resume_from(self, checkpoint: dict[str, Any] | None) -> None:
+        """What ``fit(ckpt_path=COMMITTED)`` loads: a checkpoint held in memory (a
+        Lightning checkpoint dict, as ``dump_checkpoint`` makes it)."""
+        self._committed = checkpoint
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None
+                        ) -> dict[str, Any]:
+        """The checkpoint given to :meth:`resume_from` for ``COMMITTED``, else Lightning's
+        (every rank reads the file)."""
+        if checkpoint_path == COMMITTED:
+            if self._committed is None:
+                raise ValueError("RondeStrategy: ckpt_path=COMMITTED without a checkpoint "
+                                 "given to resume_from()")
+            return self._committed
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     # -- where this process sits -------------------------------------------------------
     @property
@@ -420,8 +441,14 @@ class RondeStrategy(ParallelStrategy):
         self._failed = True
 
     def teardown(self) -> None:
-        """Lightning's teardown, then a barrier and ``hvd.shutdown()`` if this strategy
-        started ronde (not after a failure: the launcher ends the job)."""
+        """The optimizers' gradient hooks off the model (a later fit wraps it anew: an
+        elastic retry, or ``fit`` again), Lightning's teardown, then a barrier and
+        ``hvd.shutdown()`` if this strategy started ronde (not after a failure: the
+        launcher, or the elastic loop, decides what follows)."""
+        for opt in self.optimizers:
+            remove = getattr(_unwrap(opt), "remove_hooks", None)
+            if callable(remove):
+                remove()
         super().teardown()
         if not self._failed:
             self._environment.stop()
