@@ -147,15 +147,14 @@ def root_round_us(size: int, tensors: int, repeats: int, over_tree: bool) -> flo
     each timed round, so no wake-up is in the figure; what rank 0 sends is drained
     after it. Microseconds, median."""
     from .. import _config
-    from ..core.exchange import Exchange
+    from ..core.channels import Channels
     from ..transport import wire
 
     neg, msg = _steady(size, tensors)
     payload = protocol.pack_round(msg)
     peers = tree.children(0, size) if over_tree else list(range(1, size))
     pairs = dict(zip(peers, _tcp_pairs(len(peers))))
-    ex = Exchange(0, size, {r: near for r, (near, _) in pairs.items()}, None,
-                  _config.Config(), str)
+    ch = Channels(0, size, {r: near for r, (near, _) in pairs.items()}, _config.Config(), str)
     if over_tree:
         sent = {c: coordinator.pack_bundle(coordinator.group(
             {r: payload for r in tree.subtree(c, size)}), tree.KIND_AGGREGATE) for c in peers}
@@ -173,9 +172,9 @@ def root_round_us(size: int, tensors: int, repeats: int, over_tree: bool) -> flo
             time.sleep(0.001)  # the frames are in rank 0's receive buffers
             t0 = time.perf_counter()
             if over_tree:
-                tree.run(ex, payload, messages, blobs, lambda: None)
+                tree.run(ch, payload, messages, blobs, lambda: None)
             else:
-                coordinator.run(ex, i, payload, messages, blobs, lambda: None, set())
+                coordinator.run(ch, i, payload, messages, blobs, lambda: None, set())
             neg.apply_round(messages, blobs)  # the engine's part of the round
             if i >= 2:
                 times.append(time.perf_counter() - t0)
