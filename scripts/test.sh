@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up a virtual environment with everything the tests need, then run them.
-#   bash scripts/test.sh            the whole suite (what .ci/run calls), then MXNet's venv
+#   bash scripts/test.sh            the whole suite (what .ci/run calls), MXNet's venv beside it
 #   bash scripts/test.sh --quick    the edit-test tier: the same venv, reused as it is,
 #                                   without the slow parts (tests/conftest.py, docs/testing.md)
 # Other arguments go to pytest. torch is pinned by constraints.txt (an unpinned torch
@@ -12,7 +12,7 @@ quick=0
 for arg in "$@"; do
     [ "$arg" = "--quick" ] && quick=1
 done
-if [ "$quick" = 1 ] && .venv/bin/python -c "import ronde, torch, pytest" 2>/dev/null; then
+if [ "$quick" = 1 ] && .venv/bin/python -c "import ronde, torch, pytest, xdist" 2>/dev/null; then
     :  # reuse the venv as it is
 else
     python3 -m venv .venv
@@ -21,7 +21,21 @@ fi
 # the tests start hundreds of processes: give them ronde's bytecode once (an editable
 # install under PYTHONDONTWRITEBYTECODE=1 would compile every module in every process)
 .venv/bin/python -m compileall -q src/ronde > /dev/null
-.venv/bin/python -m pytest -q "$@"
+# MXNet's venv and tests (whole suite only) beside the main run, their output after it
+status=0
 if [ "$quick" = 0 ]; then
-    RONDE_MXNET_CORE=1 bash scripts/mxnet_tests.sh -k "not gloo"
+    mkdir -p build
+    RONDE_MXNET_CORE=1 bash scripts/mxnet_tests.sh -k "not gloo" > build/mxnet-tests.log 2>&1 &
+    mxnet=$!
 fi
+# Two pytest workers (pytest-xdist, RONDE_TEST_WORKERS=0 for none): the tests' processes
+# wait on sockets, peers and timeouts much of the time; one worker kept the two cores
+# 115 % busy, two keep them 171 % busy (docs/testing.md)
+workers=(-n "${RONDE_TEST_WORKERS:-2}" --dist worksteal)
+.venv/bin/python -m pytest -q "${workers[@]}" "$@" || status=$?
+if [ "$quick" = 0 ]; then
+    wait "$mxnet" || { [ "$status" != 0 ] || status=1; }
+    echo "== MXNet venv (scripts/mxnet_tests.sh) =="
+    cat build/mxnet-tests.log
+fi
+exit "$status"
