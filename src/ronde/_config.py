@@ -31,6 +31,7 @@ class Config:
 
     fusion_threshold_bytes: int = 64 * 1024 * 1024
     bucket_bytes: int = 25 * 1024 * 1024
+    bucket_views: bool = True
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024
     transport: str = "auto"

@@ -106,6 +106,15 @@ KNOBS: tuple[Knob, ...] = (
              'hook and each bucket is one allreduce, so the per-tensor work of '
              'negotiation is paid per bucket. `0` reduces each gradient on its own '
              '(the path of the first two steps).'),
+    Knob("bucket_views", "RONDE_GRADIENT_AS_BUCKET_VIEW", parse_bool,
+         default='`1` (on)', unit='boolean',
+         doc="DDP's `gradient_as_bucket_view`, on by default: once a parameter's "
+             'gradient went into its bucket, `p.grad` becomes a view of the bucket, so '
+             'the averaged gradient is in place after the allreduce (no copy back) and, '
+             'when `zero_grad(set_to_none=False)` keeps the views, backward accumulates '
+             'straight into the bucket (no copy in either). A `p.grad` kept from an '
+             'earlier step changes with the bucket then. `0`: gradients are copied in '
+             'and out and stay tensors of their own.'),
     Knob("cycle_time_ms", "RONDE_CYCLE_TIME", float,
          accepted=Range(0, 60_000, above=True),
          default='`1.0`', unit='milliseconds',

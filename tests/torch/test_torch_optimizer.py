@@ -103,16 +103,22 @@ def test_torch_compile_model_with_distributed_optimizer():
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("np_", [2, 3])
-def test_gradients_in_buckets_train_as_one_process_on_the_global_batch(np_):
-    # 256-byte buckets: the 6x8 weight (384 bytes of float64) alone, the others grouped
-    out = run_ranks(np_, workers.bucketed, timeout_s=80, env={"RONDE_BUCKET_BYTES": "256"})
+@pytest.mark.parametrize("np_, views", [(2, "1"), (3, "1"), (2, "0")])
+def test_gradients_in_buckets_train_as_one_process_on_the_global_batch(np_, views):
+    # 256-byte buckets: the 6x8 weight (384 bytes of float64) alone, the others grouped;
+    # with RONDE_GRADIENT_AS_BUCKET_VIEW (the default) each bucketed gradient becomes a
+    # view of its bucket: the average lands in place, and with zero_grad(set_to_none=
+    # False) backward accumulates into the bucket; without, gradients are copied
+    out = run_ranks(np_, workers.bucketed, timeout_s=80,
+                    env={"RONDE_BUCKET_BYTES": "256", "RONDE_GRADIENT_AS_BUCKET_VIEW": views})
     for res in out:
         for case, r in res.items():
             # per tensor for two steps (the second records the ready order; its
             # synchronize() lays the buckets out), then buckets
             assert r["buckets"][0] == 0 and min(r["buckets"][1:]) >= 3, (case, r)
             assert r["diff"] <= (1e-3 if case == "fp16" else 1e-12), (case, r)
+            assert r["bucketed"] > 0 and r["views"] == (r["bucketed"] if views == "1" else 0), \
+                (case, r)
     assert out[0] == out[-1]
 
 

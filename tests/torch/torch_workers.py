@@ -935,7 +935,8 @@ def bucketed(steps: int = 7) -> dict:
     out = {}
     for case, opt_name, bpps, comp in (("sgd", "sgd", 1, "none"), ("adam x2", "adam", 2, "none"),
                                        ("fp16", "sgd", 1, "fp16"),
-                                       ("freeze", "adamw", 1, "none")):
+                                       ("freeze", "adamw", 1, "none"),
+                                       ("kept grads", "adam", 1, "none")):
         model, ref = _model(torch, 3, extra=True), _model(torch, 3, extra=True)
         opt = hvd.DistributedOptimizer(
             _optimizer(torch, opt_name, model.parameters()), backward_passes_per_step=bpps,
@@ -950,16 +951,22 @@ def bucketed(steps: int = 7) -> dict:
                     m[2].requires_grad_(False)
             x = torch.randn(4 * n, 6, generator=gen, dtype=torch.float64)
             y = torch.randn(4 * n, 3, generator=gen, dtype=torch.float64)
-            ref_opt.zero_grad()
+            keep = case == "kept grads"  # zero_grad keeps the gradients (as zeros)
+            ref_opt.zero_grad(set_to_none=not keep)
             F.mse_loss(ref.extra(ref[:3](x)), y).backward()
             ref_opt.step()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=not keep)
             for xs, ys in zip(x[4 * r:4 * r + 4].chunk(bpps), y[4 * r:4 * r + 4].chunk(bpps)):
                 (F.mse_loss(model.extra(model[:3](xs)), ys) / bpps).backward()
             opt.step()
             seen.append(0 if opt._ronde_buckets is None else len(opt._ronde_buckets.buckets))
         assert _same_on_every_rank(torch, hvd, model, f"bucketed.{case}")
-        out[case] = {"buckets": seen, "diff": _diff(torch, model, ref)}
+        # gradients living in their buckets (RONDE_GRADIENT_AS_BUCKET_VIEW)
+        flats = {b.flat.untyped_storage().data_ptr() for b in opt._ronde_buckets.buckets}
+        views = [p.grad.untyped_storage().data_ptr() in flats for p in model.parameters()
+                 if p.grad is not None and p in opt._ronde_buckets]
+        out[case] = {"buckets": seen, "diff": _diff(torch, model, ref),
+                     "views": sum(views), "bucketed": len(views)}
     hvd.shutdown()
     return out
 

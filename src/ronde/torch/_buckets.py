@@ -77,11 +77,13 @@ class Buckets:
         start: starts the allreduce of a flat buffer: ``start(tensor, name)`` returns
             what ``finish`` is given back (the optimizer's compression and op applied).
         finish: waits for that and returns the reduced flat buffer.
+        as_view: make each gradient taken a view of its slot (``RONDE_GRADIENT_AS_BUCKET_VIEW``).
     """
 
     def __init__(self, layout: Sequence[Sequence[int]], params: Sequence[torch.Tensor],
                  names: Sequence[str], base: str, start: Callable[[torch.Tensor, str], Any],
-                 finish: Callable[[Any, torch.Tensor, str], torch.Tensor]) -> None:
+                 finish: Callable[[Any, torch.Tensor, str], torch.Tensor],
+                 as_view: bool = False) -> None:
         self.buckets = [Bucket(f"{base}.bucket{k}.{len(ids)}",
                                [(i, params[i]) for i in ids], params[ids[0]].dtype)
                         for k, ids in enumerate(layout)]
@@ -89,6 +91,10 @@ class Buckets:
         self.slot_of: dict[int, tuple[Bucket, torch.Tensor]] = {
             id(p): (b, slot) for b in self.buckets for _, p, slot in b.members}
         self.taken: set[int] = set()  #: id() of the parameters copied in this step
+        #: ``RONDE_GRADIENT_AS_BUCKET_VIEW``: a gradient taken becomes a view of its slot
+        #: (DDP's ``gradient_as_bucket_view``): the average lands in ``p.grad`` in place,
+        #: and backward accumulates into the slot while ``zero_grad`` keeps the view
+        self.as_view = as_view
         self._names = names
         self._start, self._finish = start, finish
 
@@ -100,11 +106,15 @@ class Buckets:
         return bool(self.taken) or any(b.handle is not None for b in self.buckets)
 
     def take(self, p: torch.Tensor, grad: torch.Tensor) -> None:
-        """Copy ``grad`` into ``p``'s slot; start the bucket's allreduce once it is full."""
+        """Copy ``grad`` into ``p``'s slot (not when it is the slot already: see
+        ``as_view``); start the bucket's allreduce once it is full."""
         bucket, slot = self.slot_of[id(p)]
         if id(p) in self.taken:
             return
-        slot.copy_(grad)
+        if grad is not slot:
+            slot.copy_(grad)
+            if self.as_view and p.grad is grad:
+                p.grad = slot
         self.taken.add(id(p))
         bucket.left -= 1
         if bucket.left == 0:
@@ -145,6 +155,8 @@ class Buckets:
                     value = slot if out is b.flat else out[at:at + n].view(p.shape)
                     at += n
                     grad = p.grad
+                    if grad is value:  # a view of its slot: the average is in place
+                        continue
                     if id(p) in taken or (counts is not None and counts[i]):
                         if grad is None or grad.is_sparse or grad.shape != p.shape:
                             p.grad = value.to(p.dtype, copy=True)
@@ -216,18 +228,19 @@ def agree_layout(order: Sequence[int], params: Sequence[torch.Tensor],
 
 def make(order: Sequence[int], params: Sequence[torch.Tensor], hooked: Any,
          names: Sequence[str], base: str, cap_bytes: int, process_set: ProcessSet,
-         start: Callable[..., Any], result: Callable[..., torch.Tensor]) -> Buckets | None:
+         start: Callable[..., Any], result: Callable[..., torch.Tensor],
+         as_view: bool = False) -> Buckets | None:
     """The buckets of an optimizer's ``params`` (None where none is laid out), from rank
     0's ready ``order``. A gradient goes in one when its parameter is ``hooked`` (its
     hook copies it in), on the CPU, dense and floating; the rest keep their own
-    reductions."""
+    reductions; ``as_view``: see :class:`Buckets`."""
     def eligible(i: int) -> bool:
         p = params[i]
         return p in hooked and p.device.type == "cpu" and not p.is_sparse and \
             p.grad is not None and not p.grad.is_sparse and p.dtype.is_floating_point
 
     found = agree_layout(order, params, eligible, cap_bytes, process_set, f"{base}.buckets")
-    return Buckets(found, params, names, base, start, result) if found else None
+    return Buckets(found, params, names, base, start, result, as_view) if found else None
 
 
 def user_groups(groups: Any, params: list[torch.Tensor]) -> dict[int, list[torch.Tensor]]:

@@ -357,8 +357,9 @@ class _DistributedMixin(SkipSynchronize):
         base = self._ronde_presence_name[: -len(".presence")]
         self._ronde_buckets = _buckets.make(
             order, params, self._ronde_hooks, [self._ronde_names[id(p)] for p in params],
-            base, self._ronde_bucket_cap(), self._ronde_ps,
-            lambda t, n: self._ronde_start(t, n), lambda started, flat, n: self._ronde_result(started))
+            base, self._ronde_bucket_cap(), self._ronde_ps, lambda t, n: self._ronde_start(t, n),
+            lambda started, flat, n: self._ronde_result(started),
+            _state.require().cfg.bucket_views)
 
     @torch.compiler.disable
     def step(self, closure: Any = None) -> Any:
