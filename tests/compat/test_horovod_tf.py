@@ -10,18 +10,21 @@ pytest.importorskip("tensorflow")
 
 from ronde.testing import run_ranks  # noqa: E402
 
-from . import tf_workers as workers  # noqa: E402
+from . import cases, tf_workers as workers  # noqa: E402
 
 CASES = [workers.errors_are_tf_errors, workers.ops_and_return_forms,
          workers.graph_ops_run_in_build_order, workers.gradient_rules,
          workers.sync_bn_and_local_layers]
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("np_", [2, 3])
-@pytest.mark.parametrize("case", CASES, ids=lambda f: f.__name__)
-def test_horovod_tensorflow_semantics(case, np_):
-    assert run_ranks(np_, case, timeout_s=130) == ["ok"] * np_
+def test_horovod_tensorflow_semantics(np_):
+    # every case in one launch per size (cases.run_all): a failing case shows its own
+    # traceback, the others still run
+    names = [case.__name__ for case in CASES]
+    for got in run_ranks(np_, cases.run_all, workers.__name__, names, timeout_s=220):
+        assert got == {name: "ok" for name in names}, got
 
 
 @pytest.mark.timeout(150)

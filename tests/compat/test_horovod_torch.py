@@ -12,7 +12,7 @@ pytest.importorskip("torch")
 
 from ronde.testing import run_ranks  # noqa: E402
 
-from . import torch_workers as workers  # noqa: E402
+from . import cases, torch_workers as workers  # noqa: E402
 
 CASES = [workers.scaling_arithmetic, workers.join_average,
          workers.grouped_allgather_and_reducescatter, workers.gradients,
@@ -20,11 +20,14 @@ CASES = [workers.scaling_arithmetic, workers.join_average,
          workers.optimizer_state_and_sparse]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(200)
 @pytest.mark.parametrize("np_", [2, 3])
-@pytest.mark.parametrize("case", CASES, ids=lambda f: f.__name__)
-def test_horovod_torch_semantics(case, np_):
-    assert run_ranks(np_, case, timeout_s=100) == ["ok"] * np_
+def test_horovod_torch_semantics(np_):
+    # every case in one launch per size (cases.run_all): a failing case shows its own
+    # traceback, the others still run
+    names = [case.__name__ for case in CASES]
+    for got in run_ranks(np_, cases.run_all, workers.__name__, names, timeout_s=180):
+        assert got == {name: "ok" for name in names}, got
 
 
 @pytest.mark.timeout(60)

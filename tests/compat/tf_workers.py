@@ -270,3 +270,4 @@ def keras2_semantics() -> str:
     except ValueError as exc:
         assert "Average or Sum" in str(exc), exc
     return "ok"
+

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("jax")
 pytest.importorskip("optax")
 
-from ronde.testing import run_ranks  # noqa: E402
+from ronde.testing import run_ranks, run_ranks_many  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,23 +32,30 @@ CONFIGS = {
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("np_", [1, 3])
-def test_collectives_eager_and_under_jit(np_):
-    assert run_ranks(np_, workers.collectives, timeout_s=80) == ["ok"] * np_
+def test_collectives_eager_and_under_jit_in_one_process():
+    assert run_ranks(1, workers.collectives, timeout_s=80) == ["ok"]
 
 
-@pytest.mark.timeout(90)
-def test_gradients_flow_through_collectives():
-    assert run_ranks(2, workers.gradients, timeout_s=80) == ["ok", "ok"]
-
-
-@pytest.mark.timeout(120)
-def test_np2_batch_b_equals_one_process_batch_2b():
+@pytest.mark.timeout(240)
+def test_at_two_ranks_gradients_equivalence_and_the_sharded_optimizer():
+    # one launch for three scenarios (importing JAX is most of a launch's cost)
     configs = list(CONFIGS)
-    per_rank = run_ranks(2, workers.equivalence, configs, timeout_s=110)
-    for diffs in per_rank:
+    grads, per_rank, sharded = run_ranks_many(
+        2, [workers.gradients, (workers.equivalence, configs), workers.sharded],
+        timeout_s=220)
+    assert grads == ["ok", "ok"]  # gradients flow through the collectives
+    for diffs in per_rank:  # np=2 on batch b equals one process on batch 2b
         for cfg, diff in zip(configs, diffs):
             assert diff <= CONFIGS[cfg], (cfg, diff)
+    _check_sharded(sharded, 2)
+
+
+@pytest.mark.timeout(200)
+def test_at_three_ranks_collectives_and_the_sharded_optimizer():
+    collectives, sharded = run_ranks_many(3, [workers.collectives, workers.sharded],
+                                          timeout_s=180)
+    assert collectives == ["ok"] * 3  # eager and under jit
+    _check_sharded(sharded, 3)
 
 
 @pytest.mark.timeout(60)
@@ -58,10 +65,8 @@ def test_differing_parameters_fail_every_rank_at_init():
         assert "same structure, shapes and dtypes" in msg
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("np_", [2, 3])
-def test_sharded_optimizer_equals_one_process_with_a_share_of_the_state(np_):
-    out = run_ranks(np_, workers.sharded, timeout_s=110)
+def _check_sharded(out: list[dict], np_: int) -> None:
+    """ShardedOptimizer equals one process, each rank holding its share of the state."""
     params = 6 * 8 + 8 + 8 * 3 + 3  # 83
     for res in out:
         assert list(res) == ["sgd.jit", "adam", "adamw.jit", "adam.jit.x2"]

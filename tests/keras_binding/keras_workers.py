@@ -164,3 +164,11 @@ def adasum_delta() -> dict:
     out["moved"] = _maxdiff(mine, _weights(_model(0)))
     hvd.shutdown()
     return out
+
+
+def fit_scenarios(path: str) -> dict:
+    """One launch per backend (importing the framework is most of a launch's cost):
+    :func:`fit_equivalence`, :func:`load_model_roundtrip` into ``path``, then
+    :func:`adasum_delta` (which shuts ronde down), each result under its name."""
+    return {"fit": fit_equivalence(), "load": load_model_roundtrip(path),
+            "adasum": adasum_delta()}

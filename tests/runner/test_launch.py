@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from ronde.testing import RanksFailedError, run_ranks
+from ronde.testing import RanksFailedError, run_ranks, run_ranks_many
 
 PY = sys.executable
 
@@ -299,6 +299,18 @@ def test_run_ranks_raises_with_traceback() -> None:
                        r".*traceback of rank 1:.*ValueError: boom from rank 1") as info:
         run_ranks(2, fail_on_rank_1, timeout_s=20)
     assert info.value.rank == 1 and info.value.result.returncode == 1
+
+
+@pytest.mark.timeout(30)
+def test_run_ranks_many_runs_each_call_in_one_launch_in_order() -> None:
+    first, second = run_ranks_many(2, [(rank_result, 10), (rank_result, 1)])
+    assert first == [{"rank": r, "size": 2, "value": 10 * r} for r in range(2)]
+    assert second == [{"rank": r, "size": 2, "value": r} for r in range(2)]
+    with pytest.raises(RanksFailedError, match=r"(?s)traceback of rank 1:.*fail_on_rank_1"
+                       r".*ValueError: boom from rank 1"):
+        run_ranks_many(2, [(rank_result, 1), fail_on_rank_1], timeout_s=20)
+    with pytest.raises(TypeError, match="module-level function"):
+        run_ranks_many(2, [(rank_result, 1), (lambda: 1,)])
 
 
 @pytest.mark.timeout(10)

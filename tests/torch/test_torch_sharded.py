@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from ronde.testing import run_ranks  # noqa: E402
+from ronde.testing import run_ranks, run_ranks_many  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,27 +38,6 @@ def test_sharded_training_equals_one_process_on_the_global_batch(np_, transport)
     assert max(held) - min(held) <= 11 * 8, held  # balanced by elements
 
 
-@pytest.mark.timeout(90)
-def test_a_layer_used_on_some_ranks_is_averaged_with_zeros_and_an_unused_one_stays():
-    out = run_ranks(3, workers.unused_on_some_ranks, timeout_s=80)
-    for res in out:
-        for stage, r in res.items():
-            assert r["same"] and r["diff"] <= 1e-12 and r["d_still"], (stage, r)
-
-
-@pytest.mark.timeout(60)
-def test_optimizers_that_need_whole_tensors_are_refused_with_the_reason():
-    out = run_ranks(2, workers.refusals, timeout_s=50)
-    lbfgs, sparse, unknown, adasum, sparse_grads, vouched = out[0]
-    assert "LBFGS" in lbfgs and "line search" in lbfgs
-    assert "SparseAdam" in sparse and "sparse" in sparse
-    assert "elementwise=True" in unknown and "Mine" in unknown
-    assert "Adasum" in adasum
-    assert "sparse" in sparse_grads
-    assert vouched == "Mine"  # elementwise=True: the user vouches for it
-    assert out[0] == out[1]
-
-
 @pytest.mark.timeout(150)
 def test_a_checkpoint_saved_at_four_ranks_resumes_at_three_and_in_one_plain_optimizer(tmp_path):
     ckpt = str(tmp_path / "ckpt")
@@ -80,25 +59,52 @@ def test_a_checkpoint_saved_at_four_ranks_resumes_at_three_and_in_one_plain_opti
         assert r["same"] and r["diff"] <= 1e-12 and r["lr"] == 0.01, again
 
 
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("np_", [2, 3])
-def test_a_hundred_steps_equal_distributed_optimizer(np_):
+@pytest.mark.timeout(200)
+def test_at_two_ranks_the_refusals_and_a_hundred_steps_equal_distributed_optimizer():
+    # one launch for both scenarios (sharded_workers; each inits and shuts down)
+    refusals, versus = run_ranks_many(2, [workers.refusals, workers.versus_distributed],
+                                      timeout_s=180)
+    _check_refusals(refusals)
+    _check_versus_distributed(versus, 2)
+
+
+@pytest.mark.timeout(240)
+def test_at_three_ranks_unused_layers_a_process_set_and_a_hundred_steps():
+    unused, process_set, versus = run_ranks_many(
+        3, [workers.unused_on_some_ranks, workers.process_set, workers.versus_distributed],
+        timeout_s=220)
+    # a layer used on some ranks is averaged with zeros and an unused one stays
+    for res in unused:
+        for stage, r in res.items():
+            assert r["same"] and r["diff"] <= 1e-12 and r["d_still"], (stage, r)
+    # a process set shards among its members and the rest step alone
+    for rank, r in enumerate(process_set):
+        assert r["diff"] <= 1e-12, (rank, r)
+    used = 125 - 18  # "unused" and "d" never step
+    assert process_set[0]["held"] + process_set[1]["held"] == 2 * used \
+        and process_set[2]["held"] == 2 * used, process_set
+    _check_versus_distributed(versus, 3)
+
+
+def _check_refusals(out: list) -> None:
+    """Optimizers that need whole tensors are refused with the reason."""
+    lbfgs, sparse, unknown, adasum, sparse_grads, vouched = out[0]
+    assert "LBFGS" in lbfgs and "line search" in lbfgs
+    assert "SparseAdam" in sparse and "sparse" in sparse
+    assert "elementwise=True" in unknown and "Mine" in unknown
+    assert "Adasum" in adasum
+    assert "sparse" in sparse_grads
+    assert vouched == "Mine"  # elementwise=True: the user vouches for it
+    assert out[0] == out[1]
+
+
+def _check_versus_distributed(out: list, np_: int) -> None:
     # issue #31's proof: the same losses as DistributedOptimizer on the same data, bitwise
     # at np=2 (both sum the two ranks' gradients in one order; the optimizer's elementwise
     # step gives the same value on a slice as on the whole), relative 1e-6 otherwise
-    out = run_ranks(np_, workers.versus_distributed, timeout_s=140)
     bound = 0.0 if np_ == 2 else 1e-6
     for res in out:
         assert len(res) == 6
         for case, r in res.items():
             assert r["loss"] <= bound, (np_, case, r)
             assert r["weights"] <= max(bound, 1e-5), (np_, case, r)
-
-
-@pytest.mark.timeout(90)
-def test_a_process_set_shards_among_its_members_and_the_rest_step_alone():
-    out = run_ranks(3, workers.process_set, timeout_s=80)
-    for rank, r in enumerate(out):
-        assert r["diff"] <= 1e-12, (rank, r)
-    used = 125 - 18  # "unused" and "d" never step
-    assert out[0]["held"] + out[1]["held"] == 2 * used and out[2]["held"] == 2 * used, out

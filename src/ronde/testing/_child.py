@@ -7,23 +7,13 @@ with its return value, or ``rank.<N>.err`` with the traceback if it raised.
 
 from __future__ import annotations
 
-import importlib
 import os
 import pickle
 import sys
 import traceback
 from typing import Any, Callable
 
-from .ranks import DIR_VAR, FN_VAR
-
-
-def resolve(spec: str) -> Callable[..., Any]:
-    """Import ``module:qualname`` and return the object it names."""
-    module_name, _, qualname = spec.partition(":")
-    obj: Any = importlib.import_module(module_name)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj  # type: ignore[no-any-return]
+from .ranks import DIR_VAR, FN_VAR, resolve
 
 
 def _write(path: str, data: bytes) -> None:

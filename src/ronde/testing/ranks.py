@@ -11,15 +11,20 @@ environment and rendezvous. It is public so users can test their own ronde code:
 
     def test_ranks():
         assert run_ranks(3, check_rank) == [0, 1, 2]
+
+:func:`run_ranks_many` runs several such functions in one launch, one after the other
+in the same workers: starting processes that import a framework is most of what a
+launch costs, so a test module's scenarios share one.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
 import sys
 import tempfile
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from ..runner import launch
 
@@ -82,10 +87,61 @@ def run_ranks(n: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 60.
         TypeError: if ``fn`` is not importable by name.
     """
     spec, fn_dir = _fn_spec(fn)
+    return _launch(n, spec, [fn_dir] if fn_dir else [], args, kwargs, timeout_s, env)
+
+
+def run_ranks_many(n: int, calls: Sequence[Callable[..., Any] | tuple[Any, ...]],
+                   timeout_s: float = 60.0, env: Mapping[str, str] | None = None
+                   ) -> list[list[Any]]:
+    """Call several functions in one launch of ``n`` workers, in order on every rank.
+
+    Args:
+        n: number of ranks.
+        calls: module-level functions, or ``(function, arg, ...)`` tuples.
+        timeout_s: wall-clock limit for the whole job.
+        env: extra environment variables for every worker.
+
+    Returns:
+        For each call, in order, the return values in rank order (what
+        :func:`run_ranks` would return for it alone).
+
+    Raises:
+        RanksFailedError: as :func:`run_ranks`; the traceback names the function that
+            raised (the ones after it did not run).
+        TypeError: if a function is not importable by name.
+    """
+    specs, dirs = [], []
+    for call in calls:
+        fn, *args = call if isinstance(call, tuple) else (call,)
+        spec, fn_dir = _fn_spec(fn)
+        specs.append((spec, tuple(args)))
+        if fn_dir:
+            dirs.append(fn_dir)
+    per_rank = _launch(n, f"{__name__}:_call_many", dirs, (specs,), {}, timeout_s, env)
+    return [[results[k] for results in per_rank] for k in range(len(specs))]
+
+
+def _call_many(specs: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
+    """The worker side of :func:`run_ranks_many`."""
+    return [resolve(spec)(*args) for spec, args in specs]
+
+
+def resolve(spec: str) -> Callable[..., Any]:
+    """Import ``module:qualname`` and return the object it names."""
+    module_name, _, qualname = spec.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj  # type: ignore[no-any-return]
+
+
+def _launch(n: int, spec: str, fn_dirs: list[str], args: tuple[Any, ...],
+            kwargs: dict[str, Any], timeout_s: float, env: Mapping[str, str] | None
+            ) -> list[Any]:
     with tempfile.TemporaryDirectory(prefix="ronde-ranks-") as workdir:
         with open(os.path.join(workdir, "call.pkl"), "wb") as f:
             pickle.dump((args, kwargs), f)
-        paths = ([fn_dir] if fn_dir else []) + [p if p else os.getcwd() for p in sys.path]
+        paths = fn_dirs + [p if p else os.getcwd() for p in sys.path]
         if os.environ.get("PYTHONPATH"):
             paths.append(os.environ["PYTHONPATH"])
         extra = {
