@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from ronde.testing import run_ranks
+from ronde.testing import run_ranks_many
 
 # no __init__.py here on purpose: a package named like a framework would shadow it
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -29,23 +29,20 @@ ENV = {"TF_USE_LEGACY_KERAS": "1", "CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_L
 
 
 @needs_tf_keras
-@pytest.mark.timeout(150)
-def test_fit_equals_one_process_on_the_global_batch():
-    out = run_ranks(2, workers.fit_equivalence, timeout_s=140, env=ENV)
+@pytest.mark.timeout(200)
+def test_fit_equals_one_process_and_load_model_rewraps_the_keras2_optimizer(tmp_path):
+    # one launch for both (importing TensorFlow is most of a launch's cost)
+    out, loaded = run_ranks_many(2, [workers.fit_equivalence,
+                                     (workers.load_model_roundtrip, str(tmp_path))],
+                                 timeout_s=190, env=ENV)
     assert list(out[0]) == [label for label, _, _, _ in workers.OPTIMIZERS]
-    for res in out:
+    for res in out:  # fit equals one process on the global batch
         for label, r in res.items():
             assert r["vs_one_process"] < 1e-5, (label, r)
             assert r["across_ranks"] == 0.0, (label, r)
             assert r["loss"] < 1e-5, (label, r)
             assert r["loss_across_ranks"] == 0.0, (label, r)
-
-
-@needs_tf_keras
-@pytest.mark.timeout(120)
-def test_load_model_rewraps_the_keras2_optimizer(tmp_path):
-    out = run_ranks(2, workers.load_model_roundtrip, str(tmp_path), timeout_s=110, env=ENV)
-    for rank, res in enumerate(out):
+    for rank, res in enumerate(loaded):  # load_model re-wraps the Keras 2 optimizer
         assert res.pop("files") == ["best-m.h5", "best-m.keras", "m.h5", "m.keras"], res
         for name, r in res.items():
             assert r["wrote"] == (rank == 0), (name, r)
