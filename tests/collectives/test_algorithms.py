@@ -414,3 +414,30 @@ def test_loopback_fifo_and_zero_length() -> None:
     a, b = run_threads(2, body)
     assert a == [bytes([i, 1]) for i in range(5)]
     assert b == [bytes([i, 0]) for i in range(5)]
+
+
+def test_average_runs_as_a_sum_with_the_postscale_divided() -> None:
+    # one rule for the executor's allreduce and reducescatter and the inline reduction
+    from ronde.collectives.ops import as_sum
+
+    assert as_sum(ReduceOp.AVERAGE, 0.5, 4) == (ReduceOp.SUM, 0.125)
+    assert as_sum(ReduceOp.MAX, 0.5, 4) == (ReduceOp.MAX, 0.5)
+
+
+def test_a_failed_collective_fails_each_member_request_with_a_ronde_error() -> None:
+    from ronde import RondeError, TensorMismatchError
+    from ronde.core.requests import fail_all
+
+    class Req:
+        def __init__(self, name: str) -> None:
+            self.name, self.error = name, None
+
+        def fail(self, exc: BaseException) -> None:
+            self.error = exc
+
+    a, b = Req("a"), Req("b")
+    fail_all([a, None, b], ValueError("bad"), "allreduce")  # None: not a member
+    assert type(a.error) is RondeError and str(a.error) == "allreduce 'a' failed: ValueError('bad')"
+    mismatch = TensorMismatchError("shape differs")
+    fail_all([a], mismatch, "allreduce")
+    assert a.error is mismatch  # ronde's own errors as they are

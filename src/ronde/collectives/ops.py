@@ -15,8 +15,9 @@ import numpy as np
 
 from .._ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 
-__all__ = ['ReduceOp', 'Average', 'Sum', 'Adasum', 'Min', 'Max', 'Product', 'reduce_into',
-           'reduce_pair', 'reduce_in_rank_order', 'scaled_copy', 'scale_inplace']
+__all__ = ['ReduceOp', 'Average', 'Sum', 'Adasum', 'Min', 'Max', 'Product', 'as_sum',
+           'reduce_into', 'reduce_pair', 'reduce_in_rank_order', 'scaled_copy',
+           'scale_inplace']
 
 _UFUNCS = {
     ReduceOp.SUM: np.add,
@@ -25,6 +26,15 @@ _UFUNCS = {
     ReduceOp.MAX: np.maximum,
     ReduceOp.PRODUCT: np.multiply,
 }
+
+
+def as_sum(op: ReduceOp, postscale: float, count: int) -> tuple[ReduceOp, float]:
+    """``Average`` over ``count`` contributions as the engine runs it: a ``Sum`` with the
+    postscale divided by ``count`` (Horovod's divisor: the whole set, joined ranks
+    included); any other op as it is."""
+    if op == ReduceOp.AVERAGE:
+        return ReduceOp.SUM, postscale / count
+    return op, postscale
 
 
 def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:

@@ -21,13 +21,13 @@ import numpy as np
 
 from .._errors import (DeadlockError, DuplicateNameError, JoinedError, RondeError, ShutdownError, StallError,
                        TensorMismatchError)
-from ..collectives.ops import ReduceOp
+from ..collectives.ops import ReduceOp, as_sum
 from ..collectives import adasum, fusion
 from ..collectives.allreduce import even_counts
 from ..transport.strategies import AllreducePlan, run_allreduce
 from . import inline as inline_mod, planner
 from .negotiation import Response, any_meta
-from .requests import Kind, Meta, Request, resolve_dtype
+from .requests import Kind, Meta, Request, fail_all, resolve_dtype
 from .timeline import now_us
 
 if TYPE_CHECKING:
@@ -207,10 +207,7 @@ class Executor:
             handler(self, resp, reqs, comm, members)
             self._record(resp)
         except BaseException as exc:
-            for req in reqs:
-                if req is not None:
-                    req.fail(exc if isinstance(exc, RondeError) else RondeError(
-                        f"{resp.kind.name.lower()} {req.name!r} failed: {exc!r}"))
+            fail_all(reqs, exc, resp.kind.name.lower())
             raise
 
     def _mark(self, phase: str) -> None:
@@ -259,12 +256,8 @@ class Executor:
                    members: list[int]) -> None:
         meta0 = any_meta(resp.metas[0])
         dtype = resolve_dtype(meta0.dtype)
-        op = ReduceOp(meta0.op)
-        post = meta0.postscale
-        if op == ReduceOp.AVERAGE:
-            # over the whole set, joined ranks (zeros) included: Horovod's divisor
-            op, post = ReduceOp.SUM, post / len(members)
-        elif op == ReduceOp.ADASUM:
+        op, post = as_sum(ReduceOp(meta0.op), meta0.postscale, len(members))
+        if op == ReduceOp.ADASUM:
             self._adasum(resp, reqs, comm, members, dtype, meta0.prescale, post)
             return
         if meta0.device:
@@ -387,9 +380,7 @@ class Executor:
         first = meta.shape[0] if meta.shape else 1
         row = _numel(meta.shape[1:])
         rows = even_counts(first, n)
-        op, post = ReduceOp(meta.op), meta.postscale
-        if op == ReduceOp.AVERAGE:
-            op, post = ReduceOp.SUM, post / n
+        op, post = as_sum(ReduceOp(meta.op), meta.postscale, n)
         src = req.array.reshape(-1)  # type: ignore[union-attr]
         if meta.prescale != 1.0:
             scaled = np.empty_like(src)

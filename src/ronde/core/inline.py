@@ -12,11 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._errors import RondeError
-from ..collectives.ops import ReduceOp, reduce_into
+from ..collectives.ops import ReduceOp, as_sum, reduce_into
 from ..collectives import fusion
 from .negotiation import Response, any_meta
-from .requests import resolve_dtype
+from .requests import fail_all, resolve_dtype
 from .timeline import now_us
 
 if TYPE_CHECKING:
@@ -46,10 +45,8 @@ def _group(eng: "ExecutorContext", group: list[Response], metas: list[Any]) -> N
     start = now_us() if eng.timeline is not None else 0.0
     meta = metas[0]
     dtype = resolve_dtype(meta.dtype)
-    op, post = ReduceOp(meta.op), meta.postscale
     parts = len(group[0].inline or ())
-    if op == ReduceOp.AVERAGE:
-        op, post = ReduceOp.SUM, post / parts
+    op, post = as_sum(ReduceOp(meta.op), meta.postscale, parts)
     try:
         acc = np.frombuffer(b"".join([r.inline[0] for r in group]),  # type: ignore[index]
                             dtype=dtype).copy()
@@ -58,10 +55,7 @@ def _group(eng: "ExecutorContext", group: list[Response], metas: list[Any]) -> N
                                            dtype=dtype), op)
         fusion.scale_inplace(acc, post)
     except BaseException as exc:  # noqa: BLE001 - the callers get it
-        for req in reqs:
-            if req is not None:
-                req.fail(exc if isinstance(exc, RondeError) else RondeError(
-                    f"allreduce {req.name!r} failed: {exc!r}"))
+        fail_all(reqs, exc, "allreduce")
         return
     end = now_us() if eng.timeline is not None else 0.0
     off = 0

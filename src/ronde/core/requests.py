@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
+from .._errors import RondeError
+
 if TYPE_CHECKING:
     from .engine import Engine
 
@@ -324,6 +326,15 @@ class Request:
 WIRE_DTYPES = frozenset({"bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
                          "uint64", "float16", "float32", "float64", "bfloat16", "complex64",
                          "complex128"})
+
+
+def fail_all(reqs: Sequence["Request | None"], exc: BaseException, what: str) -> None:
+    """Fail every request of ``reqs`` (None: this rank is not a member) with ``exc``; an
+    error that is not ronde's becomes a ``RondeError`` naming ``what`` and the request."""
+    for req in reqs:
+        if req is not None:
+            req.fail(exc if isinstance(exc, RondeError) else RondeError(
+                f"{what} {req.name!r} failed: {exc!r}"))
 
 
 def _int(value: Any, minimum: int | None = None) -> int:
