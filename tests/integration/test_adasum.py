@@ -7,15 +7,14 @@ import numpy as np
 import pytest
 
 from ronde.collectives import adasum
-from ronde.testing import run_ranks
+from ronde.testing import run_ranks, run_ranks_many
 
 from . import workers
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("np_", [2, 3, 4])
-def test_adasum_matches_the_reference_tree(np_):
-    assert run_ranks(np_, workers.adasum_cases, timeout_s=100) == ["ok"] * np_
+def test_adasum_matches_the_reference_tree_at_four_ranks():
+    assert run_ranks(4, workers.adasum_cases, timeout_s=100) == ["ok"] * 4
 
 
 def test_the_pairwise_rule():
@@ -35,23 +34,28 @@ def test_the_tree_pairs_neighbours_and_lifts_the_odd_one():
     np.testing.assert_allclose(adasum.tree(four), want)
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("same_data", [True, False], ids=["parallel", "different"])
-def test_the_torch_delta_optimizer(same_data):
+@pytest.mark.timeout(300)
+def test_at_two_ranks_the_tree_and_the_delta_optimizers_of_every_binding():
+    # one launch for the two-rank scenarios (importing the frameworks is most of a
+    # launch's cost)
     pytest.importorskip("torch")
-    got = run_ranks(2, workers.torch_adasum_optimizer, same_data, timeout_s=100)
-    assert got[0] == got[1]
-
-
-@pytest.mark.timeout(180)
-def test_adasum_through_the_jax_and_tensorflow_bindings():
     pytest.importorskip("jax")
-    pytest.importorskip("tensorflow")
-    assert run_ranks(2, workers.adasum_bindings, timeout_s=150) == ["ok"] * 2
-
-
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("np_", [2, 3])
-def test_the_jax_delta_optimizer(np_):
     pytest.importorskip("optax")
-    assert run_ranks(np_, workers.jax_adasum_optimizer, timeout_s=140) == ["ok"] * np_
+    pytest.importorskip("tensorflow")
+    cases, parallel, different, bindings, jax_optimizer = run_ranks_many(2, [
+        workers.adasum_cases, (workers.torch_adasum_optimizer, True),
+        (workers.torch_adasum_optimizer, False), workers.adasum_bindings,
+        workers.jax_adasum_optimizer], timeout_s=280)
+    assert cases == ["ok"] * 2  # the reference tree
+    # torch's delta optimizer: the same weights on both ranks, on the same data and not
+    assert parallel[0] == parallel[1] and different[0] == different[1]
+    assert bindings == ["ok"] * 2  # through the JAX and TensorFlow bindings
+    assert jax_optimizer == ["ok"] * 2  # JAX's delta optimizer
+
+
+@pytest.mark.timeout(200)
+def test_at_three_ranks_the_tree_and_jaxs_delta_optimizer():
+    pytest.importorskip("optax")
+    cases, jax_optimizer = run_ranks_many(
+        3, [workers.adasum_cases, workers.jax_adasum_optimizer], timeout_s=180)
+    assert cases == ["ok"] * 3 and jax_optimizer == ["ok"] * 3

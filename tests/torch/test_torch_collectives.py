@@ -9,7 +9,7 @@ pytest.importorskip("torch")
 import os  # noqa: E402
 import sys  # noqa: E402
 
-from ronde.testing import run_ranks  # noqa: E402
+from ronde.testing import run_ranks, run_ranks_many  # noqa: E402
 
 # tests/torch has no __init__.py on purpose: as a package named "torch" it would
 # shadow the real torch for everything that puts tests/ on sys.path.
@@ -19,15 +19,17 @@ import torch_workers as workers  # noqa: E402
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("np_", [1, 2, 3])
-def test_collectives_on_torch_tensors(np_):
-    assert run_ranks(np_, workers.collectives, timeout_s=80) == ["ok"] * np_
+def test_collectives_on_torch_tensors_in_one_process():
+    assert run_ranks(1, workers.collectives, timeout_s=80) == ["ok"]
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("np_", [2, 3])
-def test_gradients_of_collectives(np_):
-    assert run_ranks(np_, workers.gradients, timeout_s=80) == ["ok"] * np_
+def test_collectives_on_torch_tensors_and_their_gradients(np_):
+    # one launch per size for both scenarios
+    collectives, gradients = run_ranks_many(np_, [workers.collectives, workers.gradients],
+                                            timeout_s=140)
+    assert collectives == ["ok"] * np_ and gradients == ["ok"] * np_
 
 
 def test_import_ronde_imports_no_framework():

@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 import os  # noqa: E402
 import sys  # noqa: E402
 
-from ronde.testing import run_ranks  # noqa: E402
+from ronde.testing import run_ranks, run_ranks_many  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,34 +24,34 @@ DEVICE = {"RONDE_TORCH_DEVICE_PATH": "always"}
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("np_", [1, 2, 3])
-def test_collectives_and_optimizer_on_the_device_path(np_):
+def test_collectives_and_optimizer_on_the_device_path_in_one_process():
     # np=1 too: a job of one rank tears its process group down at shutdown like any other
-    assert run_ranks(np_, workers.device_path, timeout_s=100, env=DEVICE) == ["ok"] * np_
+    assert run_ranks(1, workers.device_path, timeout_s=100, env=DEVICE) == ["ok"]
 
 
-@pytest.mark.timeout(120)
-def test_training_equivalence_on_the_device_path():
+@pytest.mark.timeout(240)
+def test_at_two_ranks_the_device_path_trains_and_serves_process_sets():
+    # one launch for the two-rank scenarios (each inits and shuts ronde down)
     configs = [("sgd", 1, "none", False), ("adam", 2, "none", False),
                ("sgd", 1, "fp16", False)]
     tolerance = {("sgd", 1, "none", False): 1e-12, ("adam", 2, "none", False): 1e-12,
                  ("sgd", 1, "fp16", False): 1e-3}
-    for diffs in run_ranks(2, workers.equivalence, configs, timeout_s=100, env=DEVICE):
+    collectives, equivalence, process_set, prepared = run_ranks_many(2, [
+        workers.device_path, (workers.equivalence, configs), workers.device_path_process_set,
+        workers.device_path_prepared_at_construction], timeout_s=220, env=DEVICE)
+    assert collectives == ["ok"] * 2  # collectives and the optimizer on the device path
+    for diffs in equivalence:  # training equals one process on the device path
         for cfg, diff in zip(configs, diffs):
             assert diff <= tolerance[cfg], (cfg, diff)
+    assert process_set == ["ok"] * 2  # the device path on a process set
+    assert prepared == ["ok"] * 2  # the optimizer prepares it before any hook runs
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("np_", [2, 3])
-def test_device_path_on_a_process_set(np_):
-    assert run_ranks(np_, workers.device_path_process_set, timeout_s=100,
-                     env=DEVICE) == ["ok"] * np_
-
-
-@pytest.mark.timeout(120)
-def test_the_optimizer_prepares_the_device_path_before_any_hook_runs():
-    assert run_ranks(2, workers.device_path_prepared_at_construction, timeout_s=100,
-                     env=DEVICE) == ["ok"] * 2
+@pytest.mark.timeout(200)
+def test_at_three_ranks_the_device_path_and_a_process_set():
+    collectives, process_set = run_ranks_many(
+        3, [workers.device_path, workers.device_path_process_set], timeout_s=180, env=DEVICE)
+    assert collectives == ["ok"] * 3 and process_set == ["ok"] * 3
 
 
 def test_ranks_sharing_a_gpu_are_found_by_identity():
