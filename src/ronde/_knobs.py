@@ -113,7 +113,9 @@ KNOBS: tuple[Knob, ...] = (
              'the averaged gradient is in place after the allreduce (no copy back) and, '
              'when `zero_grad(set_to_none=False)` keeps the views, backward accumulates '
              'straight into the bucket (no copy in either). A `p.grad` kept from an '
-             'earlier step changes with the bucket then. `0`: gradients are copied in '
+             'earlier step changes with the bucket then. The same for '
+             "`ShardedOptimizer(stage=1)`'s buffers (its `p.grad` stays this rank's own "
+             'gradient, one copy of it instead of two). `0`: gradients are copied in '
              'and out and stay tensors of their own.'),
     Knob("cycle_time_ms", "RONDE_CYCLE_TIME", float,
          accepted=Range(0, 60_000, above=True),

@@ -72,9 +72,15 @@ def equivalence(steps: int = 6) -> dict:
         held = sum(v.numel() for st in opt.state.values() for v in st.values()
                    if torch.is_tensor(v) and v.dim() > 0)
         total = sum(p.numel() for p in model.parameters())
+        # stage 1: the model's gradients live in the buckets (RONDE_GRADIENT_AS_BUCKET_VIEW)
+        bufs = {b.buf.untyped_storage().data_ptr() for b in opt._ronde_buckets
+                if b.buf is not None}
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
         out[case] = {"diff": _diff(torch, model, ref), "same": same, "held": held,
                      "total": total, "unused_moved": bool((model["unused"].weight
-                                                          != ref["unused"].weight).any())}
+                                                          != ref["unused"].weight).any()),
+                     "grads": len(grads),
+                     "views": sum(g.untyped_storage().data_ptr() in bufs for g in grads)}
     hvd.shutdown()
     return out
 

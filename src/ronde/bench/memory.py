@@ -95,8 +95,8 @@ def measure(contender: str, rank: int, world: int, steps: int, warmup: int) -> d
         opt.zero_grad()
         model(x).pow(2).mean().backward()
         if i == warmup + steps - 1:
-            grad_bytes = sum(_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-            grad_bytes += _library_grad_bytes(opt)
+            grad_bytes = _distinct_bytes([p.grad for p in model.parameters()
+                                          if p.grad is not None] + _library_grads(opt))
         opt.step()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
@@ -109,14 +109,23 @@ def measure(contender: str, rank: int, world: int, steps: int, warmup: int) -> d
             "step_ms": 1e3 * statistics.median(times)}
 
 
-def _library_grad_bytes(opt: Any) -> int:
+def _library_grads(opt: Any) -> list[Any]:
     """Gradient buffers ronde's optimizers hold besides ``p.grad``."""
     buckets = getattr(opt, "_ronde_buckets", None)
     if isinstance(buckets, list):  # ShardedOptimizer: buffers in flight and the slices
-        tensors = [t for b in buckets for t in (b.buf, b.slice) if t is not None]
-    else:  # DistributedOptimizer's gradient buckets (from its third step)
-        tensors = [b.flat for b in getattr(buckets, "buckets", ())]
-    return sum(t.numel() * t.element_size() for t in tensors)
+        return [t for b in buckets for t in (b.buf, b.slice) if t is not None]
+    return [b.flat for b in getattr(buckets, "buckets", ())]  # DistributedOptimizer's
+
+
+def _distinct_bytes(tensors: list[Any]) -> int:
+    """Bytes of the memory behind ``tensors``, each block once: a gradient that is a view
+    of a bucket (``RONDE_GRADIENT_AS_BUCKET_VIEW``) is the bucket's memory, not more."""
+    blocks: dict[int, int] = {}
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t  # an FSDP2 DTensor
+        storage = local.untyped_storage()
+        blocks[storage.data_ptr()] = max(blocks.get(storage.data_ptr(), 0), storage.nbytes())
+    return sum(blocks.values())
 
 
 def ronde_worker(contender: str, steps: int, warmup: int) -> dict:

@@ -90,18 +90,23 @@ class _Bucket:
         self.last_pass = -1  # the backward pass (of this window) it was last started in
         self.gathering: Any = None  # the allgather of the updated slices
 
-    def put(self, i: int, grad: torch.Tensor) -> None:
+    def put(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        """Member ``i``'s gradient into its slot (added for a second pass before this
+        bucket was reduced; nothing to do when ``grad`` is the slot: a view of it);
+        returns the slot."""
         if self.buf is None:  # every slot is copied into or zeroed before it moves
             self.buf = torch.empty(self.padded, dtype=self.dtype)
             self.buf[self.length:].zero_()
         o = self.offset[i]
         dst = self.buf[o:o + grad.numel()]
-        with torch.no_grad():
-            if i in self.filled:  # a second pass before this bucket was reduced
-                dst.add_(grad.reshape(-1))
-            else:
-                dst.copy_(grad.reshape(-1))
+        if grad.data_ptr() != dst.data_ptr():
+            with torch.no_grad():
+                if i in self.filled:
+                    dst.add_(grad.reshape(-1))
+                else:
+                    dst.copy_(grad.reshape(-1))
         self.filled.add(i)
+        return dst
 
     def due(self, cur: int, stage: int) -> bool:
         """Whether this bucket is still to be reduced in backward pass ``cur`` (stage 2:
@@ -155,6 +160,7 @@ class _ShardedMixin(SkipSynchronize):
                                                       C.set_size(process_set))
         self._ronde_rank, self._ronde_size = rank, size
         self._ronde_generation = _state.require().generation
+        self._ronde_views = _state.require().cfg.bucket_views
         order = list(range(len(params)))[::-1]
         base = f"ShardedOptimizer.{self._ronde_names[0]}" if params else "ShardedOptimizer"
         layout = _buckets.layout(order, params, lambda i: True, _state.require().cfg.bucket_bytes
@@ -210,9 +216,13 @@ class _ShardedMixin(SkipSynchronize):
         b = self._ronde_bucket_of[i]
         if self._ronde_stage == 2:
             self._ronde_reap(b)
-        b.put(i, p.grad)
+        slot = b.put(i, p.grad)
         if self._ronde_stage == 2:
             p.grad = None
+        elif self._ronde_views and p.grad.data_ptr() != slot.data_ptr():
+            # stage 1 keeps its buffers: the gradient lives in its slot from now on
+            # (RONDE_GRADIENT_AS_BUCKET_VIEW), one copy of the gradients instead of two
+            p.grad = slot.view(p.shape)
         if b.complete(self._ronde_pass, self._ronde_stage):
             self._ronde_start(b)
 
