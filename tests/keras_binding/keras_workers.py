@@ -169,6 +169,190 @@ def adasum_delta() -> dict:
 def fit_scenarios(path: str) -> dict:
     """One launch per backend (importing the framework is most of a launch's cost):
     :func:`fit_equivalence`, :func:`load_model_roundtrip` into ``path``, then
-    :func:`adasum_delta` (which shuts ronde down), each result under its name."""
+    :func:`sharded_scenarios`, then :func:`adasum_delta` (which shuts ronde down), each
+    result under its name."""
     return {"fit": fit_equivalence(), "load": load_model_roundtrip(path),
-            "adasum": adasum_delta()}
+            "sharded": sharded_scenarios(), "adasum": adasum_delta()}
+
+
+def _sharded_model(seed: int):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    # 42 + 40 + 18 = 100 elements: padded at N=3 (S=34), even at N=2
+    return keras.Sequential([keras.Input((D,)), keras.layers.Dense(7, activation="tanh"),
+                             keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(C)])
+
+
+def sharded_scenarios() -> dict:
+    """ronde.keras.ShardedOptimizer on this backend: fit and a custom loop equal to
+    DistributedOptimizer (and fit to one process on the global batch) for SGD with
+    momentum, Adam and AdamW; accumulation; the state each rank holds; refusals."""
+    import keras
+
+    import ronde.keras as hvd
+    from ronde import UnsupportedError
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    steps = 6
+    x, y = _data(n)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    make = {"sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+            "adam": lambda: keras.optimizers.Adam(0.01),
+            "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1)}
+    out: dict = {"backend": keras.backend.backend(), "fit": {}, "loop": {}}
+    xs, ys = _shard(x, r, n, B), _shard(y, r, n, B)
+    for key, opt in make.items():
+        runs = {}
+        for kind in ("sharded", "distributed"):
+            model = _sharded_model(0)
+            wrap = hvd.ShardedOptimizer if kind == "sharded" else hvd.DistributedOptimizer
+            o = wrap(opt(), name=f"{kind}.{key}")
+            model.compile(optimizer=o, loss=loss)
+            hist = model.fit(xs, ys, batch_size=B, epochs=1, shuffle=False, verbose=0)
+            runs[kind] = (_weights(model), hist.history["loss"], o)
+        ref = _sharded_model(0)
+        ref.compile(optimizer=opt(), loss=loss)
+        ref.fit(x, y, batch_size=n * B, epochs=1, shuffle=False, verbose=0)
+        o = runs["sharded"][2]
+        state = sum(int(np.prod(v.shape)) for v in o.inner_optimizer.variables
+                    if len(v.shape) == 1 and v.shape[0] > 1)
+        full = sum(int(np.prod(w.shape)) for w in ref.optimizer.variables if len(w.shape))
+        gathered = hvd.allgather_object(runs["sharded"][0])
+        out["fit"][key] = {
+            "vs_distributed": _maxdiff(runs["sharded"][0], runs["distributed"][0]),
+            "vs_one_process": _maxdiff(runs["sharded"][0], _weights(ref)),
+            "ranks_equal": max(_maxdiff(g, gathered[0]) for g in gathered),
+            "moved": _maxdiff(runs["sharded"][0], _weights(_sharded_model(0))),
+            "inner_state": state, "full_state": full, "type": type(o).__name__}
+    # a custom loop with apply_gradients: Adam, the same as DistributedOptimizer
+    for kind in ("sharded", "distributed"):
+        model = _sharded_model(0)
+        wrap = hvd.ShardedOptimizer if kind == "sharded" else hvd.DistributedOptimizer
+        o = wrap(keras.optimizers.Adam(0.01), name=f"loop.{kind}")
+        out["loop"][kind] = _custom_loop(model, o, xs, ys, steps)
+    out["loop"]["diff"] = _maxdiff(out["loop"].pop("sharded"), out["loop"].pop("distributed"))
+    # accumulation: 2 passes of B per rank == one batch of 2*n*B in one process
+    model = _sharded_model(0)
+    model.compile(optimizer=hvd.ShardedOptimizer(keras.optimizers.Adam(0.01), name="acc",
+                                                 backward_passes_per_step=2,
+                                                 average_aggregated_gradients=True),
+                  loss=loss)
+    model.fit(xs, ys, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    ref = _sharded_model(0)
+    ref.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
+    ref.fit(x, y, batch_size=2 * n * B, epochs=1, shuffle=False, verbose=0)
+    out["accumulation"] = _maxdiff(_weights(model), _weights(ref))
+    refused = []
+    for bad in (lambda: keras.optimizers.Lamb(0.01),
+                lambda: keras.optimizers.Adam(0.01, clipnorm=1.0),
+                lambda: keras.optimizers.Adam(0.01, global_clipnorm=1.0)):
+        try:
+            hvd.ShardedOptimizer(bad())
+            refused.append("accepted")
+        except UnsupportedError as exc:
+            refused.append(str(exc))
+    try:
+        hvd.ShardedOptimizer(keras.optimizers.Adam(0.01), stage=2)
+        refused.append("accepted")
+    except UnsupportedError as exc:
+        refused.append(str(exc))
+    out["refused"] = refused
+    return out
+
+
+def _custom_loop(model, opt, xs, ys, steps: int) -> list:
+    import keras
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    backend = keras.backend.backend()
+    for t in range(steps):
+        xb, yb = xs[t * B:(t + 1) * B], ys[t * B:(t + 1) * B]
+        if backend == "tensorflow":
+            import tensorflow as tf
+
+            with tf.GradientTape() as tape:
+                value = loss(yb, model(xb))
+            grads = tape.gradient(value, model.trainable_variables)
+        elif backend == "torch":
+            import torch
+
+            model.zero_grad()
+            value = loss(torch.as_tensor(yb), model(torch.as_tensor(xb)))
+            value.backward()
+            grads = [v.value.grad for v in model.trainable_variables]
+        else:
+            import jax
+
+            tv = [v.value for v in model.trainable_variables]
+            ntv = [v.value for v in model.non_trainable_variables]
+
+            def f(tv, ntv):
+                pred, _ = model.stateless_call(tv, ntv, xb)
+                return loss(yb, pred)
+
+            grads = jax.grad(f)(tv, ntv)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+    return _weights(model)
+
+
+def sharded_checkpoint(directory: str, global_batch: int = 12) -> dict:
+    """save_sharded at N (the job's size), then load_sharded into a ShardedOptimizer over
+    a process set of 2 ranks (another N) and into a plain optimizer in each process (the
+    export, N=1); each continues on the same global batches and must end where the
+    uninterrupted run does."""
+    import keras
+
+    import ronde.keras as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    x, y = _data(2, seed=7)  # 2*B*S = 96 rows: 8 steps of 12
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def rows(rank: int, size: int, t0: int, t1: int):
+        per = global_batch // size
+        idx = np.concatenate([np.arange(t * global_batch + rank * per,
+                                        t * global_batch + (rank + 1) * per)
+                              for t in range(t0, t1)])
+        return x[idx], y[idx], per
+
+    def fit(model, rank, size, t0, t1):
+        xs, ys, per = rows(rank, size, t0, t1)
+        model.fit(xs, ys, batch_size=per, epochs=1, shuffle=False, verbose=0)
+
+    model = _sharded_model(0)
+    opt = hvd.ShardedOptimizer(keras.optimizers.Adam(0.01), name="ck")
+    model.compile(optimizer=opt, loss=loss)
+    fit(model, r, n, 0, 4)
+    hvd.save_sharded(directory, model, opt)
+    fit(model, r, n, 4, 8)
+    whole = _weights(model)
+    out: dict = {"files": sorted(f for f in __import__("os").listdir(directory))}
+    two = hvd.add_process_set([0, 1])
+    if r < 2:
+        model = _sharded_model(5)  # other weights: the load must replace them
+        opt = hvd.ShardedOptimizer(keras.optimizers.Adam(0.01), name="ck2", process_set=two)
+        model.compile(optimizer=opt, loss=loss)
+        hvd.load_sharded(directory, model, opt)
+        fit(model, r, 2, 4, 8)
+        out["at_2"] = _maxdiff(_weights(model), whole)
+    model = _sharded_model(9)
+    plain = keras.optimizers.Adam(0.01)
+    model.compile(optimizer=plain, loss=loss)
+    hvd.load_sharded(directory, model, plain)
+    out["iterations"] = int(np.asarray(plain.iterations))
+    fit(model, 0, 1, 4, 8)
+    out["at_1"] = _maxdiff(_weights(model), whole)
+    # and a plain optimizer's save (every rank calls it, rank 0 writes) loads into a
+    # ShardedOptimizer at N
+    hvd.save_sharded(directory + "/plain", model, plain)
+    model2 = _sharded_model(3)
+    opt = hvd.ShardedOptimizer(keras.optimizers.Adam(0.01), name="ck3")
+    model2.compile(optimizer=opt, loss=loss)
+    hvd.load_sharded(directory + "/plain", model2, opt)
+    fit(model2, r, n, 4, 8)
+    fit(model, 0, 1, 4, 8)
+    out["plain_to_sharded"] = _maxdiff(_weights(model2), _weights(model))
+    return out

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("keras")
 
-from ronde.testing import run_ranks  # noqa: E402
+from ronde.testing import run_ranks, run_ranks_many  # noqa: E402
 
 # no __init__.py here on purpose: a package named like a framework would shadow it
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -36,8 +36,54 @@ def test_fit_load_model_and_adasum(backend, tmp_path):
         assert res["warmup"] < 1e-6, res
         # a saved model comes back (hvd.load_model) with a DistributedOptimizer
         assert both["load"] == "ok"
+        _check_sharded(both["sharded"], backend, 2)
         res = both["adasum"]  # DistributedOptimizer(op=Adasum)
         assert res["backend"] == backend
         assert res["apply_err"] < 1e-5, res   # the reference tree of the deltas
         assert res["fit_spread"] < 1e-6, res  # every rank holds the same weights
         assert res["moved"] > 1e-4, res       # and they did train
+
+
+def _check_sharded(res: dict, backend: str, n: int) -> None:
+    """ronde.keras.ShardedOptimizer (keras_workers.sharded_scenarios) at ``n`` ranks."""
+    assert res["backend"] == backend
+    for key, fit in res["fit"].items():
+        # the same update as DistributedOptimizer: bitwise (the reduce-scatter and
+        # allgather add the same numbers in the same order as the allreduce)
+        assert fit["vs_distributed"] == 0.0, (key, fit)
+        assert fit["vs_one_process"] < 1e-6, (key, fit)  # one process, global batch
+        assert fit["ranks_equal"] == 0.0, (key, fit)
+        assert fit["moved"] > 1e-3, (key, fit)  # and it did train
+        # each rank's moments cover ceil(100 / n) of the 100 elements
+        per = -(-100 // n)
+        assert fit["inner_state"] == fit["full_state"] // 100 * per, (key, fit)
+        assert fit["type"] == {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}[key]
+    assert res["loop"]["diff"] == 0.0, res["loop"]  # apply_gradients in a custom loop
+    assert res["accumulation"] < 1e-6, res  # 2 passes == one process on a 2x batch
+    lamb, clipnorm, global_clipnorm, stage2 = res["refused"]
+    assert "cannot shard Lamb" in lamb and "norm over each whole variable" in lamb
+    assert "clipnorm=" in clipnorm and "global_clipnorm=" in global_clipnorm
+    assert "stage=1" in stage2
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.skipif("jax" not in BACKENDS, reason="needs jax")
+def test_sharded_optimizer_at_three_ranks_and_its_checkpoints_at_any_size(tmp_path):
+    # 100 elements over 3 ranks: slices of 34, the last one padded
+    scenarios, checkpoints = run_ranks_many(3, [workers.sharded_scenarios,
+                             (workers.sharded_checkpoint, str(tmp_path / "ck"))],
+                         timeout_s=140, env={"KERAS_BACKEND": "jax", "CUDA_VISIBLE_DEVICES": ""})
+    for r, (res, ck) in enumerate(zip(scenarios, checkpoints)):
+        _check_sharded(res, "jax", 3)
+        # saved at N=3 after 4 steps: each rank's file, the weights, the index last
+        assert [f for f in ck["files"] if f.startswith("optim.")][2].endswith(".2-of-3.npz")
+        assert "meta.json" in ck["files"] and "model.weights.h5" in ck["files"]
+        assert ck["iterations"] == 4
+        # loaded at N=2 (a process set of ranks 0 and 1) and N=1 (a plain Adam in one
+        # process: the export), 4 more steps on the same global batches: where the
+        # uninterrupted N=3 run ends (without the moments: 0.03 away)
+        if r < 2:
+            assert ck["at_2"] < 1e-6, ck
+        assert ck["at_1"] < 1e-6, ck
+        # and a plain optimizer's save_sharded loads into a ShardedOptimizer at N=3
+        assert ck["plain_to_sharded"] < 1e-6, ck

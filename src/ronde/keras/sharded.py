@@ -1,0 +1,405 @@
+"""``ShardedOptimizer`` for Keras 3 on every backend: the optimizer's state split over the
+ranks (ZeRO stage 1; docs/sharding.md).
+
+The returned object is a subclass of the user's optimizer class (like
+``DistributedOptimizer``'s), usable with ``model.compile``/``fit`` and with
+``apply_gradients`` in custom loops. What it holds and does:
+
+* Layout: the trainable variables, grouped by dtype in their order, form one flat vector
+  per group of ``L`` elements padded to ``N * S`` (``S = ceil(L / N)``); rank ``r`` owns
+  elements ``[r*S, (r+1)*S)``: split by elements, not by variables, as torch's and JAX's
+  ``ShardedOptimizer``.
+* State: per group one *shard* variable of ``S`` elements, and an *inner* optimizer (the
+  user's class, from the user's config) built over the shards only, so its moments are
+  ``1/N`` of the model's. The inner optimizer shares the outer one's learning rate (a
+  ``LearningRateScheduler`` that sets ``optimizer.learning_rate`` reaches it); the outer
+  one's ``variables`` list the inner's too, so ``stateless_apply`` (``fit`` on JAX) and
+  Keras' checkpoints of the optimizer see every variable.
+* A step (``apply``): one host call per group reduce-scatters the flat gradients
+  (Average; ``compression`` casts on the wire) and gives this rank its ``S`` averaged
+  elements; the shard takes this rank's current slice of the variables (so weights set
+  from outside, such as a broadcast or ``set_weights``, are followed); the inner optimizer
+  steps on the shard; a second host call allgathers the updated shards and splits them
+  back into the variables: the traffic of one allreduce. Host calls run inside
+  ``tf.function`` and ``jax.jit`` as ``DistributedOptimizer``'s do (:mod:`._bridge`).
+
+Refused with the reason: optimizers whose step needs whole tensors (Lamb, Adafactor,
+Muon), ``clipnorm``/``global_clipnorm`` (a norm over whole gradients), ``use_ema``,
+``exclude_from_weight_decay`` (names are per variable, the shards have none), sparse
+gradients, Adasum/Sum, ``stage=2`` (Keras computes every gradient before ``apply``: there
+is no backward pass to reduce-scatter from; stage 1 only).
+
+``backward_passes_per_step=k`` is Keras' own ``gradient_accumulation_steps=k`` on the
+inner optimizer: the shard's averaged gradients accumulate (1/N of the model), and the
+ranks reduce every pass (the traffic of stage 2's accumulation, not stage 1's).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from .. import _api
+from .._errors import UnsupportedError
+from .._ops import ReduceOp
+from ..frameworks.compression import Compresses
+from ..frameworks.host_reduce import host_compressor, wire_dtype_of
+from ..frameworks.naming import require_same_parameters
+from ..process_sets import ProcessSet, global_process_set
+from ._bridge import backend_name
+from ._choice import keras_module
+from .optimizer import is_keras2, optimizer_name
+
+#: Keras optimizers whose update treats every element on its own: any split is exact
+ELEMENTWISE = frozenset({"SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad",
+                         "Adadelta", "Ftrl", "Lion"})
+#: known ones that need whole tensors, and why
+WHOLE_TENSORS = {
+    "Lamb": "its trust ratio is a norm over each whole variable",
+    "Adafactor": "it factors each matrix's second moment into row and column statistics",
+    "Muon": "it orthogonalizes each weight matrix's update (Newton-Schulz on whole tensors)",
+    "LossScaleOptimizer": "it wraps another optimizer; wrap that one instead and scale "
+                          "the loss yourself",
+}
+
+
+class _Group:
+    """The trainable variables of one dtype: flat length, per-rank slice, and the parts
+    of variables that fall in this rank's slice."""
+
+    def __init__(self, dtype: str, ids: list[int], sizes: list[int], shapes: list[tuple],
+                 rank: int, size: int) -> None:
+        self.dtype, self.ids, self.sizes, self.shapes = dtype, ids, sizes, shapes
+        self.length = sum(sizes)
+        self.per = -(-self.length // size)
+        lo, hi = rank * self.per, min((rank + 1) * self.per, self.length)
+        #: (index into ids, a, b): elements [a, b) of that variable are this rank's
+        self.mine: list[tuple[int, int, int]] = []
+        at = 0
+        for k, n in enumerate(sizes):
+            a, b = max(at, lo) - at, min(at + n, hi) - at
+            if a < b:
+                self.mine.append((k, a, b))
+            at += n
+
+
+class _ShardedMixin:
+    """Methods mixed in front of the user's Keras optimizer class (module docstring)."""
+
+    _ronde_cfg: dict[str, Any]
+    _ronde_inner: Any = None
+    _ronde_groups: list[_Group]
+    _ronde_shards: list[Any]
+
+    # -- building ----------------------------------------------------------------------
+    def build(self, var_list: Sequence[Any]) -> None:
+        if getattr(self, "built", False):
+            return
+        keras = keras_module()
+        var_list = list(var_list)
+        cfg = self._ronde_cfg
+        ps: ProcessSet = cfg["process_set"]
+        rank, size = _rank_size(ps)
+        if size > 1:
+            require_same_parameters(
+                # by place, not path: Keras' generated paths depend on how many models
+                # the process made before
+                ((f"variable {i}", str(v.dtype), tuple(v.shape))
+                 for i, v in enumerate(var_list)),
+                f"{cfg['prefix']}.parameters", ps,
+                "ShardedOptimizer: the trainable variables differ across ranks",
+                "build the same model on every rank before the first step")
+        # the base class's bookkeeping only: the user's class would create its slots for
+        # the whole variables, which is what sharding avoids
+        keras.optimizers.Optimizer.build(self, var_list)
+        by_dtype: dict[str, list[int]] = {}
+        for i, v in enumerate(var_list):
+            dt = str(v.dtype)
+            if not np.issubdtype(np.dtype(dt), np.floating):
+                raise UnsupportedError(f"ShardedOptimizer: variable {_path(v, i)!r} is {dt}; "
+                                       "only floating-point variables can be sharded")
+            by_dtype.setdefault(dt, []).append(i)
+        _keep(self, "_ronde_groups", [
+            _Group(dt, ids, [int(np.prod(var_list[i].shape)) for i in ids],
+                   [tuple(var_list[i].shape) for i in ids], rank, size)
+            for dt, ids in by_dtype.items()])
+        _keep(self, "_ronde_shards", [
+            self.add_variable((g.per,), initializer="zeros", dtype=g.dtype,
+                              name=f"ronde_shard_{k}")
+            for k, g in enumerate(self._ronde_groups)])
+        config = dict(cfg["inner_config"])
+        config["name"] = f"{config.get('name') or 'optimizer'}_shard"
+        if cfg["passes"] > 1:
+            config["gradient_accumulation_steps"] = cfg["passes"]
+        inner = cfg["base"].from_config(config)
+        inner.build(self._ronde_shards)
+        _keep(self, "_ronde_inner", inner)
+        own = {id(v) for v in self._variables}
+        for v in inner.variables:
+            if id(v) not in own:
+                self._track_variable(v)
+
+    # -- a step ------------------------------------------------------------------------
+    def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
+        """Reduce-scatter ``grads``, step the inner optimizer on this rank's shard,
+        allgather the shards into the variables (module docstring)."""
+        keras = keras_module()
+        ops = keras.ops
+        grads = list(grads)
+        if not self.built:
+            self.build(trainable_variables if trainable_variables is not None
+                       else self._trainable_variables)
+        variables = list(self._trainable_variables)
+        if trainable_variables is not None and len(list(trainable_variables)) != len(variables):
+            raise UnsupportedError(
+                "ShardedOptimizer: apply() got a different list of variables than the "
+                "optimizer was built with; a sharded optimizer steps on all of them at once")
+        if len(grads) != len(variables):
+            raise ValueError(f"ShardedOptimizer: {len(grads)} gradients for "
+                             f"{len(variables)} variables")
+        for g, v in zip(grads, variables):
+            if type(g).__name__ == "IndexedSlices":
+                raise UnsupportedError(
+                    f"ShardedOptimizer: the gradient of {_path(v, 0)!r} is sparse "
+                    "(IndexedSlices); sparse gradients have no element slices: use "
+                    "DistributedOptimizer for this model")
+        cfg = self._ronde_cfg
+        ps: ProcessSet = cfg["process_set"]
+        rank, size = _rank_size(ps)
+        wire = cfg["wire_dtype"]
+        scale = 1.0 if cfg["average_aggregated"] or cfg["passes"] == 1 else float(cfg["passes"])
+        g_shards, present = [], []
+        for k, (g, shard) in enumerate(zip(self._ronde_groups, self._ronde_shards)):
+            gs = [grads[i] if grads[i] is not None else ops.zeros_like(variables[i])
+                  for i in g.ids]
+            present.append([grads[i] is not None for i in g.ids])
+            g_shards.append(_host(lambda *a, g=g, k=k: [_reduce_scatter(
+                a, g, size, f"{cfg['prefix']}.{k}.grads", ps, wire, scale)],
+                gs, [((g.per,), g.dtype)], f"ronde_{cfg['prefix']}_rs{k}")[0])
+            shard.assign(_my_slice(ops, [variables[i] for i in g.ids], g))
+        inner = self._ronde_inner
+        inner._learning_rate = self._learning_rate  # one learning rate for both
+        inner.apply(g_shards, self._ronde_shards)
+        for k, (g, shard) in enumerate(zip(self._ronde_groups, self._ronde_shards)):
+            outs = _host(lambda a, g=g, k=k: _allgather(a, g, size,
+                                                        f"{cfg['prefix']}.{k}.params", ps),
+                         [shard.value], [(s, g.dtype) for s in g.shapes],
+                         f"ronde_{cfg['prefix']}_ag{k}")
+            for i, new, has in zip(g.ids, outs, present[k]):
+                if has:
+                    variables[i].assign(new)
+        self.iterations.assign_add(1)
+        return self.iterations
+
+    @property
+    def stage(self) -> int:
+        return 1
+
+    @property
+    def inner_optimizer(self) -> Any:
+        """The optimizer over this rank's shards (None before the first build)."""
+        return self._ronde_inner
+
+
+def _keep(obj: Any, name: str, value: Any) -> None:
+    """Set an attribute past Keras' tracker (which would track the shards twice)."""
+    object.__setattr__(obj, name, value)
+
+
+def _rank_size(ps: ProcessSet) -> tuple[int, int]:
+    if ps is global_process_set:
+        return _api.rank(), _api.size()
+    if not ps.included():
+        return 0, 1  # outside the set: a plain optimizer on everything
+    return _api.set_rank(ps), _api.set_size(ps)
+
+
+def _path(v: Any, i: int) -> str:
+    return str(getattr(v, "path", None) or getattr(v, "name", None) or i)
+
+
+def _my_slice(ops: Any, values: list[Any], g: _Group) -> Any:
+    """This rank's ``S`` elements of the group's flat variables (zero padded)."""
+    parts = [ops.reshape(values[k], (-1,))[a:b] for k, a, b in g.mine]
+    have = sum(b - a for _, a, b in g.mine)
+    if have < g.per:
+        parts.append(ops.zeros((g.per - have,), dtype=g.dtype))
+    return parts[0] if len(parts) == 1 else ops.concatenate(parts)
+
+
+def _reduce_scatter(arrays: Sequence[np.ndarray], g: _Group, size: int, name: str,
+                    ps: ProcessSet, wire: str | None, scale: float) -> np.ndarray:
+    """Host side: the group's flat, padded gradients averaged over the ranks; this
+    rank's ``S`` of them."""
+    flat = np.zeros(g.per * size, dtype=g.dtype)
+    at = 0
+    for a, n in zip(arrays, g.sizes):
+        flat[at:at + n] = np.asarray(a).reshape(-1)
+        at += n
+    if size == 1:
+        return flat * scale if scale != 1.0 else flat
+    comp = host_compressor(wire)
+    sent, ctx = comp.compress(flat)
+    out = _api.reducescatter(sent, ReduceOp.AVERAGE, name,
+                             None if ps is global_process_set else ps, 1.0, scale)
+    return np.asarray(comp.decompress(out, ctx), dtype=g.dtype)
+
+
+def _allgather(shard: np.ndarray, g: _Group, size: int, name: str,
+               ps: ProcessSet) -> list[np.ndarray]:
+    """Host side: every rank's updated shard, split back into the group's variables."""
+    shard = np.ascontiguousarray(shard, dtype=g.dtype)
+    full = shard if size == 1 else _api.allgather(
+        shard, name, None if ps is global_process_set else ps)
+    out, at = [], 0
+    for n, shape in zip(g.sizes, g.shapes):
+        out.append(full[at:at + n].reshape(shape))
+        at += n
+    return out
+
+
+def _host(fn: Any, tensors: Sequence[Any], outs: Sequence[tuple[tuple, str]],
+          name: str) -> list[Any]:
+    """``fn(*numpy arrays)`` over backend tensors, its outputs of the given (shape, dtype):
+    the reshaping counterpart of :func:`._bridge.host_map`."""
+    backend = backend_name()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        from ..tensorflow._bridge import host_call
+
+        ts = [tf.convert_to_tensor(t) for t in tensors]
+        return host_call(fn, ts, [tf.as_dtype(d) for _, d in outs],
+                         [tf.TensorShape(s) for s, _ in outs], name)
+    if backend == "jax":
+        import jax
+
+        specs = [jax.ShapeDtypeStruct(s, d) for s, d in outs]
+
+        def call(*arrays: Any) -> list[np.ndarray]:
+            res = fn(*[np.asarray(a) for a in arrays])
+            return [np.asarray(o, dtype=d).reshape(s) for o, (s, d) in zip(res, outs)]
+
+        return list(jax.pure_callback(call, specs, *tensors))
+    if backend == "torch":
+        import torch
+
+        from ..torch._collectives import from_numpy
+        from ..torch._tensors import numpy_view
+
+        device = tensors[0].device if tensors else "cpu"
+        staged = [t.detach().cpu().contiguous() for t in tensors]
+        res = fn(*[numpy_view(t) for t in staged])
+        with torch.no_grad():
+            return [from_numpy(np.ascontiguousarray(o)).to(device) for o in res]
+    return [np.asarray(o) for o in fn(*[np.asarray(t) for t in tensors])]
+
+
+_classes: dict[type, type] = {}
+
+
+def sharded_class(base: type) -> type:
+    """The sharded subclass of a Keras optimizer class (one per class)."""
+    cls = _classes.get(base)
+    if cls is None:
+        cls = type(base.__name__, (_ShardedMixin, base), {"__module__": base.__module__,
+                                                          "__doc__": base.__doc__})
+        _classes[base] = cls
+    return cls
+
+
+def _check(optimizer: Any, elementwise: bool | None) -> None:
+    """Refuse what a rank holding slices cannot compute (module docstring)."""
+    name = type(optimizer).__name__
+    if is_keras2(optimizer):
+        raise UnsupportedError("ShardedOptimizer wraps Keras 3 optimizers; a Keras 2 "
+                               "(tf_keras) optimizer is not supported: use "
+                               "DistributedOptimizer")
+    if name in WHOLE_TENSORS and not elementwise:
+        raise UnsupportedError(f"ShardedOptimizer cannot shard {name}: {WHOLE_TENSORS[name]}, "
+                               "and each rank holds only slices; use DistributedOptimizer")
+    own = type(optimizer).__module__.startswith("keras")
+    if elementwise is None and not (own and name in ELEMENTWISE):
+        raise UnsupportedError(
+            f"ShardedOptimizer: {type(optimizer).__module__}.{name} is not one of Keras' "
+            f"elementwise optimizers ({', '.join(sorted(ELEMENTWISE))}); if its update "
+            "treats every element on its own (no norms, matrices or whole-tensor "
+            "statistics), pass elementwise=True")
+    if elementwise is False:
+        raise UnsupportedError(f"ShardedOptimizer: {name} was declared not elementwise")
+    for attr, why in (("clipnorm", "clips each gradient by its whole norm"),
+                      ("global_clipnorm", "clips by the norm of all gradients together")):
+        if getattr(optimizer, attr, None):
+            raise UnsupportedError(f"ShardedOptimizer: {attr}= {why}, which a rank holding "
+                                   "slices cannot compute; use clipvalue= or "
+                                   "DistributedOptimizer")
+    if getattr(optimizer, "use_ema", False):
+        raise UnsupportedError("ShardedOptimizer: use_ema=True keeps whole copies of the "
+                               "variables; not supported")
+    if getattr(optimizer, "_exclude_from_weight_decay", None) or getattr(
+            optimizer, "_exclude_from_weight_decay_names", None):
+        raise UnsupportedError("ShardedOptimizer: exclude_from_weight_decay picks variables "
+                               "by name, and the shards mix variables; not supported")
+    if getattr(optimizer, "built", False):
+        raise UnsupportedError("ShardedOptimizer needs an optimizer that has not stepped "
+                               "yet (its state would be whole); wrap it before compile()")
+
+
+def ShardedOptimizer(optimizer: Any, name: str | None = None, stage: int = 1,
+                     backward_passes_per_step: int = 1,
+                     average_aggregated_gradients: bool = False,
+                     compression: Compresses | None = None, op: Any = ReduceOp.AVERAGE,
+                     process_set: ProcessSet = global_process_set,
+                     elementwise: bool | None = None) -> Any:
+    """Wrap a Keras 3 optimizer so that each rank keeps ``1/N`` of its state and every
+    step applies gradients averaged over the ranks: ``DistributedOptimizer``'s update in
+    less memory. Every rank must wrap it and build it (``compile``/``fit`` or the first
+    ``apply_gradients``) with the same variables.
+
+    Args:
+        optimizer: a Keras 3 optimizer that has not stepped, whose update is elementwise
+            (SGD, Adam, AdamW, Adamax, Nadam, RMSprop, Adagrad, Adadelta, Ftrl, Lion).
+        name: prefix of the collectives' names (default: the optimizer's name).
+        stage: 1 (the optimizer's state sharded); 2 is refused (module docstring).
+        backward_passes_per_step: batches accumulated per update (module docstring).
+        average_aggregated_gradients: average the accumulated passes (Keras'
+            convention) instead of summing them (Horovod's default).
+        compression: ``Compression.none`` (default), ``.fp16`` or ``.bf16`` on the wire.
+        op: ``Average`` only.
+        process_set: the ranks that shard (default: all); outside it, a plain optimizer.
+        elementwise: True to vouch for an optimizer ronde does not know; False refuses.
+
+    Raises:
+        UnsupportedError: see the module docstring.
+    """
+    if stage == 2:
+        raise UnsupportedError("ShardedOptimizer for Keras shards the optimizer's state "
+                               "(stage=1): Keras computes every gradient before the "
+                               "optimizer sees one, so there is no backward pass to "
+                               "reduce-scatter from; use stage=1 (or ronde.torch's stage 2)")
+    if stage != 1:
+        raise ValueError(f"ShardedOptimizer: stage must be 1, got {stage!r}")
+    if _api.resolve_op(op, None) != ReduceOp.AVERAGE:
+        raise UnsupportedError("ShardedOptimizer averages gradients: op=Adasum and op=Sum are "
+                               "not supported (use DistributedOptimizer(op=hvd.Adasum))")
+    passes = int(backward_passes_per_step)
+    if passes < 1:
+        raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+    _check(optimizer, elementwise)
+    if int(getattr(optimizer, "gradient_accumulation_steps", None) or 1) > 1:
+        raise ValueError("ShardedOptimizer: set backward_passes_per_step instead of the "
+                         "optimizer's gradient_accumulation_steps")
+    config = optimizer.get_config()
+    wrapped = sharded_class(type(optimizer)).from_config(config)
+    _keep(wrapped, "_ronde_cfg", {
+        "base": type(optimizer), "inner_config": config, "process_set": process_set,
+        "prefix": name or f"ShardedOptimizer.{optimizer_name(optimizer)}",
+        "passes": passes, "average_aggregated": bool(average_aggregated_gradients),
+        "wire_dtype": wire_dtype_of(compression)})
+    return wrapped
+
+
+def is_sharded(optimizer: Any) -> bool:
+    """True for an optimizer returned by :func:`ShardedOptimizer`."""
+    return isinstance(optimizer, _ShardedMixin)
