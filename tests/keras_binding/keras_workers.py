@@ -355,4 +355,12 @@ def sharded_checkpoint(directory: str, global_batch: int = 12) -> dict:
     fit(model2, r, n, 4, 8)
     fit(model, 0, 1, 4, 8)
     out["plain_to_sharded"] = _maxdiff(_weights(model2), _weights(model))
+    # a new generation of the job (what an elastic reset makes): the shards refuse
+    hvd.shutdown()
+    hvd.init()
+    try:
+        fit(model2, r, n, 4, 5)
+        out["after_reset"] = "stepped"
+    except Exception as exc:  # noqa: BLE001 - the host call may wrap it
+        out["after_reset"] = f"{type(exc).__name__}: {exc}"
     return out

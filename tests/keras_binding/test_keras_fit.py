@@ -87,3 +87,7 @@ def test_sharded_optimizer_at_three_ranks_and_its_checkpoints_at_any_size(tmp_pa
         assert ck["at_1"] < 1e-6, ck
         # and a plain optimizer's save_sharded loads into a ShardedOptimizer at N=3
         assert ck["plain_to_sharded"] < 1e-6, ck
+        # after a new generation (an elastic reset) the shards refuse, naming the fix
+        # (JAX's callback wraps the error: its text is inside)
+        assert "UnsupportedError: ShardedOptimizer: the job was resized" in ck["after_reset"]
+        assert "load_sharded() into a new ShardedOptimizer" in ck["after_reset"]

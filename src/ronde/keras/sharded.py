@@ -40,7 +40,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .. import _api
+from .. import _api, _state
 from .._errors import UnsupportedError
 from .._ops import ReduceOp
 from ..frameworks.compression import Compresses
@@ -110,6 +110,7 @@ class _ShardedMixin:
                 f"{cfg['prefix']}.parameters", ps,
                 "ShardedOptimizer: the trainable variables differ across ranks",
                 "build the same model on every rank before the first step")
+        _keep(self, "_ronde_generation", _state.require().generation)
         # the base class's bookkeeping only: the user's class would create its slots for
         # the whole variables, which is what sharding avoids
         keras.optimizers.Optimizer.build(self, var_list)
@@ -175,7 +176,8 @@ class _ShardedMixin:
                   for i in g.ids]
             present.append([grads[i] is not None for i in g.ids])
             g_shards.append(_host(lambda *a, g=g, k=k: [_reduce_scatter(
-                a, g, size, f"{cfg['prefix']}.{k}.grads", ps, wire, scale)],
+                a, g, size, f"{cfg['prefix']}.{k}.grads", ps, wire, scale,
+                self._ronde_generation)],
                 gs, [((g.per,), g.dtype)], f"ronde_{cfg['prefix']}_rs{k}")[0])
             shard.assign(_my_slice(ops, [variables[i] for i in g.ids], g))
         inner = self._ronde_inner
@@ -229,9 +231,15 @@ def _my_slice(ops: Any, values: list[Any], g: _Group) -> Any:
 
 
 def _reduce_scatter(arrays: Sequence[np.ndarray], g: _Group, size: int, name: str,
-                    ps: ProcessSet, wire: str | None, scale: float) -> np.ndarray:
+                    ps: ProcessSet, wire: str | None, scale: float,
+                    generation: int) -> np.ndarray:
     """Host side: the group's flat, padded gradients averaged over the ranks; this
     rank's ``S`` of them."""
+    if _state.require().generation != generation:
+        raise UnsupportedError(
+            "ShardedOptimizer: the job was resized (an elastic reset) since this optimizer "
+            "was built; its shards follow no resize yet: save_sharded() before and "
+            "load_sharded() into a new ShardedOptimizer after, or use DistributedOptimizer")
     flat = np.zeros(g.per * size, dtype=g.dtype)
     at = 0
     for a, n in zip(arrays, g.sizes):
