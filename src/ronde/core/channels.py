@@ -64,14 +64,21 @@ class Channels:
         self.peers = [r for r in range(size) if r != rank]
         #: the ranks that shut down and left (see :meth:`left`)
         self.gone: set[int] = set()
+        self._connected: list[int] = []
+        self._connected_key = (-1, -1)
 
     def live(self) -> list[int]:
         """The other ranks still in the job (whether or not a socket joins them)."""
         return [r for r in self.peers if r not in self.gone]
 
     def connected(self) -> list[int]:
-        """The live ranks this rank holds a control socket to."""
-        return [r for r in self.readers if r not in self.gone]
+        """The live ranks this rank holds a control socket to (the control loop asks
+        every cycle: kept until a socket opens or a rank leaves; both only add)."""
+        key = (len(self.readers), len(self.gone))
+        if key != self._connected_key:
+            self._connected = [r for r in self.readers if r not in self.gone]
+            self._connected_key = key
+        return self._connected
 
     @property
     def can_link(self) -> bool:

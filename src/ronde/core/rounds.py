@@ -59,6 +59,8 @@ class FrameReader:
 
     def has_frame(self) -> bool:
         """Whether a complete round frame (not a doorbell) is buffered."""
+        if not self.buf:
+            return False
         self._drop_doorbells()
         if len(self.buf) < wire.HEADER_BYTES:
             return False
@@ -68,6 +70,8 @@ class FrameReader:
     def peek_frame(self) -> tuple[int, bytes] | None:
         """The next complete frame's ``(kind, payload)`` (doorbells skipped), left in
         the buffer."""
+        if not self.buf:
+            return None
         self._drop_doorbells()
         if len(self.buf) < wire.HEADER_BYTES:
             return None

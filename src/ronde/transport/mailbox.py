@@ -102,7 +102,11 @@ class Mailboxes(OwnedSegment):
     # -- reader --------------------------------------------------------------------------
     def ahead(self, round_no: int, gone: "set[int] | frozenset[int]" = frozenset()) -> bool:
         """Whether some peer has posted a round after ``round_no`` (it started one)."""
-        return any(self._hdr[r][SEQ] > round_no for r in self.peers if r not in gone)
+        hdr = self._hdr
+        for r in self.peers:  # a loop, not any(generator): this runs every control cycle
+            if hdr[r][SEQ] > round_no and r not in gone:
+                return True
+        return False
 
     def take(self, r: int, round_no: int) -> bytes | None | int:
         """Peer ``r``'s frame for ``round_no``: bytes, None (not posted yet) or
