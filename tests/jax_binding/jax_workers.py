@@ -271,16 +271,18 @@ def sharded(steps: int = 6, batch: int = 4) -> dict:
     make = {"sgd": lambda: optax.sgd(0.1, momentum=0.9), "adam": lambda: optax.adam(0.01),
             "adamw": lambda: optax.adamw(0.01, weight_decay=0.1)}
     out = {}
-    cases = (("sgd", True, 1), ("adam", False, 1), ("adamw", True, 1), ("adam", True, 2))
-    for ci, (opt, jit, passes) in enumerate(cases):
+    cases = (("sgd", True, 1, None), ("adam", False, 1, None), ("adamw", True, 1, None),
+             ("adam", True, 2, None), ("adam", True, 1, hvd.Compression.fp16))
+    for ci, (opt, jit, passes, comp) in enumerate(cases):
         x, y = _data(10 + ci, steps * passes * n * batch)
         tx = hvd.ShardedOptimizer(make[opt](), name=f"sharded.{ci}",
                                   backward_passes_per_step=passes,
-                                  average_aggregated_gradients=True)
+                                  average_aggregated_gradients=True, compression=comp)
         diff, state = _train_both(jax, hvd, tx, make[opt](), x, y, steps, passes, batch, jit)
         held = sum(int(np.size(v)) for v in jax.tree_util.tree_leaves(state.inner)
                    if np.ndim(v) > 0)
-        out[f"{opt}{'.jit' if jit else ''}{'.x2' if passes > 1 else ''}"] = {
+        out[f"{opt}{'.jit' if jit else ''}{'.x2' if passes > 1 else ''}"
+            f"{'.fp16' if comp is not None else ''}"] = {
             "diff": diff, "held": held}
     hvd.shutdown()
     return out

@@ -69,9 +69,14 @@ def _check_sharded(out: list[dict], np_: int) -> None:
     """ShardedOptimizer equals one process, each rank holding its share of the state."""
     params = 6 * 8 + 8 + 8 * 3 + 3  # 83
     for res in out:
-        assert list(res) == ["sgd.jit", "adam", "adamw.jit", "adam.jit.x2"]
+        assert list(res) == ["sgd.jit", "adam", "adamw.jit", "adam.jit.x2", "adam.jit.fp16"]
         for case, r in res.items():
-            assert r["diff"] <= 1e-12, (case, r)
+            if case.endswith(".fp16"):
+                # gradients cast to float16 on the wire: close, and not exact (the cast
+                # happened; a float64 run is otherwise within 1e-12)
+                assert 1e-9 < r["diff"] < 1e-3, (case, r)
+            else:
+                assert r["diff"] <= 1e-12, (case, r)
             per_rank = -(-params // np_)  # elements of this rank's slice
             moments = 1 if case.startswith("sgd") else 2  # momentum; adam's mu and nu
             assert r["held"] == moments * per_rank, (case, r)

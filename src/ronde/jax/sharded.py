@@ -23,6 +23,8 @@ import optax
 from .._errors import UnsupportedError
 from .._ops import ReduceOp
 from ..frameworks.accumulation import PassCounter
+from ..frameworks.compression import Compresses
+from ..frameworks.host_reduce import wire_dtype_of
 from ..process_sets import ProcessSet, global_process_set
 from . import _collectives as C
 from ._arrays import any_traced
@@ -65,6 +67,7 @@ def ShardedOptimizer(optimizer: optax.GradientTransformation,
                      process_set: ProcessSet = global_process_set,
                      name: str = "ShardedOptimizer", backward_passes_per_step: int = 1,
                      average_aggregated_gradients: bool = False,
+                     compression: Compresses | None = None,
                      ) -> optax.GradientTransformation:
     """Wrap an elementwise optax transformation: gradients averaged over the ranks, the
     inner state and update computed on this rank's ``1/N`` of the parameters.
@@ -79,6 +82,9 @@ def ShardedOptimizer(optimizer: optax.GradientTransformation,
             pytree in the state) before one reduce-scatter and one inner update; the
             others return zero updates, as ``DistributedOptimizer``'s.
         average_aggregated_gradients: divide the accumulated sum by the passes.
+        compression: ``Compression.none`` (default), ``.fp16`` or ``.bf16``: the
+            reduce-scatter's wire dtype (the gradients are cast before it and back
+            after; the allgather of the updates stays in the parameters' dtype).
 
     ``update`` needs ``params`` when the inner transformation does (``adamw``).
     """
@@ -119,8 +125,15 @@ def ShardedOptimizer(optimizer: optax.GradientTransformation,
         for k, ((dt, ids), inner) in enumerate(zip(_groups(g_leaves).items(), inners)):
             flat, length, per = _flat(g_leaves, ids, n)
             tag = f"{name}.{k}.{jnp.dtype(dt).name}"
-            mine = flat if n == 1 else C.reducescatter_array(
-                flat, ReduceOp.AVERAGE, f"{tag}.grads", process_set, 1.0, 1.0)
+            if n == 1:
+                mine = flat
+            elif wire is None:
+                mine = C.reducescatter_array(flat, ReduceOp.AVERAGE, f"{tag}.grads",
+                                             process_set, 1.0, 1.0)
+            else:
+                mine = C.reducescatter_array(flat.astype(wire), ReduceOp.AVERAGE,
+                                             f"{tag}.grads", process_set, 1.0,
+                                             1.0).astype(flat.dtype)
             p_mine = None
             if p_leaves is not None:
                 p_mine = _flat(p_leaves, ids, n)[0][r * per:(r + 1) * per]
@@ -136,4 +149,6 @@ def ShardedOptimizer(optimizer: optax.GradientTransformation,
         return jax.tree_util.tree_unflatten(treedef, out), tuple(states)
 
     passes_per_step = PassCounter(backward_passes_per_step).passes_per_step
+    wire_name = wire_dtype_of(compression)
+    wire = None if wire_name is None else jnp.dtype(wire_name)
     return optax.GradientTransformation(init, update)
