@@ -129,3 +129,26 @@ def on_root(root_rank: int) -> bool:
     from ._api import is_initialized, rank
 
     return not is_initialized() or rank() == root_rank
+
+
+def commit_sharded_save(directory: str, meta_name: str, write_meta: Callable[[IO[bytes]], None],
+                        token: str, ext: str) -> None:
+    """The last step of a sharded save (``save_sharded`` of every binding): write the
+    index ``meta_name`` atomically, after every rank's ``optim.<token>.*<ext>`` file is
+    complete, then remove the previous save's files (another token). A save cut short
+    before this leaves the previous checkpoint whole."""
+    atomic_save(os.path.join(directory, meta_name), write_meta)
+    for f in os.listdir(directory):
+        if f.startswith("optim.") and f.endswith(ext) and f".{token}." not in f:
+            os.remove(os.path.join(directory, f))
+
+
+def sharded_meta(directory: str | os.PathLike[str], meta_name: str) -> tuple[str, str]:
+    """``(directory, its index file)`` of a sharded save, or ``FileNotFoundError`` when
+    the index is missing (not such a folder, or a save that did not complete)."""
+    directory = os.fspath(directory)
+    meta_path = os.path.join(directory, meta_name)
+    if not os.path.exists(meta_path):
+        raise FileNotFoundError(f"{meta_path} is missing: not a save_sharded() folder, or the "
+                                "save did not complete")
+    return directory, meta_path

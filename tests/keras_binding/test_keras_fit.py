@@ -61,7 +61,7 @@ def _check_sharded(res: dict, backend: str, n: int) -> None:
     assert res["loop"]["diff"] == 0.0, res["loop"]  # apply_gradients in a custom loop
     assert res["accumulation"] < 1e-6, res  # 2 passes == one process on a 2x batch
     lamb, clipnorm, global_clipnorm, stage2 = res["refused"]
-    assert "cannot shard Lamb" in lamb and "norm over each whole variable" in lamb
+    assert "cannot shard Lamb" in lamb and "norm over each whole tensor" in lamb
     assert "clipnorm=" in clipnorm and "global_clipnorm=" in global_clipnorm
     assert "stage=1" in stage2
 

@@ -186,19 +186,25 @@ def _label(v: Any, i: int) -> str:
     return f"{i}.{label}" if label else str(i)
 
 
-_classes: dict[type, type] = {}
+_classes: dict[tuple[type, type], type] = {}
+
+
+def mixed_class(mixin: type, base: type) -> type:
+    """``mixin`` in front of a Keras optimizer class, under the base's name, module and
+    docstring (so Keras' serialization sees the user's class); one per pair."""
+    if issubclass(base, mixin):
+        return base
+    cls = _classes.get((mixin, base))
+    if cls is None:
+        cls = type(base.__name__, (mixin, base), {"__module__": base.__module__,
+                                                  "__doc__": base.__doc__})
+        _classes[(mixin, base)] = cls
+    return cls
 
 
 def distributed_class(base: type) -> type:
     """The distributed subclass of a Keras optimizer class (one per class)."""
-    if issubclass(base, _DistributedMixin):
-        return base
-    cls = _classes.get(base)
-    if cls is None:
-        cls = type(base.__name__, (_DistributedMixin, base), {"__module__": base.__module__,
-                                                              "__doc__": base.__doc__})
-        _classes[base] = cls
-    return cls
+    return mixed_class(_DistributedMixin, base)
 
 
 def is_distributed(optimizer: Any) -> bool:

@@ -44,24 +44,17 @@ from .. import _api, _state
 from .._errors import UnsupportedError
 from .._ops import ReduceOp
 from ..frameworks.compression import Compresses
+from ..frameworks.elementwise import check_elementwise
 from ..frameworks.host_reduce import host_compressor, wire_dtype_of
 from ..frameworks.naming import require_same_parameters
 from ..process_sets import ProcessSet, global_process_set
 from ._bridge import backend_name
 from ._choice import keras_module
-from .optimizer import is_keras2, optimizer_name
+from .optimizer import is_keras2, mixed_class, optimizer_name
 
 #: Keras optimizers whose update treats every element on its own: any split is exact
 ELEMENTWISE = frozenset({"SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad",
                          "Adadelta", "Ftrl", "Lion"})
-#: known ones that need whole tensors, and why
-WHOLE_TENSORS = {
-    "Lamb": "its trust ratio is a norm over each whole variable",
-    "Adafactor": "it factors each matrix's second moment into row and column statistics",
-    "Muon": "it orthogonalizes each weight matrix's update (Newton-Schulz on whole tensors)",
-    "LossScaleOptimizer": "it wraps another optimizer; wrap that one instead and scale "
-                          "the loss yourself",
-}
 
 
 class _Group:
@@ -304,38 +297,18 @@ def _host(fn: Any, tensors: Sequence[Any], outs: Sequence[tuple[tuple, str]],
     return [np.asarray(o) for o in fn(*[np.asarray(t) for t in tensors])]
 
 
-_classes: dict[type, type] = {}
-
-
 def sharded_class(base: type) -> type:
     """The sharded subclass of a Keras optimizer class (one per class)."""
-    cls = _classes.get(base)
-    if cls is None:
-        cls = type(base.__name__, (_ShardedMixin, base), {"__module__": base.__module__,
-                                                          "__doc__": base.__doc__})
-        _classes[base] = cls
-    return cls
+    return mixed_class(_ShardedMixin, base)
 
 
 def _check(optimizer: Any, elementwise: bool | None) -> None:
     """Refuse what a rank holding slices cannot compute (module docstring)."""
-    name = type(optimizer).__name__
     if is_keras2(optimizer):
         raise UnsupportedError("ShardedOptimizer wraps Keras 3 optimizers; a Keras 2 "
                                "(tf_keras) optimizer is not supported: use "
                                "DistributedOptimizer")
-    if name in WHOLE_TENSORS and not elementwise:
-        raise UnsupportedError(f"ShardedOptimizer cannot shard {name}: {WHOLE_TENSORS[name]}, "
-                               "and each rank holds only slices; use DistributedOptimizer")
-    own = type(optimizer).__module__.startswith("keras")
-    if elementwise is None and not (own and name in ELEMENTWISE):
-        raise UnsupportedError(
-            f"ShardedOptimizer: {type(optimizer).__module__}.{name} is not one of Keras' "
-            f"elementwise optimizers ({', '.join(sorted(ELEMENTWISE))}); if its update "
-            "treats every element on its own (no norms, matrices or whole-tensor "
-            "statistics), pass elementwise=True")
-    if elementwise is False:
-        raise UnsupportedError(f"ShardedOptimizer: {name} was declared not elementwise")
+    check_elementwise(optimizer, elementwise, "keras", ELEMENTWISE)
     for attr, why in (("clipnorm", "clips each gradient by its whole norm"),
                       ("global_clipnorm", "clips by the norm of all gradients together")):
         if getattr(optimizer, attr, None):

@@ -34,7 +34,7 @@ import numpy as np
 
 from .. import _api, _objects
 from .._errors import RondeError
-from ..checkpoint import atomic_save
+from ..checkpoint import atomic_save, commit_sharded_save, sharded_meta
 from ..process_sets import global_process_set
 from ._bridge import sync_jax_state, to_numpy
 from .sharded import _rank_size, is_sharded
@@ -133,11 +133,8 @@ def save_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) 
                 "files": [f"optim.{token}.{r}-of-{size}.npz" for r in range(size)],
                 "pieces": index, "iterations": int(to_numpy(counter.iterations)),
                 "optimizer": type(optimizer).__name__}
-        atomic_save(os.path.join(directory, META),
-                    lambda fh: fh.write(json.dumps(meta).encode()))
-        for f in os.listdir(directory):  # the previous save's files
-            if f.startswith("optim.") and f.endswith(".npz") and f".{token}." not in f:
-                os.remove(os.path.join(directory, f))
+        commit_sharded_save(directory, META, lambda fh: fh.write(json.dumps(meta).encode()),
+                            token, ".npz")
     if together:
         _api.barrier(process_set=ps)
 
@@ -146,11 +143,7 @@ def load_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) 
     """Load ``model``'s weights (if given) and this rank's part of ``optimizer`` (built
     here over ``model.trainable_variables`` if it was not) from a folder that
     :func:`save_sharded` wrote, whatever the world size it was written at."""
-    directory = os.fspath(directory)
-    meta_path = os.path.join(directory, META)
-    if not os.path.exists(meta_path):
-        raise FileNotFoundError(f"{meta_path} is missing: not a save_sharded() folder, or the "
-                                "save did not complete")
+    directory, meta_path = sharded_meta(directory, META)
     with open(meta_path, "rb") as fh:
         meta = json.loads(fh.read())
     if meta.get("format") != FORMAT:

@@ -30,7 +30,7 @@ import torch
 
 from .. import _api, _objects
 from .._errors import RondeError, UnsupportedError
-from ..checkpoint import atomic_save
+from ..checkpoint import atomic_save, commit_sharded_save, sharded_meta
 from ..process_sets import global_process_set
 from .sharded import is_sharded
 
@@ -97,10 +97,7 @@ def save_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) 
                 "files": [f"optim.{token}.{r}-of-{size}.pt" for r in range(size)],
                 "pieces": index, "param_groups": _hyper(optimizer),
                 "optimizer": type(optimizer).__name__}
-        atomic_save(os.path.join(directory, META), lambda fh: torch.save(meta, fh))
-        for f in os.listdir(directory):  # the previous save's files
-            if f.startswith("optim.") and f.endswith(".pt") and f".{token}." not in f:
-                os.remove(os.path.join(directory, f))
+        commit_sharded_save(directory, META, lambda fh: torch.save(meta, fh), token, ".pt")
     if together:
         _api.barrier(process_set=ps)
 
@@ -108,11 +105,7 @@ def save_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) 
 def load_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) -> None:
     """Load ``model`` (if given) and this rank's part of ``optimizer`` from a folder that
     :func:`save_sharded` wrote, whatever the world size it was written at."""
-    directory = os.fspath(directory)
-    meta_path = os.path.join(directory, META)
-    if not os.path.exists(meta_path):
-        raise FileNotFoundError(f"{meta_path} is missing: not a save_sharded() folder, or the "
-                                "save did not complete")
+    directory, meta_path = sharded_meta(directory, META)
     meta = torch.load(meta_path, weights_only=True)
     if meta.get("format") != "ronde.sharded/1":
         raise RondeError(f"{meta_path}: unknown format {meta.get('format')!r}")
