@@ -174,3 +174,29 @@ def test_the_elastic_example_survives_a_killed_worker(tmp_path):
     assert "epoch 2: 3 rank(s)" in text and "epoch 8: 2 rank(s)" in text
     accuracy = float(text.split("test accuracy ")[1].split()[0])
     assert accuracy > 0.9, text
+
+
+def test_a_sharded_optimizer_reshards_in_memory_when_a_rank_dies_and_a_host_joins(tmp_path):
+    # np=4 with ShardedOptimizer(Adam) in TorchState: the worker of 127.0.0.3 is
+    # SIGKILLed at step 5 and leaves discovery (4 -> 3: its slice of Adam's moments comes
+    # from rank 1's neighbour copy), then 127.0.0.5 joins after step 9 (3 -> 4: a new rank
+    # gets its slice from the survivors). After each reset the whole optimizer state,
+    # assembled from the new slices, equals the one at the last commit; nothing is read
+    # from disk; every sample once per epoch; every rank's weights equal.
+    hosts = ["127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"]
+    res, result, text = _job(
+        tmp_path, np=4, min_np=3, max_np=4, discovery=hosts,
+        env={"ELASTIC_SHARDED": "1", "ELASTIC_N": "96", "ELASTIC_EPOCHS": "3",
+             "ELASTIC_DIE": "127.0.0.3:5", "ELASTIC_DIE_HOSTS": "127.0.0.1,127.0.0.2,127.0.0.4",
+             "ELASTIC_ADD_HOST": "127.0.0.5", "ELASTIC_ADD_STEP": "9",
+             "ELASTIC_STEP_SLEEP": "0.2"}, timeout=150)
+    assert res.returncode == 0, text
+    assert all(e == list(range(96)) for e in result["epochs"]), result["epochs"]
+    sizes = result["sizes"]
+    assert sizes[0] == 4 and 3 in sizes and sizes[-1] == 4, (sizes, result["checks"])
+    checks = result["checks"]
+    assert [c["size"] for c in checks] == [3, 4], checks  # one check per reset
+    # Adam's two moments over 25 elements, whole, after each reshard
+    assert all(c["equal"] and c["elements"] == 50 for c in checks), checks
+    assert result["weights_equal"] and result["size"] == 4
+    assert not list(tmp_path.glob("**/optim.*")), "nothing is written to disk"

@@ -303,3 +303,22 @@ def test_a_plain_registration_is_refused_by_an_elastic_job():
     finally:
         server.close()
     assert socket  # noqa: the module is used by the server under test
+
+
+def test_each_slice_of_a_sharded_optimizer_has_a_holder_after_a_reset_or_a_clear_error():
+    pytest.importorskip("torch")
+    from ronde import RondeError
+    from ronde.torch.elastic.sharded import _holders
+
+    # committed at 4 ranks; old rank 2 died; the survivors are now ranks 0-2, a new
+    # worker is rank 3 (committed nothing): 2's slice is at old rank 1 (its neighbour)
+    was = [(0, 4), (1, 4), (3, 4), (-1, 0)]
+    assert _holders(was, 4) == {0: (0, True), 1: (1, True), 2: (1, False), 3: (2, True)}
+    # old rank 0's copy is kept by the last rank (ranks wrap around)
+    assert _holders([(1, 3), (2, 3)], 3) == {0: (1, False), 1: (0, True), 2: (1, True)}
+    # two neighbours lost together: nothing holds old rank 2's slice
+    with pytest.raises(RondeError, match=r"rank\(s\) \[2\] of the last commit \(at 4 ranks\)"):
+        _holders([(0, 4), (3, 4)], 4)
+    # at one rank there is no copy
+    with pytest.raises(RondeError, match="load_sharded"):
+        _holders([(-1, 0)], 1)

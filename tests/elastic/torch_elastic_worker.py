@@ -48,13 +48,37 @@ LR = 0.01
 
 hvd.init()
 torch.manual_seed(0)
-model = torch.nn.Linear(1, 1)
-opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR * hvd.size()),
+SHARDED = bool(os.environ.get("ELASTIC_SHARDED"))
+if SHARDED:  # 25 elements: every rank owns some at 3 and 4 ranks
+    model = torch.nn.Sequential(torch.nn.Linear(1, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = hvd.ShardedOptimizer(torch.optim.Adam(model.parameters(), lr=LR * hvd.size()),
                                named_parameters=model.named_parameters())
+else:
+    model = torch.nn.Linear(1, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR * hvd.size()),
+                                   named_parameters=model.named_parameters())
+checks = []  # ELASTIC_SHARDED: after each reset, the whole optimizer state == the commit's
+
+
+def full_state():
+    """The sharded optimizer's state assembled whole (a collective): {name: {key: list}}."""
+    local = [(name, a, b, {k: (v.tolist() if v.dim() else float(v)) for k, v in
+                           opt.state.get(t, {}).items()})
+             for name, a, b, t, _ in opt.shard_pieces()]
+    whole = {}
+    for part in hvd.allgather_object(local, name="full_state"):
+        for name, a, b, st in part:
+            for k, v in st.items():
+                if isinstance(v, list):
+                    whole.setdefault(name, {}).setdefault(k, {})[a] = v
+                else:
+                    whole.setdefault(name, {})[k] = v
+    return {name: {k: ([x for a in sorted(v) for x in v[a]] if isinstance(v, dict) else v)
+                   for k, v in st.items()} for name, st in whole.items()}
 pair = hvd.add_process_set([0, 1]) if os.environ.get("ELASTIC_PS") else None
 sampler = hvd.elastic.ElasticSampler(list(range(N)), shuffle=True, seed=3)
 state = hvd.elastic.TorchState(model, opt, sampler=sampler, epoch=0, step=0, seen=[],
-                               sizes=[], epochs=[])
+                               sizes=[], epochs=[], opt_full=None)
 resets = [0]
 
 
@@ -69,6 +93,11 @@ state.register_reset_callbacks([on_reset])
 
 @hvd.elastic.run
 def train(state):
+    if SHARDED and state.opt_full is not None:  # the same on every rank (synced)
+        now = full_state()
+        checks.append({"size": hvd.size(), "equal": now == state.opt_full,
+                       "elements": sum(len(v) for st in now.values() for v in st.values()
+                                       if isinstance(v, list))})
     while state.epoch < EPOCHS:
         for idx in state.sampler.batches(BATCH):
             step = state.step
@@ -112,11 +141,15 @@ def train(state):
             state.sizes.append(hvd.size())
             state.step += 1
             if state.step % COMMIT_EVERY == 0:
+                if SHARDED:
+                    state.opt_full = full_state()
                 state.commit()
         state.epochs.append(sorted(state.seen))
         state.seen = []
         state.epoch += 1
         state.sampler.set_epoch(state.epoch)
+        if SHARDED:
+            state.opt_full = full_state()
         state.commit()
     return "done"
 
@@ -129,6 +162,7 @@ if out == "done":
         with open(os.environ["ELASTIC_OUT"], "w") as f:
             json.dump({"epochs": state.epochs, "sizes": state.sizes, "resets": resets[0],
                        "size": hvd.size(), "lr": opt.param_groups[0]["lr"],
-                       "weights_equal": all(w == every[0] for w in every)}, f)
+                       "weights_equal": all(w == every[0] for w in every),
+                       "checks": checks}, f)
 hvd.shutdown()
 sys.exit(0)

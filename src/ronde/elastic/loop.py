@@ -125,6 +125,7 @@ def run_fn(func: F, reset: Callable[[], None] | None = None) -> F:
                 log.warning("ronde elastic: %s; this worker ends", exc)
                 raise SystemExit(0) from None
             state.on_reset()
+            need_sync = need_sync or bool(getattr(state, "sync_after_reset", False))
 
     return wrapper  # type: ignore[return-value]
 

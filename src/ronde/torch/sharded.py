@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 from typing import Any, Iterable
 
 import torch
@@ -147,15 +148,34 @@ class _ShardedMixin(SkipSynchronize):
         self._ronde_names = [names[id(p)] for p in params]
         self._ronde_index = {id(p): i for i, p in enumerate(params)}
         self._ronde_full_groups = [list(g["params"]) for g in self.param_groups]
+        old_state = dict(self.state)
+        pieces = self._ronde_layout()
+        self._ronde_validated = -1
+        if not self._ronde_solo and os.environ.get("RONDE_ELASTIC") != "1":
+            # here, before the layout moves anything; in an elastic job at the first step
+            # of each generation instead, where every rank is (a joining worker makes its
+            # optimizer while the others are elsewhere)
+            self._ronde_validate()
+        for i, piece in pieces.items():  # an optimizer with state already: keep this rank's part
+            if params[i] in old_state:
+                self.state[piece.tensor] = slice_state(old_state[params[i]], params[i], piece.a,
+                                                       piece.b, piece.name)
+        self._ronde_had: set[int] = set()  # parameters with a gradient in this window
+        self._ronde_pass = 0  # backward passes in this window
+        self._ronde_queued = False
+        self._ronde_moving: list[_Bucket] = []  # reduce-scatters in flight, in start order
+        self._ronde_synced = False
+        self._ronde_should_sync = True
+        self._ronde_hooks: dict[torch.Tensor, Any] = {}
+        self._ronde_rehook()
+
+    def _ronde_layout(self) -> dict[int, _Piece]:
+        """Build the buckets and this rank's pieces for the job as it is now (at wrapping,
+        and again after an elastic reset: :meth:`relayout`); the param groups then hold
+        the pieces, and the optimizer's state is empty. Returns the pieces by parameter."""
+        process_set, params = self._ronde_ps, self._ronde_params
         member = process_set is global_process_set or process_set.included()
         self._ronde_solo = not member or _api.size() == 1 or C.set_size(process_set) == 1
-        if not self._ronde_solo:
-            require_same_parameters(
-                zip(self._ronde_names, (dtype_name(p.dtype) for p in params),
-                    (p.shape for p in params)),
-                "ronde.torch.ShardedOptimizer.parameters", process_set,
-                "ShardedOptimizer: the parameters differ across ranks",
-                "build the same model on every rank (and pass the same named_parameters)")
         rank, size = (0, 1) if self._ronde_solo else (_api.set_rank(process_set),
                                                       C.set_size(process_set))
         self._ronde_rank, self._ronde_size = rank, size
@@ -170,23 +190,46 @@ class _ShardedMixin(SkipSynchronize):
                                for k, ids in enumerate(layout)]
         self._ronde_bucket_of = {i: b for b in self._ronde_buckets for i in b.members}
         pieces = {p.index: p for b in self._ronde_buckets for p in b.pieces}
-        old_state = dict(self.state)
         self.state = collections.defaultdict(dict)
-        for group in self.param_groups:
-            group["params"] = [pieces[self._ronde_index[id(p)]].tensor for p in group["params"]
+        for group, full in zip(self.param_groups, self._ronde_full_groups):
+            group["params"] = [pieces[self._ronde_index[id(p)]].tensor for p in full
                                if self._ronde_index[id(p)] in pieces]
-        for i, piece in pieces.items():  # an optimizer with state already: keep this rank's part
-            if params[i] in old_state:
-                self.state[piece.tensor] = slice_state(old_state[params[i]], params[i], piece.a,
-                                                       piece.b, piece.name)
-        self._ronde_had: set[int] = set()  # parameters with a gradient in this window
-        self._ronde_pass = 0  # backward passes in this window
-        self._ronde_queued = False
-        self._ronde_moving: list[_Bucket] = []  # reduce-scatters in flight, in start order
-        self._ronde_synced = False
-        self._ronde_should_sync = True
-        self._ronde_hooks: dict[torch.Tensor, Any] = {}
+        return pieces
+
+    def relayout(self) -> None:
+        """Lay the shards out again for the job as it is now (after an elastic reset
+        changed the ranks): new pieces, no optimizer state (the elastic state handler
+        fills it, :mod:`ronde.torch.elastic.sharded`), nothing in flight."""
+        for b in self._ronde_moving:
+            with contextlib.suppress(Exception):
+                b.started[0].wait()
+        self._ronde_moving = []
+        self._ronde_layout()
+        self._ronde_new_window()
         self._ronde_rehook()
+
+    def ranges_of(self, rank: int) -> dict[str, tuple[int, int]]:
+        """The element range ``[a, b)`` of each parameter (by name) that ``rank`` owns in
+        the current layout (parameters it owns nothing of are left out)."""
+        out: dict[str, tuple[int, int]] = {}
+        for b in self._ronde_buckets:
+            lo, hi = rank * b.per, min((rank + 1) * b.per, b.length)
+            for i in b.members:
+                o, m = b.offset[i], self._ronde_params[i].numel()
+                a, e = max(o, lo) - o, min(o + m, hi) - o
+                if a < e:
+                    out[self._ronde_names[i]] = (a, e)
+        return out
+
+    def _ronde_validate(self) -> None:
+        params = self._ronde_params
+        require_same_parameters(
+            zip(self._ronde_names, (dtype_name(p.dtype) for p in params),
+                (p.shape for p in params)),
+            "ronde.torch.ShardedOptimizer.parameters", self._ronde_ps,
+            "ShardedOptimizer: the parameters differ across ranks",
+            "build the same model on every rank (and pass the same named_parameters)")
+        self._ronde_validated = _state.require().generation
 
     # -- hooks -----------------------------------------------------------------------------
     def _ronde_rehook(self) -> None:
@@ -307,8 +350,11 @@ class _ShardedMixin(SkipSynchronize):
         if _state.require().generation != self._ronde_generation:
             raise UnsupportedError(
                 "ShardedOptimizer: the job was resized (an elastic reset) since this optimizer "
-                "was made; its shards follow no resize yet: save_sharded() before and "
-                "load_sharded() into a new ShardedOptimizer after, or use DistributedOptimizer")
+                "was laid out; its shards follow a resize inside hvd.elastic.TorchState("
+                "model, optimizer) (resharded in memory), or save_sharded() before and "
+                "load_sharded() into a new ShardedOptimizer after")
+        if not self._ronde_solo and self._ronde_validated != self._ronde_generation:
+            self._ronde_validate()
         if not self._ronde_had and not any(b.summed or b.started for b in self._ronde_buckets):
             raise RondeError(f"optimizer.step() found no gradients on rank {_api.rank()}: call "
                              "loss.backward() before optimizer.step()")

@@ -9,11 +9,12 @@ objects (:class:`ronde.elastic.ObjectState`).
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ...elastic import ObjectState
+from ..sharded import _ShardedMixin
 from ..state import broadcast_optimizer_state, broadcast_parameters
 from .sampler import ElasticSampler
 
@@ -89,18 +90,25 @@ class SamplerStateHandler(StateHandler):
                                                     name="ronde.elastic.sampler_state"))
 
 
-_registry: list[tuple[type, type[StateHandler]]] = [
+def _sharded_handler(value: Any) -> StateHandler:
+    from .sharded import ShardedOptimizerHandler  # it builds on this module
+
+    return ShardedOptimizerHandler(value)
+
+
+_registry: list[tuple[type, Callable[[Any], StateHandler]]] = [
+    (_ShardedMixin, _sharded_handler),  # before Optimizer: it is one
     (torch.nn.Module, ModelStateHandler),
     (torch.optim.Optimizer, OptimizerStateHandler),
     (ElasticSampler, SamplerStateHandler),
 ]
 
 
-def get_handler_registry() -> list[tuple[type, type[StateHandler]]]:
+def get_handler_registry() -> list[tuple[type, Callable[[Any], StateHandler]]]:
     return _registry
 
 
-def set_handler_registry(registry: list[tuple[type, type[StateHandler]]]) -> None:
+def set_handler_registry(registry: list[tuple[type, Callable[[Any], StateHandler]]]) -> None:
     global _registry
     _registry = registry
 
@@ -149,6 +157,12 @@ class TorchState(ObjectState):
     def reset(self) -> None:
         for h in self._handlers.values():
             h.reset()
+
+    @property
+    def sync_after_reset(self) -> bool:
+        """Whether ``sync()`` must run after every reset, even one that removed hosts
+        only (a sharded optimizer's slices are laid out again at every size)."""
+        return any(getattr(h, "sync_after_reset", False) for h in self._handlers.values())
 
     def __setattr__(self, name: str, value: Any) -> None:
         handlers = self.__dict__.get("_handlers")

@@ -1,0 +1,237 @@
+"""A ``ShardedOptimizer`` inside ``TorchState``: resharded in memory at every resize, a lost
+rank's slice rebuilt from its neighbour's copy; nothing read from disk.
+
+At each ``commit()`` every rank snapshots its own pieces' state (the slices of Adam's
+moments it owns, the step counts, the param groups' hyperparameters) and sends a copy to
+rank ``r - 1``, which keeps it beside its own: each rank holds its slice and rank
+``(r + 1) mod N``'s, one extra slice of memory, one point-to-point transfer of a slice
+per commit (an ``alltoall`` where each rank sends one block).
+
+After the job re-forms (a rank lost or removed, hosts added), ``sync()`` (every rank,
+the new ones included) rebuilds the state at the new size:
+
+1. every rank tells which commit-time rank it was (new workers: none);
+2. for each commit-time rank ``q`` the *holder* of its slice is the survivor that was
+   ``q`` (its own snapshot) or else the one that was ``q - 1`` (the neighbour copy); when
+   both are gone, every rank raises ``RondeError`` naming them (load a
+   ``save_sharded`` checkpoint instead);
+3. the optimizer lays its shards out for the new rank and size (``relayout``);
+4. one ``alltoall``: each holder sends every new rank the parts of the slices it holds
+   that fall in that rank's new pieces (``torch.save`` of tensors, read back with
+   ``weights_only=True``);
+5. each rank puts what it received into its new pieces' state, checks that every element
+   arrived, takes rank 0's hyperparameters, and commits again (a new snapshot and
+   neighbour copy for the new layout).
+
+A survivor's snapshot is the last commit: after a failure every survivor ``restore()``\\ s
+to it, after a host change (``HostsUpdatedInterrupt`` at a commit) the state is that
+commit. The result is the state a single job at the new size would hold after that
+commit: the same values, split differently.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+import torch
+
+from ... import _api, _objects
+from ..._errors import RondeError, UnsupportedError
+from ...process_sets import global_process_set
+from .state import StateHandler
+
+#: a piece's saved state: (parameter name, a, b, {state key: tensor over [a, b) or scalar})
+_Saved = tuple[str, int, int, dict[str, Any]]
+
+
+def _snapshot(opt: Any) -> list[_Saved]:
+    """This rank's pieces and their state, copied."""
+    out = []
+    for name, a, b, tensor, _ in opt.shard_pieces():
+        state = opt.state.get(tensor, {})
+        out.append((name, a, b, {k: (v.detach().clone() if torch.is_tensor(v) else v)
+                                 for k, v in state.items()}))
+    return out
+
+
+def _hyper(opt: Any) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
+def _to_bytes(obj: Any) -> np.ndarray:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return np.frombuffer(buf.getvalue(), dtype=np.uint8)
+
+
+def _from_bytes(data: np.ndarray) -> Any:
+    return torch.load(io.BytesIO(data.tobytes()), weights_only=True)
+
+
+def _exchange(blocks: list[bytes | np.ndarray], name: str) -> list[np.ndarray]:
+    """Send ``blocks[j]`` to rank ``j`` (empty: nothing); the blocks received, by rank."""
+    arrays = [np.frombuffer(b, dtype=np.uint8) if isinstance(b, bytes) else b
+              for b in blocks]
+    splits = [a.size for a in arrays]
+    out, got = _api.alltoall(np.concatenate(arrays) if arrays else np.zeros(0, np.uint8),
+                             splits, name)
+    parts, at = [], 0
+    for n in got:
+        parts.append(out[at:at + n])
+        at += n
+    return parts
+
+
+class ShardedOptimizerHandler(StateHandler):
+    """Saves, restores and reshards a ``ShardedOptimizer`` (module docstring)."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__(value)
+        if value._ronde_ps is not global_process_set:
+            raise UnsupportedError("ShardedOptimizer in an elastic TorchState must shard over "
+                                   "the whole job (process_set=global_process_set): a process "
+                                   "set's ranks change at a resize")
+        self._own: list[_Saved] = []
+        self._hyper: list[dict[str, Any]] = []
+        self._neighbour: list[_Saved] = []
+        self._rank = -1  # the rank at the last commit (-1: never committed in this job)
+        self._size = 0
+        self._snap()
+        self._resized = False
+
+    @property
+    def sync_after_reset(self) -> bool:
+        """After a reset the shards must be rebuilt even when nothing else syncs."""
+        return True
+
+    def _snap(self) -> None:
+        self._own = _snapshot(self.value)
+        self._hyper = _hyper(self.value)
+
+    def save(self) -> None:
+        """Snapshot this rank's pieces and swap copies with the neighbours (a collective:
+        ``commit()`` is one)."""
+        self._snap()
+        self._rank, self._size = _api.rank(), _api.size()
+        self._neighbour = []
+        if self._size > 1:
+            blocks: list[Any] = [b""] * self._size
+            blocks[(self._rank - 1) % self._size] = _to_bytes(self._own)
+            got = _exchange(blocks, "ronde.elastic.sharded.neighbour")
+            self._neighbour = _from_bytes(got[(self._rank + 1) % self._size])
+
+    def set_value(self, value: Any) -> None:
+        self.value = value
+        self._snap()  # no collective here: only commit() swaps copies
+
+    def restore(self) -> None:
+        """Back to this rank's last snapshot (the layout it was taken in is still the
+        optimizer's: a reset has not happened yet)."""
+        opt = self.value
+        saved = {(n, a, b): st for n, a, b, st in self._own}
+        for name, a, b, tensor, _ in opt.shard_pieces():
+            st = saved.get((name, a, b))
+            opt.state.pop(tensor, None)
+            if st:
+                opt.state[tensor] = {k: (v.clone() if torch.is_tensor(v) else v)
+                                     for k, v in st.items()}
+        for group, hyper in zip(opt.param_groups, self._hyper):
+            group.update(hyper)
+
+    def reset(self) -> None:
+        self._resized = True
+
+    def sync(self) -> None:
+        """Rebuild the state for the job as it is now (module docstring, steps 1-5)."""
+        opt = self.value
+        rank, size = _api.rank(), _api.size()
+        was = _objects.allgather_object((self._rank, self._size),
+                                        "ronde.elastic.sharded.ranks")
+        old_sizes = {s for r, s in was if r >= 0}
+        if len(old_sizes) > 1:
+            raise RondeError(f"elastic ShardedOptimizer: the survivors committed at different "
+                             f"sizes {sorted(old_sizes)}")
+        if not old_sizes and not self._resized:
+            # the job's first sync (nobody committed yet, the layout is current): keep
+            # each rank's state, take rank 0's hyperparameters
+            self._sync_hyper(rank)
+            return
+        holders = _holders(was, old_sizes.pop() if old_sizes else 0)
+        opt.relayout()
+        blocks: list[Any] = [b""] * size
+        if any(h == rank for h, _ in holders.values()):
+            held = {q: (self._own if own else self._neighbour)
+                    for q, (h, own) in holders.items() if h == rank}
+            for t in range(size):
+                ranges = opt.ranges_of(t)
+                part = [(name, lo, hi, {k: (v[lo - a:hi - a] if torch.is_tensor(v) and v.dim()
+                                             else v) for k, v in st.items()})
+                        for pieces in held.values() for name, a, b, st in pieces
+                        if name in ranges
+                        for lo, hi in [(max(a, ranges[name][0]), min(b, ranges[name][1]))]
+                        if lo < hi and st]
+                if part:
+                    blocks[t] = _to_bytes(part)
+        got = _exchange(blocks, "ronde.elastic.sharded.reshard") if size > 1 else \
+            [np.frombuffer(blocks[0], dtype=np.uint8) if isinstance(blocks[0], bytes)
+             else blocks[0]]
+        merged: dict[str, dict[str, Any]] = {}
+        covered: dict[str, int] = {}
+        mine = opt.ranges_of(rank)
+        for data in got:
+            if not len(data):
+                continue
+            for name, lo, hi, st in _from_bytes(data):
+                a, b = mine[name]
+                into = merged.setdefault(name, {})
+                covered[name] = covered.get(name, 0) + hi - lo
+                for k, v in st.items():
+                    if torch.is_tensor(v) and v.dim():
+                        dst = into.get(k)
+                        if dst is None:
+                            dst = into[k] = torch.zeros(b - a, dtype=v.dtype)
+                        dst[lo - a:hi - a].copy_(v)
+                    elif k not in into:
+                        into[k] = v.clone() if torch.is_tensor(v) else v
+        for name, a, b, tensor, _ in opt.shard_pieces():
+            if name in merged:
+                if covered[name] != b - a:
+                    raise RondeError(f"elastic ShardedOptimizer: the state of {name!r} "
+                                     f"[{a}:{b}] arrived for {covered[name]} of {b - a} "
+                                     "elements")
+                opt.state[tensor] = merged[name]
+        self._sync_hyper(rank)
+        self._resized = False
+        self.save()
+
+    def _sync_hyper(self, rank: int) -> None:
+        """Rank 0's param groups' hyperparameters (lr, betas...) on every rank."""
+        opt = self.value
+        hyper = _objects.broadcast_object(_hyper(opt) if rank == 0 else None, 0,
+                                          "ronde.elastic.sharded.hyper")
+        for group, h in zip(opt.param_groups, hyper):
+            group.update(h)
+
+
+def _holders(was: list[tuple[int, int]], old_size: int) -> dict[int, tuple[int, bool]]:
+    """For each commit-time rank, the rank now holding its slice and whether as its own
+    snapshot (else as the neighbour copy); ``RondeError`` where none does."""
+    now_of = {r: j for j, (r, _) in enumerate(was) if r >= 0}
+    out: dict[int, tuple[int, bool]] = {}
+    lost = []
+    for q in range(old_size):
+        if q in now_of:
+            out[q] = (now_of[q], True)
+        elif old_size > 1 and (q - 1) % old_size in now_of:
+            out[q] = (now_of[(q - 1) % old_size], False)
+        else:
+            lost.append(q)
+    if lost:
+        raise RondeError(
+            f"elastic ShardedOptimizer: the optimizer state of rank(s) {lost} of the last "
+            f"commit (at {old_size} ranks) is gone: each slice has one copy, on the rank "
+            "before it, and both were lost; resume from a save_sharded() checkpoint "
+            "(hvd.load_sharded) instead")
+    return out
