@@ -286,3 +286,61 @@ def sharded(steps: int = 6, batch: int = 4) -> dict:
             "diff": diff, "held": held}
     hvd.shutdown()
     return out
+
+
+def sharded_checkpoint(directory: str, global_batch: int = 12, steps: int = 3) -> dict:
+    """save_sharded at the job's size N after ``steps`` Adam steps; loaded at N=2 (a
+    process set of ranks 0 and 1) and into a plain optax.adam (N=1, the export), each
+    continuing ``steps`` steps on the same global batches, against the uninterrupted run;
+    a plain state's save loaded into a ShardedOptimizer at N. Float64."""
+    jax, hvd = _setup(x64=True)
+    import optax
+
+    jnp = jax.numpy
+    r, n = hvd.rank(), hvd.size()
+    x, y = _data(99, 2 * steps * global_batch)
+    grad = jax.grad(lambda p, a, b: _loss(jax, p, a, b))
+
+    def run(tx, params, state, rank, size, t0, t1):
+        per = global_batch // size
+        for t in range(t0, t1):
+            lo = t * global_batch + rank * per
+            g = grad(params, jnp.asarray(x[lo:lo + per]), jnp.asarray(y[lo:lo + per]))
+            u, state = tx.update(g, state, params)
+            params = optax.apply_updates(params, u)
+        return params, state
+
+    def diff(a, b):
+        return max(float(jnp.max(jnp.abs(p - q))) for p, q in
+                   zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+    tx = hvd.ShardedOptimizer(optax.adam(0.01), name="ck")
+    params = _init(jax)
+    params, state = run(tx, params, tx.init(params), r, n, 0, steps)
+    hvd.save_sharded(directory, params, state)
+    whole, _ = run(tx, params, state, r, n, steps, 2 * steps)
+    out = {}
+    two = hvd.add_process_set([0, 1])
+    if r < 2:
+        tx2 = hvd.ShardedOptimizer(optax.adam(0.01), name="ck2", process_set=two)
+        other = _init(jax, seed=5)
+        p2, s2 = hvd.load_sharded(directory, other, tx2.init(other), process_set=two)
+        out["at_2"] = diff(run(tx2, p2, s2, r, 2, steps, 2 * steps)[0], whole)
+    plain = optax.adam(0.01)
+    other = _init(jax, seed=6)
+    p1, s1 = hvd.load_sharded(directory, other, plain.init(other))
+    out["count"] = int(s1[0].count)
+    p1, s1 = run(plain, p1, s1, 0, 1, steps, 2 * steps)
+    out["at_1"] = diff(p1, whole)
+    # without the moments the continuation differs
+    p0 = hvd.load_sharded(directory, other, plain.init(other))[0]
+    out["fresh_moments"] = diff(run(plain, p0, plain.init(p0), 0, 1, steps, 2 * steps)[0],
+                                whole)
+    # a plain state's save (every rank calls it, rank 0 writes) into a sharded one
+    hvd.save_sharded(directory + "/plain", p1, s1)
+    tx3 = hvd.ShardedOptimizer(optax.adam(0.01), name="ck3")
+    p3, s3 = hvd.load_sharded(directory + "/plain", other, tx3.init(other))
+    more = run(plain, p1, s1, 0, 1, 0, steps)[0]
+    out["plain_to_sharded"] = diff(run(tx3, p3, s3, r, n, 0, steps)[0], more)
+    hvd.shutdown()
+    return out

@@ -51,11 +51,20 @@ def test_at_two_ranks_gradients_equivalence_and_the_sharded_optimizer():
 
 
 @pytest.mark.timeout(200)
-def test_at_three_ranks_collectives_and_the_sharded_optimizer():
-    collectives, sharded = run_ranks_many(3, [workers.collectives, workers.sharded],
-                                          timeout_s=180)
+def test_at_three_ranks_collectives_and_the_sharded_optimizer(tmp_path):
+    collectives, sharded, checkpoint = run_ranks_many(
+        3, [workers.collectives, workers.sharded,
+            (workers.sharded_checkpoint, str(tmp_path / "ck"))], timeout_s=180)
     assert collectives == ["ok"] * 3  # eager and under jit
     _check_sharded(sharded, 3)
+    for r, ck in enumerate(checkpoint):
+        # saved at N=3 after 3 Adam steps, 3 more steps after loading at N=2 and into a
+        # plain optax.adam (N=1): where the uninterrupted run ends (float64)
+        if r < 2:
+            assert ck["at_2"] < 1e-12, ck
+        assert ck["at_1"] < 1e-12 and ck["count"] == 3, ck
+        assert ck["fresh_moments"] > 1e-4, ck  # the moments matter: they were loaded
+        assert ck["plain_to_sharded"] < 1e-12, ck
 
 
 @pytest.mark.timeout(60)

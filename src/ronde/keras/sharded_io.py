@@ -1,45 +1,33 @@
 """Checkpoints of a Keras ``ShardedOptimizer`` that load at any world size, with no
-conversion: the Keras counterpart of :mod:`ronde.torch.sharded_io`, with the same
-layout in numpy files.
+conversion: the files of :mod:`ronde.frameworks.sharded_files` plus the model's weights.
 
-``save_sharded(dir, model, optimizer)`` (every rank calls it) writes::
+``save_sharded(dir, model, optimizer)`` (every rank calls it) writes each rank's pieces
+(a range [a, b) of one variable's flat elements that its shard covers, keyed
+``"<index>:<shape>"`` by the variable's place among the trainable variables) with the
+optimizer's slots over them, ``dir/model.weights.h5`` (rank 0, ``model.save_weights``, if
+a model is given) and ``dir/meta.json`` last, with the step count. A slot is named by
+what the optimizer calls it (``momentum``, ``velocity``...): Keras names a slot variable
+``<variable path>_<slot>``.
 
-    dir/optim.<id>.<r>-of-<N>.npz   each rank: for each *piece* (a range [a, b) of one
-                                    variable's flat elements that its shard covers) the
-                                    optimizer's slots over it ("<piece>.<slot>")
-    dir/model.weights.h5            rank 0: model.save_weights (if a model is given)
-    dir/meta.json                   rank 0, last: N, every file's pieces
-                                    ("<index>:<shape>" of the variable, a, b), the
-                                    slots, the step count
-
-Every file is written atomically and ``meta.json`` only after every rank's file is
-complete; the previous save's files (another ``<id>``) are removed after it, so a save cut
-short leaves the previous checkpoint whole. A slot is named by what the optimizer calls
-it (``momentum``, ``velocity``...): Keras names a slot variable ``<variable path>_<slot>``.
-
-``load_sharded(dir, model, optimizer)`` reads ``meta.json`` and, for this rank's pieces,
-only the files whose pieces overlap them: at any N, and into a plain Keras optimizer in
-one process (which then holds the whole state: the export), or from a plain optimizer's
-save. Files are read with ``allow_pickle=False``: arrays only.
+``load_sharded(dir, model, optimizer)`` reads, for this rank's pieces, only the files
+whose pieces overlap them: at any N, and into a plain Keras optimizer in one process
+(which then holds the whole state: the export), or from a plain optimizer's save.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import secrets
 from typing import Any
 
 import numpy as np
 
-from .. import _api, _objects
 from .._errors import RondeError
-from ..checkpoint import atomic_save, commit_sharded_save, sharded_meta
+from ..checkpoint import atomic_save
+from ..frameworks import sharded_files
 from ..process_sets import global_process_set
 from ._bridge import sync_jax_state, to_numpy
 from .sharded import _rank_size, is_sharded
 
-META = "meta.json"
 MODEL = "model.weights.h5"
 FORMAT = "ronde.keras.sharded/1"
 
@@ -103,83 +91,46 @@ def _key(variables: list[Any], i: int) -> str:
 def save_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) -> None:
     """Write this rank's part of ``optimizer`` (and, on rank 0, ``model``'s weights) to
     ``directory`` (a folder every rank can reach). Every rank must call it."""
-    directory = os.fspath(directory)
     if model is not None:
         sync_jax_state(model)
     sharded = is_sharded(optimizer)
     ps = optimizer._ronde_cfg["process_set"] if sharded else global_process_set
     rank, size = _rank_size(ps) if sharded else (0, 1)
-    many = size > 1
-    together = _api.is_initialized() and _api.size() > 1
-    writer = many or not together or _api.rank() == 0
-    token = secrets.token_hex(6)
-    if many:
-        token = _objects.broadcast_object(token, ps.ranks[0] if ps.ranks else 0,
-                                          "ronde.save_sharded.id", ps)
-    os.makedirs(directory, exist_ok=True)
     pieces, counter = _pieces(optimizer, model)
-    if writer:
-        arrays = {f"{i}.{kind}": to_numpy(s).reshape(-1)[at:at + b - a]
-                  for i, (_, a, b, slots) in enumerate(pieces) for kind, s, at in slots}
-        atomic_save(os.path.join(directory, f"optim.{token}.{rank}-of-{size}.npz"),
-                    lambda fh: np.savez(fh, **arrays))
-    index = [[(path, a, b, [kind for kind, _, _ in slots]) for path, a, b, slots in pieces]]
-    if many:
-        index = _objects.allgather_object(index[0], "ronde.save_sharded.index", ps)
-    if (rank == 0) and writer:
+    arrays = [(key, a, b, {kind: to_numpy(s).reshape(-1)[at:at + b - a]
+                           for kind, s, at in slots}) for key, a, b, slots in pieces]
+
+    def weights(folder: str) -> None:
         if model is not None:
-            atomic_save(os.path.join(directory, MODEL), write_path=model.save_weights)
-        meta = {"format": FORMAT, "id": token, "world_size": size,
-                "files": [f"optim.{token}.{r}-of-{size}.npz" for r in range(size)],
-                "pieces": index, "iterations": int(to_numpy(counter.iterations)),
-                "optimizer": type(optimizer).__name__}
-        commit_sharded_save(directory, META, lambda fh: fh.write(json.dumps(meta).encode()),
-                            token, ".npz")
-    if together:
-        _api.barrier(process_set=ps)
+            atomic_save(os.path.join(folder, MODEL), write_path=model.save_weights)
+
+    sharded_files.save(directory, arrays, {"iterations": int(to_numpy(counter.iterations)),
+                                           "optimizer": type(optimizer).__name__},
+                       FORMAT, rank, size, ps, weights)
 
 
 def load_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) -> None:
     """Load ``model``'s weights (if given) and this rank's part of ``optimizer`` (built
     here over ``model.trainable_variables`` if it was not) from a folder that
     :func:`save_sharded` wrote, whatever the world size it was written at."""
-    directory, meta_path = sharded_meta(directory, META)
-    with open(meta_path, "rb") as fh:
-        meta = json.loads(fh.read())
-    if meta.get("format") != FORMAT:
-        raise RondeError(f"{meta_path}: unknown format {meta.get('format')!r}")
+    directory, meta = sharded_files.read_meta(directory, FORMAT)
     if model is not None:
         model.load_weights(os.path.join(directory, MODEL))
         if not getattr(optimizer, "built", False):
             optimizer.build(model.trainable_variables)
     mine, counter = _pieces(optimizer, model)
-    wanted: dict[str, list[tuple[int, int, int]]] = {}
-    for k, (path, a, b, _) in enumerate(mine):
-        wanted.setdefault(path, []).append((a, b, k))
+    got = sharded_files.load(directory, meta, [(key, a, b) for key, a, b, _ in mine])
     values = {id(s): to_numpy(s).reshape(-1).copy() for _, _, _, slots in mine
               for _, s, _ in slots}
-    covered = [0] * len(mine)
-    for f, entries in zip(meta["files"], meta["pieces"]):
-        if not any(p in wanted and any(a < e and s < b for a, b, _ in wanted[p])
-                   for p, s, e, _ in entries):
-            continue  # nothing of this rank's in that file
-        with np.load(os.path.join(directory, f), allow_pickle=False) as saved:
-            for j, (path, s, e, kinds) in enumerate(entries):
-                for a, b, k in wanted.get(path, ()):
-                    lo, hi = max(a, s), min(b, e)
-                    if lo >= hi:
-                        continue
-                    covered[k] += hi - lo
-                    for kind, slot, at in mine[k][3]:
-                        if kind not in kinds:
-                            raise RondeError(f"{directory}: slot {kind!r} of {path!r} was not "
-                                             f"saved (saved: {kinds}); another optimizer?")
-                        values[id(slot)][at + lo - a: at + hi - a] = \
-                            saved[f"{j}.{kind}"][lo - s: hi - s]
-    for k, (path, a, b, slots) in enumerate(mine):
-        if slots and covered[k] != b - a:
-            raise RondeError(f"{directory}: the optimizer state of {path!r} [{a}:{b}] is only "
-                             f"{covered[k]} of {b - a} elements in the files")
+    for (key, a, b, slots), arrays in zip(mine, got):
+        for kind, slot, at in slots:
+            if not arrays:
+                continue  # no state saved for it (never stepped)
+            if kind not in arrays:
+                raise RondeError(f"{directory}: slot {kind!r} of {key!r} was not saved "
+                                 f"(saved: {sorted(arrays)}); another optimizer?")
+            values[id(slot)][at:at + b - a] = arrays[kind]
+    for _, _, _, slots in mine:
         for _, slot, _ in slots:
             slot.assign(values[id(slot)].reshape(tuple(slot.shape)))
     counter.iterations.assign(meta["iterations"])

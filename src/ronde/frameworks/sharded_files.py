@@ -1,0 +1,116 @@
+"""Sharded-optimizer checkpoints as numpy files, for the bindings whose optimizer state is
+arrays (Keras, JAX; torch's own :mod:`ronde.torch.sharded_io` keeps torch files).
+
+A *piece* is a range ``[a, b)`` of one parameter's flat elements, keyed by a string the
+binding makes stable across processes (JAX: the leaf's path; Keras: the variable's place
+and shape), with the optimizer's *slots* over it (``mu``, ``momentum``...: arrays of
+``b - a`` elements). Every rank calls :func:`save` with its pieces; the folder holds::
+
+    optim.<id>.<r>-of-<N>.npz   each rank: "<piece>.<slot>" arrays
+    meta.json                   the first rank, last: N, every file's pieces
+                                (key, a, b, slots), the binding's scalars
+
+written atomically, ``meta.json`` after every rank's file, the previous save's files
+removed after it (:func:`ronde.checkpoint.commit_sharded_save`). :func:`load` reads
+only the files whose pieces overlap the wanted ones, at any N, and checks every wanted
+element arrived. Files are read with ``allow_pickle=False``: arrays only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .. import _api, _objects
+from .._errors import RondeError
+from ..checkpoint import atomic_save, commit_sharded_save, sharded_meta
+from ..process_sets import ProcessSet, global_process_set
+
+META = "meta.json"
+
+#: (key, a, b, {slot: array of b - a elements})
+Piece = tuple[str, int, int, dict[str, np.ndarray]]
+
+
+def save(directory: str | os.PathLike[str], pieces: Sequence[Piece], scalars: dict[str, Any],
+         fmt: str, rank: int, size: int, process_set: ProcessSet = global_process_set,
+         first_files: Callable[[str], None] | None = None) -> None:
+    """Write this rank's ``pieces``; the set's first rank writes ``meta.json`` (with
+    ``scalars`` and ``fmt``), after ``first_files(directory)`` (a model's weights).
+    Every rank of the job calls it (``size`` 1: only the job's rank 0 writes)."""
+    directory = os.fspath(directory)
+    ps = process_set
+    many = size > 1
+    together = _api.is_initialized() and _api.size() > 1
+    writer = many or not together or _api.rank() == 0  # one copy of an unsharded state
+    token = secrets.token_hex(6)
+    if many:
+        token = _objects.broadcast_object(token, ps.ranks[0] if ps.ranks else 0,
+                                          "ronde.save_sharded.id", ps)
+    os.makedirs(directory, exist_ok=True)
+    if writer:
+        arrays = {f"{i}.{slot}": np.ascontiguousarray(v)
+                  for i, (_, _, _, slots) in enumerate(pieces) for slot, v in slots.items()}
+        atomic_save(os.path.join(directory, f"optim.{token}.{rank}-of-{size}.npz"),
+                    lambda fh: np.savez(fh, **arrays))
+    index = [[(key, a, b, sorted(slots)) for key, a, b, slots in pieces]]
+    if many:
+        index = _objects.allgather_object(index[0], "ronde.save_sharded.index", ps)
+    if rank == 0 and writer:
+        if first_files is not None:
+            first_files(directory)
+        meta = {"format": fmt, "id": token, "world_size": size,
+                "files": [f"optim.{token}.{r}-of-{size}.npz" for r in range(size)],
+                "pieces": index, **scalars}
+        commit_sharded_save(directory, META, lambda fh: fh.write(json.dumps(meta).encode()),
+                            token, ".npz")
+    if together:
+        _api.barrier(process_set=ps)
+
+
+def read_meta(directory: str | os.PathLike[str], fmt: str) -> tuple[str, dict[str, Any]]:
+    """The folder and its ``meta.json``, checked to be of format ``fmt``."""
+    directory, meta_path = sharded_meta(directory, META)
+    with open(meta_path, "rb") as fh:
+        meta = json.loads(fh.read())
+    if meta.get("format") != fmt:
+        raise RondeError(f"{meta_path}: unknown format {meta.get('format')!r} (expected "
+                         f"{fmt!r})")
+    return directory, meta
+
+
+def load(directory: str, meta: dict[str, Any], wanted: Sequence[tuple[str, int, int]],
+         ) -> list[dict[str, np.ndarray]]:
+    """Each wanted piece's slots, assembled from the files that overlap it (``{}`` for a
+    piece no file has state for); ``RondeError`` when a piece is only partly covered."""
+    by_key: dict[str, list[tuple[int, int, int]]] = {}
+    for k, (key, a, b) in enumerate(wanted):
+        by_key.setdefault(key, []).append((a, b, k))
+    out: list[dict[str, np.ndarray]] = [{} for _ in wanted]
+    covered = [0] * len(wanted)
+    for f, entries in zip(meta["files"], meta["pieces"]):
+        if not any(key in by_key and any(a < e and s < b for a, b, _ in by_key[key])
+                   for key, s, e, _ in entries):
+            continue  # nothing wanted in that file
+        with np.load(os.path.join(directory, f), allow_pickle=False) as saved:
+            for j, (key, s, e, slots) in enumerate(entries):
+                for a, b, k in by_key.get(key, ()):
+                    lo, hi = max(a, s), min(b, e)
+                    if lo >= hi or not slots:
+                        continue
+                    covered[k] += hi - lo
+                    for slot in slots:
+                        src = saved[f"{j}.{slot}"]
+                        dst = out[k].get(slot)
+                        if dst is None:
+                            dst = out[k][slot] = np.zeros(b - a, dtype=src.dtype)
+                        dst[lo - a:hi - a] = src[lo - s:hi - s]
+    for k, (key, a, b) in enumerate(wanted):
+        if out[k] and covered[k] != b - a:
+            raise RondeError(f"{directory}: the optimizer state of {key!r} [{a}:{b}] is only "
+                             f"{covered[k]} of {b - a} elements in the files")
+    return out

@@ -1,0 +1,148 @@
+"""Checkpoints of ``ronde.jax.ShardedOptimizer`` state that load at any world size, with
+no conversion: the files of :mod:`ronde.frameworks.sharded_files`, pieces keyed by the
+parameters' leaf paths.
+
+``save_sharded(dir, params, opt_state)`` (every rank calls it) writes this rank's pieces
+of the inner state (a range [a, b) of one parameter leaf's flat elements, with each slot
+of the inner transformation over it: ``[0].mu``, ``[0].nu``...), rank 0 ``params.npz``
+(the parameters, by leaf path) and ``meta.json`` last, with the scalars (``[0].count``).
+``load_sharded(dir, params, opt_state)`` returns ``(params, opt_state)`` read back into
+the structures given (a fresh ``tx.init(params)``): for a ``ShardedState`` this rank's
+slices at the current size, for a plain optax state the whole state (the export); a plain
+state's save loads into a sharded one too. Accumulated gradients of an unfinished window
+are not saved (save at a step's end).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._errors import RondeError
+from ..checkpoint import atomic_save
+from ..frameworks import sharded_files
+from ..process_sets import ProcessSet, global_process_set
+from . import _collectives as C
+from .sharded import ShardedState, _groups
+
+FORMAT = "ronde.jax.sharded/1"
+PARAMS = "params.npz"
+
+
+def _paths(tree: Any) -> tuple[list[str], list[Any], Any]:
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return [jax.tree_util.keystr(p) for p, _ in with_path], [x for _, x in with_path], treedef
+
+
+def _rank_size(process_set: ProcessSet) -> tuple[int, int]:
+    if process_set is not global_process_set and not process_set.included():
+        return 0, 1
+    return C.set_rank_and_size(process_set)
+
+
+def _layout(params: Any, opt_state: Any, process_set: ProcessSet) -> tuple[
+        list[tuple[str, int, int, dict[str, tuple[int, int, int]]]], dict[str, Any], int, int]:
+    """This rank's pieces: (param path, a, b, {slot: (state leaf index, offset, -)}),
+    the state's scalars by path, and (rank, size) of the layout."""
+    names, leaves, _ = _paths(params)
+    s_paths, s_leaves, _ = _paths(opt_state)
+    scalars: dict[str, Any] = {}
+    pieces: list[tuple[str, int, int, dict[str, tuple[int, int, int]]]] = []
+    if isinstance(opt_state, ShardedState):
+        rank, size = _rank_size(process_set)
+        for k, ids in enumerate(_groups(leaves).values()):
+            sizes = [int(np.size(leaves[i])) for i in ids]
+            per = -(-sum(sizes) // size)
+            lo, hi = rank * per, min((rank + 1) * per, sum(sizes))
+            prefix = f".inner[{k}]"
+            slots = {p[len(prefix):]: j for j, p in enumerate(s_paths)
+                     if p.startswith(prefix) and np.shape(s_leaves[j]) == (per,)}
+            for j, p in enumerate(s_paths):
+                if p.startswith(prefix) and np.ndim(s_leaves[j]) == 0:
+                    scalars.setdefault(p[len(prefix):], s_leaves[j])
+            at = 0
+            for i, m in zip(ids, sizes):
+                a, b = max(at, lo) - at, min(at + m, hi) - at
+                if a < b:
+                    pieces.append((names[i], a, b, {sp: (j, at + a - lo, 0)
+                                                    for sp, j in slots.items()}))
+                at += m
+        return pieces, scalars, rank, size
+    by_name = {n: i for i, n in enumerate(names)}
+    slots_of: dict[str, dict[str, tuple[int, int, int]]] = {n: {} for n in names}
+    for j, p in enumerate(s_paths):
+        match = [n for n in names if p.endswith(n) and
+                 np.shape(s_leaves[j]) == np.shape(leaves[by_name[n]])]
+        if match:
+            n = max(match, key=len)
+            slots_of[n][p[:len(p) - len(n)]] = (j, 0, 0)
+        elif np.ndim(s_leaves[j]) == 0:
+            scalars.setdefault(p, s_leaves[j])
+    for n, i in by_name.items():
+        pieces.append((n, 0, int(np.size(leaves[i])), slots_of[n]))
+    return pieces, scalars, 0, 1
+
+
+def save_sharded(directory: str | os.PathLike[str], params: Any, opt_state: Any,
+                 process_set: ProcessSet = global_process_set) -> None:
+    """Write this rank's part of ``opt_state`` (a ``ShardedState``, or a plain optax
+    state) and, on rank 0, ``params`` to ``directory``. Every rank must call it."""
+    pieces, scalars, rank, size = _layout(params, opt_state, process_set)
+    s_leaves = _paths(opt_state)[1]
+    arrays = [(n, a, b, {sp: np.asarray(s_leaves[j]).reshape(-1)[at:at + b - a]
+                         for sp, (j, at, _) in slots.items()}) for n, a, b, slots in pieces]
+    names, leaves, _ = _paths(params)
+
+    def write_params(folder: str) -> None:
+        values = {f"p{i}": np.asarray(x) for i, x in enumerate(leaves)}
+        atomic_save(os.path.join(folder, PARAMS), lambda fh: np.savez(fh, **values))
+
+    sharded_files.save(directory, arrays,
+                       {"scalars": {p: np.asarray(v).item() for p, v in scalars.items()},
+                        "params": names},
+                       FORMAT, rank, size, process_set, write_params)
+
+
+def load_sharded(directory: str | os.PathLike[str], params: Any, opt_state: Any,
+                 process_set: ProcessSet = global_process_set) -> tuple[Any, Any]:
+    """``(params, opt_state)`` from a folder :func:`save_sharded` wrote, at any world
+    size: ``params`` and ``opt_state`` give the structures (``tx.init(params)``)."""
+    directory, meta = sharded_files.read_meta(directory, FORMAT)
+    names, leaves, treedef = _paths(params)
+    if meta["params"] != names:
+        raise RondeError(f"{directory}: saved for parameters {meta['params']}, these are "
+                         f"{names}")
+    with np.load(os.path.join(directory, PARAMS), allow_pickle=False) as saved:
+        new_params = jax.tree_util.tree_unflatten(
+            treedef, [jnp.asarray(saved[f"p{i}"], dtype=jnp.result_type(x))
+                      for i, x in enumerate(leaves)])
+    pieces, scalars, _, _ = _layout(params, opt_state, process_set)
+    got = sharded_files.load(directory, meta, [(n, a, b) for n, a, b, _ in pieces])
+    s_paths, s_leaves, s_def = _paths(opt_state)
+    values = [np.array(x) for x in s_leaves]
+    for (n, a, b, slots), arrays in zip(pieces, got):
+        for sp, (j, at, _) in slots.items():
+            if not arrays:
+                continue
+            if sp not in arrays:
+                raise RondeError(f"{directory}: slot {sp!r} of {n!r} was not saved (saved: "
+                                 f"{sorted(arrays)}); another transformation?")
+            values[j].reshape(-1)[at:at + b - a] = arrays[sp]
+    saved_scalars = meta["scalars"]
+    prefix_of = {}
+    if isinstance(opt_state, ShardedState):
+        for j, p in enumerate(s_paths):
+            if p.startswith(".inner[") and np.ndim(values[j]) == 0:
+                prefix_of[j] = p[p.index("]") + 1:]
+    else:
+        prefix_of = {j: p for j, p in enumerate(s_paths) if np.ndim(values[j]) == 0
+                     and p in scalars}
+    for j, p in prefix_of.items():
+        if p in saved_scalars:
+            values[j] = np.asarray(saved_scalars[p], dtype=values[j].dtype)
+    out = [jnp.asarray(v, dtype=jnp.result_type(x)) for v, x in zip(values, s_leaves)]
+    return new_params, jax.tree_util.tree_unflatten(s_def, out)
