@@ -152,3 +152,23 @@ def sharded_meta(directory: str | os.PathLike[str], meta_name: str) -> tuple[str
         raise FileNotFoundError(f"{meta_path} is missing: not a save_sharded() folder, or the "
                                 "save did not complete")
     return directory, meta_path
+
+
+def begin_sharded_save(directory: str, many: bool, process_set: Any) -> tuple[str, bool, bool]:
+    """The first step of a sharded save (``save_sharded`` of every binding): make the
+    folder; returns ``(token, writer, together)``: the save's id (rank 0's, when ``many``
+    ranks each write a slice), whether this rank writes a file (every rank of a sharded
+    state; only rank 0 of an unsharded one) and whether the job has several ranks."""
+    import secrets
+
+    from . import _api, _objects
+
+    together = _api.is_initialized() and _api.size() > 1
+    writer = many or not together or _api.rank() == 0
+    token = secrets.token_hex(6)
+    if many:
+        ranks = getattr(process_set, "ranks", None)
+        token = _objects.broadcast_object(token, ranks[0] if ranks else 0,
+                                          "ronde.save_sharded.id", process_set)
+    os.makedirs(directory, exist_ok=True)
+    return token, writer, together

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from .. import _api, _objects
 from .._errors import RondeError
-from ..checkpoint import atomic_save, commit_sharded_save, sharded_meta
+from ..checkpoint import atomic_save, begin_sharded_save, commit_sharded_save, sharded_meta
 from ..process_sets import ProcessSet, global_process_set
 
 META = "meta.json"
@@ -45,13 +44,7 @@ def save(directory: str | os.PathLike[str], pieces: Sequence[Piece], scalars: di
     directory = os.fspath(directory)
     ps = process_set
     many = size > 1
-    together = _api.is_initialized() and _api.size() > 1
-    writer = many or not together or _api.rank() == 0  # one copy of an unsharded state
-    token = secrets.token_hex(6)
-    if many:
-        token = _objects.broadcast_object(token, ps.ranks[0] if ps.ranks else 0,
-                                          "ronde.save_sharded.id", ps)
-    os.makedirs(directory, exist_ok=True)
+    token, writer, together = begin_sharded_save(directory, many, ps)
     if writer:
         arrays = {f"{i}.{slot}": np.ascontiguousarray(v)
                   for i, (_, _, _, slots) in enumerate(pieces) for slot, v in slots.items()}

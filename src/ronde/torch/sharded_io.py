@@ -23,14 +23,13 @@ parameters and loads into a ``ShardedOptimizer`` the same way. Files are read wi
 from __future__ import annotations
 
 import os
-import secrets
 from typing import Any
 
 import torch
 
 from .. import _api, _objects
 from .._errors import RondeError, UnsupportedError
-from ..checkpoint import atomic_save, commit_sharded_save, sharded_meta
+from ..checkpoint import atomic_save, begin_sharded_save, commit_sharded_save, sharded_meta
 from ..process_sets import global_process_set
 from .sharded import is_sharded
 
@@ -69,13 +68,7 @@ def save_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) 
     ps = optimizer._ronde_ps if sharded else global_process_set
     many = sharded and not optimizer._ronde_solo
     rank, size = (optimizer._ronde_rank, optimizer._ronde_size) if sharded else (0, 1)
-    together = _api.is_initialized() and _api.size() > 1
-    writer = many or not together or _api.rank() == 0  # one copy of an unsharded state
-    token = secrets.token_hex(6)
-    if many:
-        token = _objects.broadcast_object(token, ps.ranks[0] if ps.ranks else 0,
-                                          "ronde.save_sharded.id", ps)
-    os.makedirs(directory, exist_ok=True)
+    token, writer, together = begin_sharded_save(directory, many, ps)
     pieces = _pieces(optimizer, model)
     if writer:
         state = optimizer.state
