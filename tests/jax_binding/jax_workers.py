@@ -344,3 +344,36 @@ def sharded_checkpoint(directory: str, global_batch: int = 12, steps: int = 3) -
     out["plain_to_sharded"] = diff(run(tx3, p3, s3, r, n, 0, steps)[0], more)
     hvd.shutdown()
     return out
+
+
+def elastic_sharded_state() -> dict:
+    """JaxState holding a ShardedOptimizer's state: sync gives every rank rank 0's
+    parameters and keeps each rank's own slice of the moments; after a new generation
+    (an elastic reset) sync refuses, naming the fix."""
+    jax, hvd = _setup(x64=True)
+    import optax
+
+    r = hvd.rank()
+    tx = hvd.ShardedOptimizer(optax.adam(0.01), name="el")
+    params = _init(jax, seed=r)
+    opt_state = tx.init(params)
+    x, y = _data(3, 8)
+    g = jax.grad(lambda p: _loss(jax, p, jax.numpy.asarray(x), jax.numpy.asarray(y)))(params)
+    _, opt_state = tx.update(g, opt_state, params)
+    mine = np.asarray(opt_state.inner[0][0].mu).copy()
+    state = hvd.elastic.JaxState(params=params, opt_state=opt_state, epoch=0)
+    state.sync()
+    out = {"kept": bool(np.array_equal(np.asarray(state.opt_state.inner[0][0].mu), mine)),
+           "differ": len(set(hvd.allgather_object(mine.tobytes()))) > 1,
+           "params_from_0": hvd.allgather_object(
+               np.asarray(state.params["l1"]["w"]).tobytes()).count(
+               np.asarray(state.params["l1"]["w"]).tobytes()) == hvd.size()}
+    hvd.shutdown()
+    hvd.init()
+    try:
+        state.sync()
+        out["after_reset"] = "synced"
+    except hvd.UnsupportedError as exc:
+        out["after_reset"] = str(exc)
+    hvd.shutdown()
+    return out

@@ -40,14 +40,20 @@ def test_collectives_eager_and_under_jit_in_one_process():
 def test_at_two_ranks_gradients_equivalence_and_the_sharded_optimizer():
     # one launch for three scenarios (importing JAX is most of a launch's cost)
     configs = list(CONFIGS)
-    grads, per_rank, sharded = run_ranks_many(
-        2, [workers.gradients, (workers.equivalence, configs), workers.sharded],
-        timeout_s=220)
+    grads, per_rank, sharded, elastic = run_ranks_many(
+        2, [workers.gradients, (workers.equivalence, configs), workers.sharded,
+            workers.elastic_sharded_state], timeout_s=220)
     assert grads == ["ok", "ok"]  # gradients flow through the collectives
     for diffs in per_rank:  # np=2 on batch b equals one process on batch 2b
         for cfg, diff in zip(configs, diffs):
             assert diff <= CONFIGS[cfg], (cfg, diff)
     _check_sharded(sharded, 2)
+    for res in elastic:  # JaxState with a ShardedState in it
+        # rank 0's parameters; each rank's own slice of the moments (rank 0's replaced
+        # them before: every rank then stepped with rank 0's slice)
+        assert res["params_from_0"] and res["kept"] and res["differ"], res
+        assert "was re-formed (an elastic reset)" in res["after_reset"], res
+        assert "save_sharded() before" in res["after_reset"], res
 
 
 @pytest.mark.timeout(200)

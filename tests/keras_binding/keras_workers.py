@@ -355,6 +355,14 @@ def sharded_checkpoint(directory: str, global_batch: int = 12) -> dict:
     fit(model2, r, n, 4, 8)
     fit(model, 0, 1, 4, 8)
     out["plain_to_sharded"] = _maxdiff(_weights(model2), _weights(model))
+    # KerasState.sync: the model from rank 0, each rank's slots its own (rank 0's would
+    # replace them: every rank then trains on rank 0's slice of the moments)
+    state = hvd.elastic.KerasState(model2, epoch=0)
+    slots = [np.asarray(v) for v in opt.inner_optimizer.variables if len(v.shape)]
+    state.sync()
+    out["slots_kept"] = all(np.array_equal(a, np.asarray(v)) for a, v in zip(
+        slots, [v for v in opt.inner_optimizer.variables if len(v.shape)]))
+    out["slots_differ"] = len(set(hvd.allgather_object(slots[0].tobytes()))) > 1
     # a new generation of the job (what an elastic reset makes): the shards refuse
     hvd.shutdown()
     hvd.init()
@@ -363,4 +371,9 @@ def sharded_checkpoint(directory: str, global_batch: int = 12) -> dict:
         out["after_reset"] = "stepped"
     except Exception as exc:  # noqa: BLE001 - the host call may wrap it
         out["after_reset"] = f"{type(exc).__name__}: {exc}"
+    try:
+        state.sync()
+        out["sync_after_reset"] = "synced"
+    except Exception as exc:  # noqa: BLE001
+        out["sync_after_reset"] = f"{type(exc).__name__}: {exc}"
     return out

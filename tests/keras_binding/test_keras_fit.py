@@ -91,3 +91,8 @@ def test_sharded_optimizer_at_three_ranks_and_its_checkpoints_at_any_size(tmp_pa
         # (JAX's callback wraps the error: its text is inside)
         assert "UnsupportedError: ShardedOptimizer: the job was resized" in ck["after_reset"]
         assert "load_sharded() into a new ShardedOptimizer" in ck["after_reset"]
+        # KerasState.sync keeps each rank's slice (they differ), and after a reset
+        # refuses the same way
+        assert ck["slots_kept"] and ck["slots_differ"], ck
+        assert ck["sync_after_reset"].startswith("UnsupportedError: ShardedOptimizer: the "
+                                                 "job was resized"), ck

@@ -87,8 +87,15 @@ class KerasState(ObjectState):
 
     def sync(self) -> None:
         from . import broadcast_variables
+        from .sharded import check_same_layout, is_sharded
 
-        broadcast_variables(self._variables(), root_rank=0)
+        variables = self._variables()
+        if is_sharded(self.optimizer):
+            # each rank's slice of the state is its own: only the model and the step
+            # count come from rank 0 (and a resize is refused, naming the fix)
+            check_same_layout(self.optimizer)
+            variables = list(self.model.variables) + [self.optimizer.iterations]
+        broadcast_variables(variables, root_rank=0)
         self._save_model()
         super().sync()
 

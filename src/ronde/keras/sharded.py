@@ -223,16 +223,24 @@ def _my_slice(ops: Any, values: list[Any], g: _Group) -> Any:
     return parts[0] if len(parts) == 1 else ops.concatenate(parts)
 
 
+def check_same_layout(optimizer: Any, generation: int | None = None) -> None:
+    """Raise ``UnsupportedError`` when the job was re-formed (an elastic reset) since
+    ``optimizer`` laid out its shards: Keras' shards follow no resize yet (torch's do)."""
+    built = getattr(optimizer, "_ronde_generation", None) if generation is None else generation
+    if built is not None and _state.require().generation != built:
+        raise UnsupportedError(
+            "ShardedOptimizer: the job was resized (an elastic reset) since this optimizer "
+            "was built; Keras' shards follow no resize yet: save_sharded() before and "
+            "load_sharded() into a new ShardedOptimizer after, or use DistributedOptimizer "
+            "(ronde.torch's ShardedOptimizer reshards in memory)")
+
+
 def _reduce_scatter(arrays: Sequence[np.ndarray], g: _Group, size: int, name: str,
                     ps: ProcessSet, wire: str | None, scale: float,
                     generation: int) -> np.ndarray:
     """Host side: the group's flat, padded gradients averaged over the ranks; this
     rank's ``S`` of them."""
-    if _state.require().generation != generation:
-        raise UnsupportedError(
-            "ShardedOptimizer: the job was resized (an elastic reset) since this optimizer "
-            "was built; its shards follow no resize yet: save_sharded() before and "
-            "load_sharded() into a new ShardedOptimizer after, or use DistributedOptimizer")
+    check_same_layout(None, generation)
     flat = np.zeros(g.per * size, dtype=g.dtype)
     at = 0
     for a, n in zip(arrays, g.sizes):
