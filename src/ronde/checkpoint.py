@@ -26,7 +26,10 @@ import pickle
 import signal
 import tempfile
 import threading
-from typing import IO, Any, Callable, Iterator
+from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
+
+if TYPE_CHECKING:
+    from .process_sets import ProcessSet
 
 __all__ = ["atomic_save", "save_checkpoint", "deferred_termination"]
 
@@ -154,7 +157,8 @@ def sharded_meta(directory: str | os.PathLike[str], meta_name: str) -> tuple[str
     return directory, meta_path
 
 
-def begin_sharded_save(directory: str, many: bool, process_set: Any) -> tuple[str, bool, bool]:
+def begin_sharded_save(directory: str, many: bool, process_set: "ProcessSet"
+                       ) -> tuple[str, bool, bool]:
     """The first step of a sharded save (``save_sharded`` of every binding): make the
     folder; returns ``(token, writer, together)``: the save's id (rank 0's, when ``many``
     ranks each write a slice), whether this rank writes a file (every rank of a sharded
@@ -167,7 +171,7 @@ def begin_sharded_save(directory: str, many: bool, process_set: Any) -> tuple[st
     writer = many or not together or _api.rank() == 0
     token = secrets.token_hex(6)
     if many:
-        ranks = getattr(process_set, "ranks", None)
+        ranks = process_set.ranks
         token = _objects.broadcast_object(token, ranks[0] if ranks else 0,
                                           "ronde.save_sharded.id", process_set)
     os.makedirs(directory, exist_ok=True)

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import optax
 
 from ..frameworks.compression import Compresses
-from .._ops import ReduceOp
+from .._ops import ReduceOp, predivide_scales
 from ..frameworks.accumulation import PassCounter
 from ..frameworks.host_reduce import NUMPY_COMPRESSION as Compression
 from ..frameworks.host_reduce import Reduction, fused_allreduce, wire_dtype_of
@@ -67,14 +67,6 @@ class DistributedState(NamedTuple):
     inner: Any
     acc: Any
     passes: Any
-
-
-def _factors(op: ReduceOp, predivide: float) -> tuple[float, float]:
-    if predivide != 1.0 and op != ReduceOp.AVERAGE:
-        raise ValueError("gradient_predivide_factor is only supported with op=Average")
-    if op == ReduceOp.AVERAGE:  # the engine divides by the size after the sum
-        return 1.0 / predivide, float(predivide)
-    return 1.0, 1.0
 
 
 def reduce_gradients(grads: Any, name: str = DEFAULT_NAME, op: Any = ReduceOp.AVERAGE,
@@ -110,7 +102,7 @@ def allreduce_gradients(op: Any = ReduceOp.AVERAGE, compression: Compresses = Co
     optax.adam(1e-3))``. Arguments as for :func:`DistributedOptimizer`.
     """
     resolved = C.resolve_op(op, None)
-    pre, post = _factors(resolved, gradient_predivide_factor)
+    pre, post = predivide_scales(resolved, gradient_predivide_factor)
     wire_dtype_of(compression)  # fail now on an unsupported compressor
 
     def init(params: Any) -> optax.EmptyState:
@@ -162,7 +154,7 @@ def DistributedOptimizer(optimizer: optax.GradientTransformation,
     if resolved not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise ValueError(f"DistributedOptimizer supports op=Average, Sum or Adasum, not "
                          f"{resolved.name}")
-    pre, post = _factors(resolved, gradient_predivide_factor)
+    pre, post = predivide_scales(resolved, gradient_predivide_factor)
     passes_per_step = PassCounter(backward_passes_per_step).passes_per_step
     wire_dtype_of(compression)  # fail now on an unsupported compressor
 

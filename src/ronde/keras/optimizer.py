@@ -32,7 +32,7 @@ from typing import Any, Sequence
 from ..frameworks.compression import Compresses
 from .. import _api
 from .._errors import UnsupportedError
-from .._ops import ReduceOp
+from .._ops import ReduceOp, predivide_scales
 from ..frameworks.host_reduce import (GradientSpec, Reduction, reduce_arrays, set_size,
                                       wire_dtype_of)
 from ..frameworks.local_grads import LocalSources, layer_variables, reduce_except_local
@@ -277,14 +277,12 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
         raise UnsupportedError("DistributedOptimizer(op=Adasum) combines each step's "
                                "parameter deltas; it does not accumulate passes "
                                "(backward_passes_per_step must be 1)")
-    if gradient_predivide_factor != 1.0 and resolved != ReduceOp.AVERAGE:
-        raise ValueError("gradient_predivide_factor is only supported with op=Average")
+    pre, post = predivide_scales(resolved, gradient_predivide_factor)
     wire_dtype_of(compression)
     passes = int(backward_passes_per_step)
     if passes < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
-    options = Options(int(resolved), 1.0 / gradient_predivide_factor,
-                      float(gradient_predivide_factor), compression, bool(sparse_as_dense),
+    options = Options(int(resolved), pre, post, compression, bool(sparse_as_dense),
                       process_set, name or f"DistributedOptimizer.{optimizer_name(optimizer)}",
                       passes, bool(average_aggregated_gradients), LocalSources(),
                       bool(scale_local_gradients))

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..frameworks.compression import Compresses
 from .. import _state
-from .._ops import ReduceOp
+from .._ops import ReduceOp, predivide_scales
 from ..frameworks.host_reduce import NUMPY_COMPRESSION as Compression, wire_dtype_of
 from ..frameworks.naming import require_same_parameters
 from ..process_sets import ProcessSet, global_process_set
@@ -37,11 +37,6 @@ from . import _collectives as C
 logger = logging.getLogger(__name__)
 
 _OWN = frozenset({"_optimizer", "_ronde"})
-
-
-def _factors(gradient_predivide_factor: float) -> tuple[float, float]:
-    # Average: the engine divides the sum by the size; predividing moves part of it first
-    return 1.0 / gradient_predivide_factor, float(gradient_predivide_factor)
 
 
 class DistributedOptimizer(mx.optimizer.Optimizer):
@@ -66,7 +61,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         # no super().__init__(): every optimizer attribute lives on the inner optimizer
         object.__setattr__(self, "_optimizer", optimizer)
         wire_dtype_of(compression)  # fail now on an unsupported compressor
-        pre, post = _factors(gradient_predivide_factor)
+        pre, post = predivide_scales(ReduceOp.AVERAGE, gradient_predivide_factor)
         object.__setattr__(self, "_ronde", {"pre": pre, "post": post, "ps": process_set,
                                             "compression": compression})
 
@@ -148,7 +143,8 @@ class DistributedTrainer(mx.gluon.Trainer):
         super().__init__(params, optimizer, optimizer_params=optimizer_params, kvstore=None,
                          update_on_kvstore=False)
         wire_dtype_of(compression)  # fail now on an unsupported compressor
-        self._ronde_pre, self._ronde_post = _factors(gradient_predivide_factor)
+        self._ronde_pre, self._ronde_post = predivide_scales(ReduceOp.AVERAGE,
+                                                             gradient_predivide_factor)
         self._ronde_compression = compression
         self._ronde_prefix = prefix or ""
         self._ronde_ps = process_set

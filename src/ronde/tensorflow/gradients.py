@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from ..frameworks.compression import Compresses
 from .. import _api
-from .._ops import ReduceOp
+from .._ops import ReduceOp, predivide_scales
 from ..frameworks.host_reduce import (GradientSpec, Reduction, count_inputs, reduce_arrays,
                                       wire_dtype_of)
 from ..frameworks.local_grads import LocalSources, layer_variables, reduce_except_local
@@ -192,16 +192,15 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",
         An instance of a subclass of ``type(gradtape)`` sharing its recording.
     """
     resolved = _api.resolve_op(op, None)
-    if gradient_predivide_factor != 1.0 and resolved != ReduceOp.AVERAGE:
-        raise ValueError("gradient_predivide_factor is only supported with op=Average")
+    pre, post = predivide_scales(resolved, gradient_predivide_factor)
     wire_dtype_of(compression)  # fail now on an unsupported compressor
     base: type[Any] = type(gradtape)
     cls: type[Any] = type(base.__name__, (_DistributedTapeMixin, base),
                           {"__module__": base.__module__})
     tape = cls.__new__(cls)  # type: ignore[call-overload]
     tape.__dict__.update(gradtape.__dict__)
-    tape._ronde = {"prefix": name, "op": resolved, "pre": 1.0 / gradient_predivide_factor,
-                   "post": float(gradient_predivide_factor), "compression": compression,
+    tape._ronde = {"prefix": name, "op": resolved, "pre": pre, "post": post,
+                   "compression": compression,
                    "sparse_as_dense": sparse_as_dense, "process_set": process_set,
                    "scale_local": bool(scale_local_gradients)}
     tape._ronde_local = LocalSources()

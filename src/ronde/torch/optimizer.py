@@ -49,7 +49,7 @@ import torch
 
 from .. import _api, _state
 from .._errors import ProcessSetError, RondeError, UnsupportedError
-from .._ops import ReduceOp
+from .._ops import ReduceOp, predivide_scales
 from ..frameworks.accumulation import PassCounter
 from ..frameworks.compression import Compresses, Compressor, wire_reduction
 from ..frameworks.naming import (gradient_name, name_parameters, presence_name,
@@ -76,13 +76,9 @@ class _DistributedMixin(SkipSynchronize):
                     sparse_as_dense: bool, process_set: ProcessSet,
                     zero_unused_grads: bool) -> None:
         resolved = C.resolve_op(op, None)  # Adasum went to torch/adasum.py before this
-        if gradient_predivide_factor != 1.0 and resolved != ReduceOp.AVERAGE:
-            raise ValueError("gradient_predivide_factor is only supported with op=Average")
+        self._ronde_pre, self._ronde_post = predivide_scales(resolved,
+                                                             gradient_predivide_factor)
         self._ronde_op = resolved
-        self._ronde_pre, self._ronde_post = 1.0, 1.0
-        if resolved == ReduceOp.AVERAGE:  # the engine divides by the size after the sum
-            self._ronde_pre = 1.0 / gradient_predivide_factor
-            self._ronde_post = float(gradient_predivide_factor)
         self._ronde_compression = compression
         self._ronde_sparse_as_dense = bool(sparse_as_dense)
         self._ronde_ps = process_set

@@ -45,80 +45,7 @@ from ._tensors import dtype_name
 from ._wrap import SkipSynchronize, inner, wrap
 from .compression import Compression
 from ._elementwise import check_elementwise, slice_state
-
-class _Piece:
-    """The part ``[a, b)`` of flattened parameter ``index`` that this rank owns, at
-    ``at`` in its bucket's slice."""
-
-    __slots__ = ("index", "name", "a", "b", "at", "tensor")
-
-    def __init__(self, index: int, name: str, a: int, b: int, at: int,
-                 tensor: torch.Tensor) -> None:
-        self.index, self.name, self.a, self.b, self.at, self.tensor = index, name, a, b, at, tensor
-
-
-class _Bucket:
-    """Consecutive parameters of one dtype, reduce-scattered as one flat buffer."""
-
-    def __init__(self, name: str, members: list[int], params: list[torch.Tensor],
-                 names: list[str], rank: int, size: int) -> None:
-        self.name = name
-        self.members = members
-        self.dtype = params[members[0]].dtype
-        self.offset: dict[int, int] = {}
-        at = 0
-        for i in members:
-            self.offset[i] = at
-            at += params[i].numel()
-        self.length = at
-        self.per = -(-at // size)  # S: each rank's slice, the bucket padded to size * S
-        self.padded = self.per * size
-        lo, hi = rank * self.per, min((rank + 1) * self.per, at)
-        self.pieces: list[_Piece] = []
-        for i in members:
-            o, m = self.offset[i], params[i].numel()
-            a, b = max(o, lo) - o, min(o + m, hi) - o
-            if a < b:
-                flat = params[i].detach().view(-1)
-                self.pieces.append(_Piece(i, names[i], a, b, o + a - lo, flat[a:b]))
-        self.hooked: set[int] = set()  # members whose hook puts their gradient
-        self.unhooked: list[torch.Tensor] = []  # members without a hook now
-        self.buf: torch.Tensor | None = None  # size * S: this pass's gradients
-        self.filled: set[int] = set()
-        self.started: Any = None  # (handle, compression context)
-        self.slice = torch.zeros(self.per, dtype=self.dtype)  # the averaged slice
-        self.summed = False  # whether ``slice`` holds a reduction of this window
-        self.last_pass = -1  # the backward pass (of this window) it was last started in
-        self.gathering: Any = None  # the allgather of the updated slices
-
-    def put(self, i: int, grad: torch.Tensor) -> torch.Tensor:
-        """Member ``i``'s gradient into its slot (added for a second pass before this
-        bucket was reduced; nothing to do when ``grad`` is the slot: a view of it);
-        returns the slot."""
-        if self.buf is None:  # every slot is copied into or zeroed before it moves
-            self.buf = torch.empty(self.padded, dtype=self.dtype)
-            self.buf[self.length:].zero_()
-        o = self.offset[i]
-        dst = self.buf[o:o + grad.numel()]
-        if grad.data_ptr() != dst.data_ptr():
-            with torch.no_grad():
-                if i in self.filled:
-                    dst.add_(grad.reshape(-1))
-                else:
-                    dst.copy_(grad.reshape(-1))
-        self.filled.add(i)
-        return dst
-
-    def due(self, cur: int, stage: int) -> bool:
-        """Whether this bucket is still to be reduced in backward pass ``cur`` (stage 2:
-        once a pass; stage 1: once a window)."""
-        return self.last_pass != cur and (stage == 2 or self.last_pass < 0)
-
-    def complete(self, cur: int, stage: int) -> bool:
-        """Every hooked member's gradient is in, and no member without a hook wants in."""
-        return self.started is None and self.due(cur, stage) \
-            and len(self.filled) >= len(self.hooked) and self.filled >= self.hooked \
-            and not any(p.requires_grad for p in self.unhooked)
+from ._shards import Bucket, Piece
 
 
 class _ShardedMixin(SkipSynchronize):
@@ -163,13 +90,13 @@ class _ShardedMixin(SkipSynchronize):
         self._ronde_had: set[int] = set()  # parameters with a gradient in this window
         self._ronde_pass = 0  # backward passes in this window
         self._ronde_queued = False
-        self._ronde_moving: list[_Bucket] = []  # reduce-scatters in flight, in start order
+        self._ronde_moving: list[Bucket] = []  # reduce-scatters in flight, in start order
         self._ronde_synced = False
         self._ronde_should_sync = True
         self._ronde_hooks: dict[torch.Tensor, Any] = {}
         self._ronde_rehook()
 
-    def _ronde_layout(self) -> dict[int, _Piece]:
+    def _ronde_layout(self) -> dict[int, Piece]:
         """Build the buckets and this rank's pieces for the job as it is now (at wrapping,
         and again after an elastic reset: :meth:`relayout`); the param groups then hold
         the pieces, and the optimizer's state is empty. Returns the pieces by parameter."""
@@ -185,7 +112,7 @@ class _ShardedMixin(SkipSynchronize):
         base = f"ShardedOptimizer.{self._ronde_names[0]}" if params else "ShardedOptimizer"
         layout = _buckets.layout(order, params, lambda i: True, _state.require().cfg.bucket_bytes
                                  or _buckets.FIRST_BUCKET_BYTES)
-        self._ronde_buckets = [_Bucket(f"{base}.shard{k}.{len(ids)}", ids, params,
+        self._ronde_buckets = [Bucket(f"{base}.shard{k}.{len(ids)}", ids, params,
                                        self._ronde_names, rank, size)
                                for k, ids in enumerate(layout)]
         self._ronde_bucket_of = {i: b for b in self._ronde_buckets for i in b.members}
@@ -278,7 +205,7 @@ class _ShardedMixin(SkipSynchronize):
             self._ronde_reap(None)
         self._ronde_pass += 1
 
-    def _ronde_reap(self, wanted: _Bucket | None) -> None:
+    def _ronde_reap(self, wanted: Bucket | None) -> None:
         """Stage 2: take the slices that arrived (their buffers freed), and ``wanted``'s
         whether or not it did (its buffer is about to take the next pass)."""
         for b in [b for b in self._ronde_moving if b is wanted or b.started[0].poll()]:
@@ -302,7 +229,7 @@ class _ShardedMixin(SkipSynchronize):
                         b.put(i, params[i].grad)
             self._ronde_start(b)
 
-    def _ronde_start(self, b: _Bucket) -> None:
+    def _ronde_start(self, b: Bucket) -> None:
         if b.buf is None:
             b.buf = torch.zeros(b.padded, dtype=b.dtype)
         else:  # zeros where this rank has no gradient
@@ -319,7 +246,7 @@ class _ShardedMixin(SkipSynchronize):
         b.started = (C.reducescatter_async(wire, b.name, ReduceOp.AVERAGE, self._ronde_ps), ctx)
         self._ronde_moving.append(b)
 
-    def _ronde_finish(self, b: _Bucket) -> None:
+    def _ronde_finish(self, b: Bucket) -> None:
         handle, ctx = b.started
         if handle is None:  # one rank: the gradients are the average
             out = ctx[:b.per]
@@ -423,7 +350,7 @@ class _ShardedMixin(SkipSynchronize):
     def _ronde_gather(self) -> None:
         """Every rank's updated slices into the parameters: one allgather a bucket, two
         in flight (a third bucket's full buffer is not needed before one is unpacked)."""
-        moving: list[_Bucket] = []
+        moving: list[Bucket] = []
         for k, b in enumerate(self._ronde_buckets + [None]):  # type: ignore[operator]
             if b is not None:
                 send = torch.zeros(b.per, dtype=b.dtype)

@@ -9,10 +9,13 @@ from __future__ import annotations
 from ...elastic import (HorovodInternalError, HostsUpdatedInterrupt, HostUpdateResult,
                         ObjectState, State, run, run_fn)
 from .sampler import ElasticSampler
-from .state import (ModelStateHandler, OptimizerStateHandler, SamplerStateHandler, StateHandler,
-                    TorchState, get_handler_registry, set_handler_registry)
+from .handler import StateHandler
+from .sharded import ShardedOptimizerHandler
+from .state import (ModelStateHandler, OptimizerStateHandler, SamplerStateHandler, TorchState,
+                    get_handler_registry, set_handler_registry)
 
 __all__ = ["ElasticSampler", "HorovodInternalError", "HostUpdateResult", "HostsUpdatedInterrupt",
            "ModelStateHandler", "ObjectState", "OptimizerStateHandler", "SamplerStateHandler",
+           "ShardedOptimizerHandler",
            "State", "StateHandler", "TorchState", "get_handler_registry", "run", "run_fn",
            "set_handler_registry"]

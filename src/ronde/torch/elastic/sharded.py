@@ -40,7 +40,7 @@ import torch
 from ... import _api, _objects
 from ..._errors import RondeError, UnsupportedError
 from ...process_sets import global_process_set
-from .state import StateHandler
+from .handler import StateHandler
 
 #: a piece's saved state: (parameter name, a, b, {state key: tensor over [a, b) or scalar})
 _Saved = tuple[str, int, int, dict[str, Any]]

@@ -15,31 +15,10 @@ import torch
 
 from ...elastic import ObjectState
 from ..sharded import _ShardedMixin
+from .handler import StateHandler
+from .sharded import ShardedOptimizerHandler
 from ..state import broadcast_optimizer_state, broadcast_parameters
 from .sampler import ElasticSampler
-
-
-class StateHandler:
-    """Saves, restores and syncs one value of a :class:`TorchState`."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def save(self) -> None:
-        raise NotImplementedError
-
-    def restore(self) -> None:
-        raise NotImplementedError
-
-    def sync(self) -> None:
-        raise NotImplementedError
-
-    def set_value(self, value: Any) -> None:
-        self.value = value
-        self.save()
-
-    def reset(self) -> None:
-        """The job re-formed (new rank and size), before any sync."""
 
 
 class _StateDictHandler(StateHandler):
@@ -90,14 +69,8 @@ class SamplerStateHandler(StateHandler):
                                                     name="ronde.elastic.sampler_state"))
 
 
-def _sharded_handler(value: Any) -> StateHandler:
-    from .sharded import ShardedOptimizerHandler  # it builds on this module
-
-    return ShardedOptimizerHandler(value)
-
-
 _registry: list[tuple[type, Callable[[Any], StateHandler]]] = [
-    (_ShardedMixin, _sharded_handler),  # before Optimizer: it is one
+    (_ShardedMixin, ShardedOptimizerHandler),  # before Optimizer: it is one
     (torch.nn.Module, ModelStateHandler),
     (torch.optim.Optimizer, OptimizerStateHandler),
     (ElasticSampler, SamplerStateHandler),
