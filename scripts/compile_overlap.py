@@ -14,6 +14,9 @@ submission (exposed: the rank only waited).
 * ``compiled``: ``torch.compile(model, backend=BACKEND)`` (default ``aot_eager``: the
   same graphs as inductor's, without the C++ build): one compiled backward, after
   which every gradient's hook fires at once;
+* ``compiled, split``: ``torch.compile(model, backend=hvd.compile_backend(BACKEND))``:
+  the graph split at bucket boundaries (Dynamo's DDPOptimizer, as DDP does), one
+  compiled backward per piece;
 * ``per block``: ``torch.compile`` of each top-level child of the model: one
   compiled backward per block, so the hooks of a block fire when its backward is done.
 
@@ -47,6 +50,8 @@ def run(mode: str, out: str) -> None:
     model, shape, classes = _model(torch, MODEL)
     if mode == "compiled":
         net = torch.compile(model, backend=BACKEND)
+    elif mode == "compiled, split":
+        net = torch.compile(model, backend=hvd.compile_backend(BACKEND))
     elif mode == "per block":
         for name, child in list(model.named_children()):
             setattr(model, name, torch.compile(child, backend=BACKEND))
@@ -73,7 +78,7 @@ def run(mode: str, out: str) -> None:
 def main() -> None:
     hvd.init()
     out = hvd.broadcast_object(tempfile.mkdtemp() if hvd.rank() == 0 else None)
-    modes = ("eager", "compiled", "per block")
+    modes = ("eager", "compiled", "compiled, split", "per block")
     for mode in modes:
         run(mode, out)
     hvd.barrier()

@@ -682,15 +682,38 @@ def step_with_closure() -> dict:
     return {"step(closure)": diff}
 
 
-def compiled(backend: str = "aot_eager") -> float:
-    """torch.compile(model): the wrapper's hooks see the compiled module's gradients; and
-    a whole compiled step (zero_grad, forward, backward, optimizer.step() in one
-    torch.compile: the wrapper's methods run eagerly, graph breaks around them)."""
+def compiled(backend: str = "aot_eager") -> dict:
+    """torch.compile(model): the wrapper's hooks see the compiled module's gradients; a
+    whole compiled step (zero_grad, forward, backward, optimizer.step() in one
+    torch.compile: the wrapper's methods run eagerly, graph breaks around them); and
+    ``hvd.compile_backend``, whose graph is split into pieces (one compiled backward
+    each, so the reductions overlap it). The largest difference from one process, and
+    how many graphs each compile made."""
+    from torch._dynamo.backends.registry import lookup_backend
+
     torch, hvd = _setup()
     r, n = hvd.rank(), hvd.size()
     F = torch.nn.functional
     model, whole, ref = _model(torch, 3), _model(torch, 3), _model(torch, 3)
-    cmodel = torch.compile(model, backend=backend)
+    split = _model(torch, 3)
+    graphs = {"whole": 0, "split": 0}
+
+    def counting(key):
+        inner_fn = lookup_backend(backend)
+
+        def fn(gm, example_inputs, **kw):
+            graphs[key] += 1
+            return inner_fn(gm, example_inputs, **kw)
+        return fn
+
+    cmodel = torch.compile(model, backend=counting("whole"))
+    # 200 bytes a piece: the second Linear's 27 float64 gradients (216 bytes) and the
+    # first's 56 (448 bytes) cannot share one
+    csplit = torch.compile(split, backend=hvd.compile_backend(counting("split"),
+                                                              bucket_bytes=200))
+    split_opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(csplit.parameters(), lr=0.1, momentum=0.9),
+        named_parameters=[(f"split.{k}", v) for k, v in csplit.named_parameters()])
     opt = hvd.DistributedOptimizer(torch.optim.SGD(cmodel.parameters(), lr=0.1, momentum=0.9),
                                    named_parameters=cmodel.named_parameters())
     whole_opt = hvd.DistributedOptimizer(
@@ -713,13 +736,16 @@ def compiled(backend: str = "aot_eager") -> float:
         opt.zero_grad()
         F.mse_loss(cmodel(x[4 * r:4 * r + 4]), y[4 * r:4 * r + 4]).backward()
         opt.step()
+        split_opt.zero_grad()
+        F.mse_loss(csplit(x[4 * r:4 * r + 4]), y[4 * r:4 * r + 4]).backward()
+        split_opt.step()
         whole_step(x[4 * r:4 * r + 4], y[4 * r:4 * r + 4])
         ref_opt.zero_grad()
         F.mse_loss(ref(x), y).backward()
         ref_opt.step()
     hvd.shutdown()
-    return max(float((a - b).detach().abs().max())
-               for m in (model, whole) for a, b in zip(m.parameters(), ref.parameters()))
+    return {"diff": max(float((a - b).detach().abs().max()) for m in (model, whole, split)
+                        for a, b in zip(m.parameters(), ref.parameters())), **graphs}
 
 
 def _pin(torch, hvd, device: str):

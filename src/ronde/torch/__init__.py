@@ -38,6 +38,7 @@ from ._collectives import (allgather_async, allreduce_, allreduce_async,  # noqa
                            grouped_allreduce_async, grouped_allreduce_async_,
                            grouped_reducescatter_async, poll, reducescatter_async,
                            sparse_allreduce_async, synchronize)
+from ._compile import compile_backend  # noqa: E402
 from ._tensors import TorchHandle  # noqa: E402
 from .compression import Compression, Compressor  # noqa: E402
 from .optimizer import DistributedOptimizer  # noqa: E402
