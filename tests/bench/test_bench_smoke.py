@@ -128,13 +128,13 @@ def test_control_case_measures_each_side_of_a_round(capsys):
 def test_training_throughput_reports_samples_and_extra_cpu_for_every_contender():
     pytest.importorskip("torch")
     out = subprocess.run([sys.executable, "-m", "ronde.bench", "train", "--np", "2",
-                          "--models", "resnet", "--steps", "2", "--warmup", "1",
+                          "--models", "cnn", "--steps", "2", "--warmup", "1",
                           "--batch", "4"], capture_output=True, text=True, timeout=230)
     assert out.returncode == 0, out.stderr[-2000:]
     points = {p["contender"]: p for p in _json_lines(out.stdout)}
     assert set(points) == {"single", "ronde", "ddp"}, out.stdout
     assert all(p["samples_per_s"] > 0 and p["cpu_ms_per_step"] > 0 for p in points.values())
-    row = [line for line in out.stdout.splitlines() if line.startswith("| resnet | 2 |")]
+    row = [line for line in out.stdout.splitlines() if line.startswith("| cnn | 2 |")]
     assert len(row) == 1 and row[0].count("|") == 14, out.stdout
 
 

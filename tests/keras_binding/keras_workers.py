@@ -330,6 +330,14 @@ def sharded_checkpoint(directory: str, global_batch: int = 12) -> dict:
     fit(model, r, n, 4, 8)
     whole = _weights(model)
     out: dict = {"files": sorted(f for f in __import__("os").listdir(directory))}
+    # the uninterrupted run at N equals one process on the global batches, and each
+    # rank holds ceil(100 / N) elements of each moment
+    ref = _sharded_model(0)
+    ref.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
+    fit(ref, 0, 1, 0, 8)
+    out["vs_one_process"] = _maxdiff(whole, _weights(ref))
+    out["moment_elements"] = sorted({int(np.prod(v.shape)) for v in
+                                     opt.inner_optimizer.variables if len(v.shape)})
     two = hvd.add_process_set([0, 1])
     if r < 2:
         model = _sharded_model(5)  # other weights: the load must replace them
