@@ -32,7 +32,6 @@ ALLREDUCE_OPS = (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, Red
                  ReduceOp.ADASUM)
 
 _lock = threading.RLock()
-_counters: dict[tuple[str, int], int] = {}
 
 
 # -- lifecycle -----------------------------------------------------------------------------
@@ -57,7 +56,6 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
                              "communicator")
         from . import _runtime
 
-        _counters.clear()
         rt = _runtime.init()
         _state.set_current(rt)
         _at_exit()
@@ -103,6 +101,8 @@ def _at_exit() -> None:
 
 def shutdown() -> None:
     """Stop the engine and close every connection; ``init()`` may be called again."""
+    if _state.thread_runtime() is not None:
+        return  # threads as ranks: the harness stops the thread's runtime
     with _lock:
         rt = _state.set_current(None)
         if rt is None:
@@ -170,9 +170,10 @@ def active_transport() -> str:
 # -- plumbing shared with the framework bindings -----------------------------------------
 def _auto_name(kind: str, ps_id: int) -> str:
     key = (kind, ps_id)
+    counters = _state.require().counters
     with _lock:
-        n = _counters.get(key, 0)
-        _counters[key] = n + 1
+        n = counters.get(key, 0)
+        counters[key] = n + 1
     return f"{kind}.noname.{n}"  # submit() scopes it by process set
 
 

@@ -75,6 +75,8 @@ class Runtime:
                  mesh: mesh_mod.Mesh | None, generation: int, transport: str) -> None:
         self.cfg, self.topo, self.engine, self.wenv = cfg, topo, engine, wenv
         self.mesh, self.generation, self.transport = mesh, generation, transport
+        #: the next number of each (kind, process set)'s unnamed collectives
+        self.counters: dict[tuple[str, int], int] = {}
 
     def describe_rank(self, r: int) -> str:
         return f"{r} (host {self.topo.hosts[r]})"

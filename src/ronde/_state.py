@@ -7,6 +7,7 @@ device paths, the benchmarks), so none of them imports another to find it.
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 from ._errors import NotInitializedError
@@ -15,11 +16,15 @@ if TYPE_CHECKING:
     from ._runtime import Runtime
 
 _current: "Runtime | None" = None
+#: a thread's own runtime (``ronde.testing.run_threads``: threads as ranks, one runtime
+#: each), which it sees instead of the process's
+_thread = threading.local()
 
 
 def current() -> "Runtime | None":
-    """The running job's runtime, or None outside ``init()``/``shutdown()``."""
-    return _current
+    """The running job's runtime (this thread's own, if it has one), or None outside
+    ``init()``/``shutdown()``."""
+    return getattr(_thread, "rt", None) or _current
 
 
 def require() -> "Runtime":
@@ -28,7 +33,7 @@ def require() -> "Runtime":
     Raises:
         NotInitializedError: ``init()`` has not been called (or ``shutdown()`` has).
     """
-    rt = _current
+    rt = getattr(_thread, "rt", None) or _current
     if rt is None:
         raise NotInitializedError("ronde has not been initialised; call ronde.init() first")
     return rt
@@ -39,3 +44,15 @@ def set_current(rt: "Runtime | None") -> "Runtime | None":
     global _current
     old, _current = _current, rt
     return old
+
+
+def set_thread_runtime(rt: "Runtime | None") -> None:
+    """Give the calling thread its own runtime (None: back to the process's). For
+    threads-as-ranks tests only: ``init()`` and ``shutdown()`` in such a thread leave its
+    runtime alone (the harness made it and stops it)."""
+    _thread.rt = rt
+
+
+def thread_runtime() -> "Runtime | None":
+    """The calling thread's own runtime, if it has one."""
+    return getattr(_thread, "rt", None)

@@ -56,15 +56,24 @@ class ProcessSet:
             raise ValueError("the global process set is sized by ronde.init()")
         return len(self.ranks)
 
+    def _me(self) -> int:
+        """This rank: the running job's (a thread's own, for threads as ranks), else the
+        one the set was bound with."""
+        from . import _state
+
+        rt = _state.current()
+        return rt.topo.rank if rt is not None else self._my_rank
+
     def rank(self) -> int:
         """This process's index in the set, or -1 when it is not a member."""
-        if self.ranks is None or self._my_rank not in self.ranks:
+        me = self._me()
+        if self.ranks is None or me not in self.ranks:
             return -1
-        return self.ranks.index(self._my_rank)
+        return self.ranks.index(me)
 
     def included(self) -> bool:
         """True when this process is a member."""
-        return self.ranks is not None and self._my_rank in self.ranks
+        return self.ranks is not None and self._me() in self.ranks
 
     def __repr__(self) -> str:
         return f"ProcessSet(ranks={self.ranks}, id={self.process_set_id})"

@@ -9,14 +9,15 @@ one BatchNorm over the concatenated batch. Running statistics are updated as
 ``torch.nn.BatchNorm*d`` does (unbiased variance, ``momentum=None`` for a
 cumulative average). In eval mode, or with one rank, it is plain local BatchNorm.
 
-Collectives are named ``sync_batch_norm.<n>`` by a per-process counter, so every
-rank must run the same SyncBatchNorm layers in training mode in the same order
-(which data-parallel training does).
+Collectives are named by the running job's count of SyncBatchNorm calls on the process
+set (``ronde._api.auto_name``), so every rank must run the same SyncBatchNorm layers in
+training mode in the same order (which data-parallel training does). The count starts
+again with each ``init()``: a worker that joins an elastic job counts from where the
+others do after the reset (a per-process count did not, and the names differed).
 """
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import torch
@@ -26,9 +27,6 @@ from .. import _api
 from .._ops import ReduceOp
 from ..process_sets import ProcessSet, global_process_set
 from . import _collectives as C
-
-_calls = itertools.count()
-
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -52,7 +50,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
             m2_l = torch.zeros(c, dtype=xf.dtype)
         stats = torch.cat([torch.tensor([float(n_local)], dtype=xf.dtype), mean_l.cpu(),
                            m2_l.cpu()]).unsqueeze(0)
-        name = f"sync_batch_norm.{next(_calls)}"
+        name = _api.auto_name("sync_batch_norm", None, ps)
         every = C.allgather_async(stats, name, ps).wait().to(xf.device)
         counts, means, m2s = every[:, :1], every[:, 1:c + 1], every[:, c + 1:]
         n = float(counts.sum())
