@@ -997,37 +997,62 @@ def bucketed(steps: int = 7) -> dict:
     return out
 
 
-def calls_in_backward(tensors: int = 40, steps: int = 6) -> dict:
+def calls_in_backward(tensors: int = 40, steps: int = 8) -> dict:
     """Python calls inside ronde while ``loss.backward()`` runs (the gradient hooks and
     the bucket submissions, on this thread; counts, not times) in the steady state, for
-    a model of ``tensors`` gradient tensors; and the bucket count."""
+    a model of ``tensors`` gradient tensors; the calls of whole steps on every thread
+    (the engine's threads included: the profile is set before ``init()`` starts them);
+    and the bucket count."""
     import os
     import sys
+    import threading
 
-    torch, hvd = _setup()
+    import torch
+
+    import ronde.torch as hvd
+
+    src = os.path.dirname(os.path.dirname(os.path.abspath(hvd.__file__)))
+    everywhere = [False, 0]
+
+    def prof_all(frame, event, arg):
+        if everywhere[0] and event == "call" and frame.f_code.co_filename.startswith(src):
+            everywhere[1] += 1
+
+    threading.setprofile(prof_all)
+    try:
+        torch.set_num_threads(1)
+        hvd.init()
+    finally:
+        threading.setprofile(None)
     nn = torch.nn
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(tensors // 2)])
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                    named_parameters=model.named_parameters())
-    src = os.path.dirname(os.path.dirname(os.path.abspath(hvd.__file__)))
-    counted = [0]
+    counted = [False, 0]  # in backward, calls there
 
-    def prof(frame, event, arg):
+    def prof(frame, event, arg):  # this thread: the whole step, and backward apart
         if event == "call" and frame.f_code.co_filename.startswith(src):
-            counted[0] += 1
+            everywhere[1] += 1
+            if counted[0]:
+                counted[1] += 1
 
     x = torch.randn(4, 8)
-    per_step = []
+    per_step, whole = [], []
     for step in range(steps):
+        everywhere[1] = counted[1] = 0
+        everywhere[0] = True
+        sys.setprofile(prof)
         opt.zero_grad()
         loss = model(x).pow(2).sum()
-        counted[0] = 0
-        sys.setprofile(prof)
+        counted[0] = True
         loss.backward()
-        sys.setprofile(None)
-        per_step.append(counted[0])
+        counted[0] = False
         opt.step()
+        sys.setprofile(None)
+        everywhere[0] = False
+        per_step.append(counted[1])
+        whole.append(everywhere[1])
     buckets = len(opt._ronde_buckets.buckets) if opt._ronde_buckets is not None else 0
     hvd.shutdown()
-    return {"calls": per_step, "buckets": buckets, "tensors": tensors}
+    return {"calls": per_step, "buckets": buckets, "tensors": tensors, "step_calls": whole}
