@@ -20,9 +20,20 @@ hvd.init()
 HOST = os.environ.get("RONDE_HOSTNAME", "")
 MARK = os.environ["ELASTIC_MARK"] + "." + HOST
 STEPS = int(os.environ.get("ELASTIC_STEPS", "8"))
-tx = optax.sgd(0.1, momentum=0.9)
-params = {"w": jnp.zeros(3)}
+SHARDED = bool(os.environ.get("ELASTIC_SHARDED"))
+if SHARDED:  # 10 elements: slices of 5, 4 or 10 at 2, 3 or 1 ranks
+    tx = hvd.ShardedOptimizer(optax.adam(0.1))
+    params = {"w": jnp.zeros(7), "b": jnp.zeros(3)}
+else:
+    tx = optax.sgd(0.1, momentum=0.9)
+    params = {"w": jnp.zeros(3)}
 state = hvd.elastic.JaxState(params=params, opt_state=tx.init(params), step=0, sizes=[])
+
+
+def sharded_grads(t):
+    """Step t's gradients, the same on every rank (so their average is them, at any
+    size): the run must end where one process's Adam does on the same sequence."""
+    return {"w": jnp.sin(t + jnp.arange(7.0)), "b": jnp.cos(t + jnp.arange(3.0))}
 
 
 @hvd.elastic.run
@@ -37,6 +48,14 @@ def train(state):
             with open(os.environ["ELASTIC_HOSTS_FILE"], "a") as f:
                 f.write(add.split(":", 1)[1] + "\n")
         time.sleep(float(os.environ.get("ELASTIC_STEP_SLEEP", "0")))
+        if SHARDED:
+            updates, state.opt_state = tx.update(sharded_grads(state.step), state.opt_state,
+                                                 state.params)
+            state.params = optax.apply_updates(state.params, updates)
+            state.sizes.append(hvd.size())
+            state.step += 1
+            state.commit()
+            continue
         grad = hvd.allreduce(jnp.ones(3) * (hvd.rank() + 1), name="g", op=hvd.Sum)
         if os.environ.get("ELASTIC_OPTAX"):
             updates, state.opt_state = tx.update({"w": grad}, state.opt_state, state.params)
@@ -51,8 +70,19 @@ def train(state):
 train(state)
 mine = np.asarray(state.params["w"]).tobytes()
 every = hvd.allgather_object(mine, name="final")
+out = {"w": np.asarray(state.params["w"]).tolist(), "sizes": state.sizes,
+       "equal": all(x == every[0] for x in every)}
+if SHARDED:  # one process's Adam over the same gradients
+    ref_tx = optax.adam(0.1)
+    ref = {"w": jnp.zeros(7), "b": jnp.zeros(3)}
+    ref_state = ref_tx.init(ref)
+    for t in range(STEPS):
+        u, ref_state = ref_tx.update(sharded_grads(t), ref_state, ref)
+        ref = optax.apply_updates(ref, u)
+    out["vs_one_process"] = max(float(jnp.max(jnp.abs(state.params[k] - ref[k])))
+                                for k in ref)
+    out["count"] = int(state.opt_state.inner[0][0].count)
 if hvd.rank() == 0:
     with open(os.environ["ELASTIC_OUT"], "w") as f:
-        json.dump({"w": np.asarray(state.params["w"]).tolist(), "sizes": state.sizes,
-                   "equal": all(x == every[0] for x in every)}, f)
+        json.dump(out, f)
 hvd.shutdown()

@@ -306,9 +306,8 @@ def test_a_plain_registration_is_refused_by_an_elastic_job():
 
 
 def test_each_slice_of_a_sharded_optimizer_has_a_holder_after_a_reset_or_a_clear_error():
-    pytest.importorskip("torch")
     from ronde import RondeError
-    from ronde.torch.elastic.sharded import _holders
+    from ronde.frameworks.reshard import holders as _holders
 
     # committed at 4 ranks; old rank 2 died; the survivors are now ranks 0-2, a new
     # worker is rank 3 (committed nothing): 2's slice is at old rank 1 (its neighbour)

@@ -368,12 +368,18 @@ def elastic_sharded_state() -> dict:
            "params_from_0": hvd.allgather_object(
                np.asarray(state.params["l1"]["w"]).tobytes()).count(
                np.asarray(state.params["l1"]["w"]).tobytes()) == hvd.size()}
+    # a plain object holding it would be broadcast from rank 0 (pickled): refused
+    try:
+        hvd.elastic.JaxState(pair=(opt_state, "tag"))
+        out["plain_holder"] = "accepted"
+    except hvd.UnsupportedError as exc:
+        out["plain_holder"] = str(exc)
+    # a new generation of the same ranks at the same size (a reset with nobody lost):
+    # each rank keeps its slices (the resharding case is tests/elastic)
     hvd.shutdown()
     hvd.init()
-    try:
-        state.sync()
-        out["after_reset"] = "synced"
-    except hvd.UnsupportedError as exc:
-        out["after_reset"] = str(exc)
+    state.sync()
+    out["kept_after_reset"] = bool(np.array_equal(
+        np.asarray(state.opt_state.inner[0][0].mu), mine))
     hvd.shutdown()
     return out

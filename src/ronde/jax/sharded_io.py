@@ -44,23 +44,25 @@ def _rank_size(process_set: ProcessSet) -> tuple[int, int]:
     return C.set_rank_and_size(process_set)
 
 
-def _layout(params: Any, opt_state: Any, process_set: ProcessSet) -> tuple[
+def _layout(params: Any, opt_state: Any, process_set: ProcessSet,
+            rank_size: tuple[int, int] | None = None) -> tuple[
         list[tuple[str, int, int, dict[str, tuple[int, int, int]]]], dict[str, Any], int, int]:
-    """This rank's pieces: (param path, a, b, {slot: (state leaf index, offset, -)}),
-    the state's scalars by path, and (rank, size) of the layout."""
+    """This rank's pieces (or those of ``rank_size``'s rank at that size): (param path, a,
+    b, {slot: (state leaf index, offset, -)}), the state's scalars by path, and (rank,
+    size) of the layout."""
     names, leaves, _ = _paths(params)
     s_paths, s_leaves, _ = _paths(opt_state)
     scalars: dict[str, Any] = {}
     pieces: list[tuple[str, int, int, dict[str, tuple[int, int, int]]]] = []
     if isinstance(opt_state, ShardedState):
-        rank, size = _rank_size(process_set)
+        rank, size = rank_size or _rank_size(process_set)
         for k, ids in enumerate(_groups(leaves).values()):
             sizes = [int(np.size(leaves[i])) for i in ids]
             per = -(-sum(sizes) // size)
             lo, hi = rank * per, min((rank + 1) * per, sum(sizes))
             prefix = f".inner[{k}]"
             slots = {p[len(prefix):]: j for j, p in enumerate(s_paths)
-                     if p.startswith(prefix) and np.shape(s_leaves[j]) == (per,)}
+                     if p.startswith(prefix) and np.ndim(s_leaves[j]) == 1}
             for j, p in enumerate(s_paths):
                 if p.startswith(prefix) and np.ndim(s_leaves[j]) == 0:
                     scalars.setdefault(p[len(prefix):], s_leaves[j])

@@ -38,7 +38,8 @@ import numpy as np
 import torch
 
 from ... import _api, _objects
-from ..._errors import RondeError, UnsupportedError
+from ..._errors import UnsupportedError
+from ...frameworks import reshard
 from ...process_sets import global_process_set
 from .handler import StateHandler
 
@@ -60,28 +61,28 @@ def _hyper(opt: Any) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
 
 
-def _to_bytes(obj: Any) -> np.ndarray:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return np.frombuffer(buf.getvalue(), dtype=np.uint8)
+class _TorchCodec:
+    """Pieces of torch tensors as ``torch.save`` bytes (read back ``weights_only``)."""
+
+    def encode(self, pieces: list[Any]) -> np.ndarray:
+        buf = io.BytesIO()
+        torch.save(pieces, buf)
+        return np.frombuffer(buf.getvalue(), dtype=np.uint8)
+
+    def decode(self, data: np.ndarray) -> list[Any]:
+        return torch.load(io.BytesIO(data.tobytes()), weights_only=True)
+
+    def is_array(self, value: Any) -> bool:
+        return torch.is_tensor(value) and value.dim() > 0
+
+    def zeros(self, like: Any, n: int) -> Any:
+        return torch.zeros(n, dtype=like.dtype)
+
+    def copy(self, value: Any) -> Any:
+        return value.clone() if torch.is_tensor(value) else value
 
 
-def _from_bytes(data: np.ndarray) -> Any:
-    return torch.load(io.BytesIO(data.tobytes()), weights_only=True)
-
-
-def _exchange(blocks: list[bytes | np.ndarray], name: str) -> list[np.ndarray]:
-    """Send ``blocks[j]`` to rank ``j`` (empty: nothing); the blocks received, by rank."""
-    arrays = [np.frombuffer(b, dtype=np.uint8) if isinstance(b, bytes) else b
-              for b in blocks]
-    splits = [a.size for a in arrays]
-    out, got = _api.alltoall(np.concatenate(arrays) if arrays else np.zeros(0, np.uint8),
-                             splits, name)
-    parts, at = [], 0
-    for n in got:
-        parts.append(out[at:at + n])
-        at += n
-    return parts
+_CODEC = _TorchCodec()
 
 
 class ShardedOptimizerHandler(StateHandler):
@@ -115,12 +116,8 @@ class ShardedOptimizerHandler(StateHandler):
         ``commit()`` is one)."""
         self._snap()
         self._rank, self._size = _api.rank(), _api.size()
-        self._neighbour = []
-        if self._size > 1:
-            blocks: list[Any] = [b""] * self._size
-            blocks[(self._rank - 1) % self._size] = _to_bytes(self._own)
-            got = _exchange(blocks, "ronde.elastic.sharded.neighbour")
-            self._neighbour = _from_bytes(got[(self._rank + 1) % self._size])
+        self._neighbour = reshard.swap_with_neighbour(self._own, _CODEC,
+                                                      "ronde.elastic.sharded.neighbour")
 
     def set_value(self, value: Any) -> None:
         self.value = value
@@ -146,63 +143,19 @@ class ShardedOptimizerHandler(StateHandler):
     def sync(self) -> None:
         """Rebuild the state for the job as it is now (module docstring, steps 1-5)."""
         opt = self.value
-        rank, size = _api.rank(), _api.size()
-        was = _objects.allgather_object((self._rank, self._size),
-                                        "ronde.elastic.sharded.ranks")
-        old_sizes = {s for r, s in was if r >= 0}
-        if len(old_sizes) > 1:
-            raise RondeError(f"elastic ShardedOptimizer: the survivors committed at different "
-                             f"sizes {sorted(old_sizes)}")
-        if not old_sizes and not self._resized:
+        was, old_size = reshard.committed_ranks(self._rank, self._size)
+        if not old_size and not self._resized:
             # the job's first sync (nobody committed yet, the layout is current): keep
             # each rank's state, take rank 0's hyperparameters
-            self._sync_hyper(rank)
+            self._sync_hyper(_api.rank())
             return
-        holders = _holders(was, old_sizes.pop() if old_sizes else 0)
         opt.relayout()
-        blocks: list[Any] = [b""] * size
-        if any(h == rank for h, _ in holders.values()):
-            held = {q: (self._own if own else self._neighbour)
-                    for q, (h, own) in holders.items() if h == rank}
-            for t in range(size):
-                ranges = opt.ranges_of(t)
-                part = [(name, lo, hi, {k: (v[lo - a:hi - a] if torch.is_tensor(v) and v.dim()
-                                             else v) for k, v in st.items()})
-                        for pieces in held.values() for name, a, b, st in pieces
-                        if name in ranges
-                        for lo, hi in [(max(a, ranges[name][0]), min(b, ranges[name][1]))]
-                        if lo < hi and st]
-                if part:
-                    blocks[t] = _to_bytes(part)
-        got = _exchange(blocks, "ronde.elastic.sharded.reshard") if size > 1 else \
-            [np.frombuffer(blocks[0], dtype=np.uint8) if isinstance(blocks[0], bytes)
-             else blocks[0]]
-        merged: dict[str, dict[str, Any]] = {}
-        covered: dict[str, int] = {}
-        mine = opt.ranges_of(rank)
-        for data in got:
-            if not len(data):
-                continue
-            for name, lo, hi, st in _from_bytes(data):
-                a, b = mine[name]
-                into = merged.setdefault(name, {})
-                covered[name] = covered.get(name, 0) + hi - lo
-                for k, v in st.items():
-                    if torch.is_tensor(v) and v.dim():
-                        dst = into.get(k)
-                        if dst is None:
-                            dst = into[k] = torch.zeros(b - a, dtype=v.dtype)
-                        dst[lo - a:hi - a].copy_(v)
-                    elif k not in into:
-                        into[k] = v.clone() if torch.is_tensor(v) else v
+        merged = reshard.reshard(self._own, self._neighbour, was, old_size, opt.ranges_of,
+                                 _CODEC)
         for name, a, b, tensor, _ in opt.shard_pieces():
             if name in merged:
-                if covered[name] != b - a:
-                    raise RondeError(f"elastic ShardedOptimizer: the state of {name!r} "
-                                     f"[{a}:{b}] arrived for {covered[name]} of {b - a} "
-                                     "elements")
                 opt.state[tensor] = merged[name]
-        self._sync_hyper(rank)
+        self._sync_hyper(_api.rank())
         self._resized = False
         self.save()
 
@@ -213,25 +166,3 @@ class ShardedOptimizerHandler(StateHandler):
                                           "ronde.elastic.sharded.hyper")
         for group, h in zip(opt.param_groups, hyper):
             group.update(h)
-
-
-def _holders(was: list[tuple[int, int]], old_size: int) -> dict[int, tuple[int, bool]]:
-    """For each commit-time rank, the rank now holding its slice and whether as its own
-    snapshot (else as the neighbour copy); ``RondeError`` where none does."""
-    now_of = {r: j for j, (r, _) in enumerate(was) if r >= 0}
-    out: dict[int, tuple[int, bool]] = {}
-    lost = []
-    for q in range(old_size):
-        if q in now_of:
-            out[q] = (now_of[q], True)
-        elif old_size > 1 and (q - 1) % old_size in now_of:
-            out[q] = (now_of[(q - 1) % old_size], False)
-        else:
-            lost.append(q)
-    if lost:
-        raise RondeError(
-            f"elastic ShardedOptimizer: the optimizer state of rank(s) {lost} of the last "
-            f"commit (at {old_size} ranks) is gone: each slice has one copy, on the rank "
-            "before it, and both were lost; resume from a save_sharded() checkpoint "
-            "(hvd.load_sharded) instead")
-    return out

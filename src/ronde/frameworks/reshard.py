@@ -1,0 +1,145 @@
+"""A sharded optimizer's state across an elastic resize, in memory (every binding's).
+
+The state is a list of *pieces*: ``(key, a, b, {slot: values})``, the slots of one
+parameter's flat elements ``[a, b)`` (arrays of ``b - a`` elements, or scalars such as a
+step count). At each commit every rank sends its pieces to rank ``r - 1``
+(:func:`swap_with_neighbour`): each rank holds its own slice and the next one's. After the
+job re-forms, :func:`reshard` (every rank, the new ones too) finds who holds each old
+slice (:func:`holders`: the rank itself, else the one before it), sends every rank the
+parts that fall in its new pieces (one ``alltoall``), and merges what arrives, checking
+that every element did. The binding gives a :class:`Codec` (torch tensors travel as
+``torch.save`` bytes read back with ``weights_only=True``, JAX's as ``.npz`` read with
+``allow_pickle=False``) and, after laying its shards out for the new size, the element
+ranges each rank now owns.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+
+from .. import _api, _objects
+from .._errors import RondeError
+
+#: (key, a, b, {slot: values over [a, b), or a scalar})
+Piece = tuple[str, int, int, dict[str, Any]]
+
+
+class Codec(Protocol):
+    """How a binding's pieces travel and are built."""
+
+    def encode(self, pieces: list[Piece]) -> np.ndarray: ...
+
+    def decode(self, data: np.ndarray) -> list[Piece]: ...
+
+    def is_array(self, value: Any) -> bool: ...
+
+    def zeros(self, like: Any, n: int) -> Any: ...
+
+    def copy(self, value: Any) -> Any: ...
+
+
+def exchange(blocks: Sequence[bytes | np.ndarray], name: str) -> list[np.ndarray]:
+    """Send ``blocks[j]`` to rank ``j`` (empty: nothing); the blocks received, by rank."""
+    arrays = [np.frombuffer(b, dtype=np.uint8) if isinstance(b, bytes) else b
+              for b in blocks]
+    if len(arrays) == 1:
+        return [arrays[0]]
+    splits = [a.size for a in arrays]
+    out, got = _api.alltoall(np.concatenate(arrays), splits, name)
+    parts, at = [], 0
+    for n in got:
+        parts.append(out[at:at + n])
+        at += n
+    return parts
+
+
+def swap_with_neighbour(own: list[Piece], codec: Codec, name: str) -> list[Piece]:
+    """Send ``own`` to rank ``r - 1``; rank ``r + 1``'s pieces (a collective)."""
+    rank, size = _api.rank(), _api.size()
+    if size == 1:
+        return []
+    blocks: list[Any] = [b""] * size
+    blocks[(rank - 1) % size] = codec.encode(own)
+    return codec.decode(exchange(blocks, name)[(rank + 1) % size])
+
+
+def holders(was: list[tuple[int, int]], old_size: int) -> dict[int, tuple[int, bool]]:
+    """For each rank of the last commit (``was[j]``: what rank ``j`` was then, -1 for a
+    new one), the rank now holding its slice and whether as its own (else the copy);
+    ``RondeError`` where none does."""
+    now_of = {r: j for j, (r, _) in enumerate(was) if r >= 0}
+    out: dict[int, tuple[int, bool]] = {}
+    lost = []
+    for q in range(old_size):
+        if q in now_of:
+            out[q] = (now_of[q], True)
+        elif old_size > 1 and (q - 1) % old_size in now_of:
+            out[q] = (now_of[(q - 1) % old_size], False)
+        else:
+            lost.append(q)
+    if lost:
+        raise RondeError(
+            f"elastic ShardedOptimizer: the optimizer state of rank(s) {lost} of the last "
+            f"commit (at {old_size} ranks) is gone: each slice has one copy, on the rank "
+            "before it, and both were lost; resume from a save_sharded() checkpoint "
+            "(hvd.load_sharded) instead")
+    return out
+
+
+def committed_ranks(rank: int, size: int) -> tuple[list[tuple[int, int]], int]:
+    """Every rank's (rank, size) at its last commit (an allgather); the common size (0
+    when nobody committed)."""
+    was = _objects.allgather_object((rank, size), "ronde.elastic.sharded.ranks")
+    sizes = {s for r, s in was if r >= 0}
+    if len(sizes) > 1:
+        raise RondeError(f"elastic ShardedOptimizer: the survivors committed at different "
+                         f"sizes {sorted(sizes)}")
+    return was, (sizes.pop() if sizes else 0)
+
+
+def reshard(own: list[Piece], neighbour: list[Piece], was: list[tuple[int, int]],
+            old_size: int, ranges_of: Callable[[int], dict[str, tuple[int, int]]],
+            codec: Codec, name: str = "ronde.elastic.sharded.reshard"
+            ) -> dict[str, dict[str, Any]]:
+    """This rank's new pieces' state (by key), from every holder (a collective; the
+    module docstring). ``ranges_of(t)``: rank ``t``'s new ``{key: (a, b)}``."""
+    rank, size = _api.rank(), _api.size()
+    found = holders(was, old_size)
+    blocks: list[Any] = [b""] * size
+    held = [own if mine else neighbour for h, mine in found.values() if h == rank]
+    if held:
+        for t in range(size):
+            ranges = ranges_of(t)
+            part = [(key, lo, hi, {k: (v[lo - a:hi - a] if codec.is_array(v) else v)
+                                   for k, v in st.items()})
+                    for pieces in held for key, a, b, st in pieces if key in ranges and st
+                    for lo, hi in [(max(a, ranges[key][0]), min(b, ranges[key][1]))]
+                    if lo < hi]
+            if part:
+                blocks[t] = codec.encode(part)
+    mine = ranges_of(rank)
+    merged: dict[str, dict[str, Any]] = {}
+    covered: dict[str, int] = {}
+    for data in exchange(blocks, name):
+        if not len(data):
+            continue
+        for key, lo, hi, st in codec.decode(data):
+            a, b = mine[key]
+            into = merged.setdefault(key, {})
+            covered[key] = covered.get(key, 0) + hi - lo
+            for k, v in st.items():
+                if codec.is_array(v):
+                    dst = into.get(k)
+                    if dst is None:
+                        dst = into[k] = codec.zeros(v, b - a)
+                    dst[lo - a:hi - a] = v
+                elif k not in into:
+                    into[k] = codec.copy(v)
+    for key, n in covered.items():
+        a, b = mine[key]
+        if n != b - a:
+            raise RondeError(f"elastic ShardedOptimizer: the state of {key!r} [{a}:{b}] "
+                             f"arrived for {n} of {b - a} elements")
+    return merged
