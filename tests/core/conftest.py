@@ -6,7 +6,6 @@ without process start-up; the real-process tier lives in tests/integration.
 
 from __future__ import annotations
 
-import socket
 from typing import Any, Callable
 
 import pytest
@@ -14,6 +13,7 @@ import pytest
 from ronde import _config
 from ronde.core.engine import Engine
 from ronde.transport.base import Communicator, P2PCommunicator
+from ronde.testing.threads import socket_mesh
 from ronde.transport.tcp import SocketP2P
 
 
@@ -21,14 +21,7 @@ class EngineGroup:
     def __init__(self, n: int, **cfg: Any) -> None:
         self.n = n
         self.cfg = _config.load({}, **cfg)
-        ctl: list[dict[int, socket.socket]] = [{} for _ in range(n)]
-        data: list[dict[int, socket.socket]] = [{} for _ in range(n)]
-        for i in range(n):
-            for j in range(i + 1, n):
-                a, b = socket.socketpair()
-                ctl[i][j], ctl[j][i] = a, b
-                a, b = socket.socketpair()
-                data[i][j], data[j][i] = a, b
+        ctl, data = socket_mesh(n), socket_mesh(n)
         self.engines: list[Engine] = []
         for r in range(n):
             holder: dict[str, Engine] = {}

@@ -29,7 +29,7 @@ from .. import _config, _state
 from .._errors import RondeError
 from ..process_sets import global_process_set
 
-__all__ = ["run_threads"]
+__all__ = ["run_threads", "socket_mesh"]
 
 
 class _Env:
@@ -41,6 +41,16 @@ class _Env:
         self.source = "threads"
 
 
+def socket_mesh(n: int) -> list[dict[int, socket.socket]]:
+    """A socket pair between every two of ``n`` thread ranks: ``mesh[i][j]`` is rank
+    ``i``'s end of its link to rank ``j``."""
+    mesh: list[dict[int, socket.socket]] = [{} for _ in range(n)]
+    for i in range(n):
+        for j in range(i + 1, n):
+            mesh[i][j], mesh[j][i] = socket.socketpair()
+    return mesh
+
+
 def _runtimes(n: int, **overrides: Any) -> list[Any]:
     from .._runtime import Runtime, Topology
     from ..core.engine import Engine
@@ -48,14 +58,7 @@ def _runtimes(n: int, **overrides: Any) -> list[Any]:
     from ..transport.tcp import SocketP2P
 
     cfg = _config.load(**{"spin_time_us": 0.0, **overrides})
-    ctl: list[dict[int, socket.socket]] = [{} for _ in range(n)]
-    data: list[dict[int, socket.socket]] = [{} for _ in range(n)]
-    for i in range(n):
-        for j in range(i + 1, n):
-            a, b = socket.socketpair()
-            ctl[i][j], ctl[j][i] = a, b
-            a, b = socket.socketpair()
-            data[i][j], data[j][i] = a, b
+    ctl, data = socket_mesh(n), socket_mesh(n)
     hosts = ["localhost"] * n
     out = []
     for r in range(n):
