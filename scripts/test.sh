@@ -21,11 +21,15 @@ fi
 # the tests start hundreds of processes: give them ronde's bytecode once (an editable
 # install under PYTHONDONTWRITEBYTECODE=1 would compile every module in every process)
 .venv/bin/python -m compileall -q src/ronde > /dev/null
-# MXNet's venv and tests (whole suite only) beside the main run, their output after it
+# MXNet's venv and tests (whole suite only) beside the main run, their output after it;
+# at a lower CPU priority (nice), so that they take the main run's idle time instead of
+# slowing it down (the main run is what the suite's time is). Not beside the main
+# install: two editable installs of one source tree at once could race.
 status=0
 if [ "$quick" = 0 ]; then
     mkdir -p build
-    RONDE_MXNET_CORE=1 bash scripts/mxnet_tests.sh -k "not gloo" > build/mxnet-tests.log 2>&1 &
+    RONDE_MXNET_CORE=1 nice -n 15 bash scripts/mxnet_tests.sh -k "not gloo" \
+        > build/mxnet-tests.log 2>&1 &
     mxnet=$!
 fi
 # Two pytest workers (pytest-xdist, RONDE_TEST_WORKERS=0 for none): the tests' processes
