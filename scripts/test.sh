@@ -36,7 +36,7 @@ fi
 # wait on sockets, peers and timeouts much of the time; one worker kept the two cores
 # 115 % busy, two keep them 171 % busy (docs/testing.md)
 workers=(-n "${RONDE_TEST_WORKERS:-2}" --dist worksteal)
-.venv/bin/python -m pytest -q "${workers[@]}" "$@" || status=$?
+.venv/bin/python -m pytest -q "${workers[@]}" --durations=25 "$@" || status=$?
 if [ "$quick" = 0 ]; then
     wait "$mxnet" || { [ "$status" != 0 ] || status=1; }
     echo "== MXNet venv (scripts/mxnet_tests.sh) =="
