@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from . import _state
+
 _registered: dict[int, "ProcessSet"] = {}
 
 
@@ -59,8 +61,6 @@ class ProcessSet:
     def _me(self) -> int:
         """This rank: the running job's (a thread's own, for threads as ranks), else the
         one the set was bound with."""
-        from . import _state
-
         rt = _state.current()
         return rt.topo.rank if rt is not None else self._my_rank
 
@@ -81,3 +81,16 @@ class ProcessSet:
 
 #: Every rank; the default ``process_set`` of every collective.
 global_process_set = ProcessSet()
+
+
+def shard_position(process_set: ProcessSet | None = None) -> tuple[int, int]:
+    """This rank's place among the ranks a sharded optimizer splits its state over:
+    ``(index in the set, the set's size)``, or ``(0, 1)`` outside the set (a plain
+    optimizer on everything there). Every binding's ``ShardedOptimizer`` uses it."""
+    ps = process_set if process_set is not None else global_process_set
+    if ps.ranks is None:  # the global set before it is bound: the whole job
+        topo = _state.require().topo
+        return topo.rank, topo.size
+    if not ps.included():
+        return 0, 1
+    return ps.rank(), len(ps.ranks)

@@ -203,7 +203,7 @@ class _Shards:
         when ``old_size``; else, nobody having committed, fresh slices, no collective)."""
         from ..frameworks import reshard
         from .. import _api
-        from .sharded import _groups
+        from .sharded import slice_lengths
         from .sharded_io import _layout, _paths
 
         params_key = self.params_key or _params_for(state, key)
@@ -211,9 +211,7 @@ class _Shards:
         old = state._saved_state[key]
         # the template: the same structure, each slot of ceil(L / N) elements, zeros
         size = _api.size()
-        p_leaves = jax.tree_util.tree_leaves(params)
-        pers = [-(-sum(int(np.size(p_leaves[i])) for i in ids) // size)
-                for ids in _groups(p_leaves).values()]
+        pers = slice_lengths(params, size)
         s_paths, s_leaves, s_def = _paths(old)
         fresh = []
         for p, x in zip(s_paths, s_leaves):
@@ -256,49 +254,39 @@ class _Shards:
         return new
 
 
+def _fits(lengths: list[int | None], params: Any, size: int) -> bool:
+    """Whether a sharded state's slice lengths are those of ``params`` at ``size``."""
+    from .sharded import slice_lengths
+
+    try:
+        wanted = slice_lengths(params, size)
+    except UnsupportedError:  # not floating-point parameters
+        return False
+    return len(wanted) == len(lengths) and all(n is None or n == w
+                                               for n, w in zip(lengths, wanted))
+
+
 def _laid_out_for(value: Any, state: "JaxState", key: str) -> bool:
     """Whether a ``ShardedState``'s slices are the current job size's."""
     from .. import _api
-    from .sharded import _groups
+    from .sharded import state_slice_lengths
 
     params = state._saved_state.get(_params_for(state, key, check=False) or "")
-    if params is None:
-        return True
-    leaves = jax.tree_util.tree_leaves(params)
-    size = _api.size()
-    for ids, inner in zip(_groups(leaves).values(), value.inner):
-        per = -(-sum(int(np.size(leaves[i])) for i in ids) // size)
-        if any(np.ndim(x) == 1 and np.shape(x) != (per,)
-               for x in jax.tree_util.tree_leaves(inner)):
-            return False
-    return True
+    return params is None or _fits(state_slice_lengths(value), params, _api.size())
 
 
 def _params_for(state: "JaxState", key: str, check: bool = True) -> str | None:
     """The tree of ``state`` holding the parameters ``state.<key>`` (a ShardedState) was
     made for: dtype groups of the same number, each of a length that gives the
-    state's slices."""
+    state's slices at the job's size (a state being committed is laid out at it)."""
     from .. import _api
-    from .sharded import ShardedState, _groups
+    from .sharded import ShardedState, state_slice_lengths
 
-    opt_state = state._saved_state[key]
-    pers = []
-    for g in opt_state.inner:
-        ones = [np.shape(leaf) for leaf in jax.tree_util.tree_leaves(g) if np.ndim(leaf) == 1]
-        pers.append(ones[0][0] if ones else None)
-    n = _api.size()  # a state being committed is laid out at the job's size
+    lengths = state_slice_lengths(state._saved_state[key])
     for k in state._trees:
         tree = state._saved_state.get(k)
-        if k == key or tree is None or isinstance(tree, ShardedState):
-            continue
-        leaves = jax.tree_util.tree_leaves(tree)
-        try:
-            groups = list(_groups(leaves).values())
-        except Exception:  # noqa: BLE001 - not floating-point parameters
-            continue
-        if len(groups) == len(pers) and all(
-                per is None or -(-sum(int(np.size(leaves[i])) for i in ids) // n) == per
-                for ids, per in zip(groups, pers)):
+        if k != key and tree is not None and not isinstance(tree, ShardedState) \
+                and _fits(lengths, tree, _api.size()):
             return k
     if not check:
         return None

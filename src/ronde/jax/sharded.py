@@ -26,7 +26,7 @@ from .._ops import ReduceOp
 from ..frameworks.accumulation import PassCounter
 from ..frameworks.compression import Compresses
 from ..frameworks.host_reduce import wire_dtype_of
-from ..process_sets import ProcessSet, global_process_set
+from ..process_sets import ProcessSet, global_process_set, shard_position
 from . import _collectives as C
 from ._arrays import any_traced
 from .optimizer import windowed
@@ -52,6 +52,23 @@ def _groups(leaves: list[Any]) -> dict[Any, list[int]]:
             raise UnsupportedError(f"ShardedOptimizer: leaf {i} is {dt}; only floating-point "
                                    "parameters can be sharded")
         out.setdefault(dt, []).append(i)
+    return out
+
+
+def slice_lengths(params: Any, size: int) -> list[int]:
+    """Each dtype group's slice length ``S = ceil(L / size)`` for ``params`` (a pytree)."""
+    leaves = jax.tree_util.tree_leaves(params)
+    return [-(-sum(int(jnp.size(leaves[i])) for i in ids) // size)
+            for ids in _groups(leaves).values()]
+
+
+def state_slice_lengths(state: "ShardedState") -> list[int | None]:
+    """The slice length a ``ShardedState``'s inner states hold, per dtype group (None for
+    a group whose inner state keeps no slice, e.g. plain SGD)."""
+    out: list[int | None] = []
+    for inner in state.inner:
+        ones = [jnp.shape(x)[0] for x in jax.tree_util.tree_leaves(inner) if jnp.ndim(x) == 1]
+        out.append(ones[0] if ones else None)
     return out
 
 
@@ -89,14 +106,9 @@ def ShardedOptimizer(optimizer: optax.GradientTransformation,
 
     ``update`` needs ``params`` when the inner transformation does (``adamw``).
     """
-    def rank_size() -> tuple[int, int]:
-        if process_set is not global_process_set and not process_set.included():
-            return 0, 1  # outside the set: a plain optimizer on everything
-        return C.set_rank_and_size(process_set)
-
     def init(params: Any) -> ShardedState:
         names, leaves, _ = leaf_table(params)
-        r, n = rank_size()
+        r, n = shard_position(process_set)
         if n > 1 and not any_traced(leaves) and os.environ.get("RONDE_ELASTIC") != "1":
             # not in an elastic job: a worker that joins makes its state while the others
             # are elsewhere (the reshard at the next sync compares the layouts instead)
@@ -122,7 +134,7 @@ def ShardedOptimizer(optimizer: optax.GradientTransformation,
         """Reduce-scatter, the inner update on this rank's slice, allgather."""
         g_leaves, treedef = jax.tree_util.tree_flatten(grads)
         p_leaves = jax.tree_util.tree_flatten(params)[0] if params is not None else None
-        r, n = rank_size()
+        r, n = shard_position(process_set)
         out: list[Any] = [None] * len(g_leaves)
         states = []
         for k, ((dt, ids), inner) in enumerate(zip(_groups(g_leaves).items(), inners)):

@@ -25,8 +25,7 @@ import numpy as np
 from .._errors import RondeError
 from ..checkpoint import atomic_save
 from ..frameworks import sharded_files
-from ..process_sets import ProcessSet, global_process_set
-from . import _collectives as C
+from ..process_sets import ProcessSet, global_process_set, shard_position
 from .sharded import ShardedState, _groups
 
 FORMAT = "ronde.jax.sharded/1"
@@ -36,12 +35,6 @@ PARAMS = "params.npz"
 def _paths(tree: Any) -> tuple[list[str], list[Any], Any]:
     with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
     return [jax.tree_util.keystr(p) for p, _ in with_path], [x for _, x in with_path], treedef
-
-
-def _rank_size(process_set: ProcessSet) -> tuple[int, int]:
-    if process_set is not global_process_set and not process_set.included():
-        return 0, 1
-    return C.set_rank_and_size(process_set)
 
 
 def _layout(params: Any, opt_state: Any, process_set: ProcessSet,
@@ -55,7 +48,7 @@ def _layout(params: Any, opt_state: Any, process_set: ProcessSet,
     scalars: dict[str, Any] = {}
     pieces: list[tuple[str, int, int, dict[str, tuple[int, int, int]]]] = []
     if isinstance(opt_state, ShardedState):
-        rank, size = rank_size or _rank_size(process_set)
+        rank, size = rank_size or shard_position(process_set)
         for k, ids in enumerate(_groups(leaves).values()):
             sizes = [int(np.size(leaves[i])) for i in ids]
             per = -(-sum(sizes) // size)

@@ -36,8 +36,10 @@ def backend_name() -> str:
     return str(keras_module().backend.backend())
 
 
-def host_map(fn: HostFn, tensors: Sequence[Any], name: str = "ronde") -> list[Any]:
-    """Run ``fn(*numpy arrays)`` over backend tensors; outputs have the inputs' shapes/dtypes."""
+def host_map(fn: HostFn, tensors: Sequence[Any], name: str = "ronde",
+             outs: Sequence[tuple[tuple[int, ...], str]] | None = None) -> list[Any]:
+    """Run ``fn(*numpy arrays)`` over backend tensors; outputs of ``outs``' (shape, dtype)
+    each, by default the inputs' shapes and dtypes."""
     backend = backend_name()
     if not tensors:
         return []
@@ -47,17 +49,21 @@ def host_map(fn: HostFn, tensors: Sequence[Any], name: str = "ronde") -> list[An
         from ..tensorflow._bridge import host_call
 
         ts = [tf.convert_to_tensor(t) for t in tensors]
-        return host_call(fn, ts, [t.dtype for t in ts], [t.shape for t in ts], name)
+        if outs is None:
+            return host_call(fn, ts, [t.dtype for t in ts], [t.shape for t in ts], name)
+        return host_call(fn, ts, [tf.as_dtype(d) for _, d in outs],
+                         [tf.TensorShape(s) for s, _ in outs], name)
     if backend == "jax":
         import jax
 
-        shapes = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in tensors]
+        specs = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in tensors] if outs is None \
+            else [jax.ShapeDtypeStruct(s, d) for s, d in outs]
 
         def call(*arrays: Any) -> list[np.ndarray]:
-            outs = fn(*[np.asarray(a) for a in arrays])
-            return [np.asarray(o, dtype=s.dtype).reshape(s.shape) for o, s in zip(outs, shapes)]
+            res = fn(*[np.asarray(a) for a in arrays])
+            return [np.asarray(o, dtype=s.dtype).reshape(s.shape) for o, s in zip(res, specs)]
 
-        return list(jax.pure_callback(call, shapes, *tensors))
+        return list(jax.pure_callback(call, specs, *tensors))
     if backend == "torch":
         import torch
 
@@ -65,10 +71,10 @@ def host_map(fn: HostFn, tensors: Sequence[Any], name: str = "ronde") -> list[An
         from ..torch._tensors import numpy_view
 
         staged = [t.detach().cpu().contiguous() for t in tensors]
-        outs = fn(*[numpy_view(t) for t in staged])
+        res = fn(*[numpy_view(t) for t in staged])
+        devices = [t.device for t in tensors] if outs is None else [tensors[0].device] * len(res)
         with torch.no_grad():
-            return [from_numpy(np.ascontiguousarray(o)).to(t.device)
-                    for o, t in zip(outs, tensors)]
+            return [from_numpy(np.ascontiguousarray(o)).to(d) for o, d in zip(res, devices)]
     return [np.asarray(o) for o in fn(*[np.asarray(t) for t in tensors])]
 
 

@@ -47,8 +47,8 @@ from ..frameworks.compression import Compresses
 from ..frameworks.elementwise import check_elementwise
 from ..frameworks.host_reduce import host_compressor, wire_dtype_of
 from ..frameworks.naming import require_same_parameters
-from ..process_sets import ProcessSet, global_process_set
-from ._bridge import backend_name
+from ..process_sets import ProcessSet, global_process_set, shard_position
+from ._bridge import host_map
 from ._choice import keras_module
 from .optimizer import is_keras2, mixed_class, optimizer_name
 
@@ -93,7 +93,7 @@ class _ShardedMixin:
         var_list = list(var_list)
         cfg = self._ronde_cfg
         ps: ProcessSet = cfg["process_set"]
-        rank, size = _rank_size(ps)
+        rank, size = shard_position(ps)
         if size > 1:
             require_same_parameters(
                 # by place, not path: Keras' generated paths depend on how many models
@@ -160,7 +160,7 @@ class _ShardedMixin:
                     "DistributedOptimizer for this model")
         cfg = self._ronde_cfg
         ps: ProcessSet = cfg["process_set"]
-        rank, size = _rank_size(ps)
+        rank, size = shard_position(ps)
         wire = cfg["wire_dtype"]
         scale = 1.0 if cfg["average_aggregated"] or cfg["passes"] == 1 else float(cfg["passes"])
         g_shards, present = [], []
@@ -168,19 +168,19 @@ class _ShardedMixin:
             gs = [grads[i] if grads[i] is not None else ops.zeros_like(variables[i])
                   for i in g.ids]
             present.append([grads[i] is not None for i in g.ids])
-            g_shards.append(_host(lambda *a, g=g, k=k: [_reduce_scatter(
+            g_shards.append(host_map(lambda *a, g=g, k=k: [_reduce_scatter(
                 a, g, size, f"{cfg['prefix']}.{k}.grads", ps, wire, scale,
                 self._ronde_generation)],
-                gs, [((g.per,), g.dtype)], f"ronde_{cfg['prefix']}_rs{k}")[0])
+                gs, f"ronde_{cfg['prefix']}_rs{k}", outs=[((g.per,), g.dtype)])[0])
             shard.assign(_my_slice(ops, [variables[i] for i in g.ids], g))
         inner = self._ronde_inner
         inner._learning_rate = self._learning_rate  # one learning rate for both
         inner.apply(g_shards, self._ronde_shards)
         for k, (g, shard) in enumerate(zip(self._ronde_groups, self._ronde_shards)):
-            outs = _host(lambda a, g=g, k=k: _allgather(a, g, size,
-                                                        f"{cfg['prefix']}.{k}.params", ps),
-                         [shard.value], [(s, g.dtype) for s in g.shapes],
-                         f"ronde_{cfg['prefix']}_ag{k}")
+            outs = host_map(lambda a, g=g, k=k: _allgather(a, g, size,
+                                                           f"{cfg['prefix']}.{k}.params", ps),
+                            [shard.value], f"ronde_{cfg['prefix']}_ag{k}",
+                            outs=[(s, g.dtype) for s in g.shapes])
             for i, new, has in zip(g.ids, outs, present[k]):
                 if has:
                     variables[i].assign(new)
@@ -200,14 +200,6 @@ class _ShardedMixin:
 def _keep(obj: Any, name: str, value: Any) -> None:
     """Set an attribute past Keras' tracker (which would track the shards twice)."""
     object.__setattr__(obj, name, value)
-
-
-def _rank_size(ps: ProcessSet) -> tuple[int, int]:
-    if ps is global_process_set:
-        return _api.rank(), _api.size()
-    if not ps.included():
-        return 0, 1  # outside the set: a plain optimizer on everything
-    return _api.set_rank(ps), _api.set_size(ps)
 
 
 def _path(v: Any, i: int) -> str:
@@ -266,43 +258,6 @@ def _allgather(shard: np.ndarray, g: _Group, size: int, name: str,
         out.append(full[at:at + n].reshape(shape))
         at += n
     return out
-
-
-def _host(fn: Any, tensors: Sequence[Any], outs: Sequence[tuple[tuple, str]],
-          name: str) -> list[Any]:
-    """``fn(*numpy arrays)`` over backend tensors, its outputs of the given (shape, dtype):
-    the reshaping counterpart of :func:`._bridge.host_map`."""
-    backend = backend_name()
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        from ..tensorflow._bridge import host_call
-
-        ts = [tf.convert_to_tensor(t) for t in tensors]
-        return host_call(fn, ts, [tf.as_dtype(d) for _, d in outs],
-                         [tf.TensorShape(s) for s, _ in outs], name)
-    if backend == "jax":
-        import jax
-
-        specs = [jax.ShapeDtypeStruct(s, d) for s, d in outs]
-
-        def call(*arrays: Any) -> list[np.ndarray]:
-            res = fn(*[np.asarray(a) for a in arrays])
-            return [np.asarray(o, dtype=d).reshape(s) for o, (s, d) in zip(res, outs)]
-
-        return list(jax.pure_callback(call, specs, *tensors))
-    if backend == "torch":
-        import torch
-
-        from ..torch._collectives import from_numpy
-        from ..torch._tensors import numpy_view
-
-        device = tensors[0].device if tensors else "cpu"
-        staged = [t.detach().cpu().contiguous() for t in tensors]
-        res = fn(*[numpy_view(t) for t in staged])
-        with torch.no_grad():
-            return [from_numpy(np.ascontiguousarray(o)).to(device) for o in res]
-    return [np.asarray(o) for o in fn(*[np.asarray(t) for t in tensors])]
 
 
 def sharded_class(base: type) -> type:

@@ -24,9 +24,9 @@ import numpy as np
 from .._errors import RondeError
 from ..checkpoint import atomic_save
 from ..frameworks import sharded_files
-from ..process_sets import global_process_set
+from ..process_sets import global_process_set, shard_position
 from ._bridge import sync_jax_state, to_numpy
-from .sharded import _rank_size, is_sharded
+from .sharded import is_sharded
 
 MODEL = "model.weights.h5"
 FORMAT = "ronde.keras.sharded/1"
@@ -66,7 +66,7 @@ def _pieces(optimizer: Any, model: Any) -> tuple[list[_Piece], Any]:
         pieces: list[_Piece] = []
         for g, shard_slots in zip(optimizer._ronde_groups, slots):
             offsets = np.cumsum([0] + g.sizes)
-            lo = _rank_size(optimizer._ronde_cfg["process_set"])[0] * g.per
+            lo = shard_position(optimizer._ronde_cfg["process_set"])[0] * g.per
             for k, a, b in g.mine:
                 pieces.append((_key(variables, g.ids[k]), a, b, [(kind, s, int(offsets[k]) + a - lo)
                                               for kind, s in shard_slots]))
@@ -95,7 +95,7 @@ def save_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) 
         sync_jax_state(model)
     sharded = is_sharded(optimizer)
     ps = optimizer._ronde_cfg["process_set"] if sharded else global_process_set
-    rank, size = _rank_size(ps) if sharded else (0, 1)
+    rank, size = shard_position(ps) if sharded else (0, 1)
     pieces, counter = _pieces(optimizer, model)
     arrays = [(key, a, b, {kind: to_numpy(s).reshape(-1)[at:at + b - a]
                            for kind, s, at in slots}) for key, a, b, slots in pieces]
