@@ -3,7 +3,8 @@
 sizes it trained at and whether every rank ended with rank 0's params to ELASTIC_OUT.
 
 ``ELASTIC_DIE_HOST``: that host's worker dies at step 3 (once); ``ELASTIC_ADD_AT``
-(``step:host``): rank 0 lists that host in the discovery file at that step."""
+(``step:host``): at that step, while the job is smaller than ``ELASTIC_GROW_TO``, rank 0
+lists that host in the discovery file and every rank waits for it to join."""
 
 import json
 import os
@@ -15,6 +16,7 @@ import numpy as np
 import optax
 
 import ronde.jax as hvd
+from elastic_jobs import list_host, wait_to_grow
 
 hvd.init()
 HOST = os.environ.get("RONDE_HOSTNAME", "")
@@ -44,9 +46,11 @@ def train(state):
             open(MARK, "w").close()
             os._exit(1)
         add = os.environ.get("ELASTIC_ADD_AT", "")
-        if add and hvd.rank() == 0 and state.step == int(add.split(":", 1)[0]):
-            with open(os.environ["ELASTIC_HOSTS_FILE"], "a") as f:
-                f.write(add.split(":", 1)[1] + "\n")
+        if add and state.step == int(add.split(":", 1)[0]) \
+                and hvd.size() < int(os.environ["ELASTIC_GROW_TO"]):
+            if hvd.rank() == 0:
+                list_host(os.environ["ELASTIC_HOSTS_FILE"], add.split(":", 1)[1])
+            wait_to_grow(state.commit)
         time.sleep(float(os.environ.get("ELASTIC_STEP_SLEEP", "0")))
         if SHARDED:
             updates, state.opt_state = tx.update(sharded_grads(state.step), state.opt_state,

@@ -57,7 +57,8 @@ def test_kill_drop_and_add_hosts_at_np_4(tmp_path):
         tmp_path, np=4, min_np=2, max_np=4, discovery=["localhost:2", "127.0.0.1:2"],
         env={"ELASTIC_N": "320", "ELASTIC_EPOCHS": "3", "ELASTIC_DIE": "127.0.0.1/1:20",
              "ELASTIC_DIE_HOSTS": "localhost:2", "ELASTIC_ADD_HOST": "127.0.0.2:2",
-             "ELASTIC_ADD_STEP": "34", "ELASTIC_STEP_SLEEP": "0.05", "ELASTIC_PS": "1"},
+             "ELASTIC_ADD_STEP": "34", "ELASTIC_GROW_TO": "4", "ELASTIC_STEP_SLEEP": "0.05",
+             "ELASTIC_PS": "1"},
         timeout=120)
     assert res.returncode == 0, text
     assert result["epochs"] and all(e == list(range(320)) for e in result["epochs"])
@@ -92,7 +93,7 @@ def test_survivors_go_on_without_a_worker_that_died(tmp_path):
 def test_a_host_found_by_discovery_joins_and_gets_the_state(tmp_path):
     res, result, text = _job(tmp_path, min_np=2, discovery=["127.0.0.1", "127.0.0.2"],
                              env={"ELASTIC_ADD_HOST": "127.0.0.3", "ELASTIC_ADD_STEP": "2",
-                                  "ELASTIC_STEP_SLEEP": "0.3"})
+                                  "ELASTIC_GROW_TO": "3", "ELASTIC_STEP_SLEEP": "0.05"})
     assert res.returncode == 0, text
     _exactly_once(result)
     assert result["sizes"][0] == 2 and result["sizes"][-1] == 3 and result["size"] == 3
@@ -103,7 +104,7 @@ def test_two_host_changes_within_a_second_both_take_effect(tmp_path):
     # notices carry a sequence number, not a whole-second timestamp
     res, result, text = _job(tmp_path, min_np=2, discovery=["127.0.0.1", "127.0.0.2"],
                              env={"ELASTIC_ADDS": "2:127.0.0.3,3:127.0.0.4",
-                                  "ELASTIC_STEP_SLEEP": "0.3"})
+                                  "ELASTIC_GROW_TO": "4", "ELASTIC_STEP_SLEEP": "0.3"})
     assert res.returncode == 0, text
     _exactly_once(result)
     assert result["size"] == 4 and result["sizes"][0] == 2
@@ -188,7 +189,7 @@ def test_a_sharded_optimizer_reshards_in_memory_when_a_rank_dies_and_a_host_join
         tmp_path, np=4, min_np=3, max_np=4, discovery=hosts,
         env={"ELASTIC_SHARDED": "1", "ELASTIC_N": "96", "ELASTIC_EPOCHS": "3",
              "ELASTIC_DIE": "127.0.0.3:5", "ELASTIC_DIE_HOSTS": "127.0.0.1,127.0.0.2,127.0.0.4",
-             "ELASTIC_ADD_HOST": "127.0.0.5", "ELASTIC_ADD_STEP": "9",
+             "ELASTIC_ADD_HOST": "127.0.0.5", "ELASTIC_ADD_STEP": "9", "ELASTIC_GROW_TO": "4",
              "ELASTIC_STEP_SLEEP": "0.2"}, timeout=150)
     assert res.returncode == 0, text
     assert all(e == list(range(96)) for e in result["epochs"]), result["epochs"]

@@ -16,7 +16,8 @@ injected by environment:
   allreduces on it too (it must survive resets);
 * ``ELASTIC_ADD_HOST``/``ELASTIC_ADD_STEP``: rank 0 appends that host to the discovery
   file at that step (hosts join while training runs); ``ELASTIC_ADDS=step:host,...``
-  for several;
+  for several. With ``ELASTIC_GROW_TO=n`` every rank then waits (committing) at that
+  step, the last one of several, until the job re-formed, while it is smaller than n;
 * ``ELASTIC_SET_HOSTS=step:host,host``: rank 0 rewrites the discovery file at that step
   (hosts removed while training runs);
 * ``ELASTIC_EARLY_RETURN_HOST``: that host's worker returns from training at step 3.
@@ -35,6 +36,7 @@ import time
 import torch
 
 import ronde.torch as hvd
+from elastic_jobs import list_host, wait_to_grow
 
 N = int(os.environ.get("ELASTIC_N", "60"))
 EPOCHS = int(os.environ.get("ELASTIC_EPOCHS", "2"))
@@ -91,6 +93,12 @@ def on_reset():
 state.register_reset_callbacks([on_reset])
 
 
+def commit():
+    if SHARDED:
+        state.opt_full = full_state()
+    state.commit()
+
+
 @hvd.elastic.run
 def train(state):
     if SHARDED and state.opt_full is not None:  # the same on every rank (synced)
@@ -117,15 +125,17 @@ def train(state):
                 hvd.allreduce(torch.ones(1), name="pair", process_set=pair)
             if HOST == os.environ.get("ELASTIC_EARLY_RETURN_HOST") and step == 3:
                 return "early"
-            if hvd.rank() == 0 and os.environ.get("ELASTIC_ADD_HOST") \
-                    and step == int(os.environ.get("ELASTIC_ADD_STEP", "-1")):
-                with open(os.environ["ELASTIC_HOSTS_FILE"], "a") as f:
-                    f.write(os.environ["ELASTIC_ADD_HOST"] + "\n")
-            for item in filter(None, os.environ.get("ELASTIC_ADDS", "").split(",")):
-                at, host = item.split(":", 1)
+            adds = [item.split(":", 1) for item in
+                    filter(None, os.environ.get("ELASTIC_ADDS", "").split(","))]
+            if os.environ.get("ELASTIC_ADD_HOST"):
+                adds.append((os.environ.get("ELASTIC_ADD_STEP", "-1"),
+                             os.environ["ELASTIC_ADD_HOST"]))
+            for at, host in adds:
                 if hvd.rank() == 0 and step == int(at):
-                    with open(os.environ["ELASTIC_HOSTS_FILE"], "a") as f:
-                        f.write(host + "\n")
+                    list_host(os.environ["ELASTIC_HOSTS_FILE"], host)
+            if adds and step == max(int(at) for at, _ in adds) \
+                    and hvd.size() < int(os.environ.get("ELASTIC_GROW_TO", "0")):
+                wait_to_grow(commit)
             plan = os.environ.get("ELASTIC_SET_HOSTS", "")
             if hvd.rank() == 0 and plan and step == int(plan.split(":", 1)[0]):
                 with open(os.environ["ELASTIC_HOSTS_FILE"], "w") as f:
@@ -141,16 +151,12 @@ def train(state):
             state.sizes.append(hvd.size())
             state.step += 1
             if state.step % COMMIT_EVERY == 0:
-                if SHARDED:
-                    state.opt_full = full_state()
-                state.commit()
+                commit()
         state.epochs.append(sorted(state.seen))
         state.seen = []
         state.epoch += 1
         state.sampler.set_epoch(state.epoch)
-        if SHARDED:
-            state.opt_full = full_state()
-        state.commit()
+        commit()
     return "done"
 
 
