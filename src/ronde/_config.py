@@ -33,6 +33,7 @@ class Config:
     bucket_bytes: int = 25 * 1024 * 1024
     bucket_views: bool = True
     cycle_time_ms: float = 1.0
+    round_hold_ms: float = 50.0
     cache_capacity: int = 1024
     transport: str = "auto"
     start_timeout_s: float = 30.0

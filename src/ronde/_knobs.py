@@ -128,6 +128,17 @@ KNOBS: tuple[Knob, ...] = (
              'engine is announced after a quarter of it, so that the rest of a burst '
              '(a loop of async calls) goes in the same round; a caller that waits '
              'drives the round at once.'),
+    Knob("round_hold_ms", "RONDE_ROUND_HOLD", float,
+         accepted=Range(0, 60_000),
+         default='`50`', unit='milliseconds',
+         doc='Between ranks of one host: how long a rank may keep announcements that '
+             'complete nothing yet (no other rank announced those tensors) from starting '
+             'a negotiation round, while its peers have nothing to announce. The last '
+             'rank to want a round starts it, so a gradient bucket that the ranks reach '
+             'milliseconds apart is agreed in one round instead of one per rank (each '
+             'round wakes every rank). Holding never delays a collective: it cannot '
+             'complete before the last rank announces it. `0`: announce at once, as '
+             'Horovod does.'),
     Knob("cache_capacity", "RONDE_CACHE_CAPACITY", int,
          accepted=Range(0, 1 << 20),
          default='`1024`', unit='entries',

@@ -28,16 +28,17 @@ import time
 from typing import Any, Callable, Iterator
 
 from .._config import Config
-from .._errors import (DuplicateNameError, PeerLostError, RondeError, fresh_copy,
-                       ShutdownError)
+from .._errors import PeerLostError, RondeError, ShutdownError, fresh_copy
 from ..transport import mailbox, ready
 from ..transport.base import Communicator
 from .communicators import Communicators
 from .exchange import Exchange, Links
 from .executor import Executor
+from .holding import RoundHold
 from .negotiation import Negotiator, Response
+from .outbox import Outbox
 from . import autotune, crossed, protocol, rounds
-from .requests import WAITERS, Kind, Request
+from .requests import WAITERS, Request
 from .stall import StallInspector
 from .timeline import Timeline, now_us
 
@@ -59,17 +60,10 @@ class Engine:
         self.rank, self.size, self.cfg = rank, size, cfg
         self.cycle_s = cfg.cycle_time_ms / 1000.0  #: set anew by autotune (autotune.py)
         self.describe_rank = describe_rank
-        self._lock = threading.Lock()
-        self._pending: dict[str, Request] = {}
-        self._outbox: list[Request] = []
-        self._staged: list[Request] = []  #: submitted inside ``batch()``, not announced yet
-        self._batching = 0
-        self._joins: list[int] = []
-        self._ps_requests: list[protocol.ProcessSetRequest] = []
-        self._abort_msg: protocol.Abort | None = None
-        self._shutdown_requested = False
-        self._shutdown_announced = False
-        self._shutdown_at = 0.0
+        #: what the next round says, and the collectives in flight (outbox.py); its lock
+        #: guards the engine's state too
+        self.out = Outbox(rank)
+        self._lock = self.out.lock
         self._error: BaseException | None = None
         self._failing: BaseException | None = None  #: the first failure, being told
         self._told = threading.Event()  #: set once the first failure is told and shown
@@ -92,14 +86,14 @@ class Engine:
         self._ctl_deep_sleep = True
         #: a local round waits for this (a burst of submissions after a long sleep)
         self._hold_until = 0.0
+        #: whether to hold the next round back (holding.py)
+        self.round_hold = RoundHold(cfg.round_hold_ms / 1000.0, self.negotiator,
+                                    self.exchange, size)
         self.executor = Executor(self)
         self.executor.on_idle = self.wake
         self.stall = StallInspector(cfg, describe_rank)
         #: whether this rank is only waiting (crossed collectives, see crossed.py)
         self._waiting = crossed.WaitWatch(cfg.deadlock_time_s)
-        self._report_waiting: int | None = None  # the progress count it was seen at
-        self._stack_request: list[int] = []  # rank 0: ranks asked for their stacks
-        self._send_stack = False  # asked by rank 0 for my main thread's stack
         self._thread = threading.Thread(target=self._control_main, name="ronde-control",
                                         daemon=True)
         self._stopped = threading.Event()
@@ -117,7 +111,7 @@ class Engine:
     def shutdown(self) -> None:
         """Announce shutdown, let pending work finish (bounded), then stop the threads."""
         with self._lock:
-            self._shutdown_requested = True
+            self.out.shutdown_requested = True
         WAITERS.detach(self)
         self.wake(force=True)
         self._thread.join(self.cfg.shutdown_timeout_s + 5.0)
@@ -144,21 +138,13 @@ class Engine:
         with self._lock:
             if self._error is not None:
                 raise fresh_copy(self._error)
-            if self._shutdown_requested:
+            if self.out.shutdown_requested:
                 raise ShutdownError(f"cannot submit {req.name!r}: ronde is shutting down")
-            if req.name in self._pending:
-                raise DuplicateNameError(
-                    f"a collective named {req.name!r} is already in flight on rank "
-                    f"{self.rank}; wait for it first or give this one another name")
-            self._pending[req.name] = req
+            self.out.add_locked(req)
             if self.timeline is not None:
                 req.t_submit = now_us()
-            if req.kind == Kind.JOIN:
-                self._joins.append(req.ps_id)
-            else:
-                (self._staged if self._batching else self._outbox).append(req)
             self._last_activity = now = time.monotonic()
-            deep = self._ctl_deep_sleep and not self._batching
+            deep = self._ctl_deep_sleep and not self.out.batching
             if deep and WAITERS.engine is self:
                 # the rest of a burst (a loop of async calls) joins this round; a
                 # caller that waits drives it at once (``progress``)
@@ -175,16 +161,12 @@ class Engine:
         """Submissions inside reach the outbox together at the end, so one round takes
         them all: a grouped collective is negotiated (and fused) as one, as in Horovod."""
         with self._lock:
-            self._batching += 1
+            self.out.batching += 1
         try:
             yield
         finally:
             with self._lock:
-                self._batching -= 1
-                deep = not self._batching and bool(self._staged) and self._ctl_deep_sleep
-                if not self._batching:
-                    self._outbox.extend(self._staged)
-                    self._staged = []
+                deep = self.out.end_batch_locked() and self._ctl_deep_sleep
             if deep:
                 self.wake()
 
@@ -192,18 +174,12 @@ class Engine:
         with self._lock:
             if self._error is not None:
                 raise fresh_copy(self._error)
-            if req.name in self._pending:
-                raise DuplicateNameError(f"{req.name!r} is already pending")
-            self._pending[req.name] = req
-            self._ps_requests.append(protocol.ProcessSetRequest(
-                action, tuple(sorted(arg)) if action == "add" else (arg,)))
+            self.out.add_process_set_locked(action, arg, req)
         self.wake()
         return req
 
     def take_many(self, names: list[str]) -> list[Request | None]:
-        with self._lock:
-            pop = self._pending.pop
-            return [pop(name, None) for name in names]
+        return self.out.take_many(names)
 
     @property
     def failed(self) -> BaseException | None:
@@ -248,12 +224,7 @@ class Engine:
             log.error("collective %r failed on rank %d: %r", resp, self.rank, exc)
 
     def _fail_all(self, exc: BaseException) -> None:
-        with self._lock:
-            reqs = list(self._pending.values())
-            self._pending.clear()
-            self._outbox.clear()
-            self._staged.clear()
-        for req in reqs:
+        for req in self.out.drain():
             req.fail(fresh_copy(exc))
 
     # -- the control thread ----------------------------------------------------------------
@@ -273,10 +244,27 @@ class Engine:
 
     def _has_local(self) -> bool:
         with self._lock:
-            return bool(self._outbox or self._joins or self._ps_requests or self._abort_msg
-                        or self._stack_request or self._send_stack
-                        or self._report_waiting is not None or self.autotune.outgoing
-                        or (self._shutdown_requested and not self._shutdown_announced))
+            return bool(self.out.reqs) or self._other_local()
+
+    def _other_local(self) -> bool:
+        """Something other than announcements for the next round (hold ``_lock``)."""
+        return self.out.control_locked() or bool(self.autotune.outgoing)
+
+    def _hold(self, now: float, started: bool) -> bool:
+        """Whether to keep this rank out of the next round for now (``holding.py``)."""
+        hold, want = self.round_hold, self._rounds + 1
+        if not hold.may_hold(want, started, now):
+            return False
+        with self._lock:
+            if self._other_local():
+                return False
+            reqs = list(self.out.reqs)
+            self.out.held_submitted = self.out.submitted
+        if not hold.decide(reqs, want):
+            return False
+        if self.timeline is not None:
+            self.timeline.held(reqs)  # waiting for the peers from now on: negotiation
+        return True
 
     def _maybe_round(self, now: float, direct: list[Response] | None) -> tuple[bool, bool]:
         """Run a round if one is due (hold ``_drive``); returns (ran, have_local).
@@ -294,7 +282,8 @@ class Engine:
             return False, have_local
         start_local = have_local and (self.executor.idle()
                                       or now - self._last_round >= self.cycle_s)
-        if not (start_local or self.exchange.peer_started(self._rounds)):
+        started = self.exchange.peer_started(self._rounds)
+        if not (start_local or started) or self._hold(now, started):
             return False, have_local
         self._round(direct)
         self._last_round = time.monotonic()
@@ -318,9 +307,9 @@ class Engine:
                 if not ran:
                     self._sleep(now, have_local)
             now = time.monotonic()
-            if self._shutdown_announced:
+            if self.out.shutdown_announced:
                 everyone = len(self.negotiator.shutdown) == self.size
-                if everyone or now - self._shutdown_at > self.cfg.shutdown_timeout_s:
+                if everyone or now - self.out.shutdown_at > self.cfg.shutdown_timeout_s:
                     self.executor.drain(self.cfg.shutdown_timeout_s, lambda: self._error is None)
                     return
             if now - last_wait_check > 0.25:
@@ -342,7 +331,10 @@ class Engine:
         ``_IDLE_S``. (Polling every cycle instead cost ~30 Python calls a millisecond.)
         """
         ex = self.exchange
-        if have_local:
+        holding = self.round_hold.holding(self._rounds + 1, now)
+        if holding:  # until a peer starts it, a submission arrives, or the hold ends
+            timeout = self.round_hold.until - now
+        elif have_local:
             due = self._hold_until
             if not self.executor.idle():
                 due = max(due, self._last_round + self.cycle_s)
@@ -354,8 +346,12 @@ class Engine:
         deep = timeout > self.cycle_s
         with self._lock:
             self._ctl_deep_sleep = deep
+            # something to do that arrived before the flag was up (submit() did not wake
+            # this thread): holding, only a new submission counts
+            new = (self.out.submitted != self.out.held_submitted if holding
+                   else bool(self.out.reqs) or self._other_local())
         ahead = ex.before_block(self._rounds)
-        if (ahead and now >= self._hold_until) or (deep and self._has_local()):
+        if (ahead and now >= self._hold_until) or (deep and new):
             timeout = 0.0
         try:
             readable, _ = ready.wait([self._bell] + ex.sockets(), [], timeout)
@@ -412,25 +408,14 @@ class Engine:
                 self.wake(force=True)
 
     def _build_message(self) -> tuple[protocol.RoundMessage, bytes]:
-        with self._lock:
-            reqs, self._outbox = self._outbox, []
-            joins, self._joins = self._joins, []
-            ps_reqs, self._ps_requests = self._ps_requests, []
-            abort, self._abort_msg = self._abort_msg, None
-            ask, self._stack_request = self._stack_request, []
-            send_stack, self._send_stack = self._send_stack, False
-            waiting, self._report_waiting = self._report_waiting, None
-            shut = self._shutdown_requested and not self._shutdown_announced
-            if shut:
-                self._shutdown_announced = True
-                self._shutdown_at = time.monotonic()
+        reqs, msg = self.out.take()
         if self.timeline is not None:
             self.timeline.queued(reqs)
-        announced, wired, blob = self.announcer(reqs) if reqs else ((), None, b"")
-        return protocol.RoundMessage(announced, tuple(joins), tuple(ps_reqs), abort, tuple(ask),
-                                     rounds.main_thread_stack() if send_stack else None, shut,
-                                     waiting, tune=self.autotune.take(),
-                                     wire_announced=wired), blob
+        blob = b""
+        if reqs:
+            msg.announced, msg.wire_announced, blob = self.announcer(reqs)
+        msg.tune = self.autotune.take()
+        return msg, blob
 
     def _round(self, direct: list[Response] | None) -> None:
         """One negotiation round (hold ``_drive``). Responses whose data moves go to the
@@ -450,9 +435,10 @@ class Engine:
             self.wake(force=True)
         if self.timeline is not None:
             with self._lock:
-                self.timeline.negotiated(self.negotiator.round, responses, self._pending)
+                self.timeline.negotiated(self.negotiator.round, responses, self.out.pending)
         if self.rank in messages[0].ask_stacks:
-            self._send_stack = True
+            with self._lock:
+                self.out.send_stack = True
             self.wake()
         for r, m in enumerate(messages):
             if m.stack and self.rank == 0:
@@ -475,7 +461,7 @@ class Engine:
     def _check_waiting(self, now: float) -> None:
         """Tell the peers when this rank is only waiting (see :mod:`.crossed`)."""
         with self._lock:
-            pending = bool(self._pending)
+            pending = bool(self.out.pending)
             quiet_since = self._last_activity
         # agreed data still moving (a slow link) is not waiting either
         busy = not self.executor.idle()
@@ -483,7 +469,7 @@ class Engine:
                                    quiet_since, self.negotiator.progress)
         if seen is not None:
             with self._lock:
-                self._report_waiting = seen
+                self.out.waiting = seen
             self.wake(force=True)
 
     def _check_stalls(self) -> None:
@@ -493,8 +479,8 @@ class Engine:
         if ask or abort:
             with self._lock:
                 if ask:
-                    self._stack_request = ask
+                    self.out.ask_stacks = ask
                 if abort:
-                    self._abort_msg = abort
+                    self.out.abort = abort
             self.wake()
 

@@ -105,6 +105,29 @@ class Exchange:
         mb = self.mailboxes
         return mb is not None and mb.ahead(rounds_done, self.channels.gone)
 
+    def coordinates(self) -> bool:
+        """Whether rounds go through a coordinator (not over the tree) and this rank is
+        it (``coordinator.py``)."""
+        return (self.coordinated and not self.over_tree
+                and coordinator.coordinator(self.channels) == self.rank)
+
+    def next_frames(self) -> dict[int, bytes] | None:
+        """The coordinator's look at the next round: the frames its members sent for it
+        already (left buffered for the round), by rank; None when a peer's socket
+        closed or holds anything but a round frame (the round itself handles it)."""
+        out: dict[int, bytes] = {}
+        readers = self.channels.readers
+        for r in self.linked():
+            rd = readers[r]
+            if rd.eof:
+                return None
+            got = rd.peek_frame()
+            if got is not None:
+                if got[0] != protocol.KIND_ROUND:
+                    return None
+                out[r] = got[1]
+        return out
+
     def sockets(self) -> list[socket.socket]:
         return [self.channels.readers[r].sock for r in self.linked()]
 

@@ -81,6 +81,22 @@ class Negotiator:
     def cached_id(self, rank: int, name: str, raw_meta: list[Any]) -> int | None:
         return self.cache.lookup(name, rank, raw_meta)
 
+    def completes_any(self, announced: Iterable[tuple[str, int, int]]) -> bool:
+        """Whether announcing ``announced`` now (name, process set, how many ranks
+        announce it in this round) would complete a collective: with what was announced
+        before, every member of its set has (an unknown set counts: the general path
+        reports it at once). The engine holds back a round that completes nothing
+        (``Engine._hold``)."""
+        entries, sets = self.entries, self.process_sets
+        for name, ps_id, n in announced:
+            members = sets.get(ps_id)
+            if members is None:
+                return True
+            entry = entries.get(name)
+            if (len(entry.metas) if entry is not None else 0) + n >= len(members):
+                return True
+        return False
+
     # -- applying a round ------------------------------------------------------------
     def apply_round(self, messages: list[RoundMessage],
                     blobs: list[bytes] | None = None) -> list[Response]:

@@ -28,6 +28,11 @@ fence is an uncontended lock acquire/release (a locked instruction on x86-64).
 
 Every byte read from a peer's slot is untrusted: lengths are bounded by the slot, and
 the frame goes through the same parser as a socket frame.
+
+Wanting a round: a rank that holds announcements back until its peers have some too
+(``Engine._hold``) stores the round it wants in ``WANT``, fences, and reads every
+peer's; the same Dekker handshake makes sure that of two ranks wanting the same round,
+at least one sees the other's word, so the last one to want it starts it.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import numpy as np
 from .._errors import ProtocolError
 from .segments import OwnedSegment, close_maps, create_segment, open_segment
 
-SEQ, SLEEPING, ATTACHED, LEN0, LEN1 = 0, 1, 2, 3, 4
+SEQ, SLEEPING, ATTACHED, LEN0, LEN1, WANT = 0, 1, 2, 3, 4, 5
 _HEADER_BYTES = 4096
 #: frame slot size; larger frames (rare: a first round announcing thousands of new
 #: tensors, or a stall report) go over the socket
@@ -95,6 +100,17 @@ class Mailboxes(OwnedSegment):
     def sleepers(self) -> list[int]:
         """Peers that may be asleep in ``select`` (call after :meth:`post` and a fence)."""
         return [r for r in self.peers if self._hdr[r][SLEEPING]]
+
+    def want(self, round_no: int, gone: "set[int] | frozenset[int]") -> bool:
+        """Say that this rank wants to start ``round_no``; True if every live peer
+        wants it too (say it, fence, look: see the module docstring)."""
+        self._my_hdr[WANT] = round_no
+        fence()
+        hdr = self._hdr
+        for r in self.peers:
+            if hdr[r][WANT] != round_no and r not in gone:
+                return False
+        return True
 
     def set_sleeping(self, flag: bool) -> None:
         self._my_hdr[SLEEPING] = 1 if flag else 0
