@@ -1062,3 +1062,43 @@ def jax_adasum_optimizer() -> str:
         assert "backward_passes_per_step" in str(exc)
     hj.shutdown()
     return "ok"
+
+
+def held_rounds(steps: int) -> tuple:
+    """Steps of one allreduce whose ranks arrive apart (rank ``k % n`` 5 ms late in step
+    k); then a collective completed by a rank whose peers announced it in an earlier
+    round (they want no round: only the completion may start it), once with each rank
+    late. Returns (same-host mailboxes in use, rounds the steps took, rounds the
+    completions took)."""
+    import ronde as hvd
+    from ronde import _state
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    eng = _state.require().engine
+    want = np.full(3, float(n * (n + 1) // 2))
+    for _ in range(2):  # the name enters the response cache (new names are never held)
+        np.testing.assert_array_equal(hvd.allreduce(np.full(3, r + 1.0), op=hvd.Sum,
+                                                    name="g"), want)
+    before = eng._rounds
+    for k in range(steps):
+        if r == k % n:
+            time.sleep(0.005)
+        np.testing.assert_array_equal(hvd.allreduce(np.full(3, r + 1.0), op=hvd.Sum,
+                                                    name="g"), want)
+    rounds = eng._rounds - before
+    before = eng._rounds
+    for late in range(n):
+        if r != late:
+            h = hvd.allreduce_async(np.full(3, r + 1.0), op=hvd.Sum, name="g")
+            hvd.allreduce(np.ones(1), op=hvd.Sum, name="x")
+        else:
+            time.sleep(0.01)
+            hvd.allreduce(np.ones(1), op=hvd.Sum, name="x")
+            time.sleep(0.01)
+            h = hvd.allreduce_async(np.full(3, r + 1.0), op=hvd.Sum, name="g")
+        np.testing.assert_array_equal(hvd.synchronize(h), want)
+    completions = eng._rounds - before
+    mailboxes = eng.exchange.mailboxes is not None
+    hvd.shutdown()
+    return mailboxes, rounds, completions

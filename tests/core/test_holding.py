@@ -1,0 +1,141 @@
+"""Holding a round back (core/holding.py, ``RONDE_ROUND_HOLD``), threads as ranks.
+
+Four engines in one process talk through a coordinator (no same-host mailboxes between
+threads), so this is the coordinator's hold; the mailboxes' ``WANT`` word is tested
+with real processes in tests/integration/test_round_hold.py. The hold deadline is set
+to a minute here: a round held that should have started would show as a hang (the
+tests' timeout), never as a slower pass.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ronde import TensorMismatchError
+from ronde.collectives.ops import ReduceOp
+from ronde.core.requests import Kind, Request
+
+pytestmark = pytest.mark.timeout(60)
+HOLD = {"round_hold_ms": 60_000.0}
+
+
+def _ar(name: str, arr: np.ndarray, **kw) -> Request:
+    return Request(Kind.ALLREDUCE, name, arr, op=ReduceOp.SUM, **kw)
+
+
+def _steps(g, steps: int, late: int, late_s: float = 0.004) -> list[list[np.ndarray]]:
+    """Every rank runs ``steps`` steps of one allreduce ("a"); in step k the rank
+    ``(k + late) % n`` reaches it ``late_s`` after the others (a slow backward)."""
+    n = len(g.engines)
+    out: list[list[np.ndarray]] = [[] for _ in range(n)]
+
+    def rank(r: int) -> None:
+        eng = g.engines[r]
+        for k in range(steps):
+            if r == (k + late) % n:
+                time.sleep(late_s)
+            out[r].append(eng.submit(_ar("a", np.full(3, r + 1.0))).handle.wait(30))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(50)
+    assert not any(t.is_alive() for t in threads)
+    return out
+
+
+def _rounds(g) -> int:
+    counts = {e._rounds for e in g.engines}
+    assert len(counts) == 1, counts  # every rank took part in every round
+    return counts.pop()
+
+
+@pytest.mark.parametrize("hold_ms", [60_000.0, 0.0])
+def test_a_step_whose_ranks_arrive_apart_is_agreed_in_one_round(engines, hold_ms):
+    # whichever rank is late (the coordinator included), the others' announcements wait
+    # for it: one round a step. Without the hold (RONDE_ROUND_HOLD=0, Horovod's way)
+    # every early rank's announcement starts a round of its own
+    g = engines(4, round_hold_ms=hold_ms)
+    _steps(g, 2, 0)  # the names enter the response cache (new names are never held)
+    before = _rounds(g)
+    got = _steps(g, 8, 1)
+    for per_rank in got:
+        for x in per_rank:
+            np.testing.assert_array_equal(x, np.full(3, 10.0))
+    rounds = _rounds(g) - before
+    if hold_ms:
+        assert rounds == 8, rounds
+    else:
+        assert rounds > 8, rounds  # what the hold saves (the test can fail)
+
+
+def test_announcements_that_complete_a_collective_are_never_held(engines):
+    # the early ranks' "a" went out in an earlier round (with "x", which the late rank
+    # completed); they have nothing new to say, so they never want another round. The
+    # late rank's "a" completes it: its round starts at once even with a minute of hold
+    # (a hold here would hang the test), whether the late one is the coordinator (rank
+    # 0) or a member
+    g = engines(4, **HOLD)
+    _steps(g, 2, 0)
+    for late in range(4):
+        hs_a = [None] * 4
+        hs_x = []
+        for r in range(4):
+            if r != late:
+                hs_a[r] = g.engines[r].submit(_ar("a", np.full(3, r + 1.0))).handle
+                hs_x.append(g.engines[r].submit(_ar("x", np.ones(2))).handle)
+        time.sleep(0.01)
+        hs_x.append(g.engines[late].submit(_ar("x", np.ones(2))).handle)
+        for h in hs_x:
+            np.testing.assert_array_equal(h.wait(30), np.full(2, 4.0))
+        time.sleep(0.01)
+        hs_a[late] = g.engines[late].submit(_ar("a", np.full(3, late + 1.0))).handle
+        for h in hs_a:
+            np.testing.assert_array_equal(h.wait(30), np.full(3, 10.0))
+
+
+def test_a_process_set_without_the_coordinator_is_not_held_by_it(engines):
+    g = engines(4, **HOLD)
+    add = [eng.request_process_set("add", [2, 3], Request(Kind.BARRIER,
+                                                          "process_set.add.[2, 3]", None))
+           for eng in g.engines]
+    (ps,) = {r.handle.wait(10) for r in add}
+    for _ in range(4):  # from the second time on, by cache id: the hold looks at them
+        hs = [g.engines[r].submit(_ar("s", np.full(3, float(r)), ps_id=ps)).handle
+              for r in (2, 3)]
+        for h in hs:
+            np.testing.assert_array_equal(h.wait(30), np.full(3, 5.0))
+
+
+def test_a_changed_shape_in_a_held_steady_loop_fails_every_rank(engines):
+    # what negotiation catches is still caught: the changed tensor is announced by name
+    # (its metadata is not the cached one), which is never held
+    g = engines(3, **HOLD)
+    _steps(g, 3, 0)
+    hs = [eng.submit(_ar("a", np.full(4 if r == 1 else 3, 1.0))).handle
+          for r, eng in enumerate(g.engines)]
+    for h in hs:
+        with pytest.raises(TensorMismatchError, match="'a'"):
+            h.wait(30)
+
+
+def test_a_rank_that_never_comes_lets_the_hold_run_out(engines):
+    # rank 2 announces nothing for a while: the others' round is held at most
+    # RONDE_ROUND_HOLD, then runs (announcing), and the collective completes once
+    # rank 2 submits
+    g = engines(3, round_hold_ms=20.0)
+    _steps(g, 2, 0)
+    before = _rounds(g)
+    hs = [g.engines[r].submit(_ar("a", np.full(3, 1.0))).handle for r in (0, 1)]
+    deadline = time.monotonic() + 30
+    while _rounds(g) == before and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert _rounds(g) > before  # the held round ran out and ran without rank 2
+    hs.append(g.engines[2].submit(_ar("a", np.full(3, 1.0))).handle)
+    for h in hs:
+        np.testing.assert_array_equal(h.wait(30), np.full(3, 3.0))
