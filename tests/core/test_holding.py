@@ -112,6 +112,29 @@ def test_a_process_set_without_the_coordinator_is_not_held_by_it(engines):
             np.testing.assert_array_equal(h.wait(30), np.full(3, 5.0))
 
 
+def test_a_member_whose_frame_went_out_first_counts_as_wanting_the_round(engines):
+    # set {0, 1} of 3 ranks: rank 1 announces "y" then "x", the coordinator (rank 0)
+    # "x" then "y". Rank 1's frame holds only "y" (sent, it cannot add "x" to it) and
+    # the coordinator's only "x": neither completes anything, and rank 2 wants nothing.
+    # Both members of the set want the round: it starts (held, rank 1 would wait for
+    # the coordinator and the coordinator for rank 1's "x": a hang here)
+    g = engines(3, **HOLD)
+    add = [eng.request_process_set("add", [0, 1], Request(Kind.BARRIER,
+                                                          "process_set.add.[0, 1]", None))
+           for eng in g.engines]
+    (ps,) = {r.handle.wait(10) for r in add}
+    for rep in range(4):  # from the second time on by cache id, which the hold reads
+        order = {0: ("x", "y"), 1: ("y", "x")}
+        hs = []
+        for r in (1, 0):
+            for name in order[r]:
+                hs.append(g.engines[r].submit(_ar(name, np.full(2, r + 1.0), ps_id=ps)).handle)
+                if r == 1:
+                    time.sleep(0.005)  # its "y" goes out alone
+        for h in hs:
+            np.testing.assert_array_equal(h.wait(30), np.full(2, 3.0))
+
+
 def test_a_changed_shape_in_a_held_steady_loop_fails_every_rank(engines):
     # what negotiation catches is still caught: the changed tensor is announced by name
     # (its metadata is not the cached one), which is never held

@@ -1077,9 +1077,12 @@ def held_rounds(steps: int) -> tuple:
     r, n = hvd.rank(), hvd.size()
     eng = _state.require().engine
     want = np.full(3, float(n * (n + 1) // 2))
-    for _ in range(2):  # the name enters the response cache (new names are never held)
+    for _ in range(2):  # the names enter the response cache (new names are never held)
         np.testing.assert_array_equal(hvd.allreduce(np.full(3, r + 1.0), op=hvd.Sum,
                                                     name="g"), want)
+        hvd.allreduce(np.ones(1), op=hvd.Sum, name="x")
+    # the counts are read between held rounds (cached names): no rank can start the
+    # next round before every rank read them
     before = eng._rounds
     for k in range(steps):
         if r == k % n:
@@ -1099,6 +1102,19 @@ def held_rounds(steps: int) -> tuple:
             h = hvd.allreduce_async(np.full(3, r + 1.0), op=hvd.Sum, name="g")
         np.testing.assert_array_equal(hvd.synchronize(h), want)
     completions = eng._rounds - before
+    hvd.allreduce(np.full(3, r + 1.0), op=hvd.Sum, name="g")
+    if n >= 3:
+        # a process set {0, 1}: rank 2's "z" went out with "w", so it wants no round
+        # while ranks 0 and 1 loop on "p"; both members want theirs, so it starts
+        ps = hvd.add_process_set([0, 1])
+        hz = hvd.allreduce_async(np.ones(1), op=hvd.Sum, name="z") if r == 2 else None
+        hvd.allreduce(np.ones(1), op=hvd.Sum, name="w")
+        if r in (0, 1):
+            for _ in range(4):
+                got = hvd.allreduce(np.ones(2), op=hvd.Sum, name="p", process_set=ps)
+                np.testing.assert_array_equal(got, np.full(2, 2.0))
+            hz = hvd.allreduce_async(np.ones(1), op=hvd.Sum, name="z")
+        np.testing.assert_array_equal(hvd.synchronize(hz), np.full(1, float(n)))
     mailboxes = eng.exchange.mailboxes is not None
     hvd.shutdown()
     return mailboxes, rounds, completions

@@ -88,7 +88,7 @@ class Engine:
         self._hold_until = 0.0
         #: whether to hold the next round back (holding.py)
         self.round_hold = RoundHold(cfg.round_hold_ms / 1000.0, self.negotiator,
-                                    self.exchange, size)
+                                    self.exchange, rank, size)
         self.executor = Executor(self)
         self.executor.on_idle = self.wake
         self.stall = StallInspector(cfg, describe_rank)

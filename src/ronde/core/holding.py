@@ -8,19 +8,21 @@ Why: ranks reach a gradient bucket milliseconds apart (4 ranks on 2 cores: 1-5 m
 Each one's announcement used to start a round that every rank had to join, up to N
 rounds a bucket of which only the last completed it, and every round wakes every rank's
 control thread (measured: 5.7 rounds a step for a 2-bucket transformer at np=4, 2.0
-held). Now a round starts when it completes a collective or when every rank wants it:
+held). Now a round starts only when it may complete a collective that it carries: every
+member of the collective's process set announced it in an earlier round (the
+negotiator's table, the same on every rank) or *wants* this round:
 
-* it completes one when, with what was announced in earlier rounds, every member of the
-  collective's process set announces it (the negotiator's table says; exact, since
-  every rank holds the same table);
 * between ranks of one host, a rank that wants the next round stores its number in its
-  mailbox's ``WANT`` word (``transport/mailbox.py``), fences, and reads its peers': the
-  last one to want it sees every word and starts it (of two at once, the Dekker
-  handshake makes at least one see the other);
-* through a coordinator (``coordinator.py``), a member's frame is its "want": the
-  coordinator looks at the frames buffered for the next round (left there for it) and
-  starts the round (sends its *go* to the others) only once they complete something,
-  or every member sent one and it has announcements too.
+  mailbox's ``WANT`` word (``transport/mailbox.py``), fences, and reads its peers'; of
+  two ranks wanting it at once, the Dekker handshake makes at least one see the other,
+  so the last member to want it starts it;
+* through a coordinator (``coordinator.py``), a member's frame is its "want" (once sent,
+  a member cannot add to it): the coordinator looks at the frames buffered for the next
+  round (left there for the round) and starts it (sends its *go* to the others) once a
+  collective in them, or in its own announcements, has every member covered.
+
+Per collective, not per job: two ranks of a process set reach their collective while a
+third rank, outside it, wants nothing, and their round starts.
 
 Nothing is delayed by it: what is held cannot complete before the rank that does not
 want the round yet announces. Never held: anything but announcements to send (joins,
@@ -48,8 +50,9 @@ class RoundHold:
     """One engine's decision to hold its next round (see the module docstring)."""
 
     def __init__(self, hold_s: float, negotiator: "Negotiator", exchange: "Exchange",
-                 size: int) -> None:
+                 rank: int, size: int) -> None:
         self.hold_s = hold_s
+        self.rank = rank
         self.negotiator = negotiator
         self.exchange = exchange
         self.size = size
@@ -87,25 +90,27 @@ class RoundHold:
         if neg.shutdown or any(neg.joined.values()):
             return False
         mb = ex.mailboxes
-        if mb is not None:
-            return not neg.completes_any([(r.name, r.ps_id, 1) for r in reqs]) \
-                and not mb.want(next_round, ex.gone)
-        frames = ex.next_frames()
-        if frames is None or (reqs and len(frames) == len(ex.linked())):
-            return False  # a peer left or sent something else; or every rank wants it
-        counts = self._announced_in(frames)
-        if counts is None:
+        if mb is not None:  # my announcements, the peers' WANT words
+            ready = mb.want(next_round)
+            ready.add(self.rank)
+            return not neg.any_covered([(r.name, r.ps_id) for r in reqs], ready)
+        frames = ex.next_frames()  # the coordinator: what its members sent already
+        if frames is None:
+            return False  # a peer left or sent something else: the round handles it
+        announced = self._announced_in(frames)
+        if announced is None:
             return False
-        for r in reqs:
-            counts[r.name] = (r.ps_id, counts.get(r.name, (0, 0))[1] + 1)
-        return not neg.completes_any((k, ps, n) for k, (ps, n) in counts.items())
+        ready = set(frames)
+        if reqs:
+            ready.add(self.rank)
+            announced.update((r.name, r.ps_id) for r in reqs)
+        return not neg.any_covered(announced, ready)
 
-    def _announced_in(self, frames: dict[int, bytes]) -> dict[str, tuple[int, int]] | None:
-        """What the members' frames of the next round announce: name -> (process set,
-        how many of them); None when one says anything else or names a tensor by name
-        (not cached yet)."""
+    def _announced_in(self, frames: dict[int, bytes]) -> set[tuple[str, int]] | None:
+        """What the members' frames of the next round announce, (name, process set);
+        None when one says anything else or names a tensor by name (not cached yet)."""
         decoder, expand = self.exchange.channels.decoder, self.negotiator.cache.expand
-        counts: dict[str, tuple[int, int]] = {}
+        out: set[tuple[str, int]] = set()
         try:
             for r, payload in frames.items():
                 msg, _ = decoder.unpack(payload, r)
@@ -117,7 +122,7 @@ class RoundHold:
                     if type(a) is protocol.ByName:
                         return None
                     name, _, meta = expand(a.cid, r)
-                    counts[name] = (meta.ps_id, counts.get(name, (0, 0))[1] + 1)
+                    out.add((name, meta.ps_id))
         except RondeError:  # the round itself reports it, on every rank
             return None
-        return counts
+        return out

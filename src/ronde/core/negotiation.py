@@ -81,19 +81,19 @@ class Negotiator:
     def cached_id(self, rank: int, name: str, raw_meta: list[Any]) -> int | None:
         return self.cache.lookup(name, rank, raw_meta)
 
-    def completes_any(self, announced: Iterable[tuple[str, int, int]]) -> bool:
-        """Whether announcing ``announced`` now (name, process set, how many ranks
-        announce it in this round) would complete a collective: with what was announced
-        before, every member of its set has (an unknown set counts: the general path
-        reports it at once). The engine holds back a round that completes nothing
-        (``Engine._hold``)."""
+    def any_covered(self, announced: Iterable[tuple[str, int]], ready: set[int]) -> bool:
+        """Whether a round now may complete one of ``announced`` (name, process set):
+        every member of its set announced it before or is in ``ready`` (announces, or
+        wants the round); an unknown set counts (the general path reports it at once).
+        The engine holds back a round that can complete nothing (``holding.py``)."""
         entries, sets = self.entries, self.process_sets
-        for name, ps_id, n in announced:
+        for name, ps_id in announced:
             members = sets.get(ps_id)
             if members is None:
                 return True
             entry = entries.get(name)
-            if (len(entry.metas) if entry is not None else 0) + n >= len(members):
+            have = entry.metas if entry is not None else {}
+            if all(r in have or r in ready for r in members):
                 return True
         return False
 

@@ -101,16 +101,13 @@ class Mailboxes(OwnedSegment):
         """Peers that may be asleep in ``select`` (call after :meth:`post` and a fence)."""
         return [r for r in self.peers if self._hdr[r][SLEEPING]]
 
-    def want(self, round_no: int, gone: "set[int] | frozenset[int]") -> bool:
-        """Say that this rank wants to start ``round_no``; True if every live peer
-        wants it too (say it, fence, look: see the module docstring)."""
+    def want(self, round_no: int) -> set[int]:
+        """Say that this rank wants to start ``round_no``; return the peers that want it
+        too (say it, fence, look: see the module docstring)."""
         self._my_hdr[WANT] = round_no
         fence()
         hdr = self._hdr
-        for r in self.peers:
-            if hdr[r][WANT] != round_no and r not in gone:
-                return False
-        return True
+        return {r for r in self.peers if hdr[r][WANT] == round_no}
 
     def set_sleeping(self, flag: bool) -> None:
         self._my_hdr[SLEEPING] = 1 if flag else 0
