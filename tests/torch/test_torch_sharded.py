@@ -19,7 +19,8 @@ import sharded_workers as workers  # noqa: E402
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("np_,transport", [(2, "shm"), (3, "tcp"), (4, "shm")])
+@pytest.mark.parametrize("np_,transport", [(2, "shm"), (3, "tcp"),
+                                          pytest.param(4, "shm", marks=pytest.mark.slow)])
 def test_sharded_training_equals_one_process_on_the_global_batch(np_, transport):
     # 200-byte buckets: several buckets, tensors split across ranks mid-tensor
     out = run_ranks(np_, workers.equivalence, timeout_s=110,
@@ -40,6 +41,7 @@ def test_sharded_training_equals_one_process_on_the_global_batch(np_, transport)
     assert max(held) - min(held) <= 11 * 8, held  # balanced by elements
 
 
+@pytest.mark.slow  # the quick tier has the np=2 and 3 runs; this one's 4 ranks take 20 s
 @pytest.mark.timeout(150)
 def test_a_checkpoint_saved_at_four_ranks_resumes_at_three_and_in_one_plain_optimizer(tmp_path):
     ckpt = str(tmp_path / "ckpt")
@@ -70,6 +72,7 @@ def test_at_two_ranks_the_refusals_and_a_hundred_steps_equal_distributed_optimiz
     _check_versus_distributed(versus, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_at_three_ranks_unused_layers_a_process_set_and_a_hundred_steps():
     unused, process_set, versus = run_ranks_many(
