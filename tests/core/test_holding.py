@@ -20,7 +20,11 @@ from ronde.collectives.ops import ReduceOp
 from ronde.core.requests import Kind, Request
 
 pytestmark = pytest.mark.timeout(60)
-HOLD = {"round_hold_ms": 60_000.0}
+#: a minute of hold; and no caller driving: the process has one ``WAITERS`` (one engine
+#: per process in real jobs), so with threads as ranks a thread waiting on its handle
+#: would drive another rank's engine, and could sit in that rank's round while its own
+#: rank is the one the round waits for
+HOLD = {"round_hold_ms": 60_000.0, "spin_time_us": 0.0}
 
 
 def _ar(name: str, arr: np.ndarray, **kw) -> Request:
@@ -49,6 +53,15 @@ def _steps(g, steps: int, late: int, late_s: float = 0.004) -> list[list[np.ndar
     return out
 
 
+def _process_set(g, ranks: list[int]) -> int:
+    """A process set of ``ranks``, added on every engine; its id."""
+    add = [eng.request_process_set("add", ranks, Request(Kind.BARRIER,
+                                                         f"process_set.add.{ranks}", None))
+           for eng in g.engines]
+    (ps,) = {r.handle.wait(10) for r in add}
+    return ps
+
+
 def _rounds(g) -> int:
     counts = {e._rounds for e in g.engines}
     assert len(counts) == 1, counts  # every rank took part in every round
@@ -60,7 +73,7 @@ def test_a_step_whose_ranks_arrive_apart_is_agreed_in_one_round(engines, hold_ms
     # whichever rank is late (the coordinator included), the others' announcements wait
     # for it: one round a step. Without the hold (RONDE_ROUND_HOLD=0, Horovod's way)
     # every early rank's announcement starts a round of its own
-    g = engines(4, round_hold_ms=hold_ms)
+    g = engines(4, round_hold_ms=hold_ms, spin_time_us=0.0)
     _steps(g, 2, 0)  # the names enter the response cache (new names are never held)
     before = _rounds(g)
     got = _steps(g, 8, 1)
@@ -101,10 +114,7 @@ def test_announcements_that_complete_a_collective_are_never_held(engines):
 
 def test_a_process_set_without_the_coordinator_is_not_held_by_it(engines):
     g = engines(4, **HOLD)
-    add = [eng.request_process_set("add", [2, 3], Request(Kind.BARRIER,
-                                                          "process_set.add.[2, 3]", None))
-           for eng in g.engines]
-    (ps,) = {r.handle.wait(10) for r in add}
+    ps = _process_set(g, [2, 3])
     for _ in range(4):  # from the second time on, by cache id: the hold looks at them
         hs = [g.engines[r].submit(_ar("s", np.full(3, float(r)), ps_id=ps)).handle
               for r in (2, 3)]
@@ -119,10 +129,7 @@ def test_a_member_whose_frame_went_out_first_counts_as_wanting_the_round(engines
     # Both members of the set want the round: it starts (held, rank 1 would wait for
     # the coordinator and the coordinator for rank 1's "x": a hang here)
     g = engines(3, **HOLD)
-    add = [eng.request_process_set("add", [0, 1], Request(Kind.BARRIER,
-                                                          "process_set.add.[0, 1]", None))
-           for eng in g.engines]
-    (ps,) = {r.handle.wait(10) for r in add}
+    ps = _process_set(g, [0, 1])
     for rep in range(4):  # from the second time on by cache id, which the hold reads
         order = {0: ("x", "y"), 1: ("y", "x")}
         hs = []
@@ -151,14 +158,14 @@ def test_a_rank_that_never_comes_lets_the_hold_run_out(engines):
     # rank 2 announces nothing for a while: the others' round is held at most
     # RONDE_ROUND_HOLD, then runs (announcing), and the collective completes once
     # rank 2 submits
-    g = engines(3, round_hold_ms=20.0)
+    g = engines(3, round_hold_ms=20.0, spin_time_us=0.0)
     _steps(g, 2, 0)
     before = _rounds(g)
     hs = [g.engines[r].submit(_ar("a", np.full(3, 1.0))).handle for r in (0, 1)]
     deadline = time.monotonic() + 30
-    while _rounds(g) == before and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert _rounds(g) > before  # the held round ran out and ran without rank 2
+    while g.engines[2]._rounds == before and time.monotonic() < deadline:
+        time.sleep(0.005)  # (rank 2 counts the round once it took part: no hand on it)
+    assert g.engines[2]._rounds > before  # the held round ran out and ran without rank 2
     hs.append(g.engines[2].submit(_ar("a", np.full(3, 1.0))).handle)
     for h in hs:
         np.testing.assert_array_equal(h.wait(30), np.full(3, 3.0))
