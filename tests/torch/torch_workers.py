@@ -224,6 +224,13 @@ def _model(torch, seed: int, norm: str | None = None, extra: bool = False):
     model = nn.Sequential(*layers)
     if extra:
         model.add_module("extra", nn.Linear(3, 3))
+    # the weights from a generator of their own: with threads as ranks (run_threads) the
+    # global one is shared, and two ranks building models at once would interleave its
+    # draws (each rank's two "equal" models came out different, 1 run in ~10)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(-0.4, 0.4, generator=gen)
     return model.double()
 
 
