@@ -91,9 +91,9 @@ def _cpu_s() -> float:
 
 
 def _train(mode: str, model_name: str, batch: int, steps: int, warmup: int,
-           rank: int = 0, world: int = 1) -> tuple[float, float]:
+           rank: int = 0, world: int = 1, on_timed: Any = None) -> tuple[float, float]:
     """Run the loop in this process; return (samples/s over all ranks, this process's
-    CPU milliseconds per timed step)."""
+    CPU milliseconds per timed step). ``on_timed()`` is called as the timed steps begin."""
     import torch
     import torch.nn.functional as F
 
@@ -113,6 +113,8 @@ def _train(mode: str, model_name: str, batch: int, steps: int, warmup: int,
     t0 = c0 = 0.0
     for i in range(warmup + steps):
         if i == warmup:
+            if on_timed is not None:
+                on_timed()
             t0, c0 = time.perf_counter(), _cpu_s()
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
@@ -123,19 +125,25 @@ def _train(mode: str, model_name: str, batch: int, steps: int, warmup: int,
 
 
 def ronde_worker(model_name: str, batch: int, steps: int, warmup: int
-                 ) -> tuple[float, float]:
+                 ) -> tuple[float, float, float]:
     """One rank of the ``ronde`` contender (run through :func:`ronde.testing.run_ranks`):
-    (samples/s of the slowest rank, the mean CPU ms per step over the ranks)."""
+    (samples/s of the slowest rank, the mean CPU ms per step over the ranks, negotiation
+    rounds per timed step: a count, steadier than any time on a shared machine)."""
     import torch
 
     import ronde.torch as hvd
+    from .. import _state
 
     hvd.init()
-    rate, cpu_ms = _train("ronde", model_name, batch, steps, warmup, hvd.rank(), hvd.size())
+    engine = _state.require().engine
+    start = [0]
+    rate, cpu_ms = _train("ronde", model_name, batch, steps, warmup, hvd.rank(), hvd.size(),
+                          on_timed=lambda: start.__setitem__(0, engine._rounds))
+    rounds = (engine._rounds - start[0]) / steps  # read before the reductions below
     worst = float(hvd.allreduce(torch.tensor([1.0 / rate]), op=hvd.Max)[0])
     cpu = float(hvd.allreduce(torch.tensor([cpu_ms], dtype=torch.float64), op=hvd.Average)[0])
     hvd.shutdown()
-    return 1.0 / worst, cpu  # the slowest rank sets the pace
+    return 1.0 / worst, cpu, rounds  # the slowest rank sets the pace
 
 
 def _run_ddp(np_: int, model_name: str, batch: int, steps: int, warmup: int,
@@ -217,6 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for model_name in models:
         best: dict[tuple[str, int], float] = {}  # samples/s: the best round's
         cpu: dict[tuple[str, int], float] = {}  # CPU ms per step per rank: the least
+        rounds: dict[tuple[str, int], float] = {}  # ronde's rounds per step: the least
         for _ in range(args.rounds):  # interleaved: every contender and N once a round
             runs: list[tuple[str, int, Any]] = [("single", 1, lambda n: _run_single(
                 model_name, args.batch, args.steps, args.warmup, args.timeout_s))]
@@ -236,20 +245,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                           args.steps, args.warmup,
                                                           args.timeout_s)))
             for name, n, fn in runs:
-                rate, cpu_ms = fn(n)
+                rate, cpu_ms, *counted = fn(n)
                 best[(name, n)] = max(best.get((name, n), 0.0), rate)
                 cpu[(name, n)] = min(cpu.get((name, n), float("inf")), cpu_ms)
+                if counted:
+                    rounds[(name, n)] = min(rounds.get((name, n), float("inf")), counted[0])
         for (name, n), rate in best.items():
             point = {"case": "train", "model": model_name, "contender": name, "np": n,
                      "batch_per_rank": args.batch, "samples_per_s": round(rate, 1),
                      "cpu_ms_per_step": round(cpu[(name, n)], 2)}
+            if (name, n) in rounds:
+                point["rounds_per_step"] = round(rounds[(name, n)], 2)
             print(json.dumps(point), flush=True)
-        rows.append((model_name, best, cpu))
+        rows.append((model_name, best, cpu, rounds))
     print("\n| model | N | single | ronde | ddp | ronde/ddp | ronde eff. | ddp eff. | "
           f"ronde eff. within {cores} cores | CPU ms/step single | extra CPU ms/step ronde "
-          "| ddp | ronde/ddp |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for model_name, best, cpu in rows:
+          "| ddp | ronde/ddp | rounds/step ronde |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for model_name, best, cpu, rounds in rows:
         single, c1 = best[("single", 1)], cpu[("single", 1)]
         for n in counts:
             if n < 2:
@@ -259,15 +272,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"| {model_name} | {n} | {single:.1f} | {r:.1f} | {d:.1f} | {r / d:.2f} | "
                   f"{r / (n * single):.2f} | {d / (n * single):.2f} | "
                   f"{r / (min(n, cores) * single):.2f} | {c1:.1f} | {xr:.1f} | {xd:.1f} | "
-                  f"{xr / xd if xd > 0 else float('nan'):.2f} |")
+                  f"{xr / xd if xd > 0 else float('nan'):.2f} | "
+                  f"{rounds.get(('ronde', n), float('nan')):.2f} |")
             if ("autotune", n) in best:
                 a = best[("autotune", n)]
                 print(f"| {model_name} | {n} | autotuned ronde: {a:.1f} | autotuned/ronde "
                       f"{a / r:.2f} | autotuned/ddp {a / d:.2f} | | | | | "
-                      f"{cpu[('autotune', n)] - c1:.1f} | | |")
+                      f"{cpu[('autotune', n)] - c1:.1f} | | | |")
     print("(samples/s; one thread per rank; best of rounds; efficiency = throughput(N) / "
           "(N x single); within cores: / (min(N, cores) x single); extra CPU = the "
-          "process's CPU time per step (all threads, least of rounds) minus one process's)")
+          "process's CPU time per step (all threads, least of rounds) minus one process's; "
+          "rounds/step: ronde's negotiation rounds per timed step, a count)")
     return 0
 
 
