@@ -258,12 +258,14 @@ class Engine:
         with self._lock:
             if self._other_local():
                 return False
+            if hold.settled(want) and self.out.submitted == self.out.held_submitted:
+                return True  # nothing new since it was held: a caller's poll costs this
             reqs = list(self.out.reqs)
             self.out.held_submitted = self.out.submitted
         if not hold.decide(reqs, want):
             return False
         if self.timeline is not None:
-            self.timeline.held(reqs)  # waiting for the peers from now on: negotiation
+            self.timeline.queued(reqs)  # waiting for the peers from now on: NEGOTIATE
         return True
 
     def _maybe_round(self, now: float, direct: list[Response] | None) -> tuple[bool, bool]:

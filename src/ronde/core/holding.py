@@ -66,6 +66,8 @@ class RoundHold:
         #: the round held (its number) and until when at most
         self.round = 0
         self.until = 0.0
+        #: the round :meth:`decide` held through the mailboxes (see :meth:`settled`)
+        self._decided = 0
 
     def holding(self, next_round: int, now: float) -> bool:
         """Whether ``next_round`` is being held now (the control thread then sleeps
@@ -90,6 +92,13 @@ class RoundHold:
             return True
         return now < self.until
 
+    def settled(self, next_round: int) -> bool:
+        """Whether :meth:`decide` held ``next_round`` through the mailboxes already: it
+        need not look again until this rank submits more, since a peer that wants the
+        round later sees this rank's ``WANT`` and starts it itself (the coordinator's
+        answer changes with each member frame that arrives: it looks again each time)."""
+        return self._decided == next_round
+
     def decide(self, reqs: list[Request], next_round: int) -> bool:
         """Whether to hold ``next_round``, whose announcements of this rank are ``reqs``
         (:meth:`may_hold` said yes; nothing else is to be sent)."""
@@ -100,7 +109,10 @@ class RoundHold:
         if mb is not None:  # my announcements, the peers' WANT words
             ready = mb.want(next_round)
             ready.add(self.rank)
-            return not neg.any_covered([(r.name, r.ps_id) for r in reqs], ready)
+            if neg.any_covered([(r.name, r.ps_id) for r in reqs], ready):
+                return False
+            self._decided = next_round
+            return True
         frames = ex.next_frames()  # the coordinator: what its members sent already
         if frames is None:
             return False  # a peer left or sent something else: the round handles it

@@ -93,19 +93,13 @@ class Timeline:
                          f'"ts":{start_us:.1f},"dur":{dur:.1f}{extra}}},\n')
 
     def queued(self, reqs: list[Any]) -> None:
-        """Requests leaving the outbox for a round: their QUEUE phase ends now (unless a
-        held round ended it already: :meth:`held`)."""
+        """Requests leaving the outbox for a round, or held for the other ranks from now
+        on (``holding.py``: NEGOTIATE shows that wait): their QUEUE phase ends now, once."""
         stamp = now_us()
         for r in reqs:
             if not r.t_announce:
                 r.t_announce = stamp
                 self.phase(r.name, "QUEUE", r.t_submit or stamp, stamp)
-
-    def held(self, reqs: list[Any]) -> None:
-        """Requests whose round is held until the peers want it too (``holding.py``):
-        from now on they wait for the other ranks, which is what NEGOTIATE shows, so
-        their QUEUE phase ends now."""
-        self.queued(reqs)
 
     def negotiated(self, round_no: int, responses: list[Any], pending: dict[str, Any]) -> None:
         """A round agreed on ``responses``: their NEGOTIATE phase ends now (``pending``:

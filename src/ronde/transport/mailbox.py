@@ -29,10 +29,11 @@ fence is an uncontended lock acquire/release (a locked instruction on x86-64).
 Every byte read from a peer's slot is untrusted: lengths are bounded by the slot, and
 the frame goes through the same parser as a socket frame.
 
-Wanting a round: a rank that holds announcements back until its peers have some too
-(``Engine._hold``) stores the round it wants in ``WANT``, fences, and reads every
-peer's; the same Dekker handshake makes sure that of two ranks wanting the same round,
-at least one sees the other's word, so the last one to want it starts it.
+Wanting a round: a rank that holds a round back until the other members of a
+collective want it too (``core/holding.py``) stores the round it wants in ``WANT``,
+fences, and reads every peer's; the same Dekker handshake makes sure that of two ranks
+wanting the same round, at least one sees the other's word, so the last one to want it
+starts it.
 """
 
 from __future__ import annotations
