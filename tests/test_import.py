@@ -36,3 +36,13 @@ def test_calls_before_init_say_what_to_do():
         ronde.shutdown()
     with pytest.raises(ronde.NotInitializedError, match=r"call ronde.init\(\) first"):
         ronde.rank()
+
+
+def test_import_ronde_torch_costs_no_more_than_torch():
+    # ronde's optimizer methods were decorated with torch.compiler.disable, which imports
+    # Dynamo (1.2 s of CPU, as much as torch itself) in every rank of every job; ronde's
+    # `eager` makes the disabled form only where Dynamo is loaded
+    code = "import sys, ronde.torch; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "False"

@@ -38,11 +38,12 @@ def test_at_two_ranks_training_equals_one_process_and_the_step_semantics():
     configs = list(CONFIGS)
     # (SyncBatchNorm, the state broadcasts and the misuse errors run as threads:
     # tests/test_threads.py; these draw from the global RNG, one per process)
-    (equivalence, unused, requires_grad, schedulers, closure,
-     compiled, calls) = run_ranks_many(2, [
-        (workers.equivalence, configs), workers.unused_parameter,
+    # (compiled first: the optimizer's methods are first called inside a trace there)
+    (compiled, equivalence, unused, requires_grad, schedulers, closure,
+     calls) = run_ranks_many(2, [
+        workers.compiled, (workers.equivalence, configs), workers.unused_parameter,
         workers.requires_grad_changes, workers.schedulers_made_before_wrapping,
-        workers.step_with_closure, workers.compiled, workers.calls_in_backward],
+        workers.step_with_closure, workers.calls_in_backward],
         timeout_s=280)
     for diffs in equivalence:  # one process on the full batch, per configuration
         for cfg, diff in zip(configs, diffs):

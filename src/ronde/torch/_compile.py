@@ -18,15 +18,50 @@ absence gives a clear error). The split points follow the gradients' sizes in re
 graph order, capped at ``RONDE_BUCKET_BYTES`` (the first piece at ronde's first-bucket
 size), as :mod:`._buckets` lays out buckets; they need not coincide with ronde's buckets
 exactly: any split restores overlap.
+
+:func:`eager` is ``torch.compiler.disable`` for ronde's own optimizer methods without
+importing Dynamo when the process never compiles anything (Dynamo's import costs 1.2 s of
+CPU, as much as importing torch itself, in every rank of every job).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import functools
+import sys
+from typing import Any, Callable, TypeVar
 
 from .. import _config, _state
 from .._errors import UnsupportedError
 from ._buckets import FIRST_BUCKET_BYTES
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def eager(fn: F) -> F:
+    """``torch.compiler.disable(fn)``, with Dynamo imported only where it already is.
+
+    A compiled function that calls ``fn`` runs it eagerly (a graph break around it), as
+    under ``torch.compiler.disable``. While Dynamo has not been imported nothing can be
+    compiling, so ``fn`` is called as it is; the disabled form is made at the first call
+    that finds Dynamo imported (compiling a function imports it first), then kept.
+    """
+    disabled: list[Callable[..., Any]] = []
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not disabled:
+            if "torch._dynamo" not in sys.modules:
+                return fn(*args, **kwargs)
+            import torch._dynamo
+
+            disabled.append(torch._dynamo.disable(fn, recursive=True))
+        return disabled[0](*args, **kwargs)
+
+    if "torch._dynamo" in sys.modules:  # made now: no first call inside a trace
+        import torch._dynamo
+
+        disabled.append(torch._dynamo.disable(fn, recursive=True))
+    return call  # type: ignore[return-value]
 
 
 def compile_backend(backend: str | Callable[..., Any] = "inductor",

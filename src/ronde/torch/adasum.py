@@ -17,6 +17,7 @@ from .._ops import ReduceOp
 from ..frameworks.naming import name_parameters
 from ..process_sets import ProcessSet, global_process_set
 from . import _collectives as C
+from ._compile import eager
 from ._wrap import inner, wrap
 
 
@@ -29,11 +30,11 @@ class _AdasumMixin:
         self._ronde_ps = process_set
         self._ronde_names = name_parameters(self.param_groups, named_parameters)
 
-    @torch.compiler.disable  # a compiled step runs these eagerly (graph breaks)
+    @eager  # a compiled step runs these eagerly (graph breaks)
     def synchronize(self) -> None:
         """Nothing to wait for: the deltas are combined inside ``step()``."""
 
-    @torch.compiler.disable
+    @eager
     def step(self, closure: Any = None) -> Any:
         """Run ``closure`` if given (its gradients are the ones stepped on), take the local
         step, then combine the deltas; returns the closure's loss."""

@@ -56,6 +56,7 @@ from ..frameworks.naming import (gradient_name, name_parameters, presence_name,
                                  require_same_parameters)
 from ..process_sets import ProcessSet, global_process_set
 from . import _buckets
+from ._compile import eager
 from . import _collectives as C
 from . import _device
 from ._tensors import dtype_name
@@ -280,7 +281,7 @@ class _DistributedMixin(SkipSynchronize):
             self._ronde_rehook()
         return missing
 
-    @torch.compiler.disable  # a compiled step runs these eagerly (graph breaks)
+    @eager  # a compiled step runs these eagerly (graph breaks)
     def synchronize(self) -> None:
         """Wait until every gradient is reduced (starting those not started yet).
 
@@ -357,7 +358,7 @@ class _DistributedMixin(SkipSynchronize):
             lambda started, flat, n: self._ronde_result(started),
             _state.require().cfg.bucket_views)
 
-    @torch.compiler.disable
+    @eager
     def step(self, closure: Any = None) -> Any:
         """Run ``closure`` if given, wait for the reduced gradients (unless inside
         ``skip_synchronize``), then step.
@@ -389,7 +390,7 @@ class _DistributedMixin(SkipSynchronize):
     #: they run once, around the inner step (after the reduction), not twice
     step.hooked = True  # type: ignore[attr-defined]
 
-    @torch.compiler.disable
+    @eager
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients; refuses while reductions are still in flight (those of a
         step that a failure interrupted, e.g. before an elastic reset, are dropped)."""

@@ -40,6 +40,7 @@ from ..frameworks.accumulation import TooManyPassesError
 from ..frameworks.naming import name_parameters, require_same_parameters
 from ..process_sets import ProcessSet, global_process_set
 from . import _buckets
+from ._compile import eager
 from . import _collectives as C
 from ._tensors import dtype_name
 from ._wrap import SkipSynchronize, inner, wrap
@@ -267,7 +268,7 @@ class _ShardedMixin(SkipSynchronize):
             b.buf = None
 
     # -- the step --------------------------------------------------------------------------
-    @torch.compiler.disable
+    @eager
     def synchronize(self) -> None:
         """Wait for every bucket's averaged slice and give each piece its ``.grad``
         (None where no rank had a gradient). ``step()`` calls it; call it yourself
@@ -303,7 +304,7 @@ class _ShardedMixin(SkipSynchronize):
                     if counts[piece.index] else None
         self._ronde_synced = True
 
-    @torch.compiler.disable
+    @eager
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the averaged gradients by their global norm (over every rank's slices:
         one allreduce of a number); returns the norm before clipping, as
@@ -327,7 +328,7 @@ class _ShardedMixin(SkipSynchronize):
                     g.mul_(scale)
         return torch.as_tensor(float(norm))
 
-    @torch.compiler.disable
+    @eager
     def step(self, closure: Any = None) -> Any:
         """Run ``closure`` (if any), synchronize, step on this rank's pieces, then gather
         every rank's updated pieces into the parameters."""
@@ -381,7 +382,7 @@ class _ShardedMixin(SkipSynchronize):
         if any(p.requires_grad != (p in self._ronde_hooks) for p in self._ronde_params):
             self._ronde_rehook()
 
-    @torch.compiler.disable
+    @eager
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients and the pieces'. Called between a backward and
         its step, it drops that window (waiting for what it started)."""
