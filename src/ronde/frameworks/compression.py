@@ -22,6 +22,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
+import numpy as np
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -148,3 +150,70 @@ def wire_reduction(op: int, prescale: float, postscale: float, size: int,
     if wire_dtype == "float16" and int(op) == int(ReduceOp.AVERAGE) and size > 1:
         return WireReduction(int(ReduceOp.SUM), prescale / size, postscale)
     return WireReduction(int(op), prescale, postscale)
+
+
+# -- numpy arrays: the host path of every binding ------------------------------------------
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype called ``name`` (``bfloat16`` needs the ml_dtypes package)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+class NumpyAdapter:
+    """The :class:`~ronde.frameworks.compression.TensorAdapter` for numpy arrays.
+
+    Also for arrays that follow numpy's ``dtype``/``astype`` protocol with a numpy
+    scalar type as ``dtype`` (MXNet's ``NDArray``; ``asnumpy()`` reads them).
+    """
+
+    def dtype_name(self, tensor: np.ndarray) -> str:
+        """The array's dtype name (``float32``, ``bfloat16`` through ml_dtypes...)."""
+        return np.dtype(tensor.dtype).name
+
+    def cast(self, tensor: np.ndarray, dtype_name: str) -> np.ndarray:
+        """The array converted to ``dtype_name`` (itself when it already has it)."""
+        if self.dtype_name(tensor) == dtype_name:
+            return tensor
+        return tensor.astype(numpy_dtype(dtype_name))
+
+    def all_finite(self, tensor: np.ndarray) -> bool:
+        """True when the array holds no inf and no nan."""
+        if np.dtype(tensor.dtype).kind in "iub":
+            return True
+        values = tensor.asnumpy() if hasattr(tensor, "asnumpy") else tensor
+        return bool(np.isfinite(np.asarray(values).astype(np.float32, copy=False)).all())
+
+
+#: the built-in compressors for numpy arrays (``Compression`` of the JAX, MXNet and
+#: Keras bindings; what the host reduction applies for every binding)
+NUMPY_COMPRESSION: Compression[np.ndarray] = Compression(NumpyAdapter())
+
+
+def wire_dtype_of(compression: Compresses) -> str | None:
+    """The wire dtype of a ronde compressor of any binding (``None``: no cast).
+
+    Raises:
+        TypeError: ``compression`` is not one of ronde's ``Compression.none/fp16/bf16``
+            (Horovod-style custom compressors run on framework tensors and cannot be
+            applied on the host).
+    """
+    if compression is None:
+        return None
+    if isinstance(compression, Compressor):
+        return compression.wire_dtype
+    raise TypeError(f"compression={compression!r} is not supported here; use "
+                    "Compression.none, Compression.fp16 or Compression.bf16")
+
+
+def host_compressor(wire_dtype: str | None) -> Compressor[np.ndarray]:
+    """The numpy compressor that casts to ``wire_dtype``."""
+    if wire_dtype is None:
+        return NUMPY_COMPRESSION.none
+    if wire_dtype == "float16":
+        return NUMPY_COMPRESSION.fp16
+    if wire_dtype == "bfloat16":
+        return NUMPY_COMPRESSION.bf16
+    raise ValueError(f"unknown wire dtype {wire_dtype!r}")

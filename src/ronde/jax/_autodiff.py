@@ -31,7 +31,7 @@ import numpy as np
 from ..frameworks.compression import Compresses
 from .. import _api
 from .._ops import ReduceOp
-from ..frameworks.host_reduce import NUMPY_COMPRESSION
+from ..frameworks.compression import NUMPY_COMPRESSION
 from ..process_sets import ProcessSet, global_process_set
 from . import _collectives as C
 from ._arrays import as_jax_input, host_call, spec_of, to_host

@@ -22,7 +22,8 @@ from ..frameworks.compression import Compresses
 from .. import _api
 from .._ops import ReduceOp
 from ..frameworks.handles import ConvertingHandle, group
-from ..frameworks.host_reduce import GradientSpec, Reduction, reduce_arrays, wire_dtype_of
+from ..frameworks.gradients import Reduction
+from ..frameworks.host_reduce import GradientSpec, reduce_arrays
 from ..process_sets import ProcessSet, global_process_set
 from ._arrays import as_jax_input, host_call, is_traced, spec_of, to_device, to_host
 
@@ -62,7 +63,7 @@ def allreduce_arrays(xs: Sequence[Any], names: Sequence[str], op: ReduceOp, pres
     """
     xs = [as_jax_input(x, "allreduce") for x in xs]
     specs = [GradientSpec(n) for n in names]
-    reduction = Reduction(int(op), prescale, postscale, wire_dtype_of(compression), process_set)
+    reduction = Reduction(int(op), prescale, postscale, compression, process_set).on_host()
 
     def fn(*arrays: np.ndarray) -> list[np.ndarray]:
         return reduce_arrays([to_host(a, "allreduce") for a in arrays], specs, reduction)

@@ -39,11 +39,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from .._ops import ReduceOp
+from ..frameworks.compression import NUMPY_COMPRESSION as Compression
 from ..frameworks.compression import Compresses
-from .._ops import ReduceOp, predivide_scales
-from ..frameworks.accumulation import PassCounter
-from ..frameworks.host_reduce import NUMPY_COMPRESSION as Compression
-from ..frameworks.host_reduce import Reduction, fused_allreduce, wire_dtype_of
+from ..frameworks.gradients import Reduction
+from ..frameworks.host_reduce import fused_allreduce
 from ..process_sets import ProcessSet, global_process_set
 from . import _collectives as C
 from ._arrays import any_traced, host_call, spec_of
@@ -78,8 +78,12 @@ def reduce_gradients(grads: Any, name: str = DEFAULT_NAME, op: Any = ReduceOp.AV
     Not differentiable (it is meant for gradients). Every rank must pass a pytree
     of the same structure, shapes and dtypes.
     """
-    reduction = Reduction(int(C.resolve_op(op, None)), prescale_factor, postscale_factor,
-                          wire_dtype_of(compression), process_set)
+    return _reduce(grads, name, Reduction(int(C.resolve_op(op, None)), prescale_factor,
+                                          postscale_factor, compression, process_set))
+
+
+def _reduce(grads: Any, name: str, reduction: Reduction) -> Any:
+    reduction = reduction.on_host()
     leaves, treedef = jax.tree_util.tree_flatten(grads)
     if not leaves:
         return grads
@@ -101,16 +105,14 @@ def allreduce_gradients(op: Any = ReduceOp.AVERAGE, compression: Compresses = Co
     Chain it in front of any optimizer: ``optax.chain(hvd.allreduce_gradients(),
     optax.adam(1e-3))``. Arguments as for :func:`DistributedOptimizer`.
     """
-    resolved = C.resolve_op(op, None)
-    pre, post = predivide_scales(resolved, gradient_predivide_factor)
-    wire_dtype_of(compression)  # fail now on an unsupported compressor
+    red = Reduction.configure(op, gradient_predivide_factor, compression, process_set,
+                              on_host=True)  # fails now on a wrong argument
 
     def init(params: Any) -> optax.EmptyState:
         return optax.EmptyState()
 
     def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
-        return reduce_gradients(updates, name, resolved, pre, post, process_set,
-                                compression), state
+        return _reduce(updates, name, red), state
 
     return optax.GradientTransformation(init, update)
 
@@ -154,12 +156,12 @@ def DistributedOptimizer(optimizer: optax.GradientTransformation,
     if resolved not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise ValueError(f"DistributedOptimizer supports op=Average, Sum or Adasum, not "
                          f"{resolved.name}")
-    pre, post = predivide_scales(resolved, gradient_predivide_factor)
-    passes_per_step = PassCounter(backward_passes_per_step).passes_per_step
-    wire_dtype_of(compression)  # fail now on an unsupported compressor
+    red = Reduction.configure(resolved, gradient_predivide_factor, compression, process_set,
+                              backward_passes_per_step, on_host=True)
+    passes_per_step = red.passes_per_step
 
     def reduce(grads: Any) -> Any:
-        return reduce_gradients(grads, name, resolved, pre, post, process_set, compression)
+        return _reduce(grads, name, red)
 
     def init(params: Any) -> DistributedState:
         names, leaves, _ = leaf_table(params)
@@ -215,7 +217,7 @@ def _adasum_optimizer(optimizer: optax.GradientTransformation, compression: Comp
         raise ValueError("DistributedOptimizer(op=Adasum) combines each step's parameter "
                          "deltas; it does not accumulate passes (backward_passes_per_step "
                          "must be 1)")
-    wire_dtype_of(compression)
+    red = Reduction.configure(ReduceOp.ADASUM, 1.0, compression, process_set, on_host=True)
 
     def init(params: Any) -> DistributedState:
         names, leaves, _ = leaf_table(params)
@@ -227,8 +229,7 @@ def _adasum_optimizer(optimizer: optax.GradientTransformation, compression: Comp
     def update(grads: Any, state: DistributedState,
                params: Any = None) -> tuple[Any, DistributedState]:
         updates, inner = optimizer.update(grads, state.inner, params)
-        combined = reduce_gradients(updates, f"{name}.adasum", ReduceOp.ADASUM, 1.0, 1.0,
-                                    process_set, compression)
+        combined = _reduce(updates, f"{name}.adasum", red)
         return combined, DistributedState(inner, state.acc, state.passes)
 
     return optax.GradientTransformation(init, update)

@@ -25,7 +25,7 @@ from .._errors import UnsupportedError
 from .._ops import ReduceOp
 from ..frameworks.accumulation import PassCounter
 from ..frameworks.compression import Compresses
-from ..frameworks.host_reduce import wire_dtype_of
+from ..frameworks.compression import wire_dtype_of
 from ..process_sets import ProcessSet, global_process_set, shard_position
 from . import _collectives as C
 from ._arrays import any_traced

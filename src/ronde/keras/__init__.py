@@ -37,7 +37,7 @@ from .. import _api, _facade, _objects  # noqa: E402
 __all__ = _facade.export_common(globals())
 
 from .._api import barrier, join  # noqa: E402,F401
-from ..frameworks.host_reduce import NUMPY_COMPRESSION as Compression
+from ..frameworks.compression import NUMPY_COMPRESSION as Compression
 from ..process_sets import ProcessSet, global_process_set
 from . import callbacks
 from ._bridge import to_numpy, to_tensor

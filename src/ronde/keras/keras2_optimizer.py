@@ -38,7 +38,7 @@ import tensorflow as tf
 
 from .._errors import UnsupportedError
 from .._ops import ReduceOp
-from ..frameworks.host_reduce import set_size
+from .._api import set_size
 from ..frameworks.local_grads import LocalSources, reduce_except_local
 from ..tensorflow.gradients import reduce_gradients, take_reduced
 
@@ -174,11 +174,11 @@ class _Keras2Mixin:
         o = self._ronde
 
         def reduce_all(g: Grads, v: Sequence[Any]) -> Grads:
-            return reduce_gradients(g, v, o.prefix, o.op, o.prescale, o.postscale,
-                                    o.compression, o.sparse_as_dense, o.process_set)
+            return reduce_gradients(g, v, o.prefix, o.reduction, o.sparse_as_dense)
 
         return reduce_except_local(grads, list(variables), o.local, reduce_all,
-                                   set_size(o.process_set) if o.scale_local else None)
+                                   set_size(o.reduction.process_set) if o.scale_local
+                                   else None)
 
     def _ronde_gradients(self, grads: Grads, variables: Sequence[Any], reduce: bool) -> Grads:
         """The gradients to apply: reduced (unless ``reduce`` is False: already done),
@@ -273,9 +273,10 @@ def setup(optimizer: Any, options: Options) -> None:
     """Give ``optimizer`` its own copy of the options (its own local variables) and, with
     ``passes > 1``, its aggregation window."""
     optimizer._ronde = replace(options, local=LocalSources())
-    optimizer._agg_helper = (PassAggregator(options.passes, options.average_aggregated,
+    passes = options.reduction.passes_per_step
+    optimizer._agg_helper = (PassAggregator(passes, options.average_aggregated,
                                             options.sparse_as_dense)
-                             if options.passes > 1 else None)
+                             if passes > 1 else None)
 
 
 def is_legacy(optimizer: Any) -> bool:
@@ -303,7 +304,7 @@ def distributed(optimizer: Any, options: Options) -> Any:
     Raises:
         UnsupportedError: an op other than Average and Sum (Horovod's Keras 2 rule).
     """
-    if options.op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+    if options.reduction.op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise UnsupportedError("DistributedOptimizer on a Keras 2 (tf_keras) optimizer: op "
                                "must be Average or Sum (as in Horovod); for Adasum use a "
                                "Keras 3 optimizer")

@@ -29,12 +29,13 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
-from ..frameworks.compression import Compresses
 from .. import _api
+from .._api import set_size
 from .._errors import UnsupportedError
-from .._ops import ReduceOp, predivide_scales
-from ..frameworks.host_reduce import (GradientSpec, Reduction, reduce_arrays, set_size,
-                                      wire_dtype_of)
+from .._ops import ReduceOp
+from ..frameworks.compression import Compresses
+from ..frameworks.gradients import Reduction
+from ..frameworks.host_reduce import GradientSpec, reduce_arrays
 from ..frameworks.local_grads import LocalSources, layer_variables, reduce_except_local
 from ..frameworks.naming import gradient_name
 from ..process_sets import ProcessSet, global_process_set
@@ -55,14 +56,11 @@ class CallableList(list):  # type: ignore[type-arg]
 class Options:
     """What a distributed optimizer does with the gradients (see ``DistributedOptimizer``)."""
 
-    op: int
-    prescale: float
-    postscale: float
-    compression: Compresses
+    #: the op, scales, compression, process set and passes (the pipeline every binding
+    #: shares: :mod:`ronde.frameworks.gradients`)
+    reduction: Reduction
     sparse_as_dense: bool
-    process_set: ProcessSet
     prefix: str
-    passes: int
     average_aggregated: bool
     local: LocalSources = field(default_factory=LocalSources)
     scale_local: bool = True
@@ -92,7 +90,7 @@ class _DistributedMixin:
         if skip:
             logger.debug("gradients come from DistributedGradientTape, already reduced")
         self._ronde_skip = skip
-        if not skip and self._ronde.op == ReduceOp.ADASUM:
+        if not skip and self._ronde.reduction.op == ReduceOp.ADASUM:
             return self._ronde_adasum_apply(grads, trainable_variables)
         if not skip and not self.gradient_accumulation_steps:
             grads = self._ronde_reduce(grads, self._ronde_variables(grads, trainable_variables),
@@ -156,23 +154,23 @@ class _DistributedMixin:
         o = self._ronde
         return reduce_except_local(grads, variables, o.local,
                                    lambda g, v: self._ronde_reduce_all(g, v, extra_post),
-                                   set_size(o.process_set) if o.scale_local else None)
+                                   set_size(o.reduction.process_set) if o.scale_local
+                                   else None)
 
     def _ronde_reduce_all(self, grads: list[Any], variables: Sequence[Any],
                           extra_post: float) -> list[Any]:
         o = self._ronde
-        post = o.postscale * extra_post
+        red = o.reduction if extra_post == 1.0 else \
+            replace(o.reduction, postscale=o.reduction.postscale * extra_post)
         if backend_name() == "tensorflow":
             from ..tensorflow.gradients import reduce_gradients
 
-            return reduce_gradients(grads, variables, o.prefix, o.op, o.prescale, post,
-                                    o.compression, o.sparse_as_dense, o.process_set)
+            return reduce_gradients(grads, variables, o.prefix, red, o.sparse_as_dense)
         where = [i for i, g in enumerate(grads) if g is not None]
         if not where:
             return grads
         specs = [GradientSpec(gradient_name(f"{o.prefix}.{_label(variables[i], i)}"))
                  for i in where]
-        red = Reduction(o.op, o.prescale, post, wire_dtype_of(o.compression), o.process_set)
         outs = host_map(lambda *a: reduce_arrays(a, specs, red), [grads[i] for i in where],
                         f"ronde_{o.prefix}")
         result = list(grads)
@@ -277,14 +275,12 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
         raise UnsupportedError("DistributedOptimizer(op=Adasum) combines each step's "
                                "parameter deltas; it does not accumulate passes "
                                "(backward_passes_per_step must be 1)")
-    pre, post = predivide_scales(resolved, gradient_predivide_factor)
-    wire_dtype_of(compression)
-    passes = int(backward_passes_per_step)
-    if passes < 1:
-        raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
-    options = Options(int(resolved), pre, post, compression, bool(sparse_as_dense),
-                      process_set, name or f"DistributedOptimizer.{optimizer_name(optimizer)}",
-                      passes, bool(average_aggregated_gradients), LocalSources(),
+    red = Reduction.configure(resolved, gradient_predivide_factor, compression, process_set,
+                              backward_passes_per_step, on_host=True)
+    passes = red.passes_per_step
+    options = Options(red, bool(sparse_as_dense),
+                      name or f"DistributedOptimizer.{optimizer_name(optimizer)}",
+                      bool(average_aggregated_gradients), LocalSources(),
                       bool(scale_local_gradients))
     if is_keras2(optimizer):
         from .keras2_optimizer import distributed

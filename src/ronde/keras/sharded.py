@@ -43,9 +43,8 @@ import numpy as np
 from .. import _api, _state
 from .._errors import UnsupportedError
 from .._ops import ReduceOp
-from ..frameworks.compression import Compresses
+from ..frameworks.compression import Compresses, host_compressor, wire_dtype_of
 from ..frameworks.elementwise import check_elementwise
-from ..frameworks.host_reduce import host_compressor, wire_dtype_of
 from ..frameworks.naming import require_same_parameters
 from ..process_sets import ProcessSet, global_process_set, shard_position
 from ._bridge import host_map

@@ -31,7 +31,7 @@ __all__ = _facade.export_common(globals())
 from .._api import barrier, join  # noqa: E402,F401
 from .._objects import allgather_object, broadcast_object  # noqa: E402,F401
 from ..frameworks.compression import Compressor
-from ..frameworks.host_reduce import NUMPY_COMPRESSION as Compression
+from ..frameworks.compression import NUMPY_COMPRESSION as Compression
 from ..process_sets import ProcessSet, global_process_set
 from ._collectives import (allgather, allreduce, allreduce_, alltoall, broadcast, broadcast_,
                            fused_allreduce_, grouped_allgather, grouped_allreduce,

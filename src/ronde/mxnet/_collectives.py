@@ -20,7 +20,9 @@ from ..frameworks.compression import Compresses
 from .. import _api
 from .. import _grouped as grouped_ops
 from .._ops import ReduceOp
-from ..frameworks.host_reduce import NUMPY_COMPRESSION, Reduction, fused_allreduce, wire_dtype_of
+from ..frameworks.gradients import Reduction
+from ..frameworks.compression import NUMPY_COMPRESSION
+from ..frameworks.host_reduce import fused_allreduce
 from ..process_sets import ProcessSet, global_process_set
 
 logger = logging.getLogger(__name__)
@@ -129,10 +131,15 @@ def fused_allreduce_(tensors: Sequence[mx.nd.NDArray], name: str, op: Any = None
     The buffer of dtype ``d`` is the collective ``<name>.<d>``; see
     :func:`ronde.frameworks.host_reduce.fused_allreduce`.
     """
-    reduction = Reduction(int(resolve_op(op, None)), prescale_factor, postscale_factor,
-                          wire_dtype_of(compression), process_set)
+    return reduce_fused_(tensors, name, Reduction(int(resolve_op(op, None)), prescale_factor,
+                                                  postscale_factor, compression, process_set))
+
+
+def reduce_fused_(tensors: Sequence[mx.nd.NDArray], name: str,
+                  reduction: Reduction) -> list[mx.nd.NDArray]:
+    """:func:`fused_allreduce_` as ``reduction`` says (the optimizers' gradients)."""
     hosts = [to_host(t, name) for t in tensors]
-    outs = fused_allreduce(hosts, name, reduction)
+    outs = fused_allreduce(hosts, name, reduction.on_host())
     return [write_back(t, o) for o, t in zip(outs, tensors)]
 
 

@@ -26,10 +26,11 @@ from typing import Any
 import mxnet as mx
 import numpy as np
 
-from ..frameworks.compression import Compresses
 from .. import _state
-from .._ops import ReduceOp, predivide_scales
-from ..frameworks.host_reduce import NUMPY_COMPRESSION as Compression, wire_dtype_of
+from .._ops import ReduceOp
+from ..frameworks.compression import NUMPY_COMPRESSION as Compression
+from ..frameworks.compression import Compresses
+from ..frameworks.gradients import Reduction
 from ..frameworks.naming import require_same_parameters
 from ..process_sets import ProcessSet, global_process_set
 from . import _collectives as C
@@ -60,10 +61,9 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
                  compression: Compresses = Compression.none) -> None:
         # no super().__init__(): every optimizer attribute lives on the inner optimizer
         object.__setattr__(self, "_optimizer", optimizer)
-        wire_dtype_of(compression)  # fail now on an unsupported compressor
-        pre, post = predivide_scales(ReduceOp.AVERAGE, gradient_predivide_factor)
-        object.__setattr__(self, "_ronde", {"pre": pre, "post": post, "ps": process_set,
-                                            "compression": compression})
+        object.__setattr__(self, "_ronde", Reduction.configure(  # fails now on a wrong one
+            ReduceOp.AVERAGE, gradient_predivide_factor, compression, process_set,
+            on_host=True))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._optimizer, name)
@@ -75,14 +75,12 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
             setattr(self._optimizer, name, value)
 
     def _reduce(self, index: Any, grad: Any) -> None:
-        cfg = self._ronde
-        if not cfg["ps"].included():
+        red = self._ronde
+        if not red.process_set.included():
             return  # Horovod: a rank outside the process set updates with its own gradient
         grads = grad if isinstance(grad, (list, tuple)) else [grad]
         indices = index if isinstance(index, (list, tuple)) else [index]
-        C.fused_allreduce_(grads, f"DistributedOptimizer.grad.{indices[0]}.{len(indices)}",
-                           ReduceOp.AVERAGE, cfg["pre"], cfg["post"], cfg["ps"],
-                           cfg["compression"])
+        C.reduce_fused_(grads, f"DistributedOptimizer.grad.{indices[0]}.{len(indices)}", red)
 
     def create_state(self, index: Any, weight: Any) -> Any:
         """The inner optimizer's state for one weight."""
@@ -142,10 +140,9 @@ class DistributedTrainer(mx.gluon.Trainer):
             optimizer = optimizer._optimizer
         super().__init__(params, optimizer, optimizer_params=optimizer_params, kvstore=None,
                          update_on_kvstore=False)
-        wire_dtype_of(compression)  # fail now on an unsupported compressor
-        self._ronde_pre, self._ronde_post = predivide_scales(ReduceOp.AVERAGE,
-                                                             gradient_predivide_factor)
-        self._ronde_compression = compression
+        self._ronde_reduction = Reduction.configure(
+            ReduceOp.AVERAGE, gradient_predivide_factor, compression, process_set,
+            on_host=True)  # fails now on a wrong argument
         self._ronde_prefix = prefix or ""
         self._ronde_ps = process_set
         self._ronde_validated = -1  # the job generation checked in (see ronde.torch)
@@ -172,9 +169,8 @@ class DistributedTrainer(mx.gluon.Trainer):
                     total += g.as_in_context(total.context)
                 per_ctx[0][:] = total
             grads.append(per_ctx[0])
-        C.fused_allreduce_(grads, f"{self._ronde_prefix}DistributedTrainer.grads",
-                           ReduceOp.AVERAGE, self._ronde_pre, self._ronde_post, self._ronde_ps,
-                           self._ronde_compression)
+        C.reduce_fused_(grads, f"{self._ronde_prefix}DistributedTrainer.grads",
+                        self._ronde_reduction)
         for p in params:
             per_ctx = p.list_grad()
             for g in per_ctx[1:]:

@@ -29,8 +29,9 @@ from ..frameworks.compression import Compresses
 from .. import _api
 from .._errors import UnsupportedError
 from .._ops import ReduceOp
-from ..frameworks.host_reduce import GradientSpec, Reduction, reduce_arrays, set_size, \
-    wire_dtype_of
+from ..frameworks.gradients import Reduction
+from .._api import set_size
+from ..frameworks.host_reduce import GradientSpec, reduce_arrays
 from ..process_sets import ProcessSet, global_process_set
 from ._bridge import host_call
 
@@ -106,8 +107,8 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
     if isinstance(tensor, tf.IndexedSlices):
         return _sparse(tensor, op, name, prescale_factor, postscale_factor, process_set)
     op = _api.resolve_op(op, None, what="allreduce", allowed=_api.ALLREDUCE_OPS)
-    red = Reduction(int(op), prescale_factor, postscale_factor, wire_dtype_of(compression),
-                    process_set)
+    red = Reduction(int(op), prescale_factor, postscale_factor, compression,
+                    process_set).on_host()
     base = _name("allreduce", name, process_set)
     gname = f"{base}.grad" if base else ""
 
@@ -140,8 +141,8 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
                           name=f"{name}.{i}" if name else None, process_set=process_set)
                 for i, t in enumerate(tensors)]
     op = _api.resolve_op(op, None, what="grouped_allreduce", allowed=_api.ALLREDUCE_OPS)
-    red = Reduction(int(op), prescale_factor, postscale_factor, wire_dtype_of(compression),
-                    process_set)
+    red = Reduction(int(op), prescale_factor, postscale_factor, compression,
+                    process_set).on_host()
     xs = [tf.convert_to_tensor(t) for t in tensors]
     if not xs:
         return []

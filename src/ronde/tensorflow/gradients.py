@@ -18,11 +18,11 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from ..frameworks.compression import Compresses
 from .. import _api
-from .._ops import ReduceOp, predivide_scales
-from ..frameworks.host_reduce import (GradientSpec, Reduction, count_inputs, reduce_arrays,
-                                      wire_dtype_of)
+from .._ops import ReduceOp
+from ..frameworks.compression import Compresses
+from ..frameworks.gradients import Reduction
+from ..frameworks.host_reduce import GradientSpec, count_inputs, reduce_arrays
 from ..frameworks.local_grads import LocalSources, layer_variables, reduce_except_local
 from ..frameworks.naming import gradient_name
 from ..process_sets import ProcessSet, global_process_set
@@ -55,24 +55,18 @@ def variable_label(v: Any, i: int) -> str:
 
 
 def reduce_gradients(grads: Sequence[Any], sources: Sequence[Any], prefix: str,
-                     op: Any = ReduceOp.AVERAGE, prescale: float = 1.0, postscale: float = 1.0,
-                     compression: Compresses | None = None, sparse_as_dense: bool = False,
-                     process_set: ProcessSet = global_process_set) -> list[Any]:
+                     reduction: Reduction, sparse_as_dense: bool = False) -> list[Any]:
     """Reduce a step's gradients over the ranks in one host call.
 
     Args:
         grads: gradients (tensors, ``IndexedSlices`` or None), one per source.
         sources: the variables they belong to (for names only).
         prefix: the collective name prefix (identical on every rank).
-        op: ``Average`` (default) or ``Sum`` (others for dense gradients only).
-        prescale: factor applied before the reduction.
-        postscale: factor applied after it.
-        compression: ``Compression.none/fp16/bf16`` (cast on the host).
+        reduction: the op (``Average``, ``Sum``; others for dense gradients only), the
+            scales, the compression (cast on the host) and the ranks taking part.
         sparse_as_dense: densify ``IndexedSlices`` and allreduce them.
-        process_set: the ranks taking part.
     """
-    red = Reduction(int(_api.resolve_op(op, None)), prescale, postscale,
-                    wire_dtype_of(compression), process_set)
+    red = reduction.on_host()
     specs: list[GradientSpec] = []
     inputs: list[tf.Tensor] = []
     where: list[int] = []
@@ -140,10 +134,9 @@ class _DistributedTapeMixin:
         o = self._ronde
 
         def reduce(g: list[Any], v: list[Any]) -> list[Any]:
-            return reduce_gradients(g, v, o["prefix"], o["op"], o["pre"], o["post"],
-                                    o["compression"], o["sparse_as_dense"], o["process_set"])
+            return reduce_gradients(g, v, o["prefix"], o["reduction"], o["sparse_as_dense"])
 
-        size = _api.set_size(o["process_set"]) if o["scale_local"] else None
+        size = _api.set_size(o["reduction"].process_set) if o["scale_local"] else None
         reduced = reduce_except_local(flat_grads, flat_sources, self._ronde_local, reduce,
                                       size)
         mark_reduced(reduced)
@@ -191,17 +184,14 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",
     Returns:
         An instance of a subclass of ``type(gradtape)`` sharing its recording.
     """
-    resolved = _api.resolve_op(op, None)
-    pre, post = predivide_scales(resolved, gradient_predivide_factor)
-    wire_dtype_of(compression)  # fail now on an unsupported compressor
+    red = Reduction.configure(op, gradient_predivide_factor, compression, process_set,
+                              on_host=True)  # fails now on a wrong argument
     base: type[Any] = type(gradtape)
     cls: type[Any] = type(base.__name__, (_DistributedTapeMixin, base),
                           {"__module__": base.__module__})
     tape = cls.__new__(cls)  # type: ignore[call-overload]
     tape.__dict__.update(gradtape.__dict__)
-    tape._ronde = {"prefix": name, "op": resolved, "pre": pre, "post": post,
-                   "compression": compression,
-                   "sparse_as_dense": sparse_as_dense, "process_set": process_set,
+    tape._ronde = {"prefix": name, "reduction": red, "sparse_as_dense": sparse_as_dense,
                    "scale_local": bool(scale_local_gradients)}
     tape._ronde_local = LocalSources()
     return tape

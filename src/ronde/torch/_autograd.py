@@ -30,10 +30,10 @@ import torch
 from .. import _api, _objects
 from .._errors import UnsupportedError
 from .._ops import ReduceOp
-from ..frameworks.compression import Compresses, Compressor, wire_reduction
+from ..frameworks.compression import Compresses
+from ..frameworks.gradients import Reduction
 from ..process_sets import ProcessSet, global_process_set
 from . import _collectives as C
-from ._tensors import dtype_name
 from .compression import Compression
 
 
@@ -91,17 +91,12 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     Returns:
         A new tensor with the reduced values (the input is unchanged).
     """
-    resolved = C.resolve_op(op, average)
+    red = Reduction(C.resolve_op(op, average), prescale_factor, postscale_factor, compression,
+                    process_set)
     compressed, cctx = compression.compress(tensor)
-    if isinstance(compression, Compressor):
-        wire = compression.wire_dtype if compression.compresses(dtype_name(tensor.dtype)) else None
-        op_, pre, post = wire_reduction(resolved, prescale_factor, postscale_factor,
-                                        C.set_size(process_set), wire)
-        out = _Allreduce.apply(compressed, ReduceOp(op_), pre, post, name, process_set)
-        return compression.decompress(out, cctx, name)
-    out = _Allreduce.apply(compressed, resolved, prescale_factor, postscale_factor, name,
-                           process_set)
-    return compression.decompress(out, cctx)
+    op_, pre, post = red.wire(tensor, compressed, cctx)
+    out = _Allreduce.apply(compressed, ReduceOp(op_), pre, post, name, process_set)
+    return red.decompress(out, cctx, name)
 
 
 class _GroupedAllreduce(torch.autograd.Function):
@@ -125,18 +120,16 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
                       op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allreduce a list of tensors together (fused when they fit); differentiable."""
-    resolved = C.resolve_op(op, average)
+    red = Reduction(C.resolve_op(op, average), prescale_factor, postscale_factor, compression,
+                    process_set)
     if not tensors:
         return []
     pairs = [compression.compress(t) for t in tensors]
-    pre, post, op_ = prescale_factor, postscale_factor, int(resolved)
-    if isinstance(compression, Compressor) and compression.compresses(
-            dtype_name(tensors[0].dtype)):
-        op_, pre, post = wire_reduction(resolved, pre, post, C.set_size(process_set),
-                                        compression.wire_dtype)
+    # one op for the group, as its first tensor is sent (a group holds one dtype)
+    op_, pre, post = red.wire(tensors[0], *pairs[0])
     outs = _GroupedAllreduce.apply(ReduceOp(op_), pre, post, name, process_set,
                                    *[p[0] for p in pairs])
-    return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
+    return [red.decompress(o, c, None) for o, (_, c) in zip(outs, pairs)]
 
 
 class _Allgather(torch.autograd.Function):

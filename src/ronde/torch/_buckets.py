@@ -36,6 +36,7 @@ import torch
 
 from .. import _api
 from .._errors import TensorMismatchError
+from ..frameworks.gradients import Reduction, Started
 from ..process_sets import ProcessSet
 
 #: DDP's first bucket: small, so that the first allreduce starts early in the backward
@@ -63,7 +64,7 @@ class Bucket:
             self.members.append((i, p, self.flat[at:at + n].view(p.shape)))
             at += n
         self.left = len(self.members)  #: members whose gradient is not in ``flat`` yet
-        self.handle: Any = None  #: the step's (handle, kind) once started
+        self.handle: Started | None = None  #: the step's allreduce once started
 
 
 class Buckets:
@@ -74,16 +75,15 @@ class Buckets:
         params: the optimizer's parameters, in its order.
         names: their names (for errors), in the same order.
         base: the collective name the buckets' names start with.
-        start: starts the allreduce of a flat buffer: ``start(tensor, name)`` returns
-            what ``finish`` is given back (the optimizer's compression and op applied).
-        finish: waits for that and returns the reduced flat buffer.
+        reduction: the optimizer's op, scales and compression, applied to each bucket's
+            flat buffer as to a gradient (:mod:`ronde.frameworks.gradients`).
+        allreduce: torch's in-place asynchronous allreduce.
         as_view: make each gradient taken a view of its slot (``RONDE_GRADIENT_AS_BUCKET_VIEW``).
     """
 
     def __init__(self, layout: Sequence[Sequence[int]], params: Sequence[torch.Tensor],
-                 names: Sequence[str], base: str, start: Callable[[torch.Tensor, str], Any],
-                 finish: Callable[[Any, torch.Tensor, str], torch.Tensor],
-                 as_view: bool = False) -> None:
+                 names: Sequence[str], base: str, reduction: Reduction,
+                 allreduce: Callable[..., Any], as_view: bool = False) -> None:
         self.buckets = [Bucket(f"{base}.bucket{k}.{len(ids)}",
                                [(i, params[i]) for i in ids], params[ids[0]].dtype)
                         for k, ids in enumerate(layout)]
@@ -96,7 +96,7 @@ class Buckets:
         #: and backward accumulates into the slot while ``zero_grad`` keeps the view
         self.as_view = as_view
         self._names = names
-        self._start, self._finish = start, finish
+        self._reduction, self._allreduce = reduction, allreduce
 
     def __contains__(self, p: torch.Tensor) -> bool:
         return id(p) in self.slot_of
@@ -118,7 +118,7 @@ class Buckets:
         self.taken.add(id(p))
         bucket.left -= 1
         if bucket.left == 0:
-            bucket.handle = self._start(bucket.flat, bucket.name)
+            bucket.handle = self._reduction.start(bucket.flat, bucket.name, self._allreduce)
 
     def flush(self) -> None:
         """Start the buckets that no hook completed, their missing slots zeroed (a
@@ -129,7 +129,7 @@ class Buckets:
                 for _, p, slot in b.members:
                     if id(p) not in taken:
                         slot.zero_()
-                b.handle = self._start(b.flat, b.name)
+                b.handle = self._reduction.start(b.flat, b.name, self._allreduce)
 
     def finish(self, counts: Sequence[int] | None, zero_unused: bool) -> None:
         """Wait for every bucket and give each parameter its average: those that
@@ -140,7 +140,7 @@ class Buckets:
         try:
             for b in self.buckets:
                 try:
-                    out = self._finish(b.handle, b.flat, b.name)
+                    out = self._reduction.result(b.handle)
                 except TensorMismatchError as exc:
                     held = ", ".join(repr(self._names[i]) for i, _, _ in b.members[:8])
                     raise TensorMismatchError(
@@ -227,9 +227,8 @@ def agree_layout(order: Sequence[int], params: Sequence[torch.Tensor],
 
 
 def make(order: Sequence[int], params: Sequence[torch.Tensor], hooked: Any,
-         names: Sequence[str], base: str, cap_bytes: int, process_set: ProcessSet,
-         start: Callable[..., Any], result: Callable[..., torch.Tensor],
-         as_view: bool = False) -> Buckets | None:
+         names: Sequence[str], base: str, cap_bytes: int, reduction: Reduction,
+         allreduce: Callable[..., Any], as_view: bool = False) -> Buckets | None:
     """The buckets of an optimizer's ``params`` (None where none is laid out), from rank
     0's ready ``order``. A gradient goes in one when its parameter is ``hooked`` (its
     hook copies it in), on the CPU, dense and floating; the rest keep their own
@@ -239,8 +238,9 @@ def make(order: Sequence[int], params: Sequence[torch.Tensor], hooked: Any,
         return p in hooked and p.device.type == "cpu" and not p.is_sparse and \
             p.grad is not None and not p.grad.is_sparse and p.dtype.is_floating_point
 
-    found = agree_layout(order, params, eligible, cap_bytes, process_set, f"{base}.buckets")
-    return Buckets(found, params, names, base, start, result, as_view) if found else None
+    found = agree_layout(order, params, eligible, cap_bytes, reduction.process_set,
+                         f"{base}.buckets")
+    return Buckets(found, params, names, base, reduction, allreduce, as_view) if found else None
 
 
 def user_groups(groups: Any, params: list[torch.Tensor]) -> dict[int, list[torch.Tensor]]:

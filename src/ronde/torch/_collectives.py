@@ -17,6 +17,7 @@ import torch
 
 from .. import _api
 from .._ops import ReduceOp
+from ..frameworks.gradients import Reduction
 from ..process_sets import ProcessSet, global_process_set
 from . import _device
 from ._tensors import (Allocator, MultiHandle, SparseHandle, TorchHandle, host, numpy_view,
@@ -146,9 +147,8 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: An
     values = t.values().contiguous()
     hi = allgather_async(indices, f"{base}.indices", process_set)
     hv = allgather_async(values, f"{base}.values", process_set)
-    scale = prescale_factor * postscale_factor
-    if resolved == ReduceOp.AVERAGE:
-        scale /= set_size(process_set)
+    scale = Reduction(resolved, prescale_factor, postscale_factor,
+                      process_set=process_set).sparse_scale()
 
     def convert(outs: list[Any]) -> torch.Tensor:
         idx, vals = hi.wait(), hv.wait()

@@ -49,16 +49,17 @@ import torch
 
 from .. import _api, _state
 from .._errors import ProcessSetError, RondeError, UnsupportedError
-from .._ops import ReduceOp, predivide_scales
+from .._ops import ReduceOp
 from ..frameworks.accumulation import PassCounter
-from ..frameworks.compression import Compresses, Compressor, wire_reduction
+from ..frameworks.compression import Compresses
+from ..frameworks.gradients import Reduction, Started
 from ..frameworks.naming import (gradient_name, name_parameters, presence_name,
                                  require_same_parameters)
 from ..process_sets import ProcessSet, global_process_set
 from . import _buckets
-from ._compile import eager
 from . import _collectives as C
 from . import _device
+from ._compile import eager
 from ._tensors import dtype_name
 from ._wrap import SkipSynchronize, inner, wrap
 from .compression import Compression
@@ -76,14 +77,14 @@ class _DistributedMixin(SkipSynchronize):
                     op: Any, gradient_predivide_factor: float, groups: Any,
                     sparse_as_dense: bool, process_set: ProcessSet,
                     zero_unused_grads: bool) -> None:
-        resolved = C.resolve_op(op, None)  # Adasum went to torch/adasum.py before this
-        self._ronde_pre, self._ronde_post = predivide_scales(resolved,
-                                                             gradient_predivide_factor)
-        self._ronde_op = resolved
-        self._ronde_compression = compression
+        # (Adasum went to torch/adasum.py before this)
+        red = Reduction.configure(op, gradient_predivide_factor, compression, process_set,
+                                  backward_passes_per_step)
+        #: the op, scales and compression (frameworks/gradients.py: every binding's)
+        self._ronde_reduction = red
         self._ronde_sparse_as_dense = bool(sparse_as_dense)
         self._ronde_ps = process_set
-        self._ronde_counter: PassCounter[torch.Tensor] = PassCounter(backward_passes_per_step)
+        self._ronde_counter: PassCounter[torch.Tensor] = PassCounter(red.passes_per_step)
         self._ronde_names = name_parameters(self.param_groups, named_parameters)
         #: every parameter, trainable or not (requires_grad may change after wrapping);
         #: the presence counts are in this order
@@ -95,7 +96,7 @@ class _DistributedMixin(SkipSynchronize):
                                  for p in g["params"]}
         self._requires_update: set[torch.Tensor] = set()  # the hooked parameters
         self.process_set = process_set
-        self.op = resolved
+        self.op = ReduceOp(red.op)
         self.sparse_as_dense = bool(sparse_as_dense)
         self.gradient_predivide_factor = gradient_predivide_factor
         #: a rank outside the process set steps on its own gradients, as in Horovod
@@ -103,7 +104,8 @@ class _DistributedMixin(SkipSynchronize):
             raise ProcessSetError(f"DistributedOptimizer: {process_set!r} is not registered; "
                                   "call hvd.add_process_set() on every rank first")
         self._ronde_member = process_set is global_process_set or process_set.included()
-        self._ronde_handles: dict[torch.Tensor, tuple[Any, Any, str]] = {}
+        #: parameter -> its gradient's reduction in flight (a sparse one: its gather)
+        self._ronde_handles: dict[torch.Tensor, Any] = {}
         #: the step's allreduce of how many ranks have each gradient, and its name
         self._ronde_presence: Any = None
         self._ronde_presence_name = presence_name(self._ronde_names[id(self._ronde_params[0])])
@@ -210,35 +212,13 @@ class _DistributedMixin(SkipSynchronize):
             buckets.take(p, grad)
             return
         name = gradient_name(self._ronde_names[id(p)])
+        red = self._ronde_reduction
         if grad.is_sparse and not self._ronde_sparse_as_dense:
-            h = C.sparse_allreduce_async(grad, name, self._ronde_op, self._ronde_ps,
-                                         self._ronde_pre, self._ronde_post)
-            self._ronde_handles[p] = (h, "sparse", name)
+            self._ronde_handles[p] = C.sparse_allreduce_async(
+                grad, name, red.op, red.process_set, red.prescale, red.postscale)
             return
-        self._ronde_handles[p] = self._ronde_start(grad.to_dense() if grad.is_sparse
-                                                   else grad, name)
-
-    def _ronde_start(self, dense: torch.Tensor, name: str) -> tuple[Any, Any, str]:
-        """Start the allreduce of ``dense`` (a gradient, or a bucket's flat buffer) with
-        the optimizer's op, scaling and compression: ``(handle, kind, name)``."""
-        op, pre, post = self._ronde_op, self._ronde_pre, self._ronde_post
-        comp = self._ronde_compression
-        compressed, ctx = comp.compress(dense)
-        if isinstance(comp, Compressor) and comp.compresses(dtype_name(dense.dtype)):
-            op, pre, post = wire_reduction(op, pre, post, C.set_size(self._ronde_ps),
-                                           comp.wire_dtype)
-        h = C.allreduce_async_(compressed, None, name, op, pre, post, self._ronde_ps)
-        return h, ("inplace" if compressed is dense else ("dense", ctx)), name
-
-    def _ronde_result(self, started: tuple[Any, Any, str]) -> torch.Tensor:
-        """Wait for what :meth:`_ronde_start` started; the reduced tensor (decompressed)."""
-        h, kind, name = started
-        out = h.wait()
-        if kind == "inplace":
-            return out
-        comp = self._ronde_compression
-        return comp.decompress(out, kind[1], name) if isinstance(comp, Compressor) \
-            else comp.decompress(out, kind[1])
+        self._ronde_handles[p] = red.start(grad.to_dense() if grad.is_sparse else grad, name,
+                                           C.allreduce_async_)
 
     # -- step side -------------------------------------------------------------------------
     def _ronde_validate(self) -> None:
@@ -317,11 +297,12 @@ class _DistributedMixin(SkipSynchronize):
                         self._ronde_submit(p)
                     elif self._ronde_zero_unused and p.requires_grad:  # Horovod's zeros
                         p.grad = torch.zeros_like(p)
+            red = self._ronde_reduction
             for p, started in handles.items():
-                if started[1] == "sparse":
-                    p.grad = started[0].wait()
+                if not isinstance(started, Started):  # a sparse gradient's gather
+                    p.grad = started.wait()
                     continue
-                value, grad = self._ronde_result(started), p.grad
+                value, grad = red.result(started), p.grad
                 if value is grad:  # reduced in place
                     continue
                 if grad is not None and not grad.is_sparse:  # compressed on the wire
@@ -354,8 +335,7 @@ class _DistributedMixin(SkipSynchronize):
         base = self._ronde_presence_name[: -len(".presence")]
         self._ronde_buckets = _buckets.make(
             order, params, self._ronde_hooks, [self._ronde_names[id(p)] for p in params],
-            base, self._ronde_bucket_cap(), self._ronde_ps, lambda t, n: self._ronde_start(t, n),
-            lambda started, flat, n: self._ronde_result(started),
+            base, self._ronde_bucket_cap(), self._ronde_reduction, C.allreduce_async_,
             _state.require().cfg.bucket_views)
 
     @eager

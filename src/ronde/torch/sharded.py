@@ -40,8 +40,8 @@ from ..frameworks.accumulation import TooManyPassesError
 from ..frameworks.naming import name_parameters, require_same_parameters
 from ..process_sets import ProcessSet, global_process_set
 from . import _buckets
-from ._compile import eager
 from . import _collectives as C
+from ._compile import eager
 from ._tensors import dtype_name
 from ._wrap import SkipSynchronize, inner, wrap
 from .compression import Compression
