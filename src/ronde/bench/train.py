@@ -19,8 +19,15 @@ steps are not timed. Besides samples/s, each rank counts the CPU time of its who
 process (every thread: ``resource.getrusage``) over the timed steps; the table shows
 the CPU milliseconds per step per rank beyond the single process's (what the library
 costs a rank: its threads, copies and reductions; on a machine with one rank per core
-that is time the backward pass does not get). Prints one JSON line per point, then a
-table.
+that is time the backward pass does not get).
+
+**GIL wait**: a probe thread in every rank (every contender, the single process too)
+sleeps 1 ms at a time through the timed steps and sums how late it wakes: the time a
+thread that wants the GIL (and a core) back waits for it. The training thread is such a
+thread each time a torch call that released the GIL returns, so the probe's lateness
+beyond the single process's is what the library's threads (ronde's control and
+executor threads, Gloo's) make the training thread wait per step, measured the same
+way for every contender. Prints one JSON line per point, then a table.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Sequence
 
@@ -90,10 +98,39 @@ def _cpu_s() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+class _GilProbe:
+    """A thread that sleeps :data:`PROBE_S` at a time and sums how late it wakes (see
+    the module docstring: what a thread waiting for the GIL and a core waits)."""
+
+    PROBE_S = 0.001
+
+    def __init__(self) -> None:
+        self.late_s = 0.0
+        self.wakeups = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-gil-probe", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        clock, nap = time.perf_counter, self.PROBE_S
+        while not self._stop.is_set():
+            t0 = clock()
+            time.sleep(nap)
+            self.late_s += max(0.0, clock() - t0 - nap)
+            self.wakeups += 1
+
+    def stop(self) -> float:
+        """Stop; the lateness summed over the run, in seconds."""
+        self._stop.set()
+        self._thread.join()
+        return self.late_s
+
+
 def _train(mode: str, model_name: str, batch: int, steps: int, warmup: int,
-           rank: int = 0, world: int = 1, on_timed: Any = None) -> tuple[float, float]:
+           rank: int = 0, world: int = 1, on_timed: Any = None) -> tuple[float, float, float]:
     """Run the loop in this process; return (samples/s over all ranks, this process's
-    CPU milliseconds per timed step). ``on_timed()`` is called as the timed steps begin."""
+    CPU milliseconds per timed step, the GIL probe's lateness in milliseconds per timed
+    step). ``on_timed()`` is called as the timed steps begin."""
     import torch
     import torch.nn.functional as F
 
@@ -111,24 +148,29 @@ def _train(mode: str, model_name: str, batch: int, steps: int, warmup: int,
     x = torch.randn(batch, *shape, generator=gen)
     y = torch.randint(0, classes, (batch,), generator=gen)
     t0 = c0 = 0.0
+    probe: _GilProbe | None = None
     for i in range(warmup + steps):
         if i == warmup:
             if on_timed is not None:
                 on_timed()
+            probe = _GilProbe()
             t0, c0 = time.perf_counter(), _cpu_s()
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
     elapsed = time.perf_counter() - t0
     cpu_ms = (_cpu_s() - c0) * 1e3 / steps
-    return world * batch * steps / elapsed, cpu_ms
+    assert probe is not None
+    wait_ms = probe.stop() * 1e3 / steps
+    return world * batch * steps / elapsed, cpu_ms, wait_ms
 
 
 def ronde_worker(model_name: str, batch: int, steps: int, warmup: int
-                 ) -> tuple[float, float, float]:
+                 ) -> tuple[float, float, float, float]:
     """One rank of the ``ronde`` contender (run through :func:`ronde.testing.run_ranks`):
-    (samples/s of the slowest rank, the mean CPU ms per step over the ranks, negotiation
-    rounds per timed step: a count, steadier than any time on a shared machine)."""
+    (samples/s of the slowest rank, the mean CPU ms per step over the ranks, the mean GIL
+    probe lateness in ms per step, negotiation rounds per timed step: a count, steadier
+    than any time on a shared machine)."""
     import torch
 
     import ronde.torch as hvd
@@ -137,17 +179,19 @@ def ronde_worker(model_name: str, batch: int, steps: int, warmup: int
     hvd.init()
     engine = _state.require().engine
     start = [0]
-    rate, cpu_ms = _train("ronde", model_name, batch, steps, warmup, hvd.rank(), hvd.size(),
-                          on_timed=lambda: start.__setitem__(0, engine._rounds))
+    rate, cpu_ms, wait_ms = _train("ronde", model_name, batch, steps, warmup, hvd.rank(),
+                                   hvd.size(),
+                                   on_timed=lambda: start.__setitem__(0, engine._rounds))
     rounds = (engine._rounds - start[0]) / steps  # read before the reductions below
     worst = float(hvd.allreduce(torch.tensor([1.0 / rate]), op=hvd.Max)[0])
-    cpu = float(hvd.allreduce(torch.tensor([cpu_ms], dtype=torch.float64), op=hvd.Average)[0])
+    cpu, wait = (float(v) for v in hvd.allreduce(
+        torch.tensor([cpu_ms, wait_ms], dtype=torch.float64), op=hvd.Average))
     hvd.shutdown()
-    return 1.0 / worst, cpu, rounds  # the slowest rank sets the pace
+    return 1.0 / worst, cpu, wait, rounds  # the slowest rank sets the pace
 
 
 def _run_ddp(np_: int, model_name: str, batch: int, steps: int, warmup: int,
-             timeout_s: float) -> tuple[float, float]:
+             timeout_s: float) -> tuple[float, float, float]:
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     procs = [subprocess.Popen([sys.executable, "-m", "ronde.bench.train", "--ddp-worker",
@@ -155,15 +199,16 @@ def _run_ddp(np_: int, model_name: str, batch: int, steps: int, warmup: int,
                                str(batch), "--steps", str(steps), "--warmup", str(warmup)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(np_)]
-    rates, cpus = [], []
+    rates, cpus, waits = [], [], []
     for p in procs:
         out, err = p.communicate(timeout=timeout_s)
         if p.returncode != 0:
             raise RuntimeError(f"ddp worker failed: {err[-2000:]}")
-        rate, cpu = out.strip().splitlines()[-1].split()
+        rate, cpu, wait = out.strip().splitlines()[-1].split()
         rates.append(float(rate))
         cpus.append(float(cpu))
-    return min(rates), sum(cpus) / len(cpus)
+        waits.append(float(wait))
+    return min(rates), sum(cpus) / len(cpus), sum(waits) / len(waits)
 
 
 def _ddp_worker(spec: str, model_name: str, batch: int, steps: int, warmup: int) -> None:
@@ -172,9 +217,9 @@ def _ddp_worker(spec: str, model_name: str, batch: int, steps: int, warmup: int)
     rank, world, port = (int(v) for v in spec.split(","))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    rate, cpu_ms = _train("ddp", model_name, batch, steps, warmup, rank, world)
+    rate, cpu_ms, wait_ms = _train("ddp", model_name, batch, steps, warmup, rank, world)
     dist.barrier()
-    print(rate, cpu_ms, flush=True)
+    print(rate, cpu_ms, wait_ms, flush=True)
     # no destroy_process_group() and no interpreter teardown: Gloo may abort a process
     # whose peer tore its pairs down first ("terminate called without an active
     # exception"), which would lose a finished measurement
@@ -183,14 +228,14 @@ def _ddp_worker(spec: str, model_name: str, batch: int, steps: int, warmup: int)
 
 
 def _run_single(model_name: str, batch: int, steps: int, warmup: int, timeout_s: float
-                ) -> tuple[float, float]:
+                ) -> tuple[float, float, float]:
     code = (f"from ronde.bench.train import _train; print(*_train('single', {model_name!r}, "
             f"{batch}, {steps}, {warmup}))")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=timeout_s, check=True)
-    rate, cpu = out.stdout.strip().splitlines()[-1].split()
-    return float(rate), float(cpu)
+    rate, cpu, wait = out.stdout.strip().splitlines()[-1].split()
+    return float(rate), float(cpu), float(wait)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -226,6 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         best: dict[tuple[str, int], float] = {}  # samples/s: the best round's
         cpu: dict[tuple[str, int], float] = {}  # CPU ms per step per rank: the least
         rounds: dict[tuple[str, int], float] = {}  # ronde's rounds per step: the least
+        wait: dict[tuple[str, int], float] = {}  # GIL probe lateness ms/step: the least
         for _ in range(args.rounds):  # interleaved: every contender and N once a round
             runs: list[tuple[str, int, Any]] = [("single", 1, lambda n: _run_single(
                 model_name, args.batch, args.steps, args.warmup, args.timeout_s))]
@@ -245,24 +291,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                           args.steps, args.warmup,
                                                           args.timeout_s)))
             for name, n, fn in runs:
-                rate, cpu_ms, *counted = fn(n)
+                rate, cpu_ms, wait_ms, *counted = fn(n)
                 best[(name, n)] = max(best.get((name, n), 0.0), rate)
                 cpu[(name, n)] = min(cpu.get((name, n), float("inf")), cpu_ms)
+                wait[(name, n)] = min(wait.get((name, n), float("inf")), wait_ms)
                 if counted:
                     rounds[(name, n)] = min(rounds.get((name, n), float("inf")), counted[0])
         for (name, n), rate in best.items():
             point = {"case": "train", "model": model_name, "contender": name, "np": n,
                      "batch_per_rank": args.batch, "samples_per_s": round(rate, 1),
-                     "cpu_ms_per_step": round(cpu[(name, n)], 2)}
+                     "cpu_ms_per_step": round(cpu[(name, n)], 2),
+                     "gil_wait_ms_per_step": round(wait[(name, n)], 3)}
             if (name, n) in rounds:
                 point["rounds_per_step"] = round(rounds[(name, n)], 2)
             print(json.dumps(point), flush=True)
-        rows.append((model_name, best, cpu, rounds))
+        rows.append((model_name, best, cpu, rounds, wait))
     print("\n| model | N | single | ronde | ddp | ronde/ddp | ronde eff. | ddp eff. | "
           f"ronde eff. within {cores} cores | CPU ms/step single | extra CPU ms/step ronde "
-          "| ddp | ronde/ddp | rounds/step ronde |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for model_name, best, cpu, rounds in rows:
+          "| ddp | ronde/ddp | rounds/step ronde | GIL wait ms/step single | ronde | ddp |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for model_name, best, cpu, rounds, wait in rows:
         single, c1 = best[("single", 1)], cpu[("single", 1)]
         for n in counts:
             if n < 2:
@@ -273,16 +321,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{r / (n * single):.2f} | {d / (n * single):.2f} | "
                   f"{r / (min(n, cores) * single):.2f} | {c1:.1f} | {xr:.1f} | {xd:.1f} | "
                   f"{xr / xd if xd > 0 else float('nan'):.2f} | "
-                  f"{rounds.get(('ronde', n), float('nan')):.2f} |")
+                  f"{rounds.get(('ronde', n), float('nan')):.2f} | "
+                  f"{wait[('single', 1)]:.2f} | {wait[('ronde', n)]:.2f} | "
+                  f"{wait[('ddp', n)]:.2f} |")
             if ("autotune", n) in best:
                 a = best[("autotune", n)]
                 print(f"| {model_name} | {n} | autotuned ronde: {a:.1f} | autotuned/ronde "
                       f"{a / r:.2f} | autotuned/ddp {a / d:.2f} | | | | | "
-                      f"{cpu[('autotune', n)] - c1:.1f} | | | |")
+                      f"{cpu[('autotune', n)] - c1:.1f} | | | | | | |")
     print("(samples/s; one thread per rank; best of rounds; efficiency = throughput(N) / "
           "(N x single); within cores: / (min(N, cores) x single); extra CPU = the "
           "process's CPU time per step (all threads, least of rounds) minus one process's; "
-          "rounds/step: ronde's negotiation rounds per timed step, a count)")
+          "rounds/step: ronde's negotiation rounds per timed step, a count; GIL wait: how "
+          "late a probe thread sleeping 1 ms at a time wakes, summed per step, mean of "
+          "the ranks, least of rounds)")
     return 0
 
 
