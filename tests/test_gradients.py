@@ -103,6 +103,15 @@ def test_an_fp16_average_is_a_sum_of_predivided_inputs_and_comes_back_in_its_dty
     assert engine.calls[0][1:] == (int(ReduceOp.SUM), 1.0, 1.0, "int64")
 
 
+def test_a_binding_that_casts_itself_gets_the_same_wire_op():
+    # JAX's sharded optimizer casts inside a trace and asks for the op (it reduced an fp16
+    # Average as a float16 sum before: torch's and Keras' sharded optimizers too)
+    red = Reduction(int(ReduceOp.AVERAGE), 1.0, 3.0, process_set=ProcessSet([0, 1, 2, 3]))
+    assert red.wire_op("float16") == (int(ReduceOp.SUM), 0.25, 3.0)
+    assert red.wire_op("bfloat16") == (int(ReduceOp.AVERAGE), 1.0, 3.0)
+    assert red.wire_op(None) == (int(ReduceOp.AVERAGE), 1.0, 3.0)
+
+
 def test_one_gradient_asks_its_dtype_once():
     # the compressor decides whether it casts; the wire op follows from what it returned
     # (asked twice per gradient before: the issue's "dtype_name and compresses run twice")

@@ -149,6 +149,26 @@ def refusals() -> list:
     return out
 
 
+def fp16_near_its_limit() -> dict:
+    """fp16 compression of gradients whose average fits float16 but whose sum over the
+    ranks does not (40,000 on every rank: the sum overflows at 65,504). The reduce-scatter
+    now takes every binding's rule (an Average as a Sum of predivided inputs); before, it
+    summed in float16 and every parameter became inf. Each optimizer's parameters after
+    one SGD step of lr 1, and a DistributedOptimizer's beside them."""
+    torch, hvd = _setup()
+    out = {}
+    for kind in ("sharded", "distributed"):
+        p = torch.nn.Parameter(torch.zeros(16))
+        make = hvd.ShardedOptimizer if kind == "sharded" else hvd.DistributedOptimizer
+        opt = make(torch.optim.SGD([p], lr=1.0), named_parameters=[(f"{kind}.w", p)],
+                   compression=hvd.Compression.fp16)
+        (p * 40000.0).sum().backward()
+        opt.step()
+        out[kind] = p.detach().tolist()
+    hvd.shutdown()
+    return out
+
+
 def checkpoint(directory: str, phase: str, steps: int = 3) -> dict:
     """Adam, against one process that trained every step so far on the global batches
     (12 samples a step, whatever the world size), ``steps`` steps a phase:

@@ -132,9 +132,15 @@ class Reduction:
         if sent is not tensor and type(ctx) is CompressionContext and ctx.dtype_name:
             # cast by one of ronde's compressors (its context says so: its dtype test
             # does not run twice)
-            return wire_reduction(self.op, self.prescale, self.postscale, self.set_size(),
-                                  self.compression.wire_dtype)  # type: ignore[union-attr]
+            return self.wire_op(self.compression.wire_dtype)  # type: ignore[union-attr]
         return WireReduction(self.op, self.prescale, self.postscale)
+
+    def wire_op(self, wire_dtype: str | None) -> WireReduction:
+        """The op and scale factors when this reduction's floats travel as ``wire_dtype``
+        (``None``: as they are); for a binding that casts them itself (JAX, inside a
+        trace)."""
+        return wire_reduction(self.op, self.prescale, self.postscale, self.set_size(),
+                              wire_dtype)
 
     def decompress(self, out: Any, ctx: Any, name: str | None) -> Any:
         """``out`` (reduced on the wire) back in the gradient's dtype."""

@@ -23,9 +23,8 @@ import optax
 
 from .._errors import UnsupportedError
 from .._ops import ReduceOp
-from ..frameworks.accumulation import PassCounter
-from ..frameworks.compression import Compresses
-from ..frameworks.compression import wire_dtype_of
+from ..frameworks.compression import Compresses, wire_dtype_of
+from ..frameworks.gradients import Reduction
 from ..process_sets import ProcessSet, global_process_set, shard_position
 from . import _collectives as C
 from ._arrays import any_traced
@@ -145,10 +144,10 @@ def ShardedOptimizer(optimizer: optax.GradientTransformation,
             elif wire is None:
                 mine = C.reducescatter_array(flat, ReduceOp.AVERAGE, f"{tag}.grads",
                                              process_set, 1.0, 1.0)
-            else:
-                mine = C.reducescatter_array(flat.astype(wire), ReduceOp.AVERAGE,
-                                             f"{tag}.grads", process_set, 1.0,
-                                             1.0).astype(flat.dtype)
+            else:  # an fp16 Average travels as a Sum of predivided inputs (every binding's rule)
+                op, pre, post = red.wire_op(wire_name)
+                mine = C.reducescatter_array(flat.astype(wire), ReduceOp(op), f"{tag}.grads",
+                                             process_set, pre, post).astype(flat.dtype)
             p_mine = None
             if p_leaves is not None:
                 p_mine = _flat(p_leaves, ids, n)[0][r * per:(r + 1) * per]
@@ -163,7 +162,9 @@ def ShardedOptimizer(optimizer: optax.GradientTransformation,
             assert at == length
         return jax.tree_util.tree_unflatten(treedef, out), tuple(states)
 
-    passes_per_step = PassCounter(backward_passes_per_step).passes_per_step
+    red = Reduction.configure(ReduceOp.AVERAGE, 1.0, compression, process_set,
+                              backward_passes_per_step, on_host=True)
+    passes_per_step = red.passes_per_step
     wire_name = wire_dtype_of(compression)
     wire = None if wire_name is None else jnp.dtype(wire_name)
     return optax.GradientTransformation(init, update)

@@ -44,6 +44,7 @@ from .. import _api, _state
 from .._errors import UnsupportedError
 from .._ops import ReduceOp
 from ..frameworks.compression import Compresses, host_compressor, wire_dtype_of
+from ..frameworks.gradients import Reduction
 from ..frameworks.elementwise import check_elementwise
 from ..frameworks.naming import require_same_parameters
 from ..process_sets import ProcessSet, global_process_set, shard_position
@@ -239,11 +240,14 @@ def _reduce_scatter(arrays: Sequence[np.ndarray], g: _Group, size: int, name: st
         at += n
     if size == 1:
         return flat * scale if scale != 1.0 else flat
-    comp = host_compressor(wire)
-    sent, ctx = comp.compress(flat)
-    out = _api.reducescatter(sent, ReduceOp.AVERAGE, name,
-                             None if ps is global_process_set else ps, 1.0, scale)
-    return np.asarray(comp.decompress(out, ctx), dtype=g.dtype)
+    # the pipeline every binding's gradients take (frameworks/gradients.py): an fp16
+    # Average travels as a Sum of predivided inputs, an overflow is named
+    red = Reduction(int(ReduceOp.AVERAGE), 1.0, scale, host_compressor(wire), ps)
+    sent, ctx = red.compression.compress(flat)  # type: ignore[union-attr]
+    op, pre, post = red.wire(flat, sent, ctx)
+    out = _api.reducescatter(sent, op, name, None if ps is global_process_set else ps, pre,
+                             post)
+    return np.asarray(red.decompress(out, ctx, name), dtype=g.dtype)
 
 
 def _allgather(shard: np.ndarray, g: _Group, size: int, name: str,

@@ -53,7 +53,8 @@ class Bucket:
         self.unhooked: list[torch.Tensor] = []  # members without a hook now
         self.buf: torch.Tensor | None = None  # size * S: this pass's gradients
         self.filled: set[int] = set()
-        self.started: Any = None  # (handle, compression context)
+        self.started: Any = None  # (its reduce-scatter: a gradients.Started, or None; the
+        # buffer itself on a single rank)
         self.slice = torch.zeros(self.per, dtype=self.dtype)  # the averaged slice
         self.summed = False  # whether ``slice`` holds a reduction of this window
         self.last_pass = -1  # the backward pass (of this window) it was last started in

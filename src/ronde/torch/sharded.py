@@ -32,11 +32,12 @@ from typing import Any, Iterable
 
 import torch
 
-from ..frameworks.compression import Compresses
 from .. import _api, _state
 from .._errors import RondeError, UnsupportedError
 from .._ops import ReduceOp
 from ..frameworks.accumulation import TooManyPassesError
+from ..frameworks.compression import Compresses
+from ..frameworks.gradients import Reduction
 from ..frameworks.naming import name_parameters, require_same_parameters
 from ..process_sets import ProcessSet, global_process_set
 from . import _buckets
@@ -49,6 +50,13 @@ from ._elementwise import check_elementwise, slice_state
 from ._shards import Bucket, Piece
 
 
+def _reducescatter(tensor: torch.Tensor, out: Any, name: str, op: int, pre: float, post: float,
+                   process_set: ProcessSet) -> Any:
+    """The reduce-scatter in the shape of the binding's allreduce (what
+    :meth:`~ronde.frameworks.gradients.Reduction.start` calls)."""
+    return C.reducescatter_async(tensor, name, op, process_set, pre, post)
+
+
 class _ShardedMixin(SkipSynchronize):
     """Methods mixed in front of the user's optimizer class."""
 
@@ -58,8 +66,11 @@ class _ShardedMixin(SkipSynchronize):
     def _ronde_init(self, named_parameters: Any, stage: int, backward_passes_per_step: int,
                     compression: Compresses, process_set: ProcessSet) -> None:
         self._ronde_stage = stage
-        self._ronde_passes = int(backward_passes_per_step)
-        self._ronde_compression = compression
+        #: the gradients' op (Average), compression and process set: the pipeline every
+        #: binding shares (frameworks/gradients.py), applied to each bucket's reduce-scatter
+        self._ronde_reduction = Reduction.configure(ReduceOp.AVERAGE, 1.0, compression,
+                                                    process_set, backward_passes_per_step)
+        self._ronde_passes = self._ronde_reduction.passes_per_step
         self._ronde_ps = process_set
         names = name_parameters(self.param_groups, named_parameters)
         params = [p for g in self.param_groups for p in g["params"]]
@@ -130,7 +141,7 @@ class _ShardedMixin(SkipSynchronize):
         fills it, :mod:`ronde.torch.elastic.sharded`), nothing in flight."""
         for b in self._ronde_moving:
             with contextlib.suppress(Exception):
-                b.started[0].wait()
+                b.started[0].handle.wait()
         self._ronde_moving = []
         self._ronde_layout()
         self._ronde_new_window()
@@ -209,7 +220,7 @@ class _ShardedMixin(SkipSynchronize):
     def _ronde_reap(self, wanted: Bucket | None) -> None:
         """Stage 2: take the slices that arrived (their buffers freed), and ``wanted``'s
         whether or not it did (its buffer is about to take the next pass)."""
-        for b in [b for b in self._ronde_moving if b is wanted or b.started[0].poll()]:
+        for b in [b for b in self._ronde_moving if b is wanted or b.started[0].handle.poll()]:
             self._ronde_finish(b)
 
     def _ronde_start_rest(self) -> None:
@@ -242,19 +253,15 @@ class _ShardedMixin(SkipSynchronize):
         if self._ronde_solo:
             b.started = (None, b.buf)
             return
-        comp = self._ronde_compression
-        wire, ctx = comp.compress(b.buf)
-        b.started = (C.reducescatter_async(wire, b.name, ReduceOp.AVERAGE, self._ronde_ps), ctx)
+        b.started = (self._ronde_reduction.start(b.buf, b.name, _reducescatter), None)
         self._ronde_moving.append(b)
 
     def _ronde_finish(self, b: Bucket) -> None:
-        handle, ctx = b.started
-        if handle is None:  # one rank: the gradients are the average
-            out = ctx[:b.per]
-        else:
-            out = handle.wait()
-            comp = self._ronde_compression
-            out = comp.decompress(out, ctx) if comp is not Compression.none else out
+        started, solo = b.started
+        if started is None:  # one rank: the gradients are the average
+            out = solo[:b.per]
+        else:  # this rank's slice, averaged (decompressed: fp16 travels as a predivided Sum)
+            out = self._ronde_reduction.result(started)
         with torch.no_grad():
             if b.summed:
                 b.slice.add_(out)
@@ -262,7 +269,7 @@ class _ShardedMixin(SkipSynchronize):
                 b.slice.copy_(out)
         b.summed = True
         b.started, b.filled = None, set()
-        if handle is not None:
+        if started is not None:
             self._ronde_moving.remove(b)
         if self._ronde_stage == 2:
             b.buf = None
@@ -388,7 +395,7 @@ class _ShardedMixin(SkipSynchronize):
         its step, it drops that window (waiting for what it started)."""
         for b in self._ronde_moving:
             with contextlib.suppress(Exception):
-                b.started[0].wait()
+                b.started[0].handle.wait()
         for b in self._ronde_buckets:
             b.started = None
         self._ronde_moving = []
