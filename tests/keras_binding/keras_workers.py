@@ -259,6 +259,16 @@ def sharded_scenarios() -> dict:
     except UnsupportedError as exc:
         refused.append(str(exc))
     out["refused"] = refused
+    # fp16 on the wire, gradients whose average fits float16 and whose sum over the ranks
+    # does not (40,000 each): the host reduce-scatter predivides, as every binding's
+    # gradients (it summed in float16 before, and gave inf)
+    from ronde import _state
+    from ronde.keras import sharded as host
+
+    group = host._Group("float32", [0], [6 * n], [(6 * n,)], r, n)
+    out["fp16_limit"] = host._reduce_scatter(
+        [np.full(6 * n, 40000.0, np.float32)], group, n, "fp16_limit.grads",
+        hvd.global_process_set, "float16", 1.0, _state.require().generation).tolist()
     return out
 
 

@@ -64,6 +64,7 @@ def _check_sharded(res: dict, backend: str, n: int) -> None:
     assert "cannot shard Lamb" in lamb and "norm over each whole tensor" in lamb
     assert "clipnorm=" in clipnorm and "global_clipnorm=" in global_clipnorm
     assert "stage=1" in stage2
+    assert res["fp16_limit"] == [40000.0] * 6, res["fp16_limit"]  # finite: predivided
 
 
 @pytest.mark.timeout(150)

@@ -44,8 +44,8 @@ from .. import _api, _state
 from .._errors import UnsupportedError
 from .._ops import ReduceOp
 from ..frameworks.compression import Compresses, host_compressor, wire_dtype_of
-from ..frameworks.gradients import Reduction
 from ..frameworks.elementwise import check_elementwise
+from ..frameworks.gradients import Reduction
 from ..frameworks.naming import require_same_parameters
 from ..process_sets import ProcessSet, global_process_set, shard_position
 from ._bridge import host_map
