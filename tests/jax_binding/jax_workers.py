@@ -284,8 +284,18 @@ def sharded(steps: int = 6, batch: int = 4) -> dict:
         out[f"{opt}{'.jit' if jit else ''}{'.x2' if passes > 1 else ''}"
             f"{'.fp16' if comp is not None else ''}"] = {
             "diff": diff, "held": held}
+    # fp16 on the wire, gradients whose average fits float16 and whose sum over the ranks
+    # does not: the reduce-scatter predivides (it summed in float16 before: inf)
+    import jax.numpy as jnp
+
+    tx = hvd.ShardedOptimizer(optax.sgd(1.0), name="sharded.limit",
+                              compression=hvd.Compression.fp16)
+    params = {"w": jnp.zeros(4 * n, jnp.float32)}
+    updates, _ = tx.update({"w": jnp.full(4 * n, 40000.0, jnp.float32)}, tx.init(params),
+                           params)
+    limit = np.asarray(updates["w"]).tolist()
     hvd.shutdown()
-    return out
+    return {"cases": out, "fp16_limit": limit}
 
 
 def sharded_checkpoint(directory: str, global_batch: int = 12, steps: int = 3) -> dict:

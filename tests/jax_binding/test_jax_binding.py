@@ -83,7 +83,9 @@ def test_differing_parameters_fail_every_rank_at_init():
 def _check_sharded(out: list[dict], np_: int) -> None:
     """ShardedOptimizer equals one process, each rank holding its share of the state."""
     params = 6 * 8 + 8 + 8 * 3 + 3  # 83
-    for res in out:
+    for both in out:
+        assert both["fp16_limit"] == [-40000.0] * (4 * np_), both["fp16_limit"]
+        res = both["cases"]
         assert list(res) == ["sgd.jit", "adam", "adamw.jit", "adam.jit.x2", "adam.jit.fp16"]
         for case, r in res.items():
             if case.endswith(".fp16"):
