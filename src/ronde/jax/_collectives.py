@@ -21,8 +21,8 @@ import numpy as np
 from ..frameworks.compression import Compresses
 from .. import _api
 from .._ops import ReduceOp
-from ..frameworks.handles import ConvertingHandle, group
 from ..frameworks.gradients import Reduction
+from ..frameworks.handles import ConvertingHandle, group
 from ..frameworks.host_reduce import GradientSpec, reduce_arrays
 from ..process_sets import ProcessSet, global_process_set
 from ._arrays import as_jax_input, host_call, is_traced, spec_of, to_device, to_host

@@ -20,8 +20,8 @@ from ..frameworks.compression import Compresses
 from .. import _api
 from .. import _grouped as grouped_ops
 from .._ops import ReduceOp
-from ..frameworks.gradients import Reduction
 from ..frameworks.compression import NUMPY_COMPRESSION
+from ..frameworks.gradients import Reduction
 from ..frameworks.host_reduce import fused_allreduce
 from ..process_sets import ProcessSet, global_process_set
 

@@ -25,12 +25,12 @@ from typing import Any, Sequence
 import numpy as np
 import tensorflow as tf
 
-from ..frameworks.compression import Compresses
 from .. import _api
+from .._api import set_size
 from .._errors import UnsupportedError
 from .._ops import ReduceOp
+from ..frameworks.compression import Compresses
 from ..frameworks.gradients import Reduction
-from .._api import set_size
 from ..frameworks.host_reduce import GradientSpec, reduce_arrays
 from ..process_sets import ProcessSet, global_process_set
 from ._bridge import host_call
