@@ -31,10 +31,11 @@ class _Engine:
     """An allreduce of two ranks whose other rank sent ``other``; records what it got."""
 
     def __init__(self, other: np.ndarray) -> None:
-        self.other, self.calls = other, []
+        self.other, self.calls, self.sent = other, [], []
 
     def __call__(self, sent, out, name, op, pre, post, ps):  # the bindings' signature
         self.calls.append((name, int(op), pre, post, str(sent.dtype)))
+        self.sent.append(sent)
         total = sent * pre + self.other.astype(sent.dtype) * pre
         if int(op) == int(ReduceOp.AVERAGE):
             total = total / 2
@@ -95,7 +96,7 @@ def test_an_fp16_average_is_a_sum_of_predivided_inputs_and_comes_back_in_its_dty
     red = Reduction(int(ReduceOp.AVERAGE), 0.5, 2.0, NUMPY_COMPRESSION.none, TWO)
     started = red.start(grad, "g", engine)
     assert engine.calls == [("g", int(ReduceOp.AVERAGE), 0.5, 2.0, "float32")]
-    assert not started.compressed and np.allclose(red.result(started), 2.0)
+    assert engine.sent[0] is grad and np.allclose(red.result(started), 2.0)
     # integers are never cast
     engine = _Engine(np.full(2, 4, np.int64))
     red = Reduction(int(ReduceOp.SUM), compression=NUMPY_COMPRESSION.fp16, process_set=TWO)
@@ -120,6 +121,21 @@ def test_one_gradient_asks_its_dtype_once():
                     process_set=TWO)
     red.result(red.start(np.ones(4, np.float32), "g", _Engine(np.ones(4, np.float32))))
     assert adapter.asked == 1
+
+
+def test_a_synchronous_collective_takes_the_same_rules():
+    # torch's differentiable allreduce and Keras' sharded reduce-scatter: compress, the
+    # fp16 rewrite, the collective, decompress, in one call
+    seen = []
+
+    def collective(sent, op, pre, post):
+        seen.append((str(sent.dtype), int(op), pre, post))
+        return ((sent * pre + np.float16(3.0) * pre) * post).astype(sent.dtype)
+
+    red = Reduction(int(ReduceOp.AVERAGE), 1.0, 1.0, NUMPY_COMPRESSION.fp16, TWO)
+    out = red.apply(np.ones(3, np.float32), "g", collective)
+    assert seen == [("float16", int(ReduceOp.SUM), 0.5, 1.0)]
+    assert out.dtype == np.float32 and np.allclose(out, 2.0)
 
 
 def test_a_sparse_gradient_is_scaled_as_horovod_does():

@@ -16,9 +16,10 @@ here once:
   and an in-place allreduce; :mod:`.host_reduce` calls them with numpy arrays for the
   bindings whose gradients reach the engine on the host (TensorFlow graphs, Keras 3 on
   every backend, JAX's host callbacks, MXNet).
-* :meth:`Reduction.wire` and :meth:`Reduction.decompress` are the two halves of
-  :meth:`Reduction.start` and :meth:`Reduction.result` for a synchronous call (torch's
-  differentiable ``allreduce``).
+* :meth:`Reduction.apply` is the same for a synchronous collective (torch's
+  differentiable ``allreduce``, Keras' sharded reduce-scatter); :meth:`Reduction.wire`
+  and :meth:`Reduction.decompress` are its two halves, for a caller that compresses
+  several tensors as one group.
 * :meth:`Reduction.on_host` is the same reduction with the compressor applied to numpy
   arrays (any binding's ``Compression.fp16`` becomes numpy's).
 * :meth:`Reduction.sparse_scale` is the factor of a sparse gradient, which is
@@ -37,7 +38,7 @@ from .._ops import ReduceOp, predivide_scales
 from ..process_sets import ProcessSet, global_process_set
 from .accumulation import PassCounter
 from .compression import (Compresses, CompressionContext, Compressor, WireReduction,
-                          wire_reduction)
+                          host_compressor, wire_dtype_of, wire_reduction)
 
 
 class Started(NamedTuple):
@@ -47,9 +48,6 @@ class Started(NamedTuple):
     #: the compressor's context
     ctx: Any
     name: str
-    #: False when the compressor sent the gradient itself (nothing to decompress; with
-    #: torch's in-place allreduce the result is the gradient itself)
-    compressed: bool
 
 
 @dataclass(frozen=True)
@@ -100,8 +98,6 @@ class Reduction:
         resolved = _api.resolve_op(op, None)
         pre, post = predivide_scales(resolved, gradient_predivide_factor)
         if on_host:
-            from .compression import wire_dtype_of
-
             wire_dtype_of(compression)  # raises for a compressor the host cannot apply
         passes = PassCounter(backward_passes_per_step).passes_per_step
         return cls(int(resolved), pre, post, compression, process_set, passes)
@@ -114,8 +110,6 @@ class Reduction:
             TypeError: a Horovod-style compressor of the user's own, which runs on
                 framework tensors and cannot be applied to numpy arrays.
         """
-        from .compression import host_compressor, wire_dtype_of
-
         host = host_compressor(wire_dtype_of(self.compression))
         return self if host is self.compression else replace(self, compression=host)
 
@@ -143,7 +137,9 @@ class Reduction:
                               wire_dtype)
 
     def decompress(self, out: Any, ctx: Any, name: str | None) -> Any:
-        """``out`` (reduced on the wire) back in the gradient's dtype."""
+        """``out`` (reduced on the wire) back in the gradient's dtype (always called, as
+        Horovod does: a compressor of the user's own may need its context even where it
+        sent the tensor itself; ronde's return ``out`` at once then)."""
         comp = self.compression
         if comp is None:
             return out
@@ -164,15 +160,21 @@ class Reduction:
         sent, ctx = comp.compress(tensor) if comp is not None else (tensor, None)
         op, pre, post = self.wire(tensor, sent, ctx)
         handle = allreduce(sent, None, name, op, pre, post, self.process_set)
-        return Started(handle, ctx, name, sent is not tensor)
+        return Started(handle, ctx, name)
 
     def result(self, started: Started) -> Any:
         """Wait for what :meth:`start` started; the reduced gradient (decompressed, in
         the gradient's own dtype)."""
-        out = started.handle.wait()
-        if not started.compressed:
-            return out
-        return self.decompress(out, started.ctx, started.name)
+        return self.decompress(started.handle.wait(), started.ctx, started.name)
+
+    def apply(self, tensor: Any, name: str | None,
+              collective: Callable[[Any, int, float, float], Any]) -> Any:
+        """:meth:`start` and :meth:`result` for a synchronous ``collective(sent, op,
+        prescale, postscale) -> reduced`` (its name and process set bound by the caller)."""
+        comp = self.compression
+        sent, ctx = comp.compress(tensor) if comp is not None else (tensor, None)
+        op, pre, post = self.wire(tensor, sent, ctx)
+        return self.decompress(collective(sent, op, pre, post), ctx, name)
 
     def sparse_scale(self) -> float:
         """The factor an allgathered sparse gradient (every rank's values) is scaled by:

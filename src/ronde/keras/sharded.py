@@ -243,11 +243,10 @@ def _reduce_scatter(arrays: Sequence[np.ndarray], g: _Group, size: int, name: st
     # the pipeline every binding's gradients take (frameworks/gradients.py): an fp16
     # Average travels as a Sum of predivided inputs, an overflow is named
     red = Reduction(int(ReduceOp.AVERAGE), 1.0, scale, host_compressor(wire), ps)
-    sent, ctx = red.compression.compress(flat)  # type: ignore[union-attr]
-    op, pre, post = red.wire(flat, sent, ctx)
-    out = _api.reducescatter(sent, op, name, None if ps is global_process_set else ps, pre,
-                             post)
-    return np.asarray(red.decompress(out, ctx, name), dtype=g.dtype)
+    members = None if ps is global_process_set else ps
+    out = red.apply(flat, name, lambda sent, op, pre, post: _api.reducescatter(
+        sent, op, name, members, pre, post))
+    return np.asarray(out, dtype=g.dtype)
 
 
 def _allgather(shard: np.ndarray, g: _Group, size: int, name: str,

@@ -139,7 +139,7 @@ def reduce_fused_(tensors: Sequence[mx.nd.NDArray], name: str,
                   reduction: Reduction) -> list[mx.nd.NDArray]:
     """:func:`fused_allreduce_` as ``reduction`` says (the optimizers' gradients)."""
     hosts = [to_host(t, name) for t in tensors]
-    outs = fused_allreduce(hosts, name, reduction.on_host())
+    outs = fused_allreduce(hosts, name, reduction)
     return [write_back(t, o) for o, t in zip(outs, tensors)]
 
 

@@ -93,10 +93,8 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     """
     red = Reduction(C.resolve_op(op, average), prescale_factor, postscale_factor, compression,
                     process_set)
-    compressed, cctx = compression.compress(tensor)
-    op_, pre, post = red.wire(tensor, compressed, cctx)
-    out = _Allreduce.apply(compressed, ReduceOp(op_), pre, post, name, process_set)
-    return red.decompress(out, cctx, name)
+    return red.apply(tensor, name, lambda sent, op_, pre, post: _Allreduce.apply(
+        sent, ReduceOp(op_), pre, post, name, process_set))
 
 
 class _GroupedAllreduce(torch.autograd.Function):
