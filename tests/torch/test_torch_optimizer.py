@@ -39,9 +39,10 @@ def test_at_two_ranks_training_equals_one_process_and_the_step_semantics():
     # (SyncBatchNorm, the state broadcasts and the misuse errors run as threads:
     # tests/test_threads.py; these draw from the global RNG, one per process)
     # (compiled first: the optimizer's methods are first called inside a trace there)
-    (compiled, equivalence, unused, requires_grad, schedulers, closure,
+    (compiled, equivalence, unused, presence, requires_grad, schedulers, closure,
      calls) = run_ranks_many(2, [
         workers.compiled, (workers.equivalence, configs), workers.unused_parameter,
+        workers.presence_in_buckets,
         workers.requires_grad_changes, workers.schedulers_made_before_wrapping,
         workers.step_with_closure, workers.calls_in_backward],
         timeout_s=280)
@@ -49,6 +50,7 @@ def test_at_two_ranks_training_equals_one_process_and_the_step_semantics():
         for cfg, diff in zip(configs, diffs):
             assert diff <= CONFIGS[cfg], (cfg, diff)
     _check_unused(unused)
+    _check_presence(presence)
     _check_requires_grad(requires_grad)
     # an LR scheduler made before wrapping keeps the reduction
     for diffs in schedulers:
@@ -67,10 +69,24 @@ def test_at_two_ranks_training_equals_one_process_and_the_step_semantics():
 
 @pytest.mark.timeout(200)
 def test_at_three_ranks_unused_parameters_and_requires_grad_changes():
-    unused, requires_grad = run_ranks_many(
-        3, [workers.unused_parameter, workers.requires_grad_changes], timeout_s=180)
+    unused, presence, requires_grad = run_ranks_many(
+        3, [workers.unused_parameter, workers.presence_in_buckets,
+            workers.requires_grad_changes], timeout_s=180)
     _check_unused(unused)
+    _check_presence(presence)
     _check_requires_grad(requires_grad)
+
+
+def _check_presence(out: list) -> None:
+    """Gradients present on some ranks only, after the buckets are laid out, train as
+    one process; the flags ride in the buckets unless a custom compressor reduces them."""
+    for res in out:
+        assert res.keys() == {"flags", "fp16", "custom"}
+        for case, r in res.items():
+            assert r["diff"] <= (1e-12 if case == "flags" else 1e-3), (case, r)
+            # per tensor for two steps, the layout at the second synchronize()
+            assert r["carried"] == [False] + [case != "custom"] * 7, (case, r)
+    assert out[0] == out[-1]
 
 
 def _check_unused(out: list) -> None:

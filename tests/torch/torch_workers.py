@@ -546,6 +546,81 @@ def unused_parameter() -> dict:
     return out
 
 
+class _CustomCast:
+    """A Horovod-style custom compressor (a class with static methods): it casts like
+    ``Compression.fp16`` but is not ronde's, so the buckets keep a separate presence count."""
+
+    @staticmethod
+    def compress(tensor):
+        import torch
+
+        return tensor.to(torch.float16), tensor.dtype
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor.to(ctx)
+
+
+def presence_in_buckets(steps: int = 8) -> dict:
+    """Which parameters have a gradient changes after the buckets are laid out (step 2
+    on): "b" on rank 0 only (steps 3-4), on no rank (5), on the last rank only (6); "c"
+    on no rank from step 3 on but at step 6 on every rank. Every parameter is in a
+    bucket, so the buckets carry the presence flags (no collective of its own); a
+    custom compressor keeps the separate count. AdamW (weight decay shows a gradient
+    of zeros that should have been None), against one process on the ranks' losses
+    averaged. Returns per case the largest difference from it and whether the flags
+    rode in the buckets."""
+    torch, hvd = _setup()
+    r, n = hvd.rank(), hvd.size()
+    nn = torch.nn
+    x = torch.randn(steps, n, 2, 3, generator=torch.Generator().manual_seed(9),
+                    dtype=torch.float64)
+
+    def uses(part, q, step):
+        if step < 3:
+            return True
+        if part == "b":
+            return (step in (3, 4) and q == 0) or (step == 6 and q == n - 1)
+        return step == 6
+
+    def loss_of(model, q, step):
+        out = model["a"](x[step, q]).pow(2).sum()
+        for part in ("b", "c"):
+            if uses(part, q, step):
+                out = out + model[part](x[step, q]).pow(3).sum()
+        return out
+
+    out = {}
+    for case, comp in (("flags", hvd.Compression.none), ("fp16", hvd.Compression.fp16),
+                       ("custom", _CustomCast)):
+        torch.manual_seed(1)
+        model = nn.ModuleDict({k: nn.Linear(3, 2) for k in "abc"}).double()
+        ref = nn.ModuleDict({k: nn.Linear(3, 2) for k in "abc"}).double()
+        ref.load_state_dict(model.state_dict())
+        opt = hvd.DistributedOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1),
+            named_parameters=[(f"pb.{case}.{k}", v) for k, v in model.named_parameters()],
+            compression=comp)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
+        carried = []
+        for step in range(steps):
+            opt.zero_grad()
+            loss_of(model, r, step).backward()
+            opt.step()
+            ref_opt.zero_grad()
+            (sum(loss_of(ref, q, step) for q in range(n)) / n).backward()
+            ref_opt.step()
+            buckets = opt._ronde_buckets
+            carried.append(buckets is not None and buckets.presence)
+            if step == 5:  # used on no rank: None, as in one process and under DDP
+                assert all(p.grad is None for k in "bc" for p in model[k].parameters()), case
+                assert all(p.grad is None for k in "bc" for p in ref[k].parameters())
+        assert _same_on_every_rank(torch, hvd, model, f"presence.{case}")
+        out[case] = {"diff": _diff(torch, model, ref), "carried": carried}
+    hvd.shutdown()
+    return out
+
+
 def requires_grad_changes() -> dict:
     """``requires_grad`` changed after wrapping, under AdamW (weight decay, moments): a
     layer frozen when the optimizer was wrapped and unfrozen later is averaged like the

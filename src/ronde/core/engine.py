@@ -86,11 +86,12 @@ class Engine:
         self._ctl_deep_sleep = True
         #: a local round waits for this (a burst of submissions after a long sleep)
         self._hold_until = 0.0
+        self._held_round = 0  #: the round held through the mailboxes (``_maybe_round``)
         #: whether to hold the next round back (holding.py)
         self.round_hold = RoundHold(cfg.round_hold_ms / 1000.0, self.negotiator,
                                     self.exchange, rank, size)
         self.executor = Executor(self)
-        self.executor.on_idle = self.wake
+        self.executor.on_idle = self._executor_idle
         self.stall = StallInspector(cfg, describe_rank)
         #: whether this rank is only waiting (crossed collectives, see crossed.py)
         self._waiting = crossed.WaitWatch(cfg.deadlock_time_s)
@@ -258,13 +259,14 @@ class Engine:
         with self._lock:
             if self._other_local():
                 return False
-            if hold.settled(want) and self.out.submitted == self.out.held_submitted:
-                return True  # nothing new since it was held: a caller's poll costs this
-            reqs = list(self.out.reqs)
+            # held through the mailboxes already, nothing new since: a caller's poll
+            known = hold.settled(want) and self.out.submitted == self.out.held_submitted
+            reqs = [] if known else list(self.out.reqs)
             self.out.held_submitted = self.out.submitted
-        if not hold.decide(reqs, want):
+        if not known and not hold.decide(reqs, want):
             return False
-        if self.timeline is not None:
+        self._held_round = want if hold.settled(want) else 0
+        if not known and self.timeline is not None:
             self.timeline.queued(reqs)  # waiting for the peers from now on: NEGOTIATE
         return True
 
@@ -279,6 +281,10 @@ class Engine:
         (which would take the burst's first tensors alone), unless a caller waits and
         drives.
         """
+        if self._held_round == self._rounds + 1 and now < self.round_hold.until \
+                and self.out.submitted == self.out.held_submitted \
+                and not self._other_local() and not self.exchange.peer_started(self._rounds):
+            return False, True  # held, nothing new: ``_hold``'s answer, cheaper (a writer wakes us)
         have_local = self._has_local()
         if direct is None and now < self._hold_until:
             return False, have_local
@@ -290,6 +296,12 @@ class Engine:
         self._round(direct)
         self._last_round = time.monotonic()
         return True, have_local
+
+    def _executor_idle(self) -> None:
+        """The executor ran out of work: wake the control thread only if it has a round
+        to start (one kept back while data moved); a later submission wakes it itself."""
+        if self.out.reqs or self._other_local():
+            self.wake()
 
     def _control_loop(self) -> None:
         ex = self.exchange

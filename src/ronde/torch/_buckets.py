@@ -19,7 +19,13 @@ into ``p.grad``.
 
 What still holds, as on the per-tensor path: a parameter without a gradient on this
 rank contributes zeros (its slot is zeroed), and the presence count decides whether
-it gets the average or keeps ``grad=None``; a bucket's length and dtype are negotiated
+it gets the average or keeps ``grad=None``. Where every parameter of the optimizer is in
+a bucket and the bucket's reduction is linear (Sum or Average, with at most ronde's own
+fp16/bf16 cast: :func:`carries_presence`), the count rides in the buckets: a bucket's
+flat buffer ends with one flag per member (1 where this rank has its gradient), reduced
+with the gradients, so a flag above zero says that some rank had one, and the step needs
+no collective of its own for it (the layout is agreed, so every rank decides alike;
+otherwise the optimizer's separate presence count stays). A bucket's length and dtype are negotiated
 like any tensor's, so ranks whose layouts differ fail with a ``TensorMismatchError``
 naming the bucket's parameters instead of averaging unrelated values. Parameters that
 are sparse, not on the CPU, or hooked only after the layout was made use the per-tensor
@@ -36,6 +42,8 @@ import torch
 
 from .. import _api
 from .._errors import TensorMismatchError
+from .._ops import ReduceOp
+from ..frameworks.compression import Compressor
 from ..frameworks.gradients import Reduction, Started
 from ..process_sets import ProcessSet
 
@@ -49,13 +57,17 @@ LAYOUT_STEP = 1
 class Bucket:
     """One flat buffer holding the gradients of consecutive parameters."""
 
-    __slots__ = ("name", "flat", "members", "left", "handle")
+    __slots__ = ("name", "flat", "members", "left", "handle", "flags", "full")
 
     def __init__(self, name: str, members: list[tuple[int, torch.Tensor]],
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, presence: bool = False) -> None:
         self.name = name
         total = sum(p.numel() for _, p in members)
-        self.flat = torch.zeros(total, dtype=dtype)
+        self.flat = torch.zeros(total + (len(members) if presence else 0), dtype=dtype)
+        #: the presence flags after the gradients (one per member), or None
+        self.flags: torch.Tensor | None = self.flat[total:] if presence else None
+        #: whether this step's hooks filled every slot (no flag needs reading then)
+        self.full = False
         #: (parameter index in the optimizer, parameter, its slot: a view of ``flat``)
         self.members: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         at = 0
@@ -79,13 +91,17 @@ class Buckets:
             flat buffer as to a gradient (:mod:`ronde.frameworks.gradients`).
         allreduce: torch's in-place asynchronous allreduce.
         as_view: make each gradient taken a view of its slot (``RONDE_GRADIENT_AS_BUCKET_VIEW``).
+        presence: the buckets carry the presence count (module docstring): true only
+            when the layout holds every parameter and :func:`carries_presence` allows it.
     """
 
     def __init__(self, layout: Sequence[Sequence[int]], params: Sequence[torch.Tensor],
                  names: Sequence[str], base: str, reduction: Reduction,
-                 allreduce: Callable[..., Any], as_view: bool = False) -> None:
+                 allreduce: Callable[..., Any], as_view: bool = False,
+                 presence: bool = False) -> None:
+        self.presence = presence
         self.buckets = [Bucket(f"{base}.bucket{k}.{len(ids)}",
-                               [(i, params[i]) for i in ids], params[ids[0]].dtype)
+                               [(i, params[i]) for i in ids], params[ids[0]].dtype, presence)
                         for k, ids in enumerate(layout)]
         #: id(parameter) -> (its bucket, its slot)
         self.slot_of: dict[int, tuple[Bucket, torch.Tensor]] = {
@@ -118,7 +134,15 @@ class Buckets:
         self.taken.add(id(p))
         bucket.left -= 1
         if bucket.left == 0:
+            if bucket.flags is not None:
+                bucket.flags.fill_(1)  # the last step's reduction overwrote them
+            bucket.full = True
             bucket.handle = self._reduction.start(bucket.flat, bucket.name, self._allreduce)
+
+    @property
+    def full(self) -> bool:
+        """Whether this step's hooks started every bucket."""
+        return len(self.taken) == len(self.slot_of)
 
     def flush(self) -> None:
         """Start the buckets that no hook completed, their missing slots zeroed (a
@@ -126,16 +150,22 @@ class Buckets:
         taken = self.taken
         for b in self.buckets:
             if b.handle is None:
-                for _, p, slot in b.members:
+                flags = b.flags
+                if flags is not None:
+                    flags.fill_(1)
+                for k, (_, p, slot) in enumerate(b.members):
                     if id(p) not in taken:
                         slot.zero_()
+                        if flags is not None:
+                            flags[k] = 0
                 b.handle = self._reduction.start(b.flat, b.name, self._allreduce)
 
     def finish(self, counts: Sequence[int] | None, zero_unused: bool) -> None:
         """Wait for every bucket and give each parameter its average: those that
         contributed a gradient here, and those others had a gradient for (``counts``,
         the presence count per parameter index; None: the usual step, every member
-        contributed)."""
+        contributed, or the buckets carry the count: a bucket that this rank's hooks
+        did not fill reads its flags)."""
         taken = self.taken
         try:
             for b in self.buckets:
@@ -149,6 +179,11 @@ class Buckets:
                         "ranks' models or RONDE_BUCKET_BYTES differ") from None
                 b.handle = None
                 b.left = len(b.members)
+                elsewhere: Any = counts
+                if b.flags is not None and not b.full:  # flags above 0: a rank had one
+                    elsewhere = {i: f > 0 for (i, _, _), f in zip(
+                        b.members, out[len(out) - len(b.members):].tolist())}
+                b.full = False
                 at = 0
                 for i, p, slot in b.members:
                     n = p.numel()
@@ -157,7 +192,7 @@ class Buckets:
                     grad = p.grad
                     if grad is value:  # a view of its slot: the average is in place
                         continue
-                    if id(p) in taken or (counts is not None and counts[i]):
+                    if id(p) in taken or (elsewhere is not None and elsewhere[i]):
                         if grad is None or grad.is_sparse or grad.shape != p.shape:
                             p.grad = value.to(p.dtype, copy=True)
                         else:
@@ -173,6 +208,7 @@ class Buckets:
         for b in self.buckets:
             b.handle = None
             b.left = len(b.members)
+            b.full = False
 
 
 def layout(order: Sequence[int], params: Sequence[torch.Tensor], eligible: Callable[[int], bool],
@@ -226,13 +262,28 @@ def agree_layout(order: Sequence[int], params: Sequence[torch.Tensor],
     return out
 
 
+def carries_presence(reduction: Reduction) -> bool:
+    """Whether buckets reduced by ``reduction`` may carry the presence flags: a flag of
+    1 must reach every rank as a value above 0, and one of 0 as 0, which a Sum or an
+    Average (any positive pre- and postscale) with at most ronde's own cast to fp16 or
+    bf16 does; a custom compressor might not (it may quantize or drop small values)."""
+    if reduction.op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        return False
+    if reduction.prescale <= 0 or reduction.postscale <= 0:
+        return False
+    comp = reduction.compression
+    return comp is None or type(comp) is Compressor  # a user's subclass may not
+
+
 def make(order: Sequence[int], params: Sequence[torch.Tensor], hooked: Any,
          names: Sequence[str], base: str, cap_bytes: int, reduction: Reduction,
          allreduce: Callable[..., Any], as_view: bool = False) -> Buckets | None:
     """The buckets of an optimizer's ``params`` (None where none is laid out), from rank
     0's ready ``order``. A gradient goes in one when its parameter is ``hooked`` (its
     hook copies it in), on the CPU, dense and floating; the rest keep their own
-    reductions; ``as_view``: see :class:`Buckets`."""
+    reductions; ``as_view``: see :class:`Buckets`. The buckets carry the presence count
+    when they hold every parameter (the layout is agreed, so every rank decides alike)
+    and :func:`carries_presence`."""
     def eligible(i: int) -> bool:
         p = params[i]
         return p in hooked and p.device.type == "cpu" and not p.is_sparse and \
@@ -240,7 +291,10 @@ def make(order: Sequence[int], params: Sequence[torch.Tensor], hooked: Any,
 
     found = agree_layout(order, params, eligible, cap_bytes, reduction.process_set,
                          f"{base}.buckets")
-    return Buckets(found, params, names, base, reduction, allreduce, as_view) if found else None
+    if not found:
+        return None
+    presence = sum(map(len, found)) == len(params) and carries_presence(reduction)
+    return Buckets(found, params, names, base, reduction, allreduce, as_view, presence)
 
 
 def user_groups(groups: Any, params: list[torch.Tensor]) -> dict[int, list[torch.Tensor]]:

@@ -173,7 +173,8 @@ class _DistributedMixin(SkipSynchronize):
             buckets = self._ronde_buckets = None
         if buckets is not None and id(p) in buckets.slot_of:  # the steady state
             buckets.take(p, p.grad)
-            if len(buckets.taken) + len(self._ronde_handles) == len(self._ronde_hooks) \
+            if not buckets.presence \
+                    and len(buckets.taken) + len(self._ronde_handles) == len(self._ronde_hooks) \
                     and self._ronde_presence is None \
                     and not any(q.requires_grad for q in self._ronde_unhooked):
                 self._ronde_start_presence(self._ronde_usual)
@@ -243,6 +244,9 @@ class _DistributedMixin(SkipSynchronize):
             if buckets is not None:
                 buckets.flush()
             return self._ronde_unhooked_at
+        folded = buckets is not None and buckets.presence  # every parameter in a bucket
+        if folded and buckets.full:  # the usual step there: every bucket started
+            return []
         changed = any(p.requires_grad != (p in self._ronde_hooks) for p in params)
         missing = []
         for i, p in enumerate(params):
@@ -254,9 +258,10 @@ class _DistributedMixin(SkipSynchronize):
                 missing.append(i)
         if buckets is not None:
             buckets.flush()
-        flags = torch.ones(len(params), dtype=torch.int32)
-        flags[missing] = 0
-        self._ronde_start_presence(flags)
+        if not folded:  # (folded: the buckets' flags are the counts)
+            flags = torch.ones(len(params), dtype=torch.int32)
+            flags[missing] = 0
+            self._ronde_start_presence(flags)
         if changed:  # hooks for next time, while the counts travel
             self._ronde_rehook()
         return missing
@@ -282,8 +287,9 @@ class _DistributedMixin(SkipSynchronize):
                 raise RondeError("optimizer.step()/synchronize() found no gradients on rank "
                                  f"{_api.rank()}: call loss.backward() before optimizer.step()")
             missing = self._ronde_agree()
-            counts = self._ronde_presence.wait()
-            if missing:
+            presence = self._ronde_presence
+            counts = presence.wait() if presence is not None else None
+            if missing and counts is not None:
                 counts = counts.tolist()
             if buckets is not None:
                 buckets.finish(counts if missing else None, self._ronde_zero_unused)
