@@ -32,10 +32,12 @@ if [ "$quick" = 0 ]; then
         > build/mxnet-tests.log 2>&1 &
     mxnet=$!
 fi
-# Two pytest workers (pytest-xdist, RONDE_TEST_WORKERS=0 for none): the tests' processes
-# wait on sockets, peers and timeouts much of the time; one worker kept the two cores
-# 115 % busy, two keep them 171 % busy (docs/testing.md)
-workers=(-n "${RONDE_TEST_WORKERS:-2}" --dist worksteal)
+# Three pytest workers (pytest-xdist, RONDE_TEST_WORKERS=0 for none): the tests'
+# processes wait on sockets, peers and timeouts much of the time; one worker kept the two
+# cores 115 % busy, two 171 %; since ranks are forked from a zygote that imported torch
+# (tests/conftest.py) two left them 127 % busy, and a third took the main run from 16:09
+# to 14:21 (docs/testing.md). Ray's tests take a lock: one local Ray at a time.
+workers=(-n "${RONDE_TEST_WORKERS:-3}" --dist worksteal)
 .venv/bin/python -m pytest -q "${workers[@]}" --durations=25 "$@" || status=$?
 if [ "$quick" = 0 ]; then
     wait "$mxnet" || { [ "$status" != 0 ] || status=1; }

@@ -3,6 +3,11 @@
 * ``--quick`` (``bash scripts/test.sh --quick``): the edit-test loop's tier. It leaves out
   the folders whose every test starts framework-heavy processes or a cluster engine
   (:data:`SLOW_PARTS`); everything else runs, real processes included.
+* ``run_ranks`` workers are forked from a process that imported torch and Dynamo once
+  (``RONDE_TESTING_PRELOAD=torch,torch._dynamo``, ``runner/zygote.py``): a torch rank
+  then costs its test well under a second of CPU to start instead of 2-3 s (set the
+  variable empty to exec every worker). Where torch is not installed (MXNet's venv) the
+  workers are exec'd.
 * On CI (``CI=true``) every test dependency and machine feature is installed by
   ``.ci/run`` (mpiexec, network namespaces, Java, the MXNet venv...), so a test that skips
   there would hide a failure: it fails instead, unless its reason is one no CI machine of
@@ -34,6 +39,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 #: MXNet needs numpy<1.24: its tests run in their own venv (scripts/mxnet_tests.sh, which
 #: scripts/test.sh runs after this one), not skipped here
 collect_ignore = [] if importlib.util.find_spec("mxnet") else ["mxnet_binding"]
+if importlib.util.find_spec("torch") is not None:
+    os.environ.setdefault("RONDE_TESTING_PRELOAD", "torch,torch._dynamo")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -110,8 +110,12 @@ def test_fused_large_tensors(transport, cma, np_, threshold):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("hugepages", ["1", "0"])
-def test_tensors_read_in_place_move_onto_huge_pages_values_exact(hugepages):
+def test_tensors_read_in_place_move_onto_huge_pages_values_exact(hugepages, monkeypatch):
     from ronde.transport.hugepages import HugePages
+
+    # exec'd ranks: malloc's thresholds are per process, and a rank forked from the
+    # suite's zygote (tests/conftest.py) inherits a heap that imported torch already
+    monkeypatch.setenv("RONDE_TESTING_PRELOAD", "")
 
     got = run_ranks(3, workers.hugepages_steady, timeout_s=50,
                     env={"RONDE_TRANSPORT": "shm", "RONDE_HUGEPAGES": hugepages})

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.ray]
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(ray_lock):
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2,
                                                       "include_dashboard": False})
     ray.init(address=c.address, log_to_driver=False,

@@ -32,9 +32,13 @@ CONFIGS = {
 
 
 @pytest.mark.timeout(300)
-def test_at_two_ranks_training_equals_one_process_and_the_step_semantics():
+def test_at_two_ranks_training_equals_one_process_and_the_step_semantics(monkeypatch):
     # one launch for every two-rank scenario of torch_workers (each inits and shuts
-    # ronde down): importing torch and starting processes is most of a launch's cost
+    # ronde down): importing torch and starting processes is most of a launch's cost.
+    # Its ranks are forked without Dynamo imported (the suite's zygote preloads it):
+    # the compiled scenario makes ronde's optimizer's first call inside a trace, which
+    # is what a process that never imported Dynamo before compiling meets
+    monkeypatch.setenv("RONDE_TESTING_PRELOAD", "torch")
     configs = list(CONFIGS)
     # (SyncBatchNorm, the state broadcasts and the misuse errors run as threads:
     # tests/test_threads.py; these draw from the global RNG, one per process)

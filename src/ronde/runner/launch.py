@@ -31,7 +31,7 @@ from .._text import ranks_text
 from .env import torchrun_env, worker_env_vars
 from .hosts import is_local, layout
 from ..transport.net import route_address
-from . import summary
+from . import summary, zygote
 from .rendezvous import RendezvousServer
 from .workers import Worker as _Worker, remote_worker
 
@@ -78,8 +78,10 @@ class LaunchResult:
 class _Job:
     def __init__(self, workers: list[_Worker], stdout: IO[str], stderr: IO[str],
                  output_dir: str | None, timeout_s: float | None,
-                 server: RendezvousServer) -> None:
+                 server: RendezvousServer, zygote_: zygote.Zygote | None = None) -> None:
         self.workers = workers
+        #: the process local workers are forked from (``preload``), or None
+        self.zygote = zygote_
         self.stdout, self.stderr = stdout, stderr
         self.output_dir = output_dir
         self.timeout_s = timeout_s
@@ -159,10 +161,12 @@ class _Job:
             if w.stdin_line is None:
                 r, keep = os.pipe()
                 try:
-                    env = {**w.env, "RONDE_LAUNCHER_FD": f"{r}:{os.fstat(r).st_ino}"}
-                    w.proc = subprocess.Popen(
-                        w.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE, start_new_session=True, pass_fds=(r,))
+                    w.proc = self._fork(w, r)
+                    if w.proc is None:
+                        env = {**w.env, "RONDE_LAUNCHER_FD": f"{r}:{os.fstat(r).st_ino}"}
+                        w.proc = subprocess.Popen(
+                            w.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True, pass_fds=(r,))
                 except BaseException:
                     os.close(keep)
                     raise
@@ -194,6 +198,17 @@ class _Job:
                                  name=f"ronderun-{name}-{w.slot.rank}")
             t.start()
             w.threads.append(t)
+
+    def _fork(self, w: _Worker, lifeline: int) -> zygote.ZygoteProcess | None:
+        """The worker forked from this job's zygote (``preload``), or None: no zygote, a
+        command it cannot run (:func:`zygote.eligible`), or the zygote gone."""
+        if self.zygote is None or not zygote.eligible(w.argv):
+            return None
+        try:
+            return self.zygote.spawn(w.argv, w.env, os.getcwd(), lifeline)
+        except (zygote.ZygoteUnavailable, OSError) as exc:
+            log.warning("ronderun: rank %d starts without the zygote: %s", w.slot.rank, exc)
+            return None
 
     def _record(self, block_s: float) -> None:
         try:
@@ -336,7 +351,8 @@ def run(command: Sequence[str], np: int | None, hosts: str | None = None,
         verbose: bool = False, timeout_s: float | None = None, ssh_port: int | None = None,
         ssh_identity: str | None = None, stdout: IO[str] | None = None,
         stderr: IO[str] | None = None,
-        extra_worker_env: Mapping[str, str] | None = None) -> LaunchResult:
+        extra_worker_env: Mapping[str, str] | None = None,
+        preload: Sequence[str] = ()) -> LaunchResult:
     """Run ``command`` as ``np`` ranks and wait for all of them.
 
     Args:
@@ -356,6 +372,9 @@ def run(command: Sequence[str], np: int | None, hosts: str | None = None,
         stdout: where prefixed worker stdout goes (default: ``sys.stdout`` at call time).
         stderr: where prefixed worker stderr and the summary go (default ``sys.stderr``).
         extra_worker_env: more variables for every worker, applied after ``env``.
+        preload: modules to import once in a zygote process that forks the local
+            workers (``runner/zygote.py``; kept for this process's later launches); a
+            worker it cannot run starts as usual.
 
     Returns:
         A :class:`LaunchResult`; its ``returncode`` is what ``ronderun`` exits with.
@@ -427,7 +446,9 @@ def run(command: Sequence[str], np: int | None, hosts: str | None = None,
         except OSError as exc:
             raise ConfigError(f"--output-filename {out_dir}: cannot create the rank "
                               f"folders there ({exc.strerror})") from None
-        job = _Job(workers, stdout, stderr, out_dir, timeout_s, server)
+        zyg = (zygote.zygote_for(preload, {**os.environ, **(env or {})})
+               if preload and any(local.values()) else None)
+        job = _Job(workers, stdout, stderr, out_dir, timeout_s, server, zyg)
         return job.run()
     finally:
         server.close()

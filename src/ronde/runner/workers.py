@@ -18,6 +18,7 @@ import threading
 from typing import Mapping, Sequence
 
 from .hosts import RankSlot
+from .zygote import ZygoteProcess
 
 DEFAULT_REMOTE_SHELL = "ssh -o BatchMode=yes -o StrictHostKeyChecking=no {host}"
 #: stderr lines kept per rank for the failure summary.
@@ -37,7 +38,8 @@ class Worker:
         self.stdin_line = stdin_line
         #: the launcher's end of the worker's lifeline (see ``_spawn``)
         self.lifeline: int | None = None
-        self.proc: subprocess.Popen[bytes] | None = None
+        #: the process: started by subprocess, or forked by a zygote (``zygote.py``)
+        self.proc: subprocess.Popen[bytes] | ZygoteProcess | None = None
         self.returncode: int | None = None
         self.exit_time: float | None = None
         self.signalled = False  # the launcher asked it to stop

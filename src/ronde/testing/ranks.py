@@ -33,6 +33,9 @@ from ..runner import launch
 FN_VAR = "RONDE_TESTING_FN"
 #: the directory with ``call.pkl`` and the per-rank results
 DIR_VAR = "RONDE_TESTING_DIR"
+#: modules the workers are forked with, imported once (``runner/zygote.py``): e.g.
+#: ``RONDE_TESTING_PRELOAD=torch`` saves each torch rank its import
+PRELOAD_VAR = "RONDE_TESTING_PRELOAD"
 
 
 class RanksFailedError(AssertionError):
@@ -149,9 +152,10 @@ def _launch(n: int, spec: str, fn_dirs: list[str], args: tuple[Any, ...],
             DIR_VAR: workdir,
             "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
         }
+        preload = [m for m in os.environ.get(PRELOAD_VAR, "").split(",") if m]
         result = launch.run([sys.executable, "-m", "ronde.testing._child"], n,
                             env=env, extra_worker_env=extra, timeout_s=timeout_s,
-                            start_timeout_s=min(30.0, timeout_s))
+                            start_timeout_s=min(30.0, timeout_s), preload=preload)
         if result.returncode != 0:
             rank = result.first_failed_rank
             tb = ""

@@ -1,0 +1,35 @@
+"""The worker of tests/runner/test_zygote.py: reports how it was started, then does what
+its first argument says."""
+
+import json
+import os
+import signal
+import sys
+import time
+
+how = sys.argv[1]
+marker = sys.modules.get("zygote_marker")
+report = {
+    "argv": sys.argv,
+    "cwd": os.getcwd(),
+    "path0": sys.path[0],
+    "name": __name__,
+    "rank": os.environ.get("RONDE_RANK"),
+    "extra": os.environ.get("ZYGOTE_TEST_VAR"),
+    "forked": marker is not None and marker.IMPORTED_IN != os.getpid(),
+    "session": os.getsid(0) == os.getpid(),
+    "lifeline": None,
+}
+from ronde.runner import lifeline  # noqa: E402
+
+report["lifeline"] = lifeline._pipe_fd(os.environ.get("RONDE_LAUNCHER_FD", "")) is not None
+print(json.dumps(report))
+print("to stderr", file=sys.stderr)
+if how == "exit3":
+    sys.exit(3)
+if how == "raise":
+    raise ValueError("raised in the worker")
+if how == "sigkill" and os.environ.get("RONDE_RANK") == "1":
+    os.kill(os.getpid(), signal.SIGKILL)
+if how == "hang":
+    time.sleep(600)
