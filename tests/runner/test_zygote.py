@@ -61,6 +61,8 @@ def test_forked_workers_get_the_workers_contract_and_their_exit_codes():
             else:
                 assert r["argv"] == [WORKER, "ok"] and r["path0"] == HERE
         assert "[0]<stderr>:to stderr" in err and "[1]<stderr>:to stderr" in err
+        # numpy's unseeded global state is each process's own, as in exec'd ranks
+        assert reports[0]["draw"] != reports[1]["draw"], reports
     # the exit codes a launcher sees from exec'd workers: sys.exit(3), an exception
     # (its traceback on stderr), a rank killed by a signal
     result, _, err = _run("exit3", ("zygote_marker",))

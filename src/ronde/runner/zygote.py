@@ -26,8 +26,12 @@ What makes forking safe here, and where it is not used:
   interpreter, a remote rank) starts with ``subprocess`` as before.
 * What a fork cannot give: settings the preloaded modules read from the environment
   at import time are the zygote's (the launcher keys its zygotes by that environment,
-  so a different one gets another zygote); and the child skips the interpreter's final
-  clean-up of modules (``atexit`` handlers and non-daemon threads still run first).
+  so a different one gets another zygote); process state their import left (malloc's
+  thresholds); Python's hash seed, which every child of one zygote shares (a set of
+  strings iterates in the same order on every rank, where exec'd ranks each draw their
+  own seed); and the child skips the interpreter's final clean-up of modules
+  (``atexit`` handlers and non-daemon threads still run first). numpy's global random
+  state is reseeded in each child, as a fresh process seeds it.
 
 The protocol is one ``SOCK_SEQPACKET`` socket pair: JSON messages, the worker's
 standard streams and lifeline passed as descriptors (``SCM_RIGHTS``). Nothing else
@@ -151,6 +155,9 @@ def _become_worker(req: dict[str, Any], fds: list[int], zygote_fds: list[int]) -
         os.environ.update(env)
         os.chdir(req["cwd"])
         _fresh_streams(env.get("PYTHONUNBUFFERED", "") not in ("", "0"))
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:  # (Python's random reseeds itself after a fork)
+            numpy.random.seed()  # its own draws, as a fresh process seeds from the OS
         code = _run(req["argv"], env)
     except BaseException:  # noqa: BLE001 - whatever happens, this process ends here
         try:

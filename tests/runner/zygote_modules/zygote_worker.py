@@ -20,9 +20,12 @@ report = {
     "session": os.getsid(0) == os.getpid(),
     "lifeline": None,
 }
+import numpy as np  # noqa: E402
+
 from ronde.runner import lifeline  # noqa: E402
 
 report["lifeline"] = lifeline._pipe_fd(os.environ.get("RONDE_LAUNCHER_FD", "")) is not None
+report["draw"] = float(np.random.random())  # unseeded: each process its own
 print(json.dumps(report))
 print("to stderr", file=sys.stderr)
 if how == "exit3":
