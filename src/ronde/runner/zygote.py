@@ -112,13 +112,19 @@ def serve(sock: socket.socket, modules: Sequence[str]) -> None:
             msg, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 8)
             if not msg:
                 return  # the launcher is gone; the workers have their lifelines
-            req = json.loads(msg)
-            pid = os.fork()
+            rid = None
+            try:  # a request that fails is answered so; the workers running go on
+                req = json.loads(msg)
+                rid = req["id"]
+                pid = os.fork()
+            except Exception as exc:  # noqa: BLE001
+                pid, error = -1, repr(exc)
             if pid == 0:
                 _become_worker(req, fds, [sock.fileno(), wake_r, wake_w])
             for fd in fds:
                 os.close(fd)
-            sock.send(json.dumps({"started": req["id"], "pid": pid}).encode())
+            reply = {"started": rid, "pid": pid} if pid > 0 else {"started": rid, "error": error}
+            sock.send(json.dumps(reply).encode())
         _reap(sock)
 
 
@@ -197,8 +203,8 @@ def _run(argv: list[str], env: Mapping[str, str]) -> int:
             code = 0
         except SystemExit as exc:
             code = _exit_code(exc.code)
-        except BaseException:  # noqa: BLE001 - as the interpreter: traceback, exit 1
-            traceback.print_exc()
+        except BaseException:  # noqa: BLE001 - as the interpreter: its excepthook, exit 1
+            sys.excepthook(*sys.exc_info())  # ronde's installs a failure report there
             code = 1
         threading._shutdown()  # type: ignore[attr-defined]  # non-daemon threads, as at exit
         atexit._run_exitfuncs()
@@ -307,9 +313,16 @@ class Zygote:
                 break
             if "started" in msg:
                 slot = self._started.pop(msg["started"], None)
-                if slot is not None:
+                if slot is not None and "pid" in msg:
                     slot.append(msg["pid"])
                     slot[0].set()
+                elif slot is not None:
+                    slot[0].set()  # the fork failed: spawn() says so
+                elif "pid" in msg:  # a fork its spawn() gave up on: nobody owns it
+                    try:
+                        os.killpg(msg["pid"], signal.SIGKILL)
+                    except OSError:
+                        pass
             elif "exit" in msg:
                 with self._lock:
                     proc = self._procs.pop(msg["exit"], None)
@@ -318,8 +331,8 @@ class Zygote:
                 if proc is not None:
                     proc._exited(msg["code"])
         # the zygote is gone: its children cannot be waited for any more; stop them
-        self.closed = True
         with self._lock:
+            self.closed = True
             left, self._procs = list(self._procs.values()), {}
         for proc in left:
             try:
@@ -363,6 +376,12 @@ class Zygote:
                              os.fdopen(err_r, "rb", buffering=0))
         with self._lock:
             code = self._early.pop(pid, None)
+            if code is None and self.closed:  # the zygote died since: nobody reaps it
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                code = -signal.SIGKILL
             if code is None:
                 self._procs[pid] = proc
         if code is not None:
@@ -370,9 +389,10 @@ class Zygote:
         return proc
 
     def close(self) -> None:
-        """Stop the zygote (its running children go on: they have their lifelines)."""
+        """Stop the zygote (a worker of it still running is stopped: nobody could reap it)."""
         self.closed = True
         try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # EOF for the zygote, and for our reader
             self.sock.close()
         except OSError:
             pass
@@ -407,10 +427,13 @@ def zygote_for(modules: Sequence[str], env: Mapping[str, str]) -> Zygote | None:
         z = _ZYGOTES.get(key)
         if z is not None and not z.closed:
             return z
-        while len(_ZYGOTES) >= _KEEP:
-            _ZYGOTES.pop(next(iter(_ZYGOTES))).close()
         if key in _REFUSED:
             return None
+        for old in list(_ZYGOTES):  # the oldest idle ones (another job may be running)
+            if len(_ZYGOTES) < _KEEP:
+                break
+            if not _ZYGOTES[old]._procs:
+                _ZYGOTES.pop(old).close()
         try:
             z = Zygote(modules, env)
         except (ZygoteUnavailable, OSError) as exc:

@@ -31,6 +31,10 @@ print("to stderr", file=sys.stderr)
 if how == "exit3":
     sys.exit(3)
 if how == "raise":
+    # the interpreter hands an uncaught exception to sys.excepthook (ronde.init()
+    # installs its failure report there): a forked worker must too
+    sys.excepthook = lambda *exc: print("HOOK", exc[0].__name__, file=sys.stderr,
+                                         flush=True)
     raise ValueError("raised in the worker")
 if how == "sigkill" and os.environ.get("RONDE_RANK") == "1":
     os.kill(os.getpid(), signal.SIGKILL)
