@@ -57,7 +57,7 @@ LAYOUT_STEP = 1
 class Bucket:
     """One flat buffer holding the gradients of consecutive parameters."""
 
-    __slots__ = ("name", "flat", "members", "left", "handle", "flags", "full")
+    __slots__ = ("name", "flat", "members", "left", "handle", "flags")
 
     def __init__(self, name: str, members: list[tuple[int, torch.Tensor]],
                  dtype: torch.dtype, presence: bool = False) -> None:
@@ -66,8 +66,6 @@ class Bucket:
         self.flat = torch.zeros(total + (len(members) if presence else 0), dtype=dtype)
         #: the presence flags after the gradients (one per member), or None
         self.flags: torch.Tensor | None = self.flat[total:] if presence else None
-        #: whether this step's hooks filled every slot (no flag needs reading then)
-        self.full = False
         #: (parameter index in the optimizer, parameter, its slot: a view of ``flat``)
         self.members: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         at = 0
@@ -136,7 +134,6 @@ class Buckets:
         if bucket.left == 0:
             if bucket.flags is not None:
                 bucket.flags.fill_(1)  # the last step's reduction overwrote them
-            bucket.full = True
             bucket.handle = self._reduction.start(bucket.flat, bucket.name, self._allreduce)
 
     @property
@@ -177,13 +174,13 @@ class Buckets:
                         f"{exc} (gradient bucket {b.name!r} holds {len(b.members)} "
                         f"gradients: {held}{' ...' if len(b.members) > 8 else ''}); the "
                         "ranks' models or RONDE_BUCKET_BYTES differ") from None
-                b.handle = None
-                b.left = len(b.members)
                 elsewhere: Any = counts
-                if b.flags is not None and not b.full:  # flags above 0: a rank had one
+                # left at 0: this step's hooks filled it (flush() does not count down)
+                if b.flags is not None and b.left:  # flags above 0: a rank had one
                     elsewhere = {i: f > 0 for (i, _, _), f in zip(
                         b.members, out[len(out) - len(b.members):].tolist())}
-                b.full = False
+                b.handle = None
+                b.left = len(b.members)
                 at = 0
                 for i, p, slot in b.members:
                     n = p.numel()
@@ -208,7 +205,6 @@ class Buckets:
         for b in self.buckets:
             b.handle = None
             b.left = len(b.members)
-            b.full = False
 
 
 def layout(order: Sequence[int], params: Sequence[torch.Tensor], eligible: Callable[[int], bool],
