@@ -6,7 +6,9 @@ import importlib.util
 
 import pytest
 
-pytest.importorskip("tensorflow")
+from ronde.testing.installed import skip_unless_installed
+
+skip_unless_installed("tensorflow")  # without importing them (ronde.testing.installed)
 
 from ronde.testing import run_ranks  # noqa: E402
 

@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
-pytest.importorskip("jax")
-pytest.importorskip("optax")
+from ronde.testing.installed import skip_unless_installed
+
+skip_unless_installed("jax", "optax")  # without importing them (ronde.testing.installed)
 
 from ronde.testing import run_ranks, run_ranks_many  # noqa: E402
 

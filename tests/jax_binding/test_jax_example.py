@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-pytest.importorskip("jax")
-pytest.importorskip("optax")
-pytest.importorskip("sklearn")
+from ronde.testing.installed import skip_unless_installed
+
+skip_unless_installed("jax", "optax", "sklearn")  # without importing them (ronde.testing.installed)
 
 from ronde.testing import rank0_metric, run_script  # noqa: E402
 

@@ -7,8 +7,9 @@ import os
 
 import pytest
 
-pytest.importorskip("keras")
-pytest.importorskip("sklearn")
+from ronde.testing.installed import skip_unless_installed
+
+skip_unless_installed("keras", "sklearn")  # without importing them (ronde.testing.installed)
 
 from ronde.testing import rank0_metric, run_script  # noqa: E402
 

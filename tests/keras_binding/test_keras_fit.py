@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-pytest.importorskip("keras")
+from ronde.testing.installed import skip_unless_installed
+
+skip_unless_installed("keras")  # without importing them (ronde.testing.installed)
 
 from ronde.testing import run_ranks  # noqa: E402
 

@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-pytest.importorskip("tensorflow")
-pytest.importorskip("keras")
+from ronde.testing.installed import skip_unless_installed
+
+skip_unless_installed("tensorflow", "keras")  # without importing them (ronde.testing.installed)
 
 from ronde.testing import run_ranks, run_ranks_many  # noqa: E402
 

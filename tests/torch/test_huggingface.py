@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("accelerate")
-pytest.importorskip("transformers")
+from ronde.testing.installed import skip_unless_installed
+
+skip_unless_installed("torch", "accelerate", "transformers")  # without importing them (ronde.testing.installed)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "huggingface_job.py")

@@ -18,8 +18,10 @@ from typing import Any
 
 import pytest
 
+from ronde.testing.installed import skip_unless_installed
+
 torch = pytest.importorskip("torch")
-pytest.importorskip("lightning")
+skip_unless_installed("lightning")  # without importing it (ronde.testing.installed)
 
 import lightning_job as job  # noqa: E402
 
