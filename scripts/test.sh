@@ -23,7 +23,7 @@ install_test_venv() {
         for v in $(.venv/bin/pip config get global.extra-index-url 2>/dev/null || true); do
             args+=(--extra-index-url "$v")
         done
-        if .venv/bin/uv pip install -q --python .venv/bin/python -c constraints.txt \
+        if .venv/bin/uv pip install -q --compile-bytecode --python .venv/bin/python -c constraints.txt \
                 ${args[@]+"${args[@]}"} -e '.[test]'; then
             return 0
         fi

@@ -93,7 +93,7 @@ class AwaitHost(pl.Callback):
         from ronde.elastic import notify
 
         if trainer.current_epoch == 2 and trainer.world_size == 1:
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 60
             while notify.latest()[0] <= notify.baseline() and time.monotonic() < deadline:
                 time.sleep(0.05)
 

@@ -182,8 +182,11 @@ def test_elastic_fit_goes_on_from_the_last_epoch_after_a_killed_worker(tmp_path)
            "LIGHTNING_ADD": "127.0.0.3:1", "RONDE_ELASTIC_POLL": "0.2",
            "OMP_NUM_THREADS": "1"}
     text = io.StringIO()
+    # start_timeout_s: the joiner imports torch and Lightning; on a CI run twice as slow as
+    # usual (every module compiled from source) it took over 20 s, was stopped, and the
+    # run ended at one rank ([2, 1, 1, 1])
     res = run_elastic([sys.executable, os.path.join(HERE, "lightning_elastic_worker.py")], 2,
-                      1, 2, discovery_script=str(script), env=env, start_timeout_s=20.0,
+                      1, 2, discovery_script=str(script), env=env, start_timeout_s=60.0,
                       elastic_timeout_s=30.0, timeout_s=180.0, stdout=text, stderr=text)
     assert res.returncode == 0, text.getvalue()[-4000:]
     result = json.loads(out.read_text())
