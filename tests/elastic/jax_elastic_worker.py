@@ -23,8 +23,12 @@ HOST = os.environ.get("RONDE_HOSTNAME", "")
 MARK = os.environ["ELASTIC_MARK"] + "." + HOST
 STEPS = int(os.environ.get("ELASTIC_STEPS", "8"))
 SHARDED = bool(os.environ.get("ELASTIC_SHARDED"))
+#: ELASTIC_SHARDED=2: stage 2 with two passes a step (the same gradients twice, averaged:
+#: the same steps as stage 1), so that the accumulator's slices are resharded too
+PASSES = 2 if os.environ.get("ELASTIC_SHARDED") == "2" else 1
 if SHARDED:  # 10 elements: slices of 5, 4 or 10 at 2, 3 or 1 ranks
-    tx = hvd.ShardedOptimizer(optax.adam(0.1))
+    tx = hvd.ShardedOptimizer(optax.adam(0.1), stage=PASSES, backward_passes_per_step=PASSES,
+                              average_aggregated_gradients=True)
     params = {"w": jnp.zeros(7), "b": jnp.zeros(3)}
 else:
     tx = optax.sgd(0.1, momentum=0.9)
@@ -53,9 +57,10 @@ def train(state):
             wait_to_grow(state.commit)
         time.sleep(float(os.environ.get("ELASTIC_STEP_SLEEP", "0")))
         if SHARDED:
-            updates, state.opt_state = tx.update(sharded_grads(state.step), state.opt_state,
-                                                 state.params)
-            state.params = optax.apply_updates(state.params, updates)
+            for _ in range(PASSES):
+                updates, state.opt_state = tx.update(sharded_grads(state.step),
+                                                     state.opt_state, state.params)
+                state.params = optax.apply_updates(state.params, updates)
             state.sizes.append(hvd.size())
             state.step += 1
             state.commit()

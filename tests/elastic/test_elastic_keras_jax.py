@@ -145,12 +145,13 @@ def test_jax_sharded_optimizer_state_is_resharded_in_memory_across_a_lost_and_a_
     # dies at step 3 (3 -> 2: its slice of the moments comes from its neighbour's copy),
     # 127.0.0.4 joins at step 6 (2 -> 3); every rank's gradients are the same, so the run
     # must end where one process's Adam does on the same steps: any lost or misplaced
-    # moment shows in the weights
+    # moment shows in the weights. At stage 2 with two passes a step (ELASTIC_SHARDED=2),
+    # so that the accumulator's slices (1/N of the gradients) take the new size too
     pytest.importorskip("optax")
     res, result, text = _job(tmp_path, "jax_elastic_worker.py",
                              discovery=["127.0.0.1", "127.0.0.2", "127.0.0.3"], min_np=2,
                              max_np=3,
-                             env={"ELASTIC_SHARDED": "1", "ELASTIC_STEPS": "12",
+                             env={"ELASTIC_SHARDED": "2", "ELASTIC_STEPS": "12",
                                   "ELASTIC_DIE_HOST": "127.0.0.2",
                                   "ELASTIC_ADD_AT": "6:127.0.0.4", "ELASTIC_GROW_TO": "3"})
     assert res.returncode == 0, text

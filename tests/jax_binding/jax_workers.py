@@ -271,19 +271,29 @@ def sharded(steps: int = 6, batch: int = 4) -> dict:
     make = {"sgd": lambda: optax.sgd(0.1, momentum=0.9), "adam": lambda: optax.adam(0.01),
             "adamw": lambda: optax.adamw(0.01, weight_decay=0.1)}
     out = {}
-    cases = (("sgd", True, 1, None), ("adam", False, 1, None), ("adamw", True, 1, None),
-             ("adam", True, 2, None), ("adam", True, 1, hvd.Compression.fp16))
-    for ci, (opt, jit, passes, comp) in enumerate(cases):
+    cases = (("sgd", True, 1, None, 1), ("adam", False, 1, None, 1),
+             ("adamw", True, 1, None, 1), ("adam", True, 2, None, 1),
+             ("adam", True, 1, hvd.Compression.fp16, 1),
+             # stage 2: each pass reduce-scattered, this rank's slice summed
+             ("adam", True, 2, None, 2), ("sgd", False, 2, None, 2))
+    for ci, (opt, jit, passes, comp, stage) in enumerate(cases):
         x, y = _data(10 + ci, steps * passes * n * batch)
         tx = hvd.ShardedOptimizer(make[opt](), name=f"sharded.{ci}",
                                   backward_passes_per_step=passes,
-                                  average_aggregated_gradients=True, compression=comp)
+                                  average_aggregated_gradients=True, compression=comp,
+                                  stage=stage)
         diff, state = _train_both(jax, hvd, tx, make[opt](), x, y, steps, passes, batch, jit)
         held = sum(int(np.size(v)) for v in jax.tree_util.tree_leaves(state.inner)
                    if np.ndim(v) > 0)
+        acc = sum(int(np.size(v)) for v in jax.tree_util.tree_leaves(state.acc))
         out[f"{opt}{'.jit' if jit else ''}{'.x2' if passes > 1 else ''}"
-            f"{'.fp16' if comp is not None else ''}"] = {
-            "diff": diff, "held": held}
+            f"{'.fp16' if comp is not None else ''}{'.stage2' if stage == 2 else ''}"] = {
+            "diff": diff, "held": held, "acc": acc}
+    try:
+        hvd.ShardedOptimizer(optax.sgd(0.1), stage=3)
+        out["stage3"] = "accepted"
+    except ValueError as e:
+        out["stage3"] = str(e)
     # fp16 on the wire, gradients whose average fits float16 and whose sum over the ranks
     # does not: the reduce-scatter predivides (it summed in float16 before: inf)
     import jax.numpy as jnp

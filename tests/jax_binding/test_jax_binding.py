@@ -87,7 +87,9 @@ def _check_sharded(out: list[dict], np_: int) -> None:
     for both in out:
         assert both["fp16_limit"] == [-40000.0] * (4 * np_), both["fp16_limit"]
         res = both["cases"]
-        assert list(res) == ["sgd.jit", "adam", "adamw.jit", "adam.jit.x2", "adam.jit.fp16"]
+        assert "stage=3" in res.pop("stage3")  # refused, with the stages it takes
+        assert list(res) == ["sgd.jit", "adam", "adamw.jit", "adam.jit.x2", "adam.jit.fp16",
+                             "adam.jit.x2.stage2", "sgd.x2.stage2"]
         for case, r in res.items():
             if case.endswith(".fp16"):
                 # gradients cast to float16 on the wire: close, and not exact (the cast
@@ -98,3 +100,8 @@ def _check_sharded(out: list[dict], np_: int) -> None:
             per_rank = -(-params // np_)  # elements of this rank's slice
             moments = 1 if case.startswith("sgd") else 2  # momentum; adam's mu and nu
             assert r["held"] == moments * per_rank, (case, r)
+            # the accumulator of two passes: the whole gradients at stage 1, this rank's
+            # slice at stage 2 (none without accumulation)
+            want_acc = {"x2": params, "x2.stage2": per_rank}.get(
+                case.split(".", 1)[1].removeprefix("jit.") if "." in case else "", 0)
+            assert r["acc"] == want_acc, (case, r)

@@ -218,6 +218,9 @@ class _Shards:
             k = int(p[len(".inner["):p.index("]")]) if p.startswith(".inner[") else -1
             if k >= 0 and np.ndim(x) == 1:
                 fresh.append(np.zeros(pers[k], dtype=np.asarray(x).dtype))
+            elif p.startswith(".acc.slices["):  # stage 2's sums: a slice at the new size
+                k = int(p[len(".acc.slices["):p.index("]")])
+                fresh.append(np.zeros(pers[k], dtype=np.asarray(x).dtype))
             elif p.startswith(".acc"):
                 fresh.append(np.zeros_like(np.asarray(x)))
             elif p == ".passes":

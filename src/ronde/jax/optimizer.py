@@ -185,11 +185,12 @@ def DistributedOptimizer(optimizer: optax.GradientTransformation,
 
 
 def windowed(apply: Any, grads: Any, inner: Any, acc: Any, passes: Any, passes_per_step: int,
-             average: bool) -> tuple[Any, Any, Any, Any]:
+             average: bool, zero_updates: Any = None) -> tuple[Any, Any, Any, Any]:
     """One backward pass of a ``backward_passes_per_step`` window: ``grads`` added to
     ``acc``; on the window's last pass, ``apply(total)`` (the reduction and the inner
-    update: ``(updates, inner)``) and a new window, else zero updates. Eager, or both
-    branches traced under ``jax.lax.cond``. Returns ``(updates, inner, acc, passes)``."""
+    update: ``(updates, inner)``) and a new window, else zero updates (``zero_updates``,
+    or zeros shaped as ``acc``). Eager, or both branches traced under ``jax.lax.cond``.
+    Returns ``(updates, inner, acc, passes)``."""
     acc = jax.tree_util.tree_map(lambda a, g: a + g.astype(a.dtype), acc, grads)
     passes = passes + 1
 
@@ -200,7 +201,9 @@ def windowed(apply: Any, grads: Any, inner: Any, acc: Any, passes: Any, passes_p
                 jnp.zeros((), jnp.int32))
 
     def more(_: Any) -> tuple[Any, Any, Any, Any]:
-        return jax.tree_util.tree_map(jnp.zeros_like, acc), inner, acc, passes
+        zeros = (jax.tree_util.tree_map(jnp.zeros_like, acc) if zero_updates is None
+                 else zero_updates)
+        return zeros, inner, acc, passes
 
     if not any_traced([passes]):  # eager: no need to trace both branches
         return last(None) if int(passes) >= passes_per_step else more(None)

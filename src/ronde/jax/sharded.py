@@ -1,5 +1,6 @@
 """``ShardedOptimizer`` for JAX: an optax transformation whose state covers ``1/N`` of the
-parameters on each rank (ZeRO stage 1; docs/sharding.md).
+parameters on each rank (ZeRO stage 1; with ``stage=2`` the accumulated gradients too;
+docs/sharding.md).
 
 ``update`` flattens the gradient pytree into one padded vector per dtype (``N * S``
 elements, ``S = ceil(L / N)``), reduce-scatters it (Average: each rank gets the averaged
@@ -10,6 +11,13 @@ other collectives). The inner transformation must be elementwise (``optax.sgd``,
 ``adam``, ``adamw`` without a ``mask``, ``rmsprop``, ``adagrad``...): one that looks at
 whole leaves or at all of them (``clip_by_global_norm``, ``lamb``, masks by leaf) sees a
 flat slice instead and would compute something else.
+
+Stage 2: JAX computes a step's gradients all at once (``jax.grad``), so there is no
+backward pass to reduce-scatter from, and without accumulation stage 2 is stage 1. What
+stage 2 shards is the accumulator of ``backward_passes_per_step``: stage 1 keeps a whole
+gradient pytree in the state and reduces once per window; stage 2 reduce-scatters every
+pass and adds this rank's slice (``1/N`` of the gradients kept, ``K`` reduce-scatters of
+traffic per window instead of one: DeepSpeed's ZeRO-2 and torch's stage 2 do the same).
 """
 
 from __future__ import annotations
@@ -40,6 +48,14 @@ class ShardedState(NamedTuple):
     inner: tuple
     acc: Any = ()
     passes: Any = 0
+
+
+class SliceSums(NamedTuple):
+    """Stage 2's accumulator: per dtype group, the sum of this rank's reduce-scattered
+    slices over the window's passes (``S`` elements each; the elastic reshard finds it by
+    its name)."""
+
+    slices: tuple
 
 
 def _groups(leaves: list[Any]) -> dict[Any, list[int]]:
@@ -84,7 +100,7 @@ def ShardedOptimizer(optimizer: optax.GradientTransformation,
                      process_set: ProcessSet = global_process_set,
                      name: str = "ShardedOptimizer", backward_passes_per_step: int = 1,
                      average_aggregated_gradients: bool = False,
-                     compression: Compresses | None = None,
+                     compression: Compresses | None = None, stage: int = 1,
                      ) -> optax.GradientTransformation:
     """Wrap an elementwise optax transformation: gradients averaged over the ranks, the
     inner state and update computed on this rank's ``1/N`` of the parameters.
@@ -102,6 +118,9 @@ def ShardedOptimizer(optimizer: optax.GradientTransformation,
         compression: ``Compression.none`` (default), ``.fp16`` or ``.bf16``: the
             reduce-scatter's wire dtype (the gradients are cast before it and back
             after; the allgather of the updates stays in the parameters' dtype).
+        stage: 1 (the inner state sharded) or 2 (also the accumulated gradients of
+            ``backward_passes_per_step``: a reduce-scatter every pass, this rank's slice
+            summed; the same as stage 1 without accumulation; module docstring).
 
     ``update`` needs ``params`` when the inner transformation does (``adamw``).
     """
@@ -117,41 +136,68 @@ def ShardedOptimizer(optimizer: optax.GradientTransformation,
         for ids in _groups(leaves).values():
             flat, _, per = _flat(leaves, ids, n)
             states.append(optimizer.init(flat[r * per:(r + 1) * per]))
-        acc = jax.tree_util.tree_map(jnp.zeros_like, params) if passes_per_step > 1 else ()
+        acc: Any = ()
+        if passes_per_step > 1 and stage == 2:
+            acc = SliceSums(tuple(jnp.zeros(len_, dt) for dt, len_ in
+                                  zip(_groups(leaves), slice_lengths(params, n))))
+        elif passes_per_step > 1:
+            acc = jax.tree_util.tree_map(jnp.zeros_like, params)
         return ShardedState(tuple(states), acc, jnp.zeros((), jnp.int32))
 
     def update(grads: Any, state: ShardedState, params: Any = None) -> tuple[Any, ShardedState]:
         if passes_per_step == 1:
-            updates, inner = apply(grads, state.inner, params)
+            updates, inner = step(scatter(grads), state.inner, grads, params)
             return updates, ShardedState(inner, state.acc, state.passes)
+        if stage == 2:  # this pass's slices into the window's sums; the step at its end
+            updates, inner, sums, passes = windowed(
+                lambda total: step(total, state.inner, grads, params), scatter(grads),
+                state.inner, state.acc.slices, state.passes, passes_per_step,
+                average_aggregated_gradients,
+                zero_updates=jax.tree_util.tree_map(jnp.zeros_like, grads))
+            return updates, ShardedState(inner, SliceSums(tuple(sums)), passes)
         updates, inner, acc, passes = windowed(
-            lambda total: apply(total, state.inner, params), grads, state.inner, state.acc,
-            state.passes, passes_per_step, average_aggregated_gradients)
+            lambda total: step(scatter(total), state.inner, grads, params), grads,
+            state.inner, state.acc, state.passes, passes_per_step,
+            average_aggregated_gradients)
         return updates, ShardedState(inner, acc, passes)
 
-    def apply(grads: Any, inners: tuple, params: Any) -> tuple[Any, tuple]:
-        """Reduce-scatter, the inner update on this rank's slice, allgather."""
-        g_leaves, treedef = jax.tree_util.tree_flatten(grads)
+    def scatter(grads: Any) -> tuple:
+        """The gradients averaged over the ranks, this rank's slice of each dtype group
+        (the reduce-scatter of a padded flat vector)."""
+        g_leaves = jax.tree_util.tree_leaves(grads)
+        n = shard_position(process_set)[1]
+        mine = []
+        for k, (dt, ids) in enumerate(_groups(g_leaves).items()):
+            flat = _flat(g_leaves, ids, n)[0]
+            tag = f"{name}.{k}.{jnp.dtype(dt).name}"
+            if n == 1:
+                mine.append(flat)
+            elif wire is None:
+                mine.append(C.reducescatter_array(flat, ReduceOp.AVERAGE, f"{tag}.grads",
+                                                  process_set, 1.0, 1.0))
+            else:  # an fp16 Average travels as a Sum of predivided inputs (every binding's rule)
+                op, pre, post = red.wire_op(wire_name)
+                mine.append(C.reducescatter_array(flat.astype(wire), ReduceOp(op),
+                                                  f"{tag}.grads", process_set, pre,
+                                                  post).astype(flat.dtype))
+        return tuple(mine)
+
+    def step(slices: tuple, inners: tuple, like: Any, params: Any) -> tuple[Any, tuple]:
+        """The inner update on this rank's slices, allgathered into an update pytree
+        shaped as ``like`` (the gradients)."""
+        g_leaves, treedef = jax.tree_util.tree_flatten(like)
         p_leaves = jax.tree_util.tree_flatten(params)[0] if params is not None else None
         r, n = shard_position(process_set)
         out: list[Any] = [None] * len(g_leaves)
         states = []
-        for k, ((dt, ids), inner) in enumerate(zip(_groups(g_leaves).items(), inners)):
-            flat, length, per = _flat(g_leaves, ids, n)
-            tag = f"{name}.{k}.{jnp.dtype(dt).name}"
-            if n == 1:
-                mine = flat
-            elif wire is None:
-                mine = C.reducescatter_array(flat, ReduceOp.AVERAGE, f"{tag}.grads",
-                                             process_set, 1.0, 1.0)
-            else:  # an fp16 Average travels as a Sum of predivided inputs (every binding's rule)
-                op, pre, post = red.wire_op(wire_name)
-                mine = C.reducescatter_array(flat.astype(wire), ReduceOp(op), f"{tag}.grads",
-                                             process_set, pre, post).astype(flat.dtype)
+        for k, ((dt, ids), mine, inner) in enumerate(zip(_groups(g_leaves).items(), slices,
+                                                         inners)):
+            per = int(mine.shape[0])
             p_mine = None
             if p_leaves is not None:
                 p_mine = _flat(p_leaves, ids, n)[0][r * per:(r + 1) * per]
             upd, new_inner = optimizer.update(mine, inner, p_mine)
+            tag = f"{name}.{k}.{jnp.dtype(dt).name}"
             full = upd if n == 1 else C.allgather_array(upd, f"{tag}.updates", process_set)
             at = 0
             for i in ids:
@@ -159,8 +205,11 @@ def ShardedOptimizer(optimizer: optax.GradientTransformation,
                 out[i] = full[at:at + size].reshape(jnp.shape(g_leaves[i]))
                 at += size
             states.append(new_inner)
-            assert at == length
         return jax.tree_util.tree_unflatten(treedef, out), tuple(states)
+
+    if stage not in (1, 2):
+        raise ValueError(f"ShardedOptimizer: stage={stage!r}; 1 (the optimizer's state "
+                         "sharded) or 2 (the accumulated gradients too)")
 
     red = Reduction.configure(ReduceOp.AVERAGE, 1.0, compression, process_set,
                               backward_passes_per_step, on_host=True)
