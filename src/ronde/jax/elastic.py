@@ -89,8 +89,6 @@ class JaxState(ObjectState):
             setattr(self, k, v if k in self._trees else _copy(v))
 
     def sync(self) -> None:
-        from .state import broadcast_tree
-
         from .. import _state
         from .sharded import ShardedState
 
