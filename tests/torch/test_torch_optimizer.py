@@ -159,4 +159,8 @@ def test_gradients_in_buckets_train_as_one_process_on_the_global_batch(np_, view
             assert r["diff"] <= (1e-3 if case == "fp16" else 1e-12), (case, r)
             assert r["bucketed"] > 0 and r["views"] == (r["bucketed"] if views == "1" else 0), \
                 (case, r)
+            # and at the step that laid the buckets out, its gradients moved into them at
+            # once (every one: "freeze" freezes a layer later), not held beside them
+            assert (r["adopted"] >= r["bucketed"]) if views == "1" else r["adopted"] == 0, \
+                (case, r)
     assert out[0] == out[-1]

@@ -1070,13 +1070,19 @@ def bucketed(steps: int = 7) -> dict:
                 (F.mse_loss(model.extra(model[:3](xs)), ys) / bpps).backward()
             opt.step()
             seen.append(0 if opt._ronde_buckets is None else len(opt._ronde_buckets.buckets))
+            if seen[-1] and len(seen) > 1 and not seen[-2]:  # the step that laid them out
+                flats = {b.flat.untyped_storage().data_ptr()
+                         for b in opt._ronde_buckets.buckets}
+                # its gradients adopted by their buckets at once (not held twice over)
+                adopted = sum(p.grad is not None and p.grad.untyped_storage().data_ptr()
+                              in flats for p in model.parameters())
         assert _same_on_every_rank(torch, hvd, model, f"bucketed.{case}")
         # gradients living in their buckets (RONDE_GRADIENT_AS_BUCKET_VIEW)
         flats = {b.flat.untyped_storage().data_ptr() for b in opt._ronde_buckets.buckets}
         views = [p.grad.untyped_storage().data_ptr() in flats for p in model.parameters()
                  if p.grad is not None and p in opt._ronde_buckets]
         out[case] = {"buckets": seen, "diff": _diff(torch, model, ref),
-                     "views": sum(views), "bucketed": len(views)}
+                     "views": sum(views), "bucketed": len(views), "adopted": adopted}
     hvd.shutdown()
     return out
 

@@ -276,6 +276,7 @@ class _DistributedMixin(SkipSynchronize):
         if not self._ronde_member:
             self._ronde_synchronized = True
             return
+        lay_out: list[int] | None = None  #: the ready order to lay the buckets out from
         try:
             if self._ronde_validated != _state.require().generation:
                 self._ronde_validate()
@@ -319,12 +320,18 @@ class _DistributedMixin(SkipSynchronize):
                 else:
                     p.grad = value.to(p.dtype)
             self._ronde_syncs += 1
-            if self._ronde_syncs == _buckets.LAYOUT_STEP + 1 and self._ronde_order is not None:
-                self._ronde_make_buckets(self._ronde_order)
+            if self._ronde_syncs == _buckets.LAYOUT_STEP + 1:
+                lay_out = self._ronde_order
             self._ronde_order = [] if self._ronde_syncs == _buckets.LAYOUT_STEP \
                 and self._ronde_bucket_cap() else None
         finally:
             self._ronde_drop_step()
+        if lay_out is not None:
+            # once the step's handles are dropped, so that each gradient's own tensor is
+            # freed as its bucket adopts it (``_buckets._adopt_grads``), not held beside
+            # every bucket until the end of this step
+            handles = started = value = grad = None
+            self._ronde_make_buckets(lay_out)
         self._ronde_synchronized = True
 
     def _ronde_bucket_cap(self) -> int:
