@@ -62,10 +62,11 @@ def _check_sharded(res: dict, backend: str, n: int) -> None:
         assert fit["type"] == {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}[key]
     assert res["loop"]["diff"] == 0.0, res["loop"]  # apply_gradients in a custom loop
     assert res["accumulation"] < 1e-6, res  # 2 passes == one process on a 2x batch
-    lamb, clipnorm, global_clipnorm, stage2 = res["refused"]
+    assert res["stage"] == 2  # the accumulation above ran at stage=2 (the same optimizer)
+    lamb, clipnorm, global_clipnorm, stage3 = res["refused"]
     assert "cannot shard Lamb" in lamb and "norm over each whole tensor" in lamb
     assert "clipnorm=" in clipnorm and "global_clipnorm=" in global_clipnorm
-    assert "stage=1" in stage2
+    assert "stage must be 1 or 2" in stage3
     assert res["fp16_limit"] == [40000.0] * 6, res["fp16_limit"]  # finite: predivided
 
 

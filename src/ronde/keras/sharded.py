@@ -26,12 +26,18 @@ The returned object is a subclass of the user's optimizer class (like
 Refused with the reason: optimizers whose step needs whole tensors (Lamb, Adafactor,
 Muon), ``clipnorm``/``global_clipnorm`` (a norm over whole gradients), ``use_ema``,
 ``exclude_from_weight_decay`` (names are per variable, the shards have none), sparse
-gradients, Adasum/Sum, ``stage=2`` (Keras computes every gradient before ``apply``: there
-is no backward pass to reduce-scatter from; stage 1 only).
+gradients, Adasum/Sum.
 
 ``backward_passes_per_step=k`` is Keras' own ``gradient_accumulation_steps=k`` on the
 inner optimizer: the shard's averaged gradients accumulate (1/N of the model), and the
 ranks reduce every pass (the traffic of stage 2's accumulation, not stage 1's).
+
+``stage``: Keras computes every gradient of a step before the optimizer sees one, so
+there is no backward pass to reduce-scatter from, and what stage 2 shards beyond stage 1
+is the accumulated gradients, which this optimizer keeps as shards at either stage (the
+paragraph above). ``stage=2`` is accepted and is the same optimizer (as
+``ronde.jax.ShardedOptimizer(stage=2)``, whose stage 1 keeps the whole accumulator): code
+written for ``ronde.torch``'s stage 2 runs unchanged.
 """
 
 from __future__ import annotations
@@ -189,7 +195,8 @@ class _ShardedMixin:
 
     @property
     def stage(self) -> int:
-        return 1
+        """The stage asked for (1 or 2: the same optimizer in Keras, module docstring)."""
+        return int(self._ronde_cfg.get("stage", 1))
 
     @property
     def inner_optimizer(self) -> Any:
@@ -307,7 +314,8 @@ def ShardedOptimizer(optimizer: Any, name: str | None = None, stage: int = 1,
         optimizer: a Keras 3 optimizer that has not stepped, whose update is elementwise
             (SGD, Adam, AdamW, Adamax, Nadam, RMSprop, Adagrad, Adadelta, Ftrl, Lion).
         name: prefix of the collectives' names (default: the optimizer's name).
-        stage: 1 (the optimizer's state sharded); 2 is refused (module docstring).
+        stage: 1 or 2: the optimizer's state sharded, and the accumulated gradients of
+            ``backward_passes_per_step`` at both (module docstring).
         backward_passes_per_step: batches accumulated per update (module docstring).
         average_aggregated_gradients: average the accumulated passes (Keras'
             convention) instead of summing them (Horovod's default).
@@ -319,13 +327,8 @@ def ShardedOptimizer(optimizer: Any, name: str | None = None, stage: int = 1,
     Raises:
         UnsupportedError: see the module docstring.
     """
-    if stage == 2:
-        raise UnsupportedError("ShardedOptimizer for Keras shards the optimizer's state "
-                               "(stage=1): Keras computes every gradient before the "
-                               "optimizer sees one, so there is no backward pass to "
-                               "reduce-scatter from; use stage=1 (or ronde.torch's stage 2)")
-    if stage != 1:
-        raise ValueError(f"ShardedOptimizer: stage must be 1, got {stage!r}")
+    if stage not in (1, 2):
+        raise ValueError(f"ShardedOptimizer: stage must be 1 or 2, got {stage!r}")
     if _api.resolve_op(op, None) != ReduceOp.AVERAGE:
         raise UnsupportedError("ShardedOptimizer averages gradients: op=Adasum and op=Sum are "
                                "not supported (use DistributedOptimizer(op=hvd.Adasum))")
@@ -342,7 +345,7 @@ def ShardedOptimizer(optimizer: Any, name: str | None = None, stage: int = 1,
         "base": type(optimizer), "inner_config": config, "process_set": process_set,
         "prefix": name or f"ShardedOptimizer.{optimizer_name(optimizer)}",
         "passes": passes, "average_aggregated": bool(average_aggregated_gradients),
-        "wire_dtype": wire_dtype_of(compression)})
+        "wire_dtype": wire_dtype_of(compression), "stage": int(stage)})
     return wrapped
 
 
