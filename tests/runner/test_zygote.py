@@ -90,3 +90,12 @@ def test_a_preload_that_starts_a_thread_or_fails_falls_back_to_exec():
         assert sorted(reports) == [0, 1]
         assert not any(r["forked"] for r in reports.values()), reports
         assert all(r["lifeline"] for r in reports.values())
+
+
+def test_a_zygote_that_does_not_become_ready_in_time_falls_back_to_exec(monkeypatch):
+    # an import that hangs (here: sleeps past the start timeout) must not hang the launch
+    monkeypatch.setattr(zygote, "START_TIMEOUT_S", 1.0)
+    result, reports, err = _run("ok", ("zygote_slow",))
+    assert result.returncode == 0, err
+    assert sorted(reports) == [0, 1]
+    assert not any(r["forked"] for r in reports.values()), reports

@@ -61,6 +61,10 @@ log = logging.getLogger("ronde")
 
 #: the largest request (a worker's environment, argv and working directory)
 _MAX_MESSAGE = 1 << 20
+#: how long a zygote may take to import its modules and say it is ready: past it (an
+#: import that hangs, or a machine so loaded that forking would not pay), it is stopped
+#: and the workers start the usual way
+START_TIMEOUT_S = 60.0
 
 
 class ZygoteUnavailable(RuntimeError):
@@ -291,8 +295,12 @@ class Zygote:
         self._procs: dict[int, ZygoteProcess] = {}
         self._early: dict[int, int] = {}  # exits reported before the pid was handed out
         self.closed = False
+        self.sock.settimeout(START_TIMEOUT_S)  # socket.timeout is an OSError: no answer
         reply = self._recv()
+        self.sock.settimeout(None)
         if reply is None or not reply.get("ready"):
+            if reply is None:  # still importing, perhaps: it would not see the EOF
+                self.proc.kill()
             self.close()
             raise ZygoteUnavailable(
                 f"preload {', '.join(modules)}: {reply.get('error') if reply else 'no answer'}")

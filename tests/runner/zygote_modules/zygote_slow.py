@@ -1,0 +1,5 @@
+"""A module whose import takes longer than the test lets a zygote take to start."""
+
+import time
+
+time.sleep(30)
