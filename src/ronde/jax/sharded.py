@@ -132,14 +132,15 @@ def ShardedOptimizer(optimizer: optax.GradientTransformation,
             # are elsewhere (the reshard at the next sync compares the layouts instead)
             check_same_tree(names, leaves, "ShardedOptimizer", f"{name}.parameters",
                             process_set)
-        states = []
+        states, sums = [], []
         for ids in _groups(leaves).values():
             flat, _, per = _flat(leaves, ids, n)
             states.append(optimizer.init(flat[r * per:(r + 1) * per]))
+            if stage == 2:  # the accumulator of a window: this rank's slice
+                sums.append(jnp.zeros(per, flat.dtype))
         acc: Any = ()
         if passes_per_step > 1 and stage == 2:
-            acc = SliceSums(tuple(jnp.zeros(len_, dt) for dt, len_ in
-                                  zip(_groups(leaves), slice_lengths(params, n))))
+            acc = SliceSums(tuple(sums))
         elif passes_per_step > 1:
             acc = jax.tree_util.tree_map(jnp.zeros_like, params)
         return ShardedState(tuple(states), acc, jnp.zeros((), jnp.int32))

@@ -304,21 +304,7 @@ class _DistributedMixin(SkipSynchronize):
                         self._ronde_submit(p)
                     elif self._ronde_zero_unused and p.requires_grad:  # Horovod's zeros
                         p.grad = torch.zeros_like(p)
-            red = self._ronde_reduction
-            for p, started in handles.items():
-                if not isinstance(started, Started):  # a sparse gradient's gather
-                    p.grad = started.wait()
-                    continue
-                value, grad = red.result(started), p.grad
-                if value is grad:  # reduced in place
-                    continue
-                if grad is not None and not grad.is_sparse:  # compressed on the wire
-                    with torch.no_grad():
-                        grad.copy_(value)
-                elif grad is not None:  # sparse_as_dense: sparse again for the step
-                    p.grad = value.to(p.dtype).to_sparse()
-                else:
-                    p.grad = value.to(p.dtype)
+            self._ronde_give_results(handles)
             self._ronde_syncs += 1
             if self._ronde_syncs == _buckets.LAYOUT_STEP + 1:
                 lay_out = self._ronde_order
@@ -330,9 +316,26 @@ class _DistributedMixin(SkipSynchronize):
             # once the step's handles are dropped, so that each gradient's own tensor is
             # freed as its bucket adopts it (``_buckets._adopt_grads``), not held beside
             # every bucket until the end of this step
-            handles = started = value = grad = None
             self._ronde_make_buckets(lay_out)
         self._ronde_synchronized = True
+
+    def _ronde_give_results(self, handles: dict[torch.Tensor, Any]) -> None:
+        """Each per-tensor reduction's result into its parameter's ``grad``."""
+        red = self._ronde_reduction
+        for p, started in handles.items():
+            if not isinstance(started, Started):  # a sparse gradient's gather
+                p.grad = started.wait()
+                continue
+            value, grad = red.result(started), p.grad
+            if value is grad:  # reduced in place
+                continue
+            if grad is not None and not grad.is_sparse:  # compressed on the wire
+                with torch.no_grad():
+                    grad.copy_(value)
+            elif grad is not None:  # sparse_as_dense: sparse again for the step
+                p.grad = value.to(p.dtype).to_sparse()
+            else:
+                p.grad = value.to(p.dtype)
 
     def _ronde_bucket_cap(self) -> int:
         """Bytes per bucket; 0 where this optimizer reduces each gradient on its own
