@@ -228,6 +228,11 @@ def as_array(tensor: Any, what: str) -> np.ndarray:
     return arr
 
 
+def waited_by() -> Callable[[int], None]:
+    """The engine's ``waited_by`` (a binding keeps it for its job generation)."""
+    return runtime().engine.waited_by
+
+
 def together() -> ContextManager[None]:
     """Collectives started inside are announced together (one negotiation round): what
     grouped collectives use, so a group is negotiated and fused as one."""
@@ -313,8 +318,7 @@ def allreduce_async(tensor: Any, average: bool | None = None, name: str | None =
     if resolved == ReduceOp.ADASUM and arr.dtype.kind != "f":
         raise UnsupportedError(f"allreduce: op=Adasum needs floating-point tensors, got "
                                f"{arr.dtype} (use Sum or Average for integers)")
-    # the hot path of a training step (one call per gradient): no keyword forwarding
-    rt = runtime()
+    rt = runtime()  # the hot path of a training step: no keyword forwarding
     ps_id, name = _scoped(rt, Kind.ALLREDUCE, name, process_set)
     req = Request(Kind.ALLREDUCE, name, arr, ps_id=ps_id, op=resolved,
                   prescale=prescale_factor, postscale=postscale_factor, out=out, alloc=alloc)

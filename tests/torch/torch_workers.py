@@ -1087,7 +1087,7 @@ def bucketed(steps: int = 7) -> dict:
     return out
 
 
-def calls_in_backward(tensors: int = 40, steps: int = 8) -> dict:
+def calls_in_backward(tensors: int = 40, steps: int = 12) -> dict:
     """Python calls inside ronde while ``loss.backward()`` runs (the gradient hooks and
     the bucket submissions, on this thread; counts, not times) in the steady state, for
     a model of ``tensors`` gradient tensors; the calls of whole steps on every thread
@@ -1102,11 +1102,13 @@ def calls_in_backward(tensors: int = 40, steps: int = 8) -> dict:
     import ronde.torch as hvd
 
     src = os.path.dirname(os.path.dirname(os.path.abspath(hvd.__file__)))
-    everywhere = [False, 0]
+    everywhere = [False, 0, 0]  # counting, calls on every thread, on the control thread
 
     def prof_all(frame, event, arg):
         if everywhere[0] and event == "call" and frame.f_code.co_filename.startswith(src):
             everywhere[1] += 1
+            if threading.current_thread().name == "ronde-control":
+                everywhere[2] += 1
 
     threading.setprofile(prof_all)
     try:
@@ -1128,9 +1130,9 @@ def calls_in_backward(tensors: int = 40, steps: int = 8) -> dict:
                 counted[1] += 1
 
     x = torch.randn(4, 8)
-    per_step, whole = [], []
+    per_step, whole, control = [], [], []
     for step in range(steps):
-        everywhere[1] = counted[1] = 0
+        everywhere[1] = everywhere[2] = counted[1] = 0
         everywhere[0] = True
         sys.setprofile(prof)
         opt.zero_grad()
@@ -1143,6 +1145,8 @@ def calls_in_backward(tensors: int = 40, steps: int = 8) -> dict:
         everywhere[0] = False
         per_step.append(counted[1])
         whole.append(everywhere[1])
+        control.append(everywhere[2])
     buckets = len(opt._ronde_buckets.buckets) if opt._ronde_buckets is not None else 0
     hvd.shutdown()
-    return {"calls": per_step, "buckets": buckets, "tensors": tensors, "step_calls": whole}
+    return {"calls": per_step, "buckets": buckets, "tensors": tensors, "step_calls": whole,
+            "control_calls": control}

@@ -69,37 +69,31 @@ class Engine:
         self._told = threading.Event()  #: set once the first failure is told and shown
         self.aborted = threading.Event()  #: set with the first failure (see ``failed``)
         self.on_failure: Callable[[BaseException], None] | None = None  # first one only
-        #: members and communicators of the process sets (the executor's: communicators.py)
         self.sets = Communicators(rank, comms, process_sets, make_communicator)
         self.negotiator = Negotiator(size, {k: list(v) for k, v in process_sets.items()},
                                      cfg.fusion_threshold_bytes, cfg.cache_capacity)
         self.exchange = Exchange(rank, size, ctl_socks, mailboxes, cfg, describe_rank, links)
         self.announcer = rounds.Announcer(self.negotiator.cache, rank, cfg.inline_bytes)
         self._bell = ready.Doorbell()  #: rung to wake the control thread
-        #: negotiation rounds completed (the same count on every rank)
-        self._rounds = 0
+        self._rounds = 0  #: negotiation rounds completed (the same count on every rank)
         self._last_round = 0.0
-        #: held by whichever thread runs a round: the control thread or a waiting caller
-        self._drive = threading.Lock()
+        self._drive = threading.Lock()  #: held by the thread that runs a round
         self._spinners = 0
+        self._waited_by = 0  #: the thread that drives its submissions at once
         self._last_activity = 0.0
         self._ctl_deep_sleep = True
-        #: a local round waits for this (a burst of submissions after a long sleep)
-        self._hold_until = 0.0
+        self._hold_until = 0.0  #: a local round waits for this (a burst after a long sleep)
         self._held_round = 0  #: the round held through the mailboxes (``_maybe_round``)
-        #: whether to hold the next round back (holding.py)
-        self.round_hold = RoundHold(cfg.round_hold_ms / 1000.0, self.negotiator,
-                                    self.exchange, rank, size)
+        self.round_hold = RoundHold(  # whether to hold the next round back (holding.py)
+            cfg.round_hold_ms / 1000.0, self.negotiator, self.exchange, rank, size)
         self.executor = Executor(self)
         self.executor.on_idle = self._executor_idle
         self.stall = StallInspector(cfg, describe_rank)
-        #: whether this rank is only waiting (crossed collectives, see crossed.py)
-        self._waiting = crossed.WaitWatch(cfg.deadlock_time_s)
+        self._waiting = crossed.WaitWatch(cfg.deadlock_time_s)  #: only waiting? (crossed.py)
         self._thread = threading.Thread(target=self._control_main, name="ronde-control",
                                         daemon=True)
         self._stopped = threading.Event()
-        #: the Chrome-trace recorder, or None (see timeline.py)
-        self.timeline: Timeline | None = None
+        self.timeline: Timeline | None = None  #: the Chrome-trace recorder (timeline.py)
         self.autotune = autotune.AutoTune(None)  #: rank 0 gets a Tuner with RONDE_AUTOTUNE
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -146,16 +140,23 @@ class Engine:
                 req.t_submit = now_us()
             self._last_activity = now = time.monotonic()
             deep = self._ctl_deep_sleep and not self.out.batching
-            if deep and WAITERS.engine is self:
-                # the rest of a burst (a loop of async calls) joins this round; a
-                # caller that waits drives it at once (``progress``)
+            drives = WAITERS.engine is self
+            quiet = deep and drives and self._waited_by == threading.get_ident()
+            if deep and drives and not quiet:  # the rest of a burst joins this round
                 self._hold_until = now + self.cycle_s / 4
-        # a control thread in a short sleep (the cycle, with something to announce)
-        # looks at the outbox after it: wake it (a system call and a thread switch)
-        # only from a long sleep
-        if deep:
+        # a control thread in a short sleep looks at the outbox after it: wake it (a
+        # system call, a thread switch) only from a long sleep, not for ``waited_by``
+        if quiet:
+            self.round_hold.want(self._rounds + 1)
+        elif deep:
             self.wake()
         return req
+
+    def waited_by(self, ident: int) -> None:
+        """Thread ``ident`` (0: none) drives what it submits from now on at once (a
+        step's last gradient bucket): no wake-up (a thread switch, ~50 Python calls); the
+        next round is *wanted* (``RoundHold.want``), so a peer there first starts it."""
+        self._waited_by = ident
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -178,9 +179,6 @@ class Engine:
             self.out.add_process_set_locked(action, arg, req)
         self.wake()
         return req
-
-    def take_many(self, names: list[str]) -> list[Request | None]:
-        return self.out.take_many(names)
 
     @property
     def failed(self) -> BaseException | None:
@@ -298,8 +296,7 @@ class Engine:
         return True, have_local
 
     def _executor_idle(self) -> None:
-        """The executor ran out of work: wake the control thread only if it has a round
-        to start (one kept back while data moved); a later submission wakes it itself."""
+        """The executor ran out of work: wake the control thread if it has a round to start."""
         if self.out.reqs or self._other_local():
             self.wake()
 
@@ -364,14 +361,14 @@ class Engine:
             # this thread): holding, only a new submission counts
             new = (self.out.submitted != self.out.held_submitted if holding
                    else bool(self.out.reqs) or self._other_local())
-        ahead = ex.before_block(self._rounds)
+        ahead = ex.before_block(self._rounds, idle=True)
         if (ahead and now >= self._hold_until) or (deep and new):
             timeout = 0.0
         try:
             readable, _ = ready.wait([self._bell] + ex.sockets(), [], timeout)
         finally:
             self._ctl_deep_sleep = False
-            ex.after_block()
+            ex.after_block(idle=True)
         self._read_ready(readable)
 
     def _read_ready(self, readable: list[Any]) -> None:
@@ -404,10 +401,12 @@ class Engine:
         return ran
 
     def spinner_enter(self) -> None:
-        # the mailbox "sleeping" flag is left alone (exchange.py): a spinner clearing it
-        # while another thread slept in select would lose that thread its doorbell
+        # the waiter covers the control thread's idle sleep (``Exchange.cover``)
         with self._lock:
             self._spinners += 1
+            first = self._spinners == 1
+        if first:
+            self.exchange.cover(True)
 
     def spinner_leave(self) -> None:
         """A waiter stops polling and blocks: hand anything it would have picked up to
@@ -416,6 +415,7 @@ class Engine:
             self._spinners -= 1
             if self._spinners:
                 return
+        self.exchange.cover(False)  # the flag back up, a fence: then look
         mb = self.exchange.mailboxes
         if (mb is not None and mb.ahead(self._rounds, self.exchange.gone)) or self._has_local():
             if not self.progress():

@@ -16,9 +16,14 @@ in its normal sleep, or a round's driver waiting for a frame. Such a thread rais
 it, fences and looks at the mailboxes once more before it sleeps
 (:meth:`Exchange.before_block`, the Dekker handshake of ``mailbox.py``) and lowers it
 when the last sleeper wakes (:meth:`Exchange.after_block`). Threads that merely poll
-(callers spinning in ``wait()``) never touch it, so they are not rung while they poll;
-the control thread stays out of their way meanwhile and looks every
-``RONDE_CYCLE_TIME``.
+(callers spinning in ``wait()``) are not rung while they poll; the control thread stays
+out of their way meanwhile and looks every ``RONDE_CYCLE_TIME``. While one polls it
+also *covers* the control thread's idle sleep (:meth:`Exchange.cover`): the flag
+counts only the other sleepers (a round's driver waiting for frames), so a peer posting
+the round that the poller is about to take does not ring (a socket write there, a
+thread woken here for nothing: about 25 Python calls a training step). The poller's
+last look on leaving raises the flag again, fences and looks at the mailboxes
+(``Engine.spinner_leave``): a post it missed is handed on then.
 """
 
 from __future__ import annotations
@@ -61,8 +66,12 @@ class Exchange:
         #: only (rank 0 is not woken by, and does not poll, N - 1 sockets)
         self._tree_peers = tree.neighbours(rank, size) if self.over_tree else []
         self.spin_s = cfg.spin_time_us / 1e6
+        #: the live peers split into (local, remote), by how many ranks have left
+        self._split: tuple[int, frozenset[int], list[int]] = (-1, frozenset(), [])
         self._sleep_lock = threading.Lock()
-        self._sleepers = 0
+        self._sleepers = 0  #: threads asleep in ``select``, ready to handle a post
+        self._idle = 0  #: of those, the control thread's idle sleep (``Engine._sleep``)
+        self._covered = 0  #: callers polling, who take the idle sleep's part (``cover``)
 
     # -- state seen by the driver ---------------------------------------------------------
     @property
@@ -136,35 +145,53 @@ class Exchange:
         self.channels.readers[self.channels.rank_of(sock)].fill()
 
     # -- sleeping and doorbells -----------------------------------------------------------
-    def before_block(self, rounds_done: int) -> bool:
+    def before_block(self, rounds_done: int, idle: bool = False) -> bool:
         """A thread is about to sleep in ``select`` on the control sockets: count it as
-        a sleeper (peers ring while there is one), fence, and look once more. True
-        when a same-host peer has already posted a round after ``rounds_done``: the
-        caller must not sleep on it. Pair with :meth:`after_block`."""
+        a sleeper (peers ring while there is one; ``idle``: the control thread's idle
+        sleep, which a polling caller covers), fence, and look once more. True when a
+        same-host peer has already posted a round after ``rounds_done``: the caller
+        must not sleep on it. Pair with :meth:`after_block`."""
         mb = self.mailboxes
         if mb is None:
             return False
         with self._sleep_lock:
             self._sleepers += 1
-            mb.set_sleeping(True)
+            self._idle += idle
+            mb.set_sleeping(self._sleepers > (self._idle if self._covered else 0))
         mailbox.fence()
         return mb.ahead(rounds_done, self.channels.gone)
 
-    def after_block(self) -> None:
+    def after_block(self, idle: bool = False) -> None:
         mb = self.mailboxes
         if mb is None:
             return
         with self._sleep_lock:
             self._sleepers -= 1
-            if not self._sleepers:
-                mb.set_sleeping(False)
+            self._idle -= idle
+            mb.set_sleeping(self._sleepers > (self._idle if self._covered else 0))
+
+    def cover(self, polling: bool) -> None:
+        """A caller starts (``polling``) or stops polling the mailboxes for the control
+        thread (module docstring). On stopping, the flag goes up again where the control
+        thread sleeps, then a fence: the caller looks at the mailboxes after this."""
+        mb = self.mailboxes
+        if mb is None:
+            return
+        with self._sleep_lock:  # peers ring for a sleeper that no poller covers
+            self._covered += 1 if polling else -1
+            rung = self._sleepers > (self._idle if self._covered else 0)
+            mb.set_sleeping(rung)
+        if rung and not polling:
+            mailbox.fence()
 
     # -- one round ------------------------------------------------------------------------
     def run(self, round_no: int, payload: bytes, messages: list[protocol.RoundMessage],
             blobs: list[bytes], failed: Callable[[], BaseException | None],
             shut_down: set[int]) -> None:
         """Send ``payload`` as this rank's frame of ``round_no`` to every live peer and
-        read one frame from each into ``messages``/``blobs``."""
+        read one frame from each into ``messages``/``blobs``. A peer's frame that is
+        byte for byte this rank's (a training step's round: every rank announces the
+        same cache ids) is this rank's message, not decoded again."""
         if self.coordinated:
             if self.over_tree and (shut_down or self.gone):
                 self.over_tree = False
@@ -178,36 +205,48 @@ class Exchange:
             return
         mb = self.mailboxes
         ch = self.channels
-        live = ch.live()
-        local = {r for r in live if mb is not None and r in mb.peers}
-        remote = [r for r in live if r not in local]
+        if self._split[0] != len(ch.gone):  # ranks only leave: recomputed when one does
+            live = ch.live()
+            self._split = (len(ch.gone),
+                           frozenset(r for r in live if mb is not None and r in mb.peers),
+                           [r for r in live if mb is None or r not in mb.peers])
+        _, local, remote = self._split
         # the socket frame (a copy of the payload) only when some peer needs it
         frame = (wire.encode_frame(protocol.KIND_ROUND, payload)
                  if remote or (local and len(payload) > mailbox.SLOT_BYTES) else b"")
-        to_send = {r: memoryview(frame) for r in remote}
+        to_send = {r: memoryview(frame) for r in remote} if remote else {}
         via_socket = set(remote)  # peers whose frame this round comes over the socket
         if local:
             assert mb is not None
             if mb.post(round_no, payload):
                 mailbox.fence()
-                for r in local.intersection(mb.sleepers()):
-                    to_send[r] = memoryview(protocol.DOORBELL)
+                for r in mb.sleepers():
+                    if r in local:
+                        to_send[r] = memoryview(protocol.DOORBELL)
             else:
                 for r in local:
                     to_send[r] = memoryview(frame)
-        to_recv = set(live)
-        wait = Wait(ch, failed)
-        spin_until = wait.start + self.spin_s
+        to_recv = set(local)
+        to_recv.update(remote)
+        own = messages[self.rank], blobs[self.rank]
+        wait: Wait | None = None  # made once the first look did not find every frame
+        spin_until = 0.0
         polls = 0
         while to_send or to_recv:
             for r in list(to_recv):
                 got = self._take(r, round_no, via_socket)
                 if got is not None:
-                    messages[r], blobs[r] = ch.decoder.unpack(got, r)
                     to_recv.discard(r)
+                    if got == payload:
+                        messages[r], blobs[r] = own
+                        continue
+                    messages[r], blobs[r] = ch.decoder.unpack(got, r)
                     ch.check_notice(messages[r], r)
             if not (to_send or to_recv):
                 break
+            if wait is None:
+                wait = Wait(ch, failed)
+                spin_until = wait.start + self.spin_s
             polls += 1
             spinning = time.monotonic() < spin_until
             if spinning and not to_send and polls % 16:
@@ -242,8 +281,8 @@ class Exchange:
         reader = self.channels.readers[r]
         if r in via_socket:
             return reader.pop()
-        early = reader.peek()  # before the mailbox says "on the socket": only a notice
-        if early is not None:
+        early = reader.peek() if reader.buf else None  # before the mailbox says "on the
+        if early is not None:  # socket": only a notice
             self.channels.check_notice(protocol.unpack_round(early, r)[0], r)
         got = self.mailboxes.take(r, round_no)  # type: ignore[union-attr]
         if got is None:

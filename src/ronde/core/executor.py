@@ -176,7 +176,7 @@ class Executor:
         eng = self.engine
         if resp.error is not None:
             cls = _ERRORS.get(resp.error_type, RondeError)
-            for req in eng.take_many(resp.names):
+            for req in eng.out.take_many(resp.names):
                 if req is not None:
                     exc = cls(resp.error)
                     if cls is ShutdownError:
@@ -184,14 +184,14 @@ class Executor:
                     req.fail(exc)
             return
         if resp.kind == Kind.JOIN:
-            req, = eng.take_many(resp.names[:1])
+            req, = eng.out.take_many(resp.names[:1])
             if req is not None:
                 req.complete(resp.value)
             return
         if resp.value is not None and resp.kind == Kind.BARRIER and resp.ps_id == 0 \
                 and resp.names[0].startswith("process_set."):
             eng.sets.apply(resp.value)
-            req, = eng.take_many(resp.names[:1])
+            req, = eng.out.take_many(resp.names[:1])
             if req is not None:
                 req.complete(resp.value[1])
             return
@@ -199,7 +199,7 @@ class Executor:
         if eng.rank not in members:
             return
         comm = eng.sets.get(resp.ps_id)
-        reqs = eng.take_many(resp.names)
+        reqs = eng.out.take_many(resp.names)
         self._marks = [] if eng.timeline is not None else None
         try:
             handler = _HANDLERS[resp.kind]

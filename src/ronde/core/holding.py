@@ -99,6 +99,14 @@ class RoundHold:
         answer changes with each member frame that arrives: it looks again each time)."""
         return self._decided == next_round
 
+    def want(self, next_round: int) -> None:
+        """Say through the mailboxes that this rank wants ``next_round`` without starting
+        it (a submission its caller drives soon: ``Engine.waited_by``): a peer that wants
+        it too starts it then."""
+        mb = self.exchange.mailboxes
+        if self.hold_s and mb is not None and len(mb.peers) == self.size - 1:
+            mb.want(next_round)
+
     def decide(self, reqs: list[Request], next_round: int) -> bool:
         """Whether to hold ``next_round``, whose announcements of this rank are ``reqs``
         (:meth:`may_hold` said yes; nothing else is to be sent)."""

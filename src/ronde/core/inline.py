@@ -39,7 +39,7 @@ def run_batch(eng: "ExecutorContext", resps: list[Response]) -> None:
 
 
 def _group(eng: "ExecutorContext", group: list[Response], metas: list[Any]) -> None:
-    reqs = eng.take_many([resp.names[0] for resp in group])  # None: not a member
+    reqs = eng.out.take_many([resp.names[0] for resp in group])  # None: not a member
     if not any(reqs):
         return
     start = now_us() if eng.timeline is not None else 0.0

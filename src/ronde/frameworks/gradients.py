@@ -141,7 +141,7 @@ class Reduction:
         Horovod does: a compressor of the user's own may need its context even where it
         sent the tensor itself; ronde's return ``out`` at once then)."""
         comp = self.compression
-        if comp is None:
+        if comp is None or ctx is None:  # ctx None: ``start`` sent it as it is
             return out
         if isinstance(comp, Compressor):
             return comp.decompress(out, ctx, name)
@@ -157,7 +157,13 @@ class Reduction:
                 handle``: the binding's asynchronous allreduce (in place for torch).
         """
         comp = self.compression
-        sent, ctx = comp.compress(tensor) if comp is not None else (tensor, None)
+        if comp is None or (type(comp) is Compressor and comp.wire_dtype is None):
+            # no compression (ronde's ``Compression.none``: it would send the tensor as
+            # it is, with a context that says so)
+            handle = allreduce(tensor, None, name, self.op, self.prescale, self.postscale,
+                               self.process_set)
+            return Started(handle, None, name)
+        sent, ctx = comp.compress(tensor)
         op, pre, post = self.wire(tensor, sent, ctx)
         handle = allreduce(sent, None, name, op, pre, post, self.process_set)
         return Started(handle, ctx, name)

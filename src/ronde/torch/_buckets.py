@@ -35,6 +35,7 @@ path; so does everything under ``groups=`` (the user's own grouping). An elastic
 
 from __future__ import annotations
 
+from threading import get_ident
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -130,13 +131,18 @@ class Buckets:
         self.as_view = as_view
         self._names = names
         self._reduction, self._allreduce = reduction, allreduce
+        self.started = 0  #: buckets started in this step
+        #: the step's last bucket is waited for at once by ``synchronize()``, which drives
+        #: its round: it does not wake the engine's control thread (``_api.waited_by``)
+        self._waited_by = _api.waited_by()
 
     def __contains__(self, p: torch.Tensor) -> bool:
         return id(p) in self.slot_of
 
     @property
     def in_flight(self) -> bool:
-        return bool(self.taken) or any(b.handle is not None for b in self.buckets)
+        """Whether a step's gradients are taken or its buckets started (not finished)."""
+        return bool(self.taken) or self.started > 0
 
     def take(self, p: torch.Tensor, grad: torch.Tensor) -> None:
         """Copy ``grad`` into ``p``'s slot (not when it is the slot already: see
@@ -153,7 +159,18 @@ class Buckets:
         if bucket.left == 0:
             if bucket.flags is not None:
                 bucket.flags.fill_(1)  # the last step's reduction overwrote them
+            self._start(bucket)
+
+    def _start(self, bucket: Bucket) -> None:
+        last = self.started + 1 == len(self.buckets)
+        if last:
+            self._waited_by(get_ident())
+        try:
             bucket.handle = self._reduction.start(bucket.flat, bucket.name, self._allreduce)
+        finally:
+            if last:
+                self._waited_by(0)
+        self.started += 1
 
     @property
     def full(self) -> bool:
@@ -174,7 +191,7 @@ class Buckets:
                         slot.zero_()
                         if flags is not None:
                             flags[k] = 0
-                b.handle = self._reduction.start(b.flat, b.name, self._allreduce)
+                self._start(b)
 
     def finish(self, counts: Sequence[int] | None, zero_unused: bool) -> None:
         """Wait for every bucket and give each parameter its average: those that
@@ -221,6 +238,7 @@ class Buckets:
     def reset(self) -> None:
         """Forget the step in flight (after ``finish``, or on an error)."""
         self.taken = set()
+        self.started = 0
         for b in self.buckets:
             b.handle = None
             b.left = len(b.members)

@@ -391,10 +391,10 @@ class _DistributedMixin(SkipSynchronize):
         """Clear gradients; refuses while reductions are still in flight (those of a
         step that a failure interrupted, e.g. before an elastic reset, are dropped)."""
         buckets = self._ronde_buckets
-        if self._ronde_handles or (buckets is not None and buckets.in_flight):
-            rt = _state.current()
-            if rt is None or rt.engine.failed is not None or not self._ronde_same_generation():
-                self._ronde_drop_step()
+        if (self._ronde_handles or (buckets is not None and buckets.in_flight)) and (
+                (rt := _state.current()) is None or rt.engine.failed is not None
+                or not self._ronde_same_generation()):
+            self._ronde_drop_step()
         if self._ronde_handles or (buckets is not None and buckets.in_flight):
             raise RondeError("optimizer.zero_grad() was called after loss.backward() but before "
                              "optimizer.step() or optimizer.synchronize(): gradients are being "

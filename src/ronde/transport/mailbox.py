@@ -95,12 +95,17 @@ class Mailboxes(OwnedSegment):
             self._mine[off: off + len(payload)] = payload
         self._my_hdr[LEN0 + slot] = len(payload) if fits else ON_SOCKET
         self._my_hdr[SEQ] = round_no
-        self._unlink_once_mapped()
+        if not self._unlinked:
+            self._unlink_once_mapped()
         return fits
 
     def sleepers(self) -> list[int]:
         """Peers that may be asleep in ``select`` (call after :meth:`post` and a fence)."""
-        return [r for r in self.peers if self._hdr[r][SLEEPING]]
+        out = []
+        for r in self.peers:  # a loop, not a comprehension: this runs every round
+            if self._hdr[r][SLEEPING]:
+                out.append(r)
+        return out
 
     def want(self, round_no: int) -> set[int]:
         """Say that this rank wants to start ``round_no``; return the peers that want it
