@@ -252,9 +252,9 @@ def _scoped(rt: "_runtime.Runtime", kind: Kind, name: str | None,
             process_set: ProcessSet | None) -> tuple[int, str]:
     """The process set id of a call and its name, scoped by the process set (checked:
     only members may call collectives on a process set)."""
-    ps_id = _ps_id(process_set)
-    if ps_id == 0:
+    if process_set is None or process_set.process_set_id == 0:  # the global set
         return 0, name if name is not None else _auto_name(kind.name.lower(), 0)
+    ps_id = _ps_id(process_set)  # raises for a set not registered
     ps = process_set
     assert ps is not None and ps.ranks is not None
     if rt.topo.rank not in ps.ranks:

@@ -122,19 +122,21 @@ def _check_calls(out: list) -> None:
         assert max(steady) <= 4 * res["tensors"] + 60 * res["buckets"], res
         # and the first steps' per-tensor path is what the buckets replaced
         assert res["calls"][0] > 20 * res["tensors"], res
-        # a whole steady step on every thread (the engine's included): 308-320 for 40
-        # tensors in one bucket at np=2 on a quiet machine (120 of it the hooks; 390-520
-        # before the step's last bucket stopped waking the control thread, and before
-        # that 500-580), more under the full suite's load (the round's driver polls
-        # longer for a peer when the cores are busy), 3,300-6,200 in the first two
-        # (per-tensor) steps. The fewest of the steady steps shows the structure (a
-        # step whose ranks met at once); the median is only kept below the per-tensor path
+        # a whole steady step on every thread (the engine's included), the waiting
+        # caller spinning as long as it takes (the worker says why): 267 for 40 tensors
+        # in one bucket at np=2 where the ranks meet at once (120 of it the hooks: 147 a
+        # step beyond them, issue #34's bar 150; 308-320 before the step's last bucket
+        # stopped waking the control thread, 390-520 before that), more where a rank
+        # polls for its peer, 3,300-6,200 in the first two (per-tensor) steps
         steady_steps = sorted(res["step_calls"][3:])
-        assert steady_steps[0] <= 4 * res["tensors"] + 250, res
         assert steady_steps[len(steady_steps) // 2] <= 2500, res
-        # the step's last bucket is driven by the waiting caller, the control thread
-        # not woken for it (about 60 calls on that thread alone a step before)
-        assert min(res["control_calls"][3:]) <= 20, res
+    # the rank that arrives second in a step does not poll: the fewest calls of any
+    # steady step on either rank is the structure's
+    fewest = min(min(res["step_calls"][3:]) for res in out)
+    assert fewest <= 3 * out[0]["tensors"] + 170, out
+    # the step's last bucket is driven by the waiting caller, the control thread not
+    # woken for it (about 60 calls on that thread alone a step before)
+    assert min(min(res["control_calls"][3:]) for res in out) <= 20, out
 
 
 @pytest.mark.timeout(60)

@@ -79,7 +79,7 @@ class Engine:
         self._last_round = 0.0
         self._drive = threading.Lock()  #: held by the thread that runs a round
         self._spinners = 0
-        self._waited_by = 0  #: the thread that drives its submissions at once
+        self._waited_by = 0  #: the thread that drives its next submission at once
         self._last_activity = 0.0
         self._ctl_deep_sleep = True
         self._hold_until = 0.0  #: a local round waits for this (a burst after a long sleep)
@@ -140,22 +140,20 @@ class Engine:
                 req.t_submit = now_us()
             self._last_activity = now = time.monotonic()
             deep = self._ctl_deep_sleep and not self.out.batching
-            drives = WAITERS.engine is self
-            quiet = deep and drives and self._waited_by == threading.get_ident()
-            if deep and drives and not quiet:  # the rest of a burst joins this round
+            quiet = deep and self._waited_by == threading.get_ident() and WAITERS.engine is self
+            self._waited_by = 0  # the next submission only (``waited_by``)
+            if deep and not quiet and WAITERS.engine is self:  # a burst joins this round
                 self._hold_until = now + self.cycle_s / 4
-        # a control thread in a short sleep looks at the outbox after it: wake it (a
-        # system call, a thread switch) only from a long sleep, not for ``waited_by``
-        if quiet:
+        if quiet:  # no wake-up for ``waited_by``
             self.round_hold.want(self._rounds + 1)
-        elif deep:
+        elif deep:  # a control thread in a short sleep looks at the outbox after it
             self.wake()
         return req
 
     def waited_by(self, ident: int) -> None:
-        """Thread ``ident`` (0: none) drives what it submits from now on at once (a
-        step's last gradient bucket): no wake-up (a thread switch, ~50 Python calls); the
-        next round is *wanted* (``RoundHold.want``), so a peer there first starts it."""
+        """Thread ``ident`` (0: none) drives the next submission at once, if it makes it
+        (a step's last gradient bucket): no wake-up (a thread switch, ~50 Python calls);
+        the next round is *wanted* (``RoundHold.want``): a peer there first starts it."""
         self._waited_by = ident
 
     @contextlib.contextmanager
@@ -415,9 +413,10 @@ class Engine:
             self._spinners -= 1
             if self._spinners:
                 return
-        self.exchange.cover(False)  # the flag back up, a fence: then look
-        mb = self.exchange.mailboxes
-        if (mb is not None and mb.ahead(self._rounds, self.exchange.gone)) or self._has_local():
+        ex = self.exchange
+        ex.cover(False)  # the flag back up, a fence: then look
+        if (ex.mailboxes is not None and ex.mailboxes.ahead(self._rounds, ex.channels.gone)) \
+                or self._has_local():
             if not self.progress():
                 self.wake(force=True)
 
@@ -428,7 +427,8 @@ class Engine:
         blob = b""
         if reqs:
             msg.announced, msg.wire_announced, blob = self.announcer(reqs)
-        msg.tune = self.autotune.take()
+        if self.autotune.outgoing is not None:
+            msg.tune = self.autotune.take()
         return msg, blob
 
     def _round(self, direct: list[Response] | None) -> None:

@@ -107,9 +107,10 @@ class Exchange:
 
     def peer_started(self, rounds_done: int) -> bool:
         """Whether a peer has started the next round (or closed its socket)."""
-        for r in self.linked():
-            rd = self.channels.readers[r]
-            if rd.eof or rd.has_frame():
+        readers = self.channels.readers
+        for r in self._tree_peers if self.over_tree else self.channels.connected():
+            rd = readers[r]
+            if rd.eof or (rd.buf and rd.has_frame()):
                 return True
         mb = self.mailboxes
         return mb is not None and mb.ahead(rounds_done, self.channels.gone)

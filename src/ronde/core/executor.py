@@ -137,7 +137,7 @@ class Executor:
                 self.on_idle()
 
     def _run_one(self, item: Response) -> None:
-        for part in self._parts(item):
+        for part in self._parts(item) if item.followers else (item,):
             try:
                 self.execute(part)
             except BaseException as exc:  # noqa: BLE001 - fail the requests, keep serving
@@ -200,12 +200,14 @@ class Executor:
             return
         comm = eng.sets.get(resp.ps_id)
         reqs = eng.out.take_many(resp.names)
-        self._marks = [] if eng.timeline is not None else None
+        self._marks = marks = [] if eng.timeline is not None else None
         try:
             handler = _HANDLERS[resp.kind]
-            self._mark("start")
+            if marks is not None:
+                marks.append(("start", now_us()))
             handler(self, resp, reqs, comm, members)
-            self._record(resp)
+            if marks is not None:
+                self._record(resp)
         except BaseException as exc:
             fail_all(reqs, exc, resp.kind.name.lower())
             raise
@@ -271,14 +273,26 @@ class Executor:
                 if req is not None:
                     req.complete(out)
             return
-        shapes = [any_meta(m).shape for m in resp.metas]
-        sizes = [_numel(s) for s in shapes]
+        # one loop, no helper calls: this runs for every allreduce (a training step's
+        # buckets), and each Python call counts (issue #34)
+        shapes, sizes, inputs, outputs = [], [], [], []
+        missing = False
+        for m, r in zip(resp.metas, reqs):
+            shape = m[min(m)].shape  # any rank's (``any_meta``)
+            shapes.append(shape)
+            sizes.append(int(math.prod(shape)))
+            if r is None:
+                missing = True
+                inputs.append(None)
+                outputs.append(None)
+            else:
+                inputs.append(r.array)
+                outputs.append(r.out)
         plan = AllreducePlan(
-            comm, [None if r is None else r.array for r in reqs],
-            [None if r is None else r.out for r in reqs], sizes, dtype, op, meta0.prescale,
-            post, sum(sizes) * dtype.itemsize, bool(resp.joined) or any(r is None for r in reqs),
+            comm, inputs, outputs, sizes, dtype, op, meta0.prescale, post,
+            sum(sizes) * dtype.itemsize, bool(resp.joined) or missing,
             lambda i: None if reqs[i] is None else reqs[i].allocate(shapes[i], dtype),
-            self._fusion.get, self._mark)
+            self._fusion.get, self._mark if self._marks is not None else None)
         outs = run_allreduce(plan)
         for req, out in zip(reqs, outs):
             if req is not None:

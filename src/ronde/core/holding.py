@@ -68,6 +68,7 @@ class RoundHold:
         self.until = 0.0
         #: the round :meth:`decide` held through the mailboxes (see :meth:`settled`)
         self._decided = 0
+        self._wanted = 0  #: the round this rank's ``WANT`` word holds
 
     def holding(self, next_round: int, now: float) -> bool:
         """Whether ``next_round`` is being held now (the control thread then sleeps
@@ -106,6 +107,7 @@ class RoundHold:
         mb = self.exchange.mailboxes
         if self.hold_s and mb is not None and len(mb.peers) == self.size - 1:
             mb.want(next_round)
+            self._wanted = next_round
 
     def decide(self, reqs: list[Request], next_round: int) -> bool:
         """Whether to hold ``next_round``, whose announcements of this rank are ``reqs``
@@ -115,7 +117,9 @@ class RoundHold:
             return False
         mb = ex.mailboxes
         if mb is not None:  # my announcements, the peers' WANT words
-            ready = mb.want(next_round)
+            ready = mb.wanting(next_round) if self._wanted == next_round \
+                else mb.want(next_round)
+            self._wanted = next_round
             ready.add(self.rank)
             if neg.any_covered([(r.name, r.ps_id) for r in reqs], ready):
                 return False

@@ -93,7 +93,10 @@ class Negotiator:
                 return True
             entry = entries.get(name)
             have = entry.metas if entry is not None else {}
-            if all(r in have or r in ready for r in members):
+            for r in members:  # a loop, not all(generator): once a step
+                if r not in have and r not in ready:
+                    break
+            else:
                 return True
         return False
 
@@ -120,7 +123,7 @@ class Negotiator:
         out = self.steady.replay(messages, blobs)
         if out is None:
             out = self._general(messages, blobs)
-        out.extend(self._crossed(messages, out))
+        out.extend(crossed.responses(self, messages, out))
         return out
 
     def _general(self, messages: list[RoundMessage],
@@ -182,9 +185,6 @@ class Negotiator:
             self.waiting.clear()
             self.waiting_armed = False
         return out
-
-    def _crossed(self, messages: list[RoundMessage], out: list[Response]) -> list[Response]:
-        return crossed.responses(self, messages, out)
 
     # -- internals ---------------------------------------------------------------------
     def fail_entry(self, entry: _Entry, message: str, error_type: str) -> Response:

@@ -164,12 +164,13 @@ class Buckets:
     def _start(self, bucket: Bucket) -> None:
         last = self.started + 1 == len(self.buckets)
         if last:
-            self._waited_by(get_ident())
+            self._waited_by(get_ident())  # its submission, which the engine takes as such
         try:
             bucket.handle = self._reduction.start(bucket.flat, bucket.name, self._allreduce)
-        finally:
+        except BaseException:
             if last:
                 self._waited_by(0)
+            raise
         self.started += 1
 
     @property

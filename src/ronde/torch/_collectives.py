@@ -88,6 +88,17 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     return TorchHandle(inner, _inplace(tensor, staged))
 
 
+def host_allreduce_async_(tensor: torch.Tensor, average: bool | None, name: str | None,
+                          op: Any, prescale_factor: float, postscale_factor: float,
+                          process_set: ProcessSet) -> TorchHandle:
+    """:func:`allreduce_async_` of a dense, contiguous CPU tensor (a gradient bucket's
+    flat buffer, or its cast): no device path and no staging copy to consider."""
+    arr = numpy_view(tensor)
+    inner = _api.allreduce_async(arr, average, name, op, prescale_factor, postscale_factor,
+                                 process_set, out=arr)
+    return TorchHandle(inner, lambda _raw: tensor)
+
+
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:

@@ -304,7 +304,8 @@ class _DistributedMixin(SkipSynchronize):
                         self._ronde_submit(p)
                     elif self._ronde_zero_unused and p.requires_grad:  # Horovod's zeros
                         p.grad = torch.zeros_like(p)
-            self._ronde_give_results(handles)
+            if handles:
+                self._ronde_give_results(handles)
             self._ronde_syncs += 1
             if self._ronde_syncs == _buckets.LAYOUT_STEP + 1:
                 lay_out = self._ronde_order
@@ -351,7 +352,7 @@ class _DistributedMixin(SkipSynchronize):
         base = self._ronde_presence_name[: -len(".presence")]
         self._ronde_buckets = _buckets.make(
             order, params, self._ronde_hooks, [self._ronde_names[id(p)] for p in params],
-            base, self._ronde_bucket_cap(), self._ronde_reduction, C.allreduce_async_,
+            base, self._ronde_bucket_cap(), self._ronde_reduction, C.host_allreduce_async_,
             _state.require().cfg.bucket_views)
 
     @eager
@@ -391,11 +392,12 @@ class _DistributedMixin(SkipSynchronize):
         """Clear gradients; refuses while reductions are still in flight (those of a
         step that a failure interrupted, e.g. before an elastic reset, are dropped)."""
         buckets = self._ronde_buckets
-        if (self._ronde_handles or (buckets is not None and buckets.in_flight)) and (
-                (rt := _state.current()) is None or rt.engine.failed is not None
-                or not self._ronde_same_generation()):
+        busy = bool(self._ronde_handles) or (buckets is not None and buckets.in_flight)
+        if busy and ((rt := _state.current()) is None or rt.engine.failed is not None
+                     or not self._ronde_same_generation()):
             self._ronde_drop_step()
-        if self._ronde_handles or (buckets is not None and buckets.in_flight):
+            busy = False
+        if busy:
             raise RondeError("optimizer.zero_grad() was called after loss.backward() but before "
                              "optimizer.step() or optimizer.synchronize(): gradients are being "
                              "reduced in the background; call step() first")
@@ -415,8 +417,9 @@ class _DistributedMixin(SkipSynchronize):
         self._ronde_presence = None
         self._ronde_ready.clear()
         self._ronde_counter.reset()
-        if self._ronde_buckets is not None:
-            self._ronde_buckets.reset()
+        buckets = self._ronde_buckets
+        if buckets is not None and (buckets.taken or buckets.started):  # else reset already
+            buckets.reset()
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change ``backward_passes_per_step`` (between steps)."""

@@ -112,8 +112,17 @@ class Mailboxes(OwnedSegment):
         too (say it, fence, look: see the module docstring)."""
         self._my_hdr[WANT] = round_no
         fence()
+        return self.wanting(round_no)
+
+    def wanting(self, round_no: int) -> set[int]:
+        """The peers that want ``round_no`` (after :meth:`want` of it: no store, no
+        fence again)."""
         hdr = self._hdr
-        return {r for r in self.peers if hdr[r][WANT] == round_no}
+        out = set()
+        for r in self.peers:  # a loop, not a comprehension: once a step
+            if hdr[r][WANT] == round_no:
+                out.add(r)
+        return out
 
     def set_sleeping(self, flag: bool) -> None:
         self._my_hdr[SLEEPING] = 1 if flag else 0

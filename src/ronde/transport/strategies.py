@@ -53,7 +53,8 @@ class AllreducePlan:
     joined: bool                                   #: some rank contributes zeros
     allocate: Callable[[int], "np.ndarray | None"]  #: a new output for tensor i
     fusion_buffer: Callable[[int], np.ndarray]     #: a private byte buffer
-    mark: Callable[[str], None] = lambda phase: None   #: timeline phases
+    #: timeline phases (None: no timeline is recorded)
+    mark: Callable[[str], None] | None = None
 
     def output(self, i: int) -> np.ndarray | None:
         out = self.outputs[i]
@@ -79,12 +80,12 @@ class SingleCopy(Strategy):
     """Cross-memory attach (shm): every member's tensors read in place, none staged."""
 
     def enabled(self, plan: AllreducePlan) -> bool:
-        comm = plan.comm
-        return (not plan.joined and all(a is not None for a in plan.inputs)
-                and comm.reads_peers(plan.nbytes, len(plan.sizes)))
+        # not joined: every input is there (a missing request is what ``joined`` says)
+        return not plan.joined and plan.comm.reads_peers(plan.nbytes, len(plan.sizes))
 
     def run(self, plan: AllreducePlan) -> list[np.ndarray | None] | None:
-        plan.mark("MEMCPY_IN")
+        if plan.mark is not None:
+            plan.mark("MEMCPY_IN")
         outs, flats = [], []
         scaled_copy, pre = fusion.scaled_copy, plan.prescale
         for i, arr in enumerate(plan.inputs):
@@ -96,7 +97,8 @@ class SingleCopy(Strategy):
                 scaled_copy(flat, arr.reshape(-1), pre)
             outs.append(out)
             flats.append(flat)
-        plan.mark("TRANSFER")
+        if plan.mark is not None:
+            plan.mark("TRANSFER")
         if not plan.comm.allreduce_scattered(flats, plan.op, plan.postscale):
             return None  # the outputs hold the (prescaled) inputs: the next strategy redoes it
         return outs
@@ -115,11 +117,14 @@ class Staged(Strategy):
         if staging is None:
             return None
         outs = plan.all_outputs()
-        plan.mark("MEMCPY_IN_FUSION_BUFFER")
+        if plan.mark is not None:
+            plan.mark("MEMCPY_IN_FUSION_BUFFER")
         fusion.pack(staging.view(plan.dtype), plan.inputs, plan.sizes, plan.prescale)
-        plan.mark("TRANSFER")
+        if plan.mark is not None:
+            plan.mark("TRANSFER")
         pieces = comm.allreduce_staged(plan.nbytes, plan.dtype, plan.op)
-        plan.mark("MEMCPY_OUT_FUSION_BUFFER")
+        if plan.mark is not None:
+            plan.mark("MEMCPY_OUT_FUSION_BUFFER")
         try:
             fusion.unpack_pieces(pieces, outs, plan.sizes, plan.postscale)
         finally:
@@ -138,12 +143,15 @@ class OneTensor(Strategy):
         out = plan.output(0)
         assert arr is not None and out is not None
         flat = out.reshape(-1)
-        plan.mark("MEMCPY_IN")
+        if plan.mark is not None:
+            plan.mark("MEMCPY_IN")
         if out is not arr or plan.prescale != 1.0:
             fusion.scaled_copy(flat, arr.reshape(-1), plan.prescale)
-        plan.mark("TRANSFER")
+        if plan.mark is not None:
+            plan.mark("TRANSFER")
         plan.comm.allreduce(flat, plan.op)
-        plan.mark("SCALE")
+        if plan.mark is not None:
+            plan.mark("SCALE")
         fusion.scale_inplace(flat, plan.postscale)
         return [out]
 
@@ -154,11 +162,14 @@ class Fused(Strategy):
     def run(self, plan: AllreducePlan) -> list[np.ndarray | None] | None:
         outs = plan.all_outputs()
         flat = plan.fusion_buffer(plan.nbytes).view(plan.dtype)
-        plan.mark("MEMCPY_IN_FUSION_BUFFER")
+        if plan.mark is not None:
+            plan.mark("MEMCPY_IN_FUSION_BUFFER")
         fusion.pack(flat, plan.inputs, plan.sizes, plan.prescale)
-        plan.mark("TRANSFER")
+        if plan.mark is not None:
+            plan.mark("TRANSFER")
         plan.comm.allreduce(flat, plan.op)
-        plan.mark("MEMCPY_OUT_FUSION_BUFFER")
+        if plan.mark is not None:
+            plan.mark("MEMCPY_OUT_FUSION_BUFFER")
         fusion.unpack(flat, outs, plan.sizes, plan.postscale)
         return outs
 

@@ -135,7 +135,8 @@ class ShmCommunicator(Communicator, OwnedSegment):
     def staging(self, nbytes: int) -> np.ndarray | None:
         if nbytes > self.segment_bytes or self.size == 1:
             return None
-        self._unlink_once_mapped()
+        if not self._unlinked:
+            self._unlink_once_mapped()
         if nbytes <= SMALL_BYTES:
             # the next op (counter t+1) uses parity (t+1) % 2; op t-1 used it last
             self.wait_all(DONE, self._t - 1)
