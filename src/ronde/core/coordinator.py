@@ -43,7 +43,6 @@ a frame from that rank itself.
 from __future__ import annotations
 
 import struct
-import time
 from typing import Any, Callable, NamedTuple
 
 from .._errors import PeerLostError, ProtocolError

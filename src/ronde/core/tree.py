@@ -49,8 +49,7 @@ subtree; a bundle must hold every rank.
 
 from __future__ import annotations
 
-import time
-from typing import Any, Callable
+from typing import Callable
 
 from .._errors import ProtocolError
 from ..transport import ready, wire
