@@ -218,6 +218,20 @@ def checkpoint(directory: str, phase: str, steps: int = 3) -> dict:
         hvd.save_sharded(directory, model, opt)
     res = {"diff": _diff(torch, model, ref), "lr": opt.param_groups[0]["lr"],
            "same": _same_on_every_rank(torch, hvd, model, f"ckpt.{phase}")}
+    # the whole state gathered in the running job, on the last rank: a plain Adam's
+    # state_dict(), equal to the one process's
+    root = n - 1
+    whole = hvd.gather_sharded(opt, root=root)
+    res["gathered"] = whole is not None
+    if whole is not None:
+        plain = torch.optim.Adam(_net(torch, 2).parameters(), lr=0.5)
+        plain.load_state_dict(whole)
+        mine, theirs = plain.state_dict(), ref_opt.state_dict()
+        res["keys"] = (sorted(mine["state"]) == sorted(theirs["state"]) and all(
+            sorted(mine["state"][k]) == sorted(theirs["state"][k]) for k in theirs["state"]))
+        res["state_diff"] = max(float((v - theirs["state"][k][key]).abs().max())
+                                for k, st in mine["state"].items() for key, v in st.items())
+        res["lr_gathered"] = mine["param_groups"][0]["lr"]
     hvd.shutdown()
     return res
 

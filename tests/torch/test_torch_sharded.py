@@ -41,18 +41,29 @@ def test_sharded_training_equals_one_process_on_the_global_batch(np_, transport)
     assert max(held) - min(held) <= 11 * 8, held  # balanced by elements
 
 
+def _check_gathered(out: list) -> None:
+    """gather_sharded in the running job: the whole state on the last rank only, a plain
+    Adam's state_dict() equal to one process's (every parameter that has state, every
+    key, the step count, the learning rate)."""
+    assert [r["gathered"] for r in out] == [False] * (len(out) - 1) + [True], out
+    last = out[-1]
+    assert last["keys"] and last["state_diff"] <= 1e-12 and last["lr_gathered"] == 0.01, last
+
+
 @pytest.mark.slow  # the quick tier has the np=2 and 3 runs; this one's 4 ranks take 20 s
 @pytest.mark.timeout(150)
 def test_a_checkpoint_saved_at_four_ranks_resumes_at_three_and_in_one_plain_optimizer(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     saved = run_ranks(4, workers.checkpoint, ckpt, "save", timeout_s=60)
     assert all(r["same"] and r["diff"] <= 1e-12 for r in saved), saved
+    _check_gathered(saved)
     files = sorted(os.listdir(ckpt))
     assert files[:2] == ["meta.pt", "model.pt"] and len(files) == 6, files
     # three ranks read the four ranks' slices where they overlap theirs
     resumed = run_ranks(3, workers.checkpoint, ckpt, "resume", timeout_s=60)
     for r in resumed:
         assert r["same"] and r["diff"] <= 1e-12 and r["lr"] == 0.01, resumed
+    _check_gathered(resumed)
     # one process, a plain torch.optim.Adam: the whole state (the export)
     plain = run_ranks(1, workers.checkpoint, ckpt, "plain", timeout_s=60)
     assert plain[0]["diff"] <= 1e-12 and plain[0]["lr"] == 0.01, plain

@@ -43,7 +43,7 @@ from ._tensors import TorchHandle  # noqa: E402
 from .compression import Compression, Compressor  # noqa: E402
 from .optimizer import DistributedOptimizer  # noqa: E402
 from .sharded import ShardedOptimizer  # noqa: E402
-from .sharded_io import load_sharded, save_sharded  # noqa: E402
+from .sharded_io import gather_sharded, load_sharded, save_sharded  # noqa: E402
 from .state import (broadcast_optimizer_state, broadcast_parameters, broadcast_state,  # noqa: E402
                     save_checkpoint)
 from .sync_batch_norm import SyncBatchNorm  # noqa: E402

@@ -149,3 +149,82 @@ def _merge(into: dict[str, Any], state: dict[str, Any], at: int, src: int, n: in
             dst[at:at + n].copy_(value[src:src + n])
         elif key not in into:
             into[key] = value.clone() if torch.is_tensor(value) else value
+
+
+def gather_sharded(optimizer: Any, root: int = 0) -> dict[str, Any] | None:
+    """The whole state of a ``ShardedOptimizer``, in a running job, as the wrapped
+    optimizer's own ``state_dict()`` would give it, on rank ``root`` of its process set
+    (None on the others); every member calls it. Load it into a plain optimizer over the
+    same parameters with ``load_state_dict``.
+
+    Nothing is held twice: each state tensor of each parameter moves on its own, in one
+    alltoall in which only ``root`` receives (every rank's slice, in rank order, which is
+    the tensor's element order), into the tensor ``root`` keeps; no rank holds more than
+    its own slices and, on ``root``, the result. The scalar state (Adam's ``step``) and
+    which tensors exist travel in one small object allgather first.
+    """
+    if not is_sharded(optimizer):
+        raise TypeError("gather_sharded() takes a ShardedOptimizer; a plain optimizer's "
+                        "state_dict() holds the whole state already")
+    from . import _collectives as C
+
+    ps, size = optimizer._ronde_ps, optimizer._ronde_size
+    if not 0 <= root < size:
+        raise ValueError(f"gather_sharded(root={root}): the optimizer's ranks are 0..{size - 1}")
+    params, full = optimizer._ronde_params, optimizer._ronde_full_groups
+    pieces = {pc.index: pc for b in optimizer._ronde_buckets for pc in b.pieces}
+    # what this rank holds of each parameter: its tensors' dtypes, its scalars
+    held: dict[int, dict[str, Any]] = {}
+    for i, pc in pieces.items():
+        tensors, scalars = {}, {}
+        for key, v in optimizer.state.get(pc.tensor, {}).items():
+            if torch.is_tensor(v) and v.dim() > 0:
+                tensors[key] = str(v.dtype).replace("torch.", "")
+            else:  # a 0-dim tensor (Adam's step) or a number: kept with its type
+                scalars[key] = (v.item(), str(v.dtype).replace("torch.", "")) \
+                    if torch.is_tensor(v) else (v, None)
+        held[i] = {"tensors": tensors, "scalars": scalars}
+    every = ([held] if optimizer._ronde_solo else
+             _objects.allgather_object(held, "ronde.gather_sharded.held", ps))
+    me = optimizer._ronde_rank
+    out: dict[int, dict[str, Any]] = {}
+    order = [optimizer._ronde_index[id(p)] for g in full for p in g]
+    for k, i in enumerate(order):
+        kinds = {key: dt for h in every for key, dt in h.get(i, {}).get("tensors", {}).items()}
+        state: dict[str, Any] = {}
+        for key in sorted(kinds):
+            dtype = getattr(torch, kinds[key])
+            pc = pieces.get(i)
+            mine = (optimizer.state[pc.tensor][key].detach().reshape(-1)
+                    if pc is not None and key in optimizer.state.get(pc.tensor, {})
+                    else torch.empty(0, dtype=dtype))
+            if optimizer._ronde_solo:
+                whole = mine.clone()
+            else:
+                splits = [0] * size
+                splits[root] = mine.numel()
+                whole, _ = C.alltoall_async(mine, splits, f"ronde.gather_sharded.{i}.{key}",
+                                            ps).wait()
+            if me == root:
+                if whole.numel() != params[i].numel():
+                    raise RondeError(f"gather_sharded: the {key!r} state of "
+                                     f"{optimizer._ronde_names[i]!r} came to {whole.numel()} "
+                                     f"of {params[i].numel()} elements")
+                state[key] = whole.view(params[i].shape)
+        if me == root:
+            for h in every:  # the scalars of the first rank that holds a piece
+                if i in h:
+                    for key, (value, dt) in h[i]["scalars"].items():
+                        state[key] = torch.tensor(value, dtype=getattr(torch, dt)) \
+                            if dt is not None else value
+                    break
+            if state:
+                out[k] = state
+    if me != root:
+        return None
+    groups, at = [], 0
+    for group, members in zip(optimizer.param_groups, full):
+        groups.append({**{key: v for key, v in group.items() if key != "params"},
+                       "params": list(range(at, at + len(members)))})
+        at += len(members)
+    return {"state": out, "param_groups": groups}
