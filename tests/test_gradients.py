@@ -104,6 +104,25 @@ def test_an_fp16_average_is_a_sum_of_predivided_inputs_and_comes_back_in_its_dty
     assert engine.calls[0][1:] == (int(ReduceOp.SUM), 1.0, 1.0, "int64")
 
 
+def test_a_user_compressor_whose_context_is_none_is_still_decompressed():
+    # Horovod's interface lets compress() return (tensor, None); decompress must run (the
+    # steady step's shortcut for the no-op compressor once skipped it: 8x gradients)
+    class Scale:
+        @staticmethod
+        def compress(t):
+            return t * 8, None
+
+        @staticmethod
+        def decompress(t, ctx):
+            return t / 8
+
+    engine = _Engine(np.full(2, 8.0, np.float32))  # the other rank's 1, compressed
+    red = Reduction(int(ReduceOp.SUM), compression=Scale, process_set=TWO)
+    out = red.result(red.start(np.ones(2, np.float32), "g", engine))
+    assert np.allclose(engine.sent[0], 8.0) and np.allclose(out, 2.0)
+    assert np.allclose(red.decompress(np.float32(16.0), None, "x"), 2.0)
+
+
 def test_a_binding_that_casts_itself_gets_the_same_wire_op():
     # JAX's sharded optimizer casts inside a trace and asks for the op (it reduced an fp16
     # Average as a float16 sum before: torch's and Keras' sharded optimizers too)

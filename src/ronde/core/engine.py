@@ -144,16 +144,18 @@ class Engine:
             self._waited_by = 0  # the next submission only (``waited_by``)
             if deep and not quiet and WAITERS.engine is self:  # a burst joins this round
                 self._hold_until = now + self.cycle_s / 4
-        if quiet:  # no wake-up for ``waited_by``
-            self.round_hold.want(self._rounds + 1)
+        if quiet and self._drive.acquire(False):  # no wake-up (``waited_by``); the round
+            try:  # number holds still under the drive lock (else: wake, as for any)
+                self.round_hold.want(self._rounds + 1)
+            finally:
+                self._drive.release()
         elif deep:  # a control thread in a short sleep looks at the outbox after it
             self.wake()
         return req
 
     def waited_by(self, ident: int) -> None:
-        """Thread ``ident`` (0: none) drives the next submission at once, if it makes it
-        (a step's last gradient bucket): no wake-up (a thread switch, ~50 Python calls);
-        the next round is *wanted* (``RoundHold.want``): a peer there first starts it."""
+        """Thread ``ident`` (0: none) drives the next submission, if it makes it (a step's
+        last bucket): no wake-up; the next round is *wanted* (``RoundHold.want``)."""
         self._waited_by = ident
 
     @contextlib.contextmanager
@@ -293,8 +295,7 @@ class Engine:
         self._last_round = time.monotonic()
         return True, have_local
 
-    def _executor_idle(self) -> None:
-        """The executor ran out of work: wake the control thread if it has a round to start."""
+    def _executor_idle(self) -> None:  # the executor ran out of work: a round to start?
         if self.out.reqs or self._other_local():
             self.wake()
 
@@ -407,8 +408,7 @@ class Engine:
             self.exchange.cover(True)
 
     def spinner_leave(self) -> None:
-        """A waiter stops polling and blocks: hand anything it would have picked up to
-        the control thread."""
+        """A waiter stops polling and blocks: what it would have picked up is handed on."""
         with self._lock:
             self._spinners -= 1
             if self._spinners:

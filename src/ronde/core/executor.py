@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from .._config import Config
     from ..transport.base import Communicator
     from .communicators import Communicators
+    from .outbox import Outbox
     from .timeline import Timeline
 
 
@@ -47,10 +48,7 @@ class ExecutorContext(Protocol):
     timeline: "Timeline | None"
 
     sets: "Communicators"  #: every process set's members and this rank's communicators
-
-    def take(self, name: str) -> "Request | None": ...
-
-    def take_many(self, names: list[str]) -> "list[Request | None]": ...
+    out: "Outbox"  #: the requests in flight (``take_many`` hands them out)
 
     def fail_from_executor(self, exc: BaseException, resp: Response) -> None: ...
 

@@ -50,6 +50,11 @@ class Started(NamedTuple):
     name: str
 
 
+#: the context :meth:`Reduction.start` gives a gradient it sent uncompressed (a user's
+#: compressor may return ``None`` as its own context and still want ``decompress``)
+AS_SENT = CompressionContext(None, True)
+
+
 @dataclass(frozen=True)
 class Reduction:
     """How one optimizer's gradients are reduced over the ranks.
@@ -141,7 +146,7 @@ class Reduction:
         Horovod does: a compressor of the user's own may need its context even where it
         sent the tensor itself; ronde's return ``out`` at once then)."""
         comp = self.compression
-        if comp is None or ctx is None:  # ctx None: ``start`` sent it as it is
+        if comp is None or ctx is AS_SENT:  # ``start`` sent it as it is
             return out
         if isinstance(comp, Compressor):
             return comp.decompress(out, ctx, name)
@@ -162,7 +167,7 @@ class Reduction:
             # it is, with a context that says so)
             handle = allreduce(tensor, None, name, self.op, self.prescale, self.postscale,
                                self.process_set)
-            return Started(handle, None, name)
+            return Started(handle, AS_SENT, name)
         sent, ctx = comp.compress(tensor)
         op, pre, post = self.wire(tensor, sent, ctx)
         handle = allreduce(sent, None, name, op, pre, post, self.process_set)

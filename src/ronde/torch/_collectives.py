@@ -10,7 +10,7 @@ Horovod's ``horovod.torch`` ones. The differentiable blocking forms live in
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -97,6 +97,13 @@ def host_allreduce_async_(tensor: torch.Tensor, average: bool | None, name: str 
     inner = _api.allreduce_async(arr, average, name, op, prescale_factor, postscale_factor,
                                  process_set, out=arr)
     return TorchHandle(inner, lambda _raw: tensor)
+
+
+def bucket_allreduce() -> Callable[..., TorchHandle]:
+    """The in-place allreduce for gradient buckets: :func:`host_allreduce_async_`, or
+    :func:`allreduce_async_` where the device path is forced on CPU tensors
+    (``RONDE_TORCH_DEVICE_PATH=always``, how that path is tested without GPUs)."""
+    return allreduce_async_ if _device.forced() else host_allreduce_async_
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,

@@ -66,6 +66,11 @@ def _mode() -> str:
     return rt.cfg.torch_device_path if rt is not None else "auto"
 
 
+def forced() -> bool:
+    """Whether CPU tensors take the device path too (``RONDE_TORCH_DEVICE_PATH=always``)."""
+    return _mode() == "always"
+
+
 def wants_device_path(tensor: torch.Tensor, process_set: ProcessSet) -> bool:
     """Whether a collective on ``tensor`` should stay on its device."""
     mode = _mode()

@@ -352,7 +352,7 @@ class _DistributedMixin(SkipSynchronize):
         base = self._ronde_presence_name[: -len(".presence")]
         self._ronde_buckets = _buckets.make(
             order, params, self._ronde_hooks, [self._ronde_names[id(p)] for p in params],
-            base, self._ronde_bucket_cap(), self._ronde_reduction, C.host_allreduce_async_,
+            base, self._ronde_bucket_cap(), self._ronde_reduction, C.bucket_allreduce(),
             _state.require().cfg.bucket_views)
 
     @eager

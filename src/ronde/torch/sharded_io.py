@@ -155,7 +155,9 @@ def gather_sharded(optimizer: Any, root: int = 0) -> dict[str, Any] | None:
     """The whole state of a ``ShardedOptimizer``, in a running job, as the wrapped
     optimizer's own ``state_dict()`` would give it, on rank ``root`` of its process set
     (None on the others); every member calls it. Load it into a plain optimizer over the
-    same parameters with ``load_state_dict``.
+    same parameters with ``load_state_dict``. ``root`` is a rank of the optimizer's
+    process set (its index there); a rank outside the set, whose optimizer steps alone,
+    gets its own whole state.
 
     Nothing is held twice: each state tensor of each parameter moves on its own, in one
     alltoall in which only ``root`` receives (every rank's slice, in rank order, which is
@@ -179,7 +181,7 @@ def gather_sharded(optimizer: Any, root: int = 0) -> dict[str, Any] | None:
         tensors, scalars = {}, {}
         for key, v in optimizer.state.get(pc.tensor, {}).items():
             if torch.is_tensor(v) and v.dim() > 0:
-                tensors[key] = str(v.dtype).replace("torch.", "")
+                tensors[key] = (str(v.dtype).replace("torch.", ""), v.numel())
             else:  # a 0-dim tensor (Adam's step) or a number: kept with its type
                 scalars[key] = (v.item(), str(v.dtype).replace("torch.", "")) \
                     if torch.is_tensor(v) else (v, None)
@@ -189,8 +191,20 @@ def gather_sharded(optimizer: Any, root: int = 0) -> dict[str, Any] | None:
     me = optimizer._ronde_rank
     out: dict[int, dict[str, Any]] = {}
     order = [optimizer._ronde_index[id(p)] for g in full for p in g]
+    kinds_of: dict[int, dict[str, str]] = {}
+    for i in order:  # every rank decides alike, from the same lists, before anything moves
+        kinds_of[i] = kinds = {key: dt for h in every
+                               for key, (dt, _) in h.get(i, {}).get("tensors", {}).items()}
+        for key in kinds:
+            n = sum(h[i]["tensors"][key][1] for h in every
+                    if i in h and key in h[i]["tensors"])
+            if n != params[i].numel():
+                raise RondeError(f"gather_sharded: the {key!r} state of "
+                                 f"{optimizer._ronde_names[i]!r} is {n} elements on the ranks "
+                                 f"together, not the parameter's {params[i].numel()} (a "
+                                 "state not shaped like its parameter, or missing on a rank)")
     for k, i in enumerate(order):
-        kinds = {key: dt for h in every for key, dt in h.get(i, {}).get("tensors", {}).items()}
+        kinds = kinds_of[i]
         state: dict[str, Any] = {}
         for key in sorted(kinds):
             dtype = getattr(torch, kinds[key])
@@ -206,10 +220,6 @@ def gather_sharded(optimizer: Any, root: int = 0) -> dict[str, Any] | None:
                 whole, _ = C.alltoall_async(mine, splits, f"ronde.gather_sharded.{i}.{key}",
                                             ps).wait()
             if me == root:
-                if whole.numel() != params[i].numel():
-                    raise RondeError(f"gather_sharded: the {key!r} state of "
-                                     f"{optimizer._ronde_names[i]!r} came to {whole.numel()} "
-                                     f"of {params[i].numel()} elements")
                 state[key] = whole.view(params[i].shape)
         if me == root:
             for h in every:  # the scalars of the first rank that holds a piece
