@@ -107,7 +107,7 @@ class Exchange:
 
     def peer_started(self, rounds_done: int) -> bool:
         """Whether a peer has started the next round (or closed its socket)."""
-        readers = self.channels.readers
+        readers = self.channels.readers  # ``linked()`` inlined: this runs at every poll
         for r in self._tree_peers if self.over_tree else self.channels.connected():
             rd = readers[r]
             if rd.eof or (rd.buf and rd.has_frame()):

@@ -199,45 +199,41 @@ class Buckets:
         contributed a gradient here, and those others had a gradient for (``counts``,
         the presence count per parameter index; None: the usual step, every member
         contributed, or the buckets carry the count: a bucket that this rank's hooks
-        did not fill reads its flags)."""
+        did not fill reads its flags). The caller resets the step afterwards
+        (:meth:`reset`, from ``synchronize``'s ``_ronde_drop_step``, as on an error)."""
         taken = self.taken
-        try:
-            for b in self.buckets:
-                try:
-                    out = self._reduction.result(b.handle)
-                except TensorMismatchError as exc:
-                    held = ", ".join(repr(self._names[i]) for i, _, _ in b.members[:8])
-                    raise TensorMismatchError(
-                        f"{exc} (gradient bucket {b.name!r} holds {len(b.members)} "
-                        f"gradients: {held}{' ...' if len(b.members) > 8 else ''}); the "
-                        "ranks' models or RONDE_BUCKET_BYTES differ") from None
-                elsewhere: Any = counts
-                # left at 0: this step's hooks filled it (flush() does not count down)
-                if b.flags is not None and b.left:  # flags above 0: a rank had one
-                    elsewhere = {i: f > 0 for (i, _, _), f in zip(
-                        b.members, out[len(out) - len(b.members):].tolist())}
-                b.handle = None
-                b.left = len(b.members)
-                at = 0
-                for i, p, slot in b.members:
-                    n = p.numel()
-                    value = slot if out is b.flat else out[at:at + n].view(p.shape)
-                    at += n
-                    grad = p.grad
-                    if grad is value:  # a view of its slot: the average is in place
-                        continue
-                    if id(p) in taken or (elsewhere is not None and elsewhere[i]):
-                        if grad is None or grad.is_sparse or grad.shape != p.shape:
-                            p.grad = value.to(p.dtype, copy=True)
-                        else:
-                            grad.copy_(value)
-                    elif zero_unused and p.requires_grad:  # Horovod's zeros
-                        p.grad = torch.zeros_like(p)
-        finally:
-            self.reset()
+        for b in self.buckets:
+            try:
+                out = self._reduction.result(b.handle)
+            except TensorMismatchError as exc:
+                held = ", ".join(repr(self._names[i]) for i, _, _ in b.members[:8])
+                raise TensorMismatchError(
+                    f"{exc} (gradient bucket {b.name!r} holds {len(b.members)} "
+                    f"gradients: {held}{' ...' if len(b.members) > 8 else ''}); the "
+                    "ranks' models or RONDE_BUCKET_BYTES differ") from None
+            elsewhere: Any = counts
+            # left at 0: this step's hooks filled it (flush() does not count down)
+            if b.flags is not None and b.left:  # flags above 0: a rank had one
+                elsewhere = {i: f > 0 for (i, _, _), f in zip(
+                    b.members, out[len(out) - len(b.members):].tolist())}
+            at = 0
+            for i, p, slot in b.members:
+                n = p.numel()
+                value = slot if out is b.flat else out[at:at + n].view(p.shape)
+                at += n
+                grad = p.grad
+                if grad is value:  # a view of its slot: the average is in place
+                    continue
+                if id(p) in taken or (elsewhere is not None and elsewhere[i]):
+                    if grad is None or grad.is_sparse or grad.shape != p.shape:
+                        p.grad = value.to(p.dtype, copy=True)
+                    else:
+                        grad.copy_(value)
+                elif zero_unused and p.requires_grad:  # Horovod's zeros
+                    p.grad = torch.zeros_like(p)
 
     def reset(self) -> None:
-        """Forget the step in flight (after ``finish``, or on an error)."""
+        """Forget the step in flight (after :meth:`finish`, or on an error)."""
         self.taken = set()
         self.started = 0
         for b in self.buckets:

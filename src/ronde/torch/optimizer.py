@@ -417,9 +417,8 @@ class _DistributedMixin(SkipSynchronize):
         self._ronde_presence = None
         self._ronde_ready.clear()
         self._ronde_counter.reset()
-        buckets = self._ronde_buckets
-        if buckets is not None and (buckets.taken or buckets.started):  # else reset already
-            buckets.reset()
+        if self._ronde_buckets is not None:
+            self._ronde_buckets.reset()
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change ``backward_passes_per_step`` (between steps)."""
