@@ -310,7 +310,8 @@ def sharded(steps: int = 6, batch: int = 4) -> dict:
 
 def sharded_checkpoint(directory: str, global_batch: int = 12, steps: int = 3) -> dict:
     """save_sharded at the job's size N after ``steps`` Adam steps; loaded at N=2 (a
-    process set of ranks 0 and 1) and into a plain optax.adam (N=1, the export), each
+    process set of ranks 0 and 1) and into a plain optax.adam (N=1, the export; the same
+    state gathered in the job by gather_sharded on the last rank), each
     continuing ``steps`` steps on the same global batches, against the uninterrupted run;
     a plain state's save loaded into a ShardedOptimizer at N. Float64."""
     jax, hvd = _setup(x64=True)
@@ -350,6 +351,17 @@ def sharded_checkpoint(directory: str, global_batch: int = 12, steps: int = 3) -
     other = _init(jax, seed=6)
     p1, s1 = hvd.load_sharded(directory, other, plain.init(other))
     out["count"] = int(s1[0].count)
+    # the in-job export on the last rank: the state the files held, nothing else anywhere
+    g = hvd.gather_sharded(params, state, optax.adam(0.01), root=n - 1)
+    if r == n - 1:
+        out["gathered"] = max(float(jnp.max(jnp.abs(jnp.asarray(a) - jnp.asarray(b))))
+                              for a, b in zip(jax.tree_util.tree_leaves(g),
+                                              jax.tree_util.tree_leaves(s1)))
+        out["gathered_tree"] = (jax.tree_util.tree_structure(g)
+                                == jax.tree_util.tree_structure(s1))
+        out["gathered_count"] = int(g[0].count)
+    else:
+        out["gathered"] = g
     p1, s1 = run(plain, p1, s1, 0, 1, steps, 2 * steps)
     out["at_1"] = diff(p1, whole)
     # without the moments the continuation differs

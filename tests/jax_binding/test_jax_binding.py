@@ -70,6 +70,11 @@ def test_at_three_ranks_collectives_and_the_sharded_optimizer(tmp_path):
         if r < 2:
             assert ck["at_2"] < 1e-12, ck
         assert ck["at_1"] < 1e-12 and ck["count"] == 3, ck
+        if r == 2:  # gather_sharded(root=2): the whole plain state, equal to the files'
+            assert ck["gathered"] == 0.0 and ck["gathered_tree"], ck
+            assert ck["gathered_count"] == 3, ck
+        else:
+            assert ck["gathered"] is None, ck
         assert ck["fresh_moments"] > 1e-4, ck  # the moments matter: they were loaded
         assert ck["plain_to_sharded"] < 1e-12, ck
 

@@ -350,6 +350,15 @@ def sharded_checkpoint(directory: str, global_batch: int = 12) -> dict:
     out["vs_one_process"] = _maxdiff(whole, _weights(ref))
     out["moment_elements"] = sorted({int(np.prod(v.shape)) for v in
                                      opt.inner_optimizer.variables if len(v.shape)})
+    # the in-job export on the last rank: a plain Adam holding what one process's holds
+    plain = hvd.gather_sharded(opt, root=n - 1)
+    if r == n - 1:
+        out["gathered"] = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                              for a, b in zip(plain.variables, ref.optimizer.variables))
+        out["gathered_kind"] = (type(plain).__name__, int(np.asarray(plain.iterations)),
+                                len(plain.variables) == len(ref.optimizer.variables))
+    else:
+        out["gathered"] = plain
     two = hvd.add_process_set([0, 1])
     if r < 2:
         model = _sharded_model(5)  # other weights: the load must replace them

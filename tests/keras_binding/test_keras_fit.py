@@ -82,6 +82,10 @@ def test_sharded_optimizer_at_three_ranks_and_its_checkpoints_at_any_size(tmp_pa
         # 8 Adam steps at N=3 (a save after 4) equal one process on the global batches
         assert ck["vs_one_process"] < 1e-6, ck
         assert ck["moment_elements"] == [34], ck
+        if r == 2:  # gather_sharded(root=2): a plain Adam, the moments of one process
+            assert ck["gathered"] < 1e-6 and ck["gathered_kind"] == ("Adam", 8, True), ck
+        else:
+            assert ck["gathered"] is None, ck
         # saved at N=3 after 4 steps: each rank's file, the weights, the index last
         assert [f for f in ck["files"] if f.startswith("optim.")][2].endswith(".2-of-3.npz")
         assert "meta.json" in ck["files"] and "model.weights.h5" in ck["files"]

@@ -14,6 +14,10 @@ written atomically, ``meta.json`` after every rank's file, the previous save's f
 removed after it (:func:`ronde.checkpoint.commit_sharded_save`). :func:`load` reads
 only the files whose pieces overlap the wanted ones, at any N, and checks every wanted
 element arrived. Files are read with ``allow_pickle=False``: arrays only.
+
+:func:`gather` is the in-job export of the same pieces: every slot of every key whole on
+one rank of the running job, nothing held twice (one alltoall per key and slot in which
+only that rank receives).
 """
 
 from __future__ import annotations
@@ -107,3 +111,59 @@ def load(directory: str, meta: dict[str, Any], wanted: Sequence[tuple[str, int, 
             raise RondeError(f"{directory}: the optimizer state of {key!r} [{a}:{b}] is only "
                              f"{covered[k]} of {b - a} elements in the files")
     return out
+
+
+def gather(pieces: Sequence[Piece], lengths: dict[str, int], root: int, name: str,
+           process_set: ProcessSet = global_process_set,
+           ) -> dict[str, dict[str, np.ndarray]] | None:
+    """Every slot of every key of ``lengths`` (key -> the parameter's element count) whole,
+    on rank ``root`` of ``process_set`` (its index there): ``{key: {slot: flat array}}``;
+    None on the other ranks. Every member calls it with its own ``pieces`` (at most one
+    per key; rank order must be element order, as the shard layouts are).
+
+    What each rank holds (keys, ranges, slots and dtypes) travels first in one object
+    allgather, and every rank checks from the same lists that each slot's pieces cover
+    its key exactly (so all raise alike, before anything moves); then each slot of each
+    key moves in one alltoall in which only ``root`` receives: no rank holds more than
+    its own pieces and, on ``root``, the result.
+    """
+    rank, size = _api.set_rank(process_set), _api.set_size(process_set)
+    if not 0 <= root < size:
+        raise ValueError(f"gather_sharded(root={root}): the ranks are 0..{size - 1}")
+    held = [(key, a, b, {slot: str(v.dtype) for slot, v in slots.items()})
+            for key, a, b, slots in pieces]
+    every = ([held] if size == 1 else
+             _objects.allgather_object(held, f"{name}.held", process_set))
+    kinds: dict[str, dict[str, str]] = {}
+    spans: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    for h in every:
+        for key, a, b, slots in h:
+            for slot, dt in slots.items():
+                kinds.setdefault(key, {})[slot] = dt
+                spans.setdefault((key, slot), []).append((a, b))
+    for (key, slot), got in spans.items():
+        at = 0
+        for a, b in got:  # rank order is element order, every element once
+            at = b if a == at and at <= b else -1
+        if key not in lengths or at != lengths[key]:
+            raise RondeError(f"gather_sharded: the {slot!r} state of {key!r} is {got} on the "
+                             f"ranks in order, not the {lengths.get(key)} elements of the "
+                             "parameter (a state not shaped like its parameter, or missing "
+                             "on a rank)")
+    mine = {key: slots for key, _, _, slots in pieces}
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for k, key in enumerate(lengths):
+        for slot in sorted(kinds.get(key, {})):
+            send = mine.get(key, {}).get(slot)
+            if send is None:
+                send = np.empty(0, dtype=kinds[key][slot])
+            send = np.ascontiguousarray(send).reshape(-1)
+            if size == 1:
+                whole = send.copy()
+            else:
+                splits = [0] * size
+                splits[root] = send.size
+                whole, _ = _api.alltoall(send, splits, f"{name}.{k}.{slot}", process_set)
+            if rank == root:
+                out.setdefault(key, {})[slot] = np.asarray(whole)
+    return out if rank == root else None

@@ -11,6 +11,12 @@ the structures given (a fresh ``tx.init(params)``): for a ``ShardedState`` this 
 slices at the current size, for a plain optax state the whole state (the export); a plain
 state's save loads into a sharded one too. Accumulated gradients of an unfinished window
 are not saved (save at a step's end).
+
+``gather_sharded(params, opt_state, optimizer, root=0)`` is the export in a running job:
+the whole state of the inner transformation ``optimizer`` (the one given to
+``ShardedOptimizer``) on rank ``root``, shaped as ``optimizer.init(params)`` would make
+it, None on the other ranks; nothing is held twice
+(:func:`ronde.frameworks.sharded_files.gather`).
 """
 
 from __future__ import annotations
@@ -141,3 +147,46 @@ def load_sharded(directory: str | os.PathLike[str], params: Any, opt_state: Any,
             values[j] = np.asarray(saved_scalars[p], dtype=values[j].dtype)
     out = [jnp.asarray(v, dtype=jnp.result_type(x)) for v, x in zip(values, s_leaves)]
     return new_params, jax.tree_util.tree_unflatten(s_def, out)
+
+
+def gather_sharded(params: Any, opt_state: Any, optimizer: Any, root: int = 0,
+                   process_set: ProcessSet = global_process_set) -> Any:
+    """The whole state of a ``ShardedOptimizer``, in a running job, as the plain inner
+    transformation ``optimizer`` keeps it (``optimizer.init(params)``'s structure, every
+    slot over whole parameters, the step count), on rank ``root`` of ``process_set``;
+    None on the others. Every member calls it. Continue in one process with
+    ``optimizer.update(grads, state, params)``, or save it as any optax state.
+
+    Each rank sends only its own slices, each slot of each parameter in one alltoall
+    that only ``root`` receives; no rank allocates the whole state but ``root``, once.
+    Accumulated gradients of an unfinished ``backward_passes_per_step`` window are not
+    part of it (gather at a step's end).
+    """
+    if not isinstance(opt_state, ShardedState):
+        raise TypeError("gather_sharded() takes a ShardedOptimizer's state (a ShardedState); "
+                        "a plain optax state is whole on every rank already")
+    pieces, scalars, _, _ = _layout(params, opt_state, process_set)
+    s_leaves = _paths(opt_state)[1]
+    mine = [(n, a, b, {sp: np.asarray(s_leaves[j]).reshape(-1)[at:at + b - a]
+                       for sp, (j, at, _) in slots.items()}) for n, a, b, slots in pieces]
+    names, leaves, _ = _paths(params)
+    lengths = {n: int(np.size(x)) for n, x in zip(names, leaves)}
+    got = sharded_files.gather(mine, lengths, root, "ronde.jax.gather_sharded", process_set)
+    if got is None:
+        return None
+    like = jax.eval_shape(optimizer.init, params)
+    targets, _, _, _ = _layout(params, like, process_set)
+    l_paths, l_leaves, l_def = _paths(like)
+    values: list[Any] = [None] * len(l_leaves)
+    for n, _, _, slots in targets:
+        for sp, (j, _, _) in slots.items():
+            if sp in got.get(n, {}):
+                values[j] = got[n][sp].reshape(l_leaves[j].shape)
+    for j, p in enumerate(l_paths):
+        if values[j] is None and p in scalars:  # the count, as the slices' paths name it
+            values[j] = np.asarray(scalars[p])
+        if values[j] is None:
+            raise RondeError(f"gather_sharded: {p} of {optimizer!r}'s state is not in the "
+                             "sharded state (another transformation than the one wrapped?)")
+    return jax.tree_util.tree_unflatten(
+        l_def, [jnp.asarray(v, dtype=x.dtype) for v, x in zip(values, l_leaves)])

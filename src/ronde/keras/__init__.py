@@ -45,7 +45,7 @@ from .callbacks import broadcast_model
 from .optimizer import DistributedOptimizer, PartialDistributedOptimizer, is_distributed
 from .saving import load_model, save_checkpoint
 from .sharded import ShardedOptimizer, is_sharded
-from .sharded_io import load_sharded, save_sharded
+from .sharded_io import gather_sharded, load_sharded, save_sharded
 
 
 def _tensor(value: np.ndarray) -> Any:

@@ -12,6 +12,11 @@ what the optimizer calls it (``momentum``, ``velocity``...): Keras names a slot 
 ``load_sharded(dir, model, optimizer)`` reads, for this rank's pieces, only the files
 whose pieces overlap them: at any N, and into a plain Keras optimizer in one process
 (which then holds the whole state: the export), or from a plain optimizer's save.
+
+``gather_sharded(optimizer, root=0)`` is the export in a running job: on rank ``root`` a
+plain optimizer of the wrapped class, built over the same variables, holding the whole
+state; None on the other ranks; nothing held twice
+(:func:`ronde.frameworks.sharded_files.gather`).
 """
 
 from __future__ import annotations
@@ -140,3 +145,43 @@ def load_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) 
         from ._bridge import mark_variables_changed
 
         mark_variables_changed(model)
+
+
+def gather_sharded(optimizer: Any, root: int = 0) -> Any:
+    """The whole state of a ``ShardedOptimizer``, in a running job: on rank ``root`` of its
+    process set (the index there) a plain optimizer of the wrapped class and config,
+    built over the same trainable variables, every slot and the step count set (as one
+    process that trained alone would hold them; its learning rate the current one);
+    None on the other ranks. Every member calls it. Use it to continue in one process
+    (``model.compile(optimizer=...)``) or to save with Keras' own tools.
+
+    Each rank sends only its slices, each slot of each variable in one alltoall that only
+    ``root`` receives (:func:`ronde.frameworks.sharded_files.gather`).
+    """
+    if not is_sharded(optimizer):
+        raise TypeError("gather_sharded() takes a ShardedOptimizer; a plain optimizer holds "
+                        "the whole state already")
+    if optimizer.inner_optimizer is None:
+        raise ValueError("gather_sharded: the optimizer has not been built (fit or "
+                         "apply_gradients first)")
+    cfg = optimizer._ronde_cfg
+    pieces, counter = _pieces(optimizer, None)
+    mine = [(key, a, b, {kind: to_numpy(s).reshape(-1)[at:at + b - a]
+                         for kind, s, at in slots}) for key, a, b, slots in pieces]
+    variables = list(optimizer._trainable_variables)
+    lengths = {_key(variables, i): int(np.prod(v.shape)) for i, v in enumerate(variables)}
+    got = sharded_files.gather(mine, lengths, root, f"{cfg['prefix']}.gather_sharded",
+                               cfg["process_set"])
+    if got is None:
+        return None
+    plain = cfg["base"].from_config(dict(cfg["inner_config"]))
+    plain.build(variables)
+    for i, (v, own) in enumerate(zip(variables, _slots_of(plain, variables))):
+        for kind, slot in own:
+            if kind in got.get(_key(variables, i), {}):
+                slot.assign(got[_key(variables, i)][kind].reshape(tuple(slot.shape)))
+    plain.iterations.assign(int(to_numpy(counter.iterations)))
+    rate = getattr(optimizer, "_learning_rate", None)
+    if hasattr(rate, "assign") and hasattr(getattr(plain, "_learning_rate", None), "assign"):
+        plain._learning_rate.assign(to_numpy(rate))  # a scheduler may have changed it
+    return plain
