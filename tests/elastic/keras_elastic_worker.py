@@ -24,8 +24,15 @@ hvd.init()
 rng = np.random.RandomState(0)
 x = rng.rand(64, 4).astype("float32")
 y = x.sum(axis=1, keepdims=True)
-model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+#: ELASTIC_SHARDED=1: ShardedOptimizer(Adam), every rank on the whole data in order (so
+#: the average gradient is one process's): the run must end where one process's Adam does
+SHARDED = bool(os.environ.get("ELASTIC_SHARDED"))
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+if SHARDED:
+    model.compile(optimizer=hvd.ShardedOptimizer(keras.optimizers.Adam(0.05)), loss="mse")
+else:
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+initial = [w.copy() for w in model.get_weights()]  # rank 0's are everyone's at the 1st sync
 state = hvd.elastic.KerasState(model, batch=0, epoch=0)
 started, resets, ended = [], [], []
 state.register_reset_callbacks([lambda: resets.append(state.epoch)])
@@ -67,13 +74,28 @@ callbacks = [Mark(), hvd.elastic.CommitStateCallback(state, batches_per_commit=1
 @hvd.elastic.run
 def train(state):
     r, n = hvd.rank(), hvd.size()
+    if SHARDED:
+        state.model.fit(x, y, batch_size=4, epochs=EPOCHS - state.epoch, shuffle=False,
+                        callbacks=callbacks, verbose=0)
+        return
     state.model.fit(x[r::n], y[r::n], batch_size=4, epochs=EPOCHS - state.epoch,
                     callbacks=callbacks, verbose=0)
 
 
 train(state)
 if hvd.rank() == 0:
+    found = {"started": started, "resets_at": resets, "epoch": state.epoch,
+             "size": hvd.size(), "ended": ended}
+    if SHARDED:  # one process, plain Adam, the same batches from the same weights
+        ref = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+        ref.set_weights(initial)
+        ref.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+        ref.fit(x, y, batch_size=4, epochs=EPOCHS, shuffle=False, verbose=0)
+        found["vs_one_process"] = max(float(np.max(np.abs(a - b))) for a, b in
+                                      zip(model.get_weights(), ref.get_weights()))
+        found["moved"] = max(float(np.max(np.abs(a - b))) for a, b in
+                             zip(model.get_weights(), initial))
+        found["iterations"] = int(np.asarray(model.optimizer.iterations))
     with open(os.environ["ELASTIC_OUT"], "w") as f:
-        json.dump({"started": started, "resets_at": resets, "epoch": state.epoch,
-                   "size": hvd.size(), "ended": ended}, f)
+        json.dump(found, f)
 hvd.shutdown()

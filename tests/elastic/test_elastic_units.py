@@ -219,6 +219,20 @@ def test_which_errors_reset_the_job():
     assert not resettable(TensorMismatchError("a bug"))
 
 
+def test_a_lost_peer_inside_a_jax_host_callback_still_resets_the_job():
+    # JAX turns an exception raised in a host callback (Keras' fit on the JAX backend
+    # runs ronde's collectives there) into a ValueError whose text is the traceback,
+    # neither chained nor typed: the elastic loop did not reset on it and the job ended
+    from ronde.elastic.loop import as_ronde_error
+
+    wrapped = ValueError("INTERNAL: CpuCallback error calling callback: Traceback (most "
+                         "recent call last):\n ... \nPeerLostError: rank 1 (host b) exited")
+    found = as_ronde_error(wrapped)
+    assert isinstance(found, PeerLostError) and resettable(found)
+    assert as_ronde_error(ValueError("INTERNAL: CpuCallback error: TensorMismatchError")) is None
+    assert as_ronde_error(ValueError("PeerLostError in a user's own message")) is None
+
+
 def test_the_loop_restores_resets_and_retries(monkeypatch):
     import ronde.elastic.loop as loop
 

@@ -400,9 +400,14 @@ def sharded_checkpoint(directory: str, global_batch: int = 12) -> dict:
         out["after_reset"] = "stepped"
     except Exception as exc:  # noqa: BLE001 - the host call may wrap it
         out["after_reset"] = f"{type(exc).__name__}: {exc}"
-    try:
+    try:  # the same ranks at the same size: each keeps its slices, and goes on (after
+        # restore(), as the elastic loop does: JAX's fit left the variables emptied)
+        state.restore()
         state.sync()
         out["sync_after_reset"] = "synced"
+        fit(model2, r, n, 0, 1)
+        fit(model, 0, 1, 0, 1)
+        out["after_sync"] = _maxdiff(_weights(model2), _weights(model))
     except Exception as exc:  # noqa: BLE001
         out["sync_after_reset"] = f"{type(exc).__name__}: {exc}"
     return out

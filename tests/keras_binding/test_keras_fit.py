@@ -101,9 +101,9 @@ def test_sharded_optimizer_at_three_ranks_and_its_checkpoints_at_any_size(tmp_pa
         # after a new generation (an elastic reset) the shards refuse, naming the fix
         # (JAX's callback wraps the error: its text is inside)
         assert "UnsupportedError: ShardedOptimizer: the job was resized" in ck["after_reset"]
-        assert "load_sharded() into a new ShardedOptimizer" in ck["after_reset"]
-        # KerasState.sync keeps each rank's slice (they differ), and after a reset
-        # refuses the same way
+        assert "KerasState, whose sync()" in ck["after_reset"]
+        # KerasState.sync keeps each rank's slice (they differ), and after a reset of
+        # the same ranks at the same size keeps them and goes on (a resize:
+        # tests/elastic), still equal to the plain optimizer in one process
         assert ck["slots_kept"] and ck["slots_differ"], ck
-        assert ck["sync_after_reset"].startswith("UnsupportedError: ShardedOptimizer: the "
-                                                 "job was resized"), ck
+        assert ck["sync_after_reset"] == "synced" and ck["after_sync"] < 1e-6, ck

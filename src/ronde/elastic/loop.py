@@ -36,14 +36,18 @@ F = TypeVar("F", bound=Callable[..., Any])
 def as_ronde_error(exc: BaseException) -> RondeError | None:
     """``exc`` as the ronde error behind it, or None: a framework may wrap ronde's error
     in its own (TensorFlow turns an exception inside a graph's Python op into an
-    ``UnknownError`` whose message names it), or chain it."""
+    ``UnknownError`` whose message names it; JAX one inside a host callback into a
+    ``ValueError`` whose text is the traceback), or chain it."""
     seen = exc
     while seen is not None:
         if isinstance(seen, RondeError):
             return seen
         seen = seen.__cause__ or seen.__context__
-    if "PeerLostError" in str(exc) and type(exc).__module__.startswith("tensorflow"):
-        return PeerLostError(str(exc))
+    text = str(exc)
+    if "PeerLostError" in text and (type(exc).__module__.startswith(("tensorflow", "jax"))
+                                    or "CpuCallback error" in text):
+        # (JAX's host callbacks raise a ValueError with the traceback as its text)
+        return PeerLostError(text)
     return None
 
 

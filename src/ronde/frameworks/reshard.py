@@ -15,6 +15,8 @@ ranges each rank now owns.
 
 from __future__ import annotations
 
+import io
+import json
 from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
@@ -143,3 +145,49 @@ def reshard(own: list[Piece], neighbour: list[Piece], was: list[tuple[int, int]]
             raise RondeError(f"elastic ShardedOptimizer: the state of {key!r} [{a}:{b}] "
                              f"arrived for {n} of {b - a} elements")
     return merged
+
+
+class NumpyCodec:
+    """Pieces of numpy arrays as ``.npz`` bytes (read back with ``allow_pickle=False``):
+    the keys, ranges and scalars in a JSON entry, the arrays beside it."""
+
+    def encode(self, pieces: list[Any]) -> np.ndarray:
+        head, arrays = [], {}
+        for i, (key, a, b, st) in enumerate(pieces):
+            scalars = {}
+            for slot, v in st.items():
+                if self.is_array(v):
+                    arrays[f"{i}:{slot}"] = v
+                else:
+                    scalars[slot] = np.asarray(v).item()
+            head.append([key, a, b, scalars])
+        buf = io.BytesIO()
+        np.savez(buf, __head__=np.frombuffer(json.dumps(head).encode(), dtype=np.uint8),
+                 **arrays)
+        return np.frombuffer(buf.getvalue(), dtype=np.uint8)
+
+    def decode(self, data: np.ndarray) -> list[Any]:
+        with np.load(io.BytesIO(data.tobytes()), allow_pickle=False) as z:
+            head = json.loads(z["__head__"].tobytes().decode())
+            out = []
+            for i, (key, a, b, scalars) in enumerate(head):
+                st: dict[str, Any] = dict(scalars)
+                prefix = f"{i}:"
+                for name in z.files:
+                    if name.startswith(prefix):
+                        st[name[len(prefix):]] = z[name]
+                out.append((key, a, b, st))
+        return out
+
+    def is_array(self, value: Any) -> bool:
+        return isinstance(value, np.ndarray) and value.ndim > 0
+
+    def zeros(self, like: Any, n: int) -> Any:
+        return np.zeros(n, dtype=like.dtype)
+
+    def copy(self, value: Any) -> Any:
+        return value
+
+
+#: the codec of the bindings whose state is numpy arrays (JAX, Keras)
+NUMPY = NumpyCodec()

@@ -19,8 +19,6 @@ each pytree from rank 0 and rebinds the attribute::
 
 from __future__ import annotations
 
-import io
-import json
 from typing import Any
 
 import jax
@@ -119,49 +117,6 @@ class JaxState(ObjectState):
         self.restore()
 
 
-class _NumpyCodec:
-    """Pieces of numpy arrays as ``.npz`` bytes (read back with ``allow_pickle=False``):
-    the keys, ranges and scalars in a JSON entry, the arrays beside it."""
-
-    def encode(self, pieces: list[Any]) -> np.ndarray:
-        head, arrays = [], {}
-        for i, (key, a, b, st) in enumerate(pieces):
-            scalars = {}
-            for slot, v in st.items():
-                if self.is_array(v):
-                    arrays[f"{i}:{slot}"] = v
-                else:
-                    scalars[slot] = np.asarray(v).item()
-            head.append([key, a, b, scalars])
-        buf = io.BytesIO()
-        np.savez(buf, __head__=np.frombuffer(json.dumps(head).encode(), dtype=np.uint8),
-                 **arrays)
-        return np.frombuffer(buf.getvalue(), dtype=np.uint8)
-
-    def decode(self, data: np.ndarray) -> list[Any]:
-        with np.load(io.BytesIO(data.tobytes()), allow_pickle=False) as z:
-            head = json.loads(z["__head__"].tobytes().decode())
-            out = []
-            for i, (key, a, b, scalars) in enumerate(head):
-                st: dict[str, Any] = dict(scalars)
-                prefix = f"{i}:"
-                for name in z.files:
-                    if name.startswith(prefix):
-                        st[name[len(prefix):]] = z[name]
-                out.append((key, a, b, st))
-        return out
-
-    def is_array(self, value: Any) -> bool:
-        return isinstance(value, np.ndarray) and value.ndim > 0
-
-    def zeros(self, like: Any, n: int) -> Any:
-        return np.zeros(n, dtype=like.dtype)
-
-    def copy(self, value: Any) -> Any:
-        return value
-
-
-_CODEC = _NumpyCodec()
 
 
 class _Shards:
@@ -192,7 +147,7 @@ class _Shards:
                              for sp, (j, at, _) in slots.items()},
                           **{f"scalar{p}": np.asarray(v) for p, v in scalars.items()}})
                for n, a, b, slots in pieces]
-        neighbour = reshard.swap_with_neighbour(own, _CODEC, f"ronde.elastic.{key}.neighbour")
+        neighbour = reshard.swap_with_neighbour(own, reshard.NUMPY, f"ronde.elastic.{key}.neighbour")
         return _Shards(own, neighbour, _api.rank(), _api.size(), params_key)
 
     def rebuild(self, state: "JaxState", key: str, was: list[tuple[int, int]],
@@ -231,7 +186,7 @@ class _Shards:
             return {n: (a, b) for n, a, b, _ in
                     _layout(params, template, global_process_set, (t, size))[0]}
 
-        merged = reshard.reshard(self.own, self.neighbour, was, old_size, ranges_of, _CODEC,
+        merged = reshard.reshard(self.own, self.neighbour, was, old_size, ranges_of, reshard.NUMPY,
                                  f"ronde.elastic.{key}.reshard") if old_size else {}
         pieces, _, _, _ = _layout(params, template, global_process_set)
         values = [np.array(x) for x in fresh]

@@ -61,8 +61,17 @@ class KerasState(ObjectState):
         self.model = model
         self.optimizer = optimizer or getattr(model, "optimizer", None)
         self._epoch_hooks: list[Any] = []
+        #: a ShardedOptimizer's last commit: this rank's pieces, rank r + 1's, (rank, size)
+        self._shards: tuple[list[Any], list[Any], int, int] = ([], [], -1, 0)
         self._save_model()
         super().__init__(**kwargs)
+
+    @property
+    def sync_after_reset(self) -> bool:
+        """A sharded optimizer is laid out again at every size (see :meth:`sync`)."""
+        from .sharded import is_sharded
+
+        return is_sharded(self.optimizer)
 
     def _variables(self) -> list[Any]:
         opt = self.optimizer
@@ -79,6 +88,7 @@ class KerasState(ObjectState):
 
     def save(self) -> None:
         self._save_model()
+        self._commit_shards()
         super().save()
 
     def restore(self) -> None:
@@ -90,14 +100,81 @@ class KerasState(ObjectState):
         from .sharded import check_same_layout, is_sharded
 
         variables = self._variables()
+        relaid = False
         if is_sharded(self.optimizer):
             # each rank's slice of the state is its own: only the model and the step
-            # count come from rank 0 (and a resize is refused, naming the fix)
+            # counts come from rank 0; at another size or place the slices move (reshard)
+            relaid = self._reshard()
             check_same_layout(self.optimizer)
-            variables = list(self.model.variables) + [self.optimizer.iterations]
+            variables = list(self.model.variables) + [
+                self.optimizer.iterations, self.optimizer.inner_optimizer.iterations]
         broadcast_variables(variables, root_rank=0)
         self._save_model()
+        if relaid:
+            self._commit_shards()  # the new layout's neighbour copies
         super().sync()
+
+    def _commit_shards(self) -> None:
+        """At a commit with a ``ShardedOptimizer`` (a collective): keep this rank's slices
+        of the state and, from rank ``r + 1``, a copy of its (:mod:`ronde.frameworks.
+        reshard`), so that a lost rank's slice survives in memory."""
+        from .. import _api
+        from ..frameworks import reshard
+        from .sharded import is_sharded
+        from .sharded_io import _pieces
+
+        if not is_sharded(self.optimizer) or not self._global_shards():
+            return
+        own = [(key, a, b, {kind: np.array(to_numpy(s).reshape(-1)[at:at + b - a])
+                            for kind, s, at in slots})
+               for key, a, b, slots in _pieces(self.optimizer, None)[0]]
+        neighbour = reshard.swap_with_neighbour(own, reshard.NUMPY,
+                                                "ronde.elastic.keras.neighbour")
+        self._shards = (own, neighbour, _api.rank(), _api.size())
+
+    def _global_shards(self) -> bool:
+        from ..process_sets import global_process_set
+
+        return self.optimizer._ronde_cfg["process_set"] is global_process_set
+
+    def _reshard(self) -> bool:
+        """Every rank alike, after a reset: keep the slices where every rank is what it
+        was at the last commit; else lay the shards out for the job as it is now and fill
+        them from their holders (the rank itself, or the copy on the rank before it).
+        True when the shards were laid out again."""
+        from .. import _api, _state
+        from ..frameworks import reshard
+        from .sharded import _keep
+        from .sharded_io import _pieces
+
+        opt = self.optimizer
+        if not self._global_shards():
+            return False  # a process set's shards: check_same_layout names the way out
+        own, neighbour, rank, size = self._shards
+        was, old_size = reshard.committed_ranks(rank, size)
+        same = old_size == len(was) and all(r == j for j, (r, _) in enumerate(was))
+        now = (_api.rank(), _api.size())
+        if (same or not old_size) and opt._ronde_position == now:
+            _keep(opt, "_ronde_generation", _state.require().generation)
+            return False
+        opt._ronde_relayout()
+        self.model.train_function = None  # it traced the old shards: fit traces anew
+        if not old_size:
+            return True  # nobody committed: fresh (zero) state, as at the start
+        merged = reshard.reshard(own, neighbour, was, old_size,
+                                 lambda t: opt._ronde_ranges(t, now[1]), reshard.NUMPY,
+                                 "ronde.elastic.keras.reshard")
+        mine = _pieces(opt, None)[0]
+        values = {id(s): (s, to_numpy(s).reshape(-1).copy()) for _, _, _, slots in mine
+                  for _, s, _ in slots}
+        for key, a, b, slots in mine:
+            got = merged.get(key, {})
+            for kind, slot, at in slots:
+                if kind in got:
+                    values[id(slot)][1][at:at + b - a] = got[kind]
+        for slot, value in values.values():
+            slot.assign(value.reshape(tuple(slot.shape)))
+        return True
 
 
 #: Horovod's TensorFlow spelling of the same state

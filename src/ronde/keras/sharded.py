@@ -42,6 +42,7 @@ written for ``ronde.torch``'s stage 2 runs unchanged.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -100,7 +101,9 @@ class _ShardedMixin:
         cfg = self._ronde_cfg
         ps: ProcessSet = cfg["process_set"]
         rank, size = shard_position(ps)
-        if size > 1:
+        if size > 1 and os.environ.get("RONDE_ELASTIC") != "1":
+            # (not in an elastic job: a worker that joins builds while the others are
+            # elsewhere; there the first reduce-scatter's negotiation catches a mismatch)
             require_same_parameters(
                 # by place, not path: Keras' generated paths depend on how many models
                 # the process made before
@@ -109,10 +112,18 @@ class _ShardedMixin:
                 f"{cfg['prefix']}.parameters", ps,
                 "ShardedOptimizer: the trainable variables differ across ranks",
                 "build the same model on every rank before the first step")
-        _keep(self, "_ronde_generation", _state.require().generation)
         # the base class's bookkeeping only: the user's class would create its slots for
         # the whole variables, which is what sharding avoids
         keras.optimizers.Optimizer.build(self, var_list)
+        self._ronde_lay_out(var_list)
+
+    def _ronde_lay_out(self, var_list: list[Any]) -> None:
+        """The groups, the shard variables and the inner optimizer over them, for this
+        rank's place in the process set now."""
+        cfg = self._ronde_cfg
+        rank, size = shard_position(cfg["process_set"])
+        _keep(self, "_ronde_generation", _state.require().generation)
+        _keep(self, "_ronde_position", (rank, size))
         by_dtype: dict[str, list[int]] = {}
         for i, v in enumerate(var_list):
             dt = str(v.dtype)
@@ -139,6 +150,29 @@ class _ShardedMixin:
         for v in inner.variables:
             if id(v) not in own:
                 self._track_variable(v)
+
+    def _ronde_relayout(self) -> None:
+        """Lay the shards out again for the job as it is now (after an elastic reset that
+        changed this rank's place or the size): new shard variables and a new inner
+        optimizer, zero, in place of the old ones (``KerasState.sync`` fills them from
+        the committed slices, :mod:`ronde.frameworks.reshard`). A model's compiled
+        train function traced the old ones: ``KerasState`` drops it."""
+        was = self._ronde_inner
+        old = {id(v) for v in self._ronde_shards} | {id(v) for v in was.variables}
+        self._variables[:] = [v for v in self._variables if id(v) not in old]
+        self._ronde_lay_out(list(self._trainable_variables))
+        self._ronde_inner.iterations.assign(was.iterations)  # Adam's bias correction
+
+    def _ronde_ranges(self, rank: int, size: int) -> dict[str, tuple[int, int]]:
+        """The element ranges ``[a, b)`` of each variable (by its key in the files) that
+        rank ``rank`` of ``size`` owns."""
+        variables = list(self._trainable_variables)
+        out = {}
+        for g in self._ronde_groups:
+            laid = _Group(g.dtype, g.ids, g.sizes, g.shapes, rank, size)
+            for k, a, b in laid.mine:
+                out[variable_key(variables, g.ids[k])] = (a, b)
+        return out
 
     # -- a step ------------------------------------------------------------------------
     def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
@@ -209,6 +243,13 @@ def _keep(obj: Any, name: str, value: Any) -> None:
     object.__setattr__(obj, name, value)
 
 
+def variable_key(variables: list[Any], i: int) -> str:
+    """A variable's key in checkpoints and reshards: its place among the trainable
+    variables and its shape (Keras' own weight files go by order too: the paths Keras
+    generates change with how many models the process made before)."""
+    return f"{i}:{'x'.join(map(str, variables[i].shape))}"
+
+
 def _path(v: Any, i: int) -> str:
     return str(getattr(v, "path", None) or getattr(v, "name", None) or i)
 
@@ -224,14 +265,15 @@ def _my_slice(ops: Any, values: list[Any], g: _Group) -> Any:
 
 def check_same_layout(optimizer: Any, generation: int | None = None) -> None:
     """Raise ``UnsupportedError`` when the job was re-formed (an elastic reset) since
-    ``optimizer`` laid out its shards: Keras' shards follow no resize yet (torch's do)."""
+    ``optimizer`` laid out its shards and nothing laid them out again
+    (``KerasState.sync`` does, in memory)."""
     built = getattr(optimizer, "_ronde_generation", None) if generation is None else generation
     if built is not None and _state.require().generation != built:
         raise UnsupportedError(
             "ShardedOptimizer: the job was resized (an elastic reset) since this optimizer "
-            "was built; Keras' shards follow no resize yet: save_sharded() before and "
-            "load_sharded() into a new ShardedOptimizer after, or use DistributedOptimizer "
-            "(ronde.torch's ShardedOptimizer reshards in memory)")
+            "laid out its shards; keep the model in a hvd.elastic.KerasState, whose sync() "
+            "(the elastic loop calls it) reshards the state in memory, or save_sharded() "
+            "before and load_sharded() into a new ShardedOptimizer after")
 
 
 def _reduce_scatter(arrays: Sequence[np.ndarray], g: _Group, size: int, name: str,

@@ -31,7 +31,7 @@ from ..checkpoint import atomic_save
 from ..frameworks import sharded_files
 from ..process_sets import global_process_set, shard_position
 from ._bridge import sync_jax_state, to_numpy
-from .sharded import is_sharded
+from .sharded import is_sharded, variable_key
 
 MODEL = "model.weights.h5"
 FORMAT = "ronde.keras.sharded/1"
@@ -73,8 +73,8 @@ def _pieces(optimizer: Any, model: Any) -> tuple[list[_Piece], Any]:
             offsets = np.cumsum([0] + g.sizes)
             lo = shard_position(optimizer._ronde_cfg["process_set"])[0] * g.per
             for k, a, b in g.mine:
-                pieces.append((_key(variables, g.ids[k]), a, b, [(kind, s, int(offsets[k]) + a - lo)
-                                              for kind, s in shard_slots]))
+                pieces.append((variable_key(variables, g.ids[k]), a, b,
+                               [(kind, s, int(offsets[k]) + a - lo) for kind, s in shard_slots]))
         return pieces, inner
     variables = list(getattr(optimizer, "_trainable_variables", None) or [])
     if not variables:
@@ -82,15 +82,9 @@ def _pieces(optimizer: Any, model: Any) -> tuple[list[_Piece], Any]:
                          "compile and fit the model (or call optimizer.build("
                          "model.trainable_variables)) first")
     slots = _slots_of(optimizer, variables)
-    return [(_key(variables, i), 0, int(np.prod(v.shape)), [(kind, s, 0) for kind, s in own])
+    return [(variable_key(variables, i), 0, int(np.prod(v.shape)),
+             [(kind, s, 0) for kind, s in own])
             for i, (v, own) in enumerate(zip(variables, slots))], optimizer
-
-
-def _key(variables: list[Any], i: int) -> str:
-    """A variable's key in the files: its place among the trainable variables and its
-    shape (Keras' own weight files go by order too: the paths Keras generates change
-    with how many models the process made before)."""
-    return f"{i}:{'x'.join(map(str, variables[i].shape))}"
 
 
 def save_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) -> None:
@@ -169,17 +163,19 @@ def gather_sharded(optimizer: Any, root: int = 0) -> Any:
     mine = [(key, a, b, {kind: to_numpy(s).reshape(-1)[at:at + b - a]
                          for kind, s, at in slots}) for key, a, b, slots in pieces]
     variables = list(optimizer._trainable_variables)
-    lengths = {_key(variables, i): int(np.prod(v.shape)) for i, v in enumerate(variables)}
+    lengths = {variable_key(variables, i): int(np.prod(v.shape))
+               for i, v in enumerate(variables)}
     got = sharded_files.gather(mine, lengths, root, f"{cfg['prefix']}.gather_sharded",
                                cfg["process_set"])
     if got is None:
         return None
     plain = cfg["base"].from_config(dict(cfg["inner_config"]))
     plain.build(variables)
-    for i, (v, own) in enumerate(zip(variables, _slots_of(plain, variables))):
+    for i, own in enumerate(_slots_of(plain, variables)):
+        whole = got.get(variable_key(variables, i), {})
         for kind, slot in own:
-            if kind in got.get(_key(variables, i), {}):
-                slot.assign(got[_key(variables, i)][kind].reshape(tuple(slot.shape)))
+            if kind in whole:
+                slot.assign(whole[kind].reshape(tuple(slot.shape)))
     plain.iterations.assign(int(to_numpy(counter.iterations)))
     rate = getattr(optimizer, "_learning_rate", None)
     if hasattr(rate, "assign") and hasattr(getattr(plain, "_learning_rate", None), "assign"):
