@@ -226,6 +226,34 @@ def sharded_scenarios() -> dict:
             "ranks_equal": max(_maxdiff(g, gathered[0]) for g in gathered),
             "moved": _maxdiff(runs["sharded"][0], _weights(_sharded_model(0))),
             "inner_state": state, "full_state": full, "type": type(o).__name__}
+    # 100 steps of fit, each optimizer: the losses and weights of DistributedOptimizer's
+    class Losses(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.seen.append(float(logs["loss"]))
+
+    reps = -(-100 // S)
+    x100, y100 = np.tile(xs, (reps, 1))[:100 * B], np.tile(ys, reps)[:100 * B]
+    out["long"] = {}
+    for key, opt in make.items():
+        runs = {}
+        for kind in ("sharded", "distributed"):
+            model = _sharded_model(1)
+            wrap = hvd.ShardedOptimizer if kind == "sharded" else hvd.DistributedOptimizer
+            model.compile(optimizer=wrap(opt(), name=f"long.{kind}.{key}"), loss=loss)
+            seen = Losses()
+            model.fit(x100, y100, batch_size=B, epochs=1, shuffle=False, verbose=0,
+                      callbacks=[seen])
+            runs[kind] = (_weights(model), seen.seen)
+        out["long"][key] = {
+            "steps": len(runs["sharded"][1]),
+            "weights": _maxdiff(runs["sharded"][0], runs["distributed"][0]),
+            "losses": max(abs(a - b) / max(abs(b), 1e-12) for a, b in
+                          zip(runs["sharded"][1], runs["distributed"][1])),
+            "moved": _maxdiff(runs["sharded"][0], _weights(_sharded_model(1)))}
     # a custom loop with apply_gradients: Adam, the same as DistributedOptimizer
     for kind in ("sharded", "distributed"):
         model = _sharded_model(0)

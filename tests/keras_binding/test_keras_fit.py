@@ -60,6 +60,10 @@ def _check_sharded(res: dict, backend: str, n: int) -> None:
         per = -(-100 // n)
         assert fit["inner_state"] == fit["full_state"] // 100 * per, (key, fit)
         assert fit["type"] == {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}[key]
+    for key, run in res["long"].items():  # 100 steps of fit against DistributedOptimizer:
+        # bitwise at np=2 (the same additions in the same order), as issue #31 asks
+        assert run["steps"] == 100 and run["moved"] > 1e-2, (key, run)
+        assert run["weights"] == 0.0 and run["losses"] == 0.0, (key, run)
     assert res["loop"]["diff"] == 0.0, res["loop"]  # apply_gradients in a custom loop
     assert res["accumulation"] < 1e-6, res  # 2 passes == one process on a 2x batch
     assert res["stage"] == 2  # the accumulation above ran at stage=2 (the same optimizer)
