@@ -141,7 +141,8 @@ class KerasState(ObjectState):
         """Every rank alike, after a reset: keep the slices where every rank is what it
         was at the last commit; else lay the shards out for the job as it is now and fill
         them from their holders (the rank itself, or the copy on the rank before it).
-        True when the shards were laid out again."""
+        True, on every rank alike, when the slices moved (the new layout's copies are
+        then swapped: a collective)."""
         from .. import _api, _state
         from ..frameworks import reshard
         from .sharded import _keep
@@ -160,7 +161,10 @@ class KerasState(ObjectState):
         opt._ronde_relayout()
         self.model.train_function = None  # it traced the old shards: fit traces anew
         if not old_size:
-            return True  # nobody committed: fresh (zero) state, as at the start
+            # nobody committed: fresh (zero) state, as at the start. Which ranks lay out
+            # again here differs by rank, so no collective follows (the next commit
+            # swaps the copies)
+            return False
         merged = reshard.reshard(own, neighbour, was, old_size,
                                  lambda t: opt._ronde_ranges(t, now[1]), reshard.NUMPY,
                                  "ronde.elastic.keras.reshard")
