@@ -30,9 +30,6 @@ def test_sharded_training_equals_one_process_on_the_global_batch(np_, transport)
         for case, r in res.items():
             assert r["same"] and r["diff"] <= (1e-3 if "fp16" in case else 1e-12), (rank, case, r)
             assert not r["unused_moved"], (rank, case, r)  # no gradient anywhere: not moved
-            if case.startswith("stage2"):  # two reductions in flight, their buffers and
-                # the one filling at most: the gradients held, whatever the bucket count
-                assert r["buckets"] > 3 and 2 <= r["buffers"] <= 3, (rank, case, r)
             if case.startswith("stage1"):  # the gradients are views of the buckets
                 assert r["grads"] > 0 and r["views"] == r["grads"], (rank, case, r)
             # each rank keeps state for its elements only: at most ceil(used / N) + one

@@ -97,7 +97,7 @@ class KerasState(ObjectState):
 
     def sync(self) -> None:
         from . import broadcast_variables
-        from .sharded import check_same_layout, is_sharded
+        from .sharded import _step_count, check_same_layout, is_sharded
 
         variables = self._variables()
         relaid = False
@@ -107,7 +107,7 @@ class KerasState(ObjectState):
             relaid = self._reshard()
             check_same_layout(self.optimizer)
             variables = list(self.model.variables) + [
-                self.optimizer.iterations, self.optimizer.inner_optimizer.iterations]
+                self.optimizer.iterations, _step_count(self.optimizer.inner_optimizer)]
         broadcast_variables(variables, root_rank=0)
         self._save_model()
         if relaid:

@@ -161,7 +161,8 @@ class _ShardedMixin:
         old = {id(v) for v in self._ronde_shards} | {id(v) for v in was.variables}
         self._variables[:] = [v for v in self._variables if id(v) not in old]
         self._ronde_lay_out(list(self._trainable_variables))
-        self._ronde_inner.iterations.assign(was.iterations)  # Adam's bias correction
+        new = self._ronde_inner  # the step count (Adam's bias correction): the variable
+        _step_count(new).assign(_step_count(was))
 
     def _ronde_ranges(self, rank: int, size: int) -> dict[str, tuple[int, int]]:
         """The element ranges ``[a, b)`` of each variable (by its key in the files) that
@@ -236,6 +237,13 @@ class _ShardedMixin:
     def inner_optimizer(self) -> Any:
         """The optimizer over this rank's shards (None before the first build)."""
         return self._ronde_inner
+
+
+def _step_count(optimizer: Any) -> Any:
+    """An optimizer's step-count variable (with ``gradient_accumulation_steps``,
+    ``iterations`` is a value computed from it, not a variable)."""
+    found = getattr(optimizer, "_iterations", None)
+    return optimizer.iterations if found is None else found
 
 
 def _keep(obj: Any, name: str, value: Any) -> None:

@@ -17,9 +17,9 @@ A step: each final gradient is copied by its hook into its bucket, and a full bu
 starts a reduce-scatter (Average) while backward goes on; at the end of the backward pass
 (an autograd callback) every bucket not started in it starts, with zeros where this rank
 has no gradient, so every rank reduces every bucket exactly once per window (stage 1) or
-per pass (stage 2, which frees ``p.grad`` and the bucket buffers as it goes, two
-reductions in flight at most: a third waits for the oldest, so the gradients held are
-three buckets at most, not the whole model while a slow peer catches up).
+per pass (stage 2, which frees ``p.grad`` and the bucket buffers as it goes; a rank
+ahead of a slow peer holds the buckets in flight until it catches up: waiting for the
+oldest inside a hook could deadlock where ranks start buckets in different orders).
 ``step()`` gives each piece its averaged slice as ``.grad`` (None where no rank had a
 gradient: DDP's rule, one presence count a step), steps on the pieces, and allgathers the
 updated slices into the parameters: the volume of one allreduce.
@@ -257,9 +257,6 @@ class _ShardedMixin(SkipSynchronize):
             return
         b.started = (self._ronde_reduction.start(b.buf, b.name, _reducescatter), None)
         self._ronde_moving.append(b)
-        if self._ronde_stage == 2:  # two reductions in flight at most: their buffers
-            while len(self._ronde_moving) > 2:  # are the gradients this rank holds
-                self._ronde_finish(self._ronde_moving[0])
 
     def _ronde_finish(self, b: Bucket) -> None:
         started, solo = b.started
