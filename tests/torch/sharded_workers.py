@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from torch_workers import _diff, _same_on_every_rank, _setup
 
 
@@ -54,17 +52,6 @@ def equivalence(steps: int = 6) -> dict:
                                    compression=getattr(hvd.Compression, extra or "none",
                                                        hvd.Compression.none))
         ref_opt = OPTS[opt_name](torch, ref.parameters())
-        most = [0]  # stage 2: the most bucket buffers alive after a reduction started
-        start = opt._ronde_start
-
-        def counting(b, start=start, opt=opt):
-            start(b)
-            most[0] = max(most[0], sum(q.buf is not None for q in opt._ronde_buckets))
-        opt._ronde_start = counting
-        if stage == 2 and r == n - 1:  # a slow last rank: the others' reductions of "b"
-            # and "a" wait for it; each rank's buffers must stay bounded meanwhile
-            for p in list(model["a"].parameters()) + list(model["b"].parameters()):
-                p.register_hook(lambda g: (time.sleep(0.01), g)[1])
         for step, (x, y) in enumerate(_batches(torch, n, steps)):
             if extra == "freeze" and step == 3:
                 for m in (model, ref):
@@ -92,8 +79,7 @@ def equivalence(steps: int = 6) -> dict:
         out[case] = {"diff": _diff(torch, model, ref), "same": same, "held": held,
                      "total": total, "unused_moved": bool((model["unused"].weight
                                                           != ref["unused"].weight).any()),
-                     "grads": len(grads), "buffers": most[0],
-                     "buckets": len(opt._ronde_buckets),
+                     "grads": len(grads),
                      "views": sum(g.untyped_storage().data_ptr() in bufs for g in grads)}
     hvd.shutdown()
     return out

@@ -117,8 +117,6 @@ class JaxState(ObjectState):
         self.restore()
 
 
-
-
 class _Shards:
     """One ``ShardedState``'s commit: this rank's pieces, the copy of rank ``r + 1``'s,
     the rank and size they were laid out at, and which tree holds the parameters."""
@@ -147,7 +145,8 @@ class _Shards:
                              for sp, (j, at, _) in slots.items()},
                           **{f"scalar{p}": np.asarray(v) for p, v in scalars.items()}})
                for n, a, b, slots in pieces]
-        neighbour = reshard.swap_with_neighbour(own, reshard.NUMPY, f"ronde.elastic.{key}.neighbour")
+        neighbour = reshard.swap_with_neighbour(own, reshard.NUMPY,
+                                                f"ronde.elastic.{key}.neighbour")
         return _Shards(own, neighbour, _api.rank(), _api.size(), params_key)
 
     def rebuild(self, state: "JaxState", key: str, was: list[tuple[int, int]],
@@ -186,8 +185,9 @@ class _Shards:
             return {n: (a, b) for n, a, b, _ in
                     _layout(params, template, global_process_set, (t, size))[0]}
 
-        merged = reshard.reshard(self.own, self.neighbour, was, old_size, ranges_of, reshard.NUMPY,
-                                 f"ronde.elastic.{key}.reshard") if old_size else {}
+        merged = reshard.reshard(self.own, self.neighbour, was, old_size, ranges_of,
+                                 reshard.NUMPY, f"ronde.elastic.{key}.reshard") \
+            if old_size else {}
         pieces, _, _, _ = _layout(params, template, global_process_set)
         values = [np.array(x) for x in fresh]
         scalar_at = {p[p.index("]") + 1:]: j for j, p in enumerate(s_paths)

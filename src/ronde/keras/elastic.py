@@ -121,13 +121,11 @@ class KerasState(ObjectState):
         from .. import _api
         from ..frameworks import reshard
         from .sharded import is_sharded
-        from .sharded_io import _pieces
+        from .sharded_io import _pieces, slices
 
         if not is_sharded(self.optimizer) or not self._global_shards():
             return
-        own = [(key, a, b, {kind: np.array(to_numpy(s).reshape(-1)[at:at + b - a])
-                            for kind, s, at in slots})
-               for key, a, b, slots in _pieces(self.optimizer, None)[0]]
+        own = slices(_pieces(self.optimizer, None)[0])
         neighbour = reshard.swap_with_neighbour(own, reshard.NUMPY,
                                                 "ronde.elastic.keras.neighbour")
         self._shards = (own, neighbour, _api.rank(), _api.size())
@@ -146,7 +144,7 @@ class KerasState(ObjectState):
         from .. import _api, _state
         from ..frameworks import reshard
         from .sharded import _keep
-        from .sharded_io import _pieces
+        from .sharded_io import _pieces, fill
 
         opt = self.optimizer
         if not self._global_shards():
@@ -169,15 +167,7 @@ class KerasState(ObjectState):
                                  lambda t: opt._ronde_ranges(t, now[1]), reshard.NUMPY,
                                  "ronde.elastic.keras.reshard")
         mine = _pieces(opt, None)[0]
-        values = {id(s): (s, to_numpy(s).reshape(-1).copy()) for _, _, _, slots in mine
-                  for _, s, _ in slots}
-        for key, a, b, slots in mine:
-            got = merged.get(key, {})
-            for kind, slot, at in slots:
-                if kind in got:
-                    values[id(slot)][1][at:at + b - a] = got[kind]
-        for slot, value in values.values():
-            slot.assign(value.reshape(tuple(slot.shape)))
+        fill(mine, [merged.get(key, {}) for key, _, _, _ in mine], "elastic reshard")
         return True
 
 

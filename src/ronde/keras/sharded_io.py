@@ -87,6 +87,31 @@ def _pieces(optimizer: Any, model: Any) -> tuple[list[_Piece], Any]:
             for i, (v, own) in enumerate(zip(variables, slots))], optimizer
 
 
+def slices(pieces: list[_Piece]) -> list[tuple[str, int, int, dict[str, np.ndarray]]]:
+    """``pieces`` with each slot's values over ``[a, b)`` as numpy (copies): what
+    checkpoints, the in-job export and the elastic copies send."""
+    return [(key, a, b, {kind: np.array(to_numpy(s).reshape(-1)[at:at + b - a])
+                         for kind, s, at in slots}) for key, a, b, slots in pieces]
+
+
+def fill(pieces: list[_Piece], arrays: list[dict[str, np.ndarray]], where: str) -> None:
+    """Assign each piece's slots from ``arrays`` (one dict of slot values per piece, empty
+    for a piece with no state: never stepped), each slot variable once."""
+    values = {id(s): to_numpy(s).reshape(-1).copy() for _, _, _, slots in pieces
+              for _, s, _ in slots}
+    for (key, a, b, slots), got in zip(pieces, arrays):
+        for kind, slot, at in slots:
+            if not got:
+                continue
+            if kind not in got:
+                raise RondeError(f"{where}: slot {kind!r} of {key!r} is missing (there: "
+                                 f"{sorted(got)}); another optimizer?")
+            values[id(slot)][at:at + b - a] = got[kind]
+    for _, _, _, slots in pieces:
+        for _, slot, _ in slots:
+            slot.assign(values[id(slot)].reshape(tuple(slot.shape)))
+
+
 def save_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) -> None:
     """Write this rank's part of ``optimizer`` (and, on rank 0, ``model``'s weights) to
     ``directory`` (a folder every rank can reach). Every rank must call it."""
@@ -96,8 +121,7 @@ def save_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) 
     ps = optimizer._ronde_cfg["process_set"] if sharded else global_process_set
     rank, size = shard_position(ps) if sharded else (0, 1)
     pieces, counter = _pieces(optimizer, model)
-    arrays = [(key, a, b, {kind: to_numpy(s).reshape(-1)[at:at + b - a]
-                           for kind, s, at in slots}) for key, a, b, slots in pieces]
+    arrays = slices(pieces)
 
     def weights(folder: str) -> None:
         if model is not None:
@@ -118,20 +142,8 @@ def load_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) 
         if not getattr(optimizer, "built", False):
             optimizer.build(model.trainable_variables)
     mine, counter = _pieces(optimizer, model)
-    got = sharded_files.load(directory, meta, [(key, a, b) for key, a, b, _ in mine])
-    values = {id(s): to_numpy(s).reshape(-1).copy() for _, _, _, slots in mine
-              for _, s, _ in slots}
-    for (key, a, b, slots), arrays in zip(mine, got):
-        for kind, slot, at in slots:
-            if not arrays:
-                continue  # no state saved for it (never stepped)
-            if kind not in arrays:
-                raise RondeError(f"{directory}: slot {kind!r} of {key!r} was not saved "
-                                 f"(saved: {sorted(arrays)}); another optimizer?")
-            values[id(slot)][at:at + b - a] = arrays[kind]
-    for _, _, _, slots in mine:
-        for _, slot, _ in slots:
-            slot.assign(values[id(slot)].reshape(tuple(slot.shape)))
+    fill(mine, sharded_files.load(directory, meta, [(key, a, b) for key, a, b, _ in mine]),
+         directory)
     counter.iterations.assign(meta["iterations"])
     if counter is not optimizer:
         optimizer.iterations.assign(meta["iterations"])
@@ -160,8 +172,7 @@ def gather_sharded(optimizer: Any, root: int = 0) -> Any:
                          "apply_gradients first)")
     cfg = optimizer._ronde_cfg
     pieces, counter = _pieces(optimizer, None)
-    mine = [(key, a, b, {kind: to_numpy(s).reshape(-1)[at:at + b - a]
-                         for kind, s, at in slots}) for key, a, b, slots in pieces]
+    mine = slices(pieces)
     variables = list(optimizer._trainable_variables)
     lengths = {variable_key(variables, i): int(np.prod(v.shape))
                for i, v in enumerate(variables)}
