@@ -310,7 +310,8 @@ KNOBS: tuple[Knob, ...] = (
              "restricts ptrace to descendants (`ptrace_scope` 1, Ubuntu's default) "
              'each rank allows same-user peers with `prctl(PR_SET_PTRACER, '
              'PR_SET_PTRACER_ANY)` at start-up (see troubleshooting.md). All ranks '
-             'test it at the first such collective and agree; if any rank is refused '
+             'test it once, when their shared-memory communicator is made (at `init()`, '
+             'or when a process set is added), and agree; if any rank is refused '
              'reads (Yama scope 2 or 3, a container without ptrace rights), every rank'
              " uses the shared segments; if only writes are refused, the allreduce's "
              "gather reads instead. The allreduce's blocks are sized by each owner's "

@@ -313,8 +313,8 @@ def test_fused_groups_run_as_one_only_on_the_single_copy_path_and_with_fusion_on
     class Comm:
         name, _cma = "shm", True
 
-        def fuses_round(self, nbytes, n):
-            return self._cma is True
+        def reads_peers(self, nbytes, n):
+            return self._cma
 
     class Eng:
         timeline, rank = None, 0
@@ -338,7 +338,7 @@ def test_fused_groups_run_as_one_only_on_the_single_copy_path_and_with_fusion_on
     assert [p.names for p in ex._parts(lead)] == [["a", "b", "c"]]
     ex.dispatch(responses(), None)
     lead = ex.queue.get_nowait()
-    Comm._cma = None  # single-copy not agreed (yet): one after the other
+    Comm._cma = False  # single copy refused by a member: one after the other
     assert [p.names for p in ex._parts(lead)] == [["a"], ["b"], ["c"]]
     Comm._cma = True
     ex = Executor(Eng("0"))

@@ -231,6 +231,27 @@ def test_a_lost_peer_inside_a_jax_host_callback_still_resets_the_job():
     assert isinstance(found, PeerLostError) and resettable(found)
     assert as_ronde_error(ValueError("INTERNAL: CpuCallback error: TensorMismatchError")) is None
     assert as_ronde_error(ValueError("PeerLostError in a user's own message")) is None
+    # the exception raised is the traceback's last: a lost peer met while handling, then
+    # a mismatch raised, is the mismatch (a bug no reset cures)
+    assert as_ronde_error(ValueError(
+        "INTERNAL: CpuCallback error calling callback: Traceback (most recent call "
+        "last):\nronde._errors.PeerLostError: rank 1 exited\n\nDuring handling of the "
+        "above exception, another exception occurred:\n\nTraceback (most recent call "
+        "last):\n  File \"x.py\", line 1\n    raise PeerLostError()\n"
+        "ronde._errors.TensorMismatchError: 'w' differs")) is None
+    # TensorFlow's text: the op's node behind the traceback
+    found = as_ronde_error(_TfLike("{{function_node __wrapped__EagerPyFunc}} PeerLostError: "
+                                   "rank 1 lost\nTraceback (most recent call last):\n"
+                                   "ronde._errors.PeerLostError: rank 1 lost\n\n\t "
+                                   "[[{{node EagerPyFunc}}]]"))
+    assert isinstance(found, PeerLostError)
+
+
+class _TfLike(Exception):
+    """Stands for a TensorFlow op error (matched by its module)."""
+
+
+_TfLike.__module__ = "tensorflow.python.framework.errors_impl"
 
 
 def test_the_loop_restores_resets_and_retries(monkeypatch):

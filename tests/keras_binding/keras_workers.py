@@ -274,6 +274,24 @@ def sharded_scenarios() -> dict:
     ref.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
     ref.fit(x, y, batch_size=2 * n * B, epochs=1, shuffle=False, verbose=0)
     out["accumulation"] = _maxdiff(_weights(model), _weights(ref))
+    # the shards laid out again (what an elastic resize's sync does): fit's train
+    # function traced before it holds the old shards. TensorFlow's refuses, naming the
+    # fix; JAX's traces anew (its caches are cleared: it would reuse a trace of the same
+    # shapes); torch's runs eagerly. Traced anew, every backend steps.
+    model = _sharded_model(0)
+    model.compile(optimizer=hvd.ShardedOptimizer(keras.optimizers.Adam(0.01), name="relaid"),
+                  loss=loss)
+    model.fit(xs, ys, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    model.optimizer._ronde_relayout()
+    try:
+        model.fit(xs[:B], ys[:B], batch_size=B, epochs=1, shuffle=False, verbose=0)
+        out["stale_trace"] = "stepped"
+    except Exception as exc:  # noqa: BLE001 - the host call may wrap it
+        out["stale_trace"] = f"{type(exc).__name__}: {exc}"
+    model.train_function = None
+    before = _weights(model)
+    model.fit(xs[:B], ys[:B], batch_size=B, epochs=1, shuffle=False, verbose=0)
+    out["retraced_moved"] = _maxdiff(_weights(model), before)
     refused = []
     for bad in (lambda: keras.optimizers.Lamb(0.01),
                 lambda: keras.optimizers.Adam(0.01, clipnorm=1.0),
@@ -438,4 +456,16 @@ def sharded_checkpoint(directory: str, global_batch: int = 12) -> dict:
         out["after_sync"] = _maxdiff(_weights(model2), _weights(model))
     except Exception as exc:  # noqa: BLE001
         out["sync_after_reset"] = f"{type(exc).__name__}: {exc}"
+    # the shards laid out again (what a resize's sync does): the optimizer's own step
+    # count and learning rate stay among its variables, and a learning rate set after
+    # reaches the steps (sharded_scenarios: a stale trace)
+    opt._ronde_relayout()
+    state._save_model()  # (as sync does after it)
+    out["own_kept"] = [any(v is w for w in opt.variables)
+                       for v in (opt.iterations, opt._learning_rate)]
+    fit(model2, r, n, 0, 1)  # (JAX: its caches were cleared, the old function retraces)
+    before = _weights(model2)
+    opt.learning_rate = 0.0
+    fit(model2, r, n, 1, 2)
+    out["moved_at_lr_0"] = _maxdiff(_weights(model2), before)
     return out

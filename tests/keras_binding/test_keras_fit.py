@@ -67,6 +67,14 @@ def _check_sharded(res: dict, backend: str, n: int) -> None:
     assert res["loop"]["diff"] == 0.0, res["loop"]  # apply_gradients in a custom loop
     assert res["accumulation"] < 1e-6, res  # 2 passes == one process on a 2x batch
     assert res["stage"] == 2  # the accumulation above ran at stage=2 (the same optimizer)
+    # a train function traced before the shards were laid out again: TensorFlow's
+    # refuses (it holds the old shards), JAX's and torch's step; traced anew, all do
+    if backend == "tensorflow":
+        assert "traced (tf.function, jax.jit) before the shards were laid out" in \
+            res["stale_trace"], res["stale_trace"]
+    else:
+        assert res["stale_trace"] == "stepped", res["stale_trace"]
+    assert res["retraced_moved"] > 1e-4, res
     lamb, clipnorm, global_clipnorm, stage3 = res["refused"]
     assert "cannot shard Lamb" in lamb and "norm over each whole tensor" in lamb
     assert "clipnorm=" in clipnorm and "global_clipnorm=" in global_clipnorm
@@ -111,3 +119,7 @@ def test_sharded_optimizer_at_three_ranks_and_its_checkpoints_at_any_size(tmp_pa
         # tests/elastic), still equal to the plain optimizer in one process
         assert ck["slots_kept"] and ck["slots_differ"], ck
         assert ck["sync_after_reset"] == "synced" and ck["after_sync"] < 1e-6, ck
+        # laid out again: the learning rate stayed the optimizer's (a schedule set after
+        # reaches the steps: at 0 nothing moves)
+        assert ck["own_kept"] == [True, True], ck
+        assert ck["moved_at_lr_0"] == 0.0, ck

@@ -148,7 +148,7 @@ class Executor:
         comm = (eng.sets.get(item.ps_id)
                 if item.followers and eng.rank in eng.sets.members(item.ps_id)
                 else None)
-        return planner.parts(item, comm.fuses_round if comm is not None else None)
+        return planner.parts(item, comm.reads_peers if comm is not None else None)
 
     def _loop(self) -> None:
         while True:

@@ -9,7 +9,7 @@ Where it sits in the engine cycle: fusion is decided in two stages, both here.
 2. :func:`chain` and :func:`parts`, when the executor hands a round out: a fused group
    that can run with the one before it (only inline ones between) rides along as that
    one's follower; when the group is run, the communicator says whether it takes the
-   whole chain as one operation (:meth:`~ronde.transport.base.Communicator.fuses_round`:
+   whole chain as one operation (:meth:`~ronde.transport.base.Communicator.reads_peers`:
    the single-copy allreduce needs no fusion buffer, so the threshold has nothing to
    bound), else the groups run one by one.
 
@@ -91,9 +91,9 @@ def chain(responses: list[Response], fusing: bool) -> list[Response]:
     return plan
 
 
-def parts(item: Response, fuses_round: Callable[[int, int], bool] | None) -> list[Response]:
+def parts(item: Response, reads_peers: Callable[[int, int], bool] | None) -> list[Response]:
     """What to run for ``item``: itself and its followers (:func:`chain`), as one
-    operation when ``fuses_round(bytes, tensors)`` says so (None: this rank is not a
+    operation when ``reads_peers(bytes, tensors)`` says so (None: this rank is not a
     member, nothing is merged), else one by one."""
     followers = item.followers
     if not followers:
@@ -101,7 +101,7 @@ def parts(item: Response, fuses_round: Callable[[int, int], bool] | None) -> lis
     item.followers = None
     chained = [item, *followers]
     tensors = sum(len(r.names) for r in chained)
-    if fuses_round is not None and fuses_round(sum(nbytes(r) for r in chained), tensors):
+    if reads_peers is not None and reads_peers(sum(nbytes(r) for r in chained), tensors):
         return [Response(item.kind, item.ps_id, [n for r in chained for n in r.names],
                          [m for r in chained for m in r.metas])]
     return chained

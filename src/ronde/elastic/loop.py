@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from typing import Any, Callable, TypeVar
 
 from .._errors import (HorovodInternalError, HostsUpdatedInterrupt, PeerLostError, RondeError,
@@ -44,11 +45,28 @@ def as_ronde_error(exc: BaseException) -> RondeError | None:
             return seen
         seen = seen.__cause__ or seen.__context__
     text = str(exc)
-    if "PeerLostError" in text and (type(exc).__module__.startswith(("tensorflow", "jax"))
-                                    or "CpuCallback error" in text):
+    if _raised_last(text) == "PeerLostError" and (
+            type(exc).__module__.startswith(("tensorflow", "jax"))
+            or "CpuCallback error" in text):
         # (JAX's host callbacks raise a ValueError with the traceback as its text)
         return PeerLostError(text)
     return None
+
+
+#: an exception's line in a traceback's text: ``[module.]Name: message`` (or ``Name``
+#: alone), possibly behind TensorFlow's ``{{function_node ...}}`` prefix
+_RAISED = re.compile(r"(?:^|\}\} )(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception))(?::|$)")
+
+
+def _raised_last(text: str) -> str | None:
+    """The class name of the last exception a traceback's text shows (the one raised:
+    a ``PeerLostError`` met while handling, or in a message, is not), or None."""
+    last = None
+    for line in text.splitlines():
+        found = _RAISED.search(line)
+        if found and not line[:1].isspace():
+            last = found.group(1)
+    return last
 
 
 def resettable(exc: BaseException) -> bool:

@@ -90,15 +90,19 @@ def holders(was: list[tuple[int, int]], old_size: int) -> dict[int, tuple[int, b
     return out
 
 
-def committed_ranks(rank: int, size: int) -> tuple[list[tuple[int, int]], int]:
+def committed_ranks(rank: int, size: int, moved: bool = False
+                    ) -> tuple[list[tuple[int, int]], int, bool]:
     """Every rank's (rank, size) at its last commit (an allgather); the common size (0
-    when nobody committed)."""
-    was = _objects.allgather_object((rank, size), "ronde.elastic.sharded.ranks")
+    when nobody committed); whether any rank says its layout ``moved`` since (so that
+    every rank decides alike whether to lay out again, even after a sync that a lost
+    peer cut short on some ranks and not others)."""
+    got = _objects.allgather_object((rank, size, bool(moved)), "ronde.elastic.sharded.ranks")
+    was = [(int(r), int(s)) for r, s, _ in got]
     sizes = {s for r, s in was if r >= 0}
     if len(sizes) > 1:
         raise RondeError(f"elastic ShardedOptimizer: the survivors committed at different "
                          f"sizes {sorted(sizes)}")
-    return was, (sizes.pop() if sizes else 0)
+    return was, (sizes.pop() if sizes else 0), any(m for _, _, m in got)
 
 
 def reshard(own: list[Piece], neighbour: list[Piece], was: list[tuple[int, int]],

@@ -99,7 +99,7 @@ class JaxState(ObjectState):
                 # every rank alike (a joining worker too): who was which rank at the last
                 # commit; the same ranks at the same size keep their slices
                 shards = self._shards.get(k, _Shards.empty())
-                was, old_size = reshard.committed_ranks(shards.rank, shards.size)
+                was, old_size, _ = reshard.committed_ranks(shards.rank, shards.size)
                 same = old_size == len(was) and all(r == j for j, (r, _) in enumerate(was))
                 if old_size and not same:
                     self._saved_state[k] = shards.rebuild(self, k, was, old_size)

@@ -80,10 +80,13 @@ class KerasState(ObjectState):
         return list(self.model.variables) + _optimizer_variables(opt)
 
     def _save_model(self) -> None:
-        self._saved_values = [np.array(to_numpy(v)) for v in self._variables()]
+        # each value with its variable: a sync that a lost peer cut short may have laid a
+        # ShardedOptimizer's shards out again (new variables, other shapes); a restore
+        # then fills the variables saved (the next sync's reshard fills the new ones)
+        self._saved_values = [(v, np.array(to_numpy(v))) for v in self._variables()]
 
     def _load_model(self) -> None:
-        for v, value in zip(self._variables(), self._saved_values):
+        for v, value in self._saved_values:
             v.assign(value)
 
     def save(self) -> None:
@@ -150,19 +153,18 @@ class KerasState(ObjectState):
         if not self._global_shards():
             return False  # a process set's shards: check_same_layout names the way out
         own, neighbour, rank, size = self._shards
-        was, old_size = reshard.committed_ranks(rank, size)
-        same = old_size == len(was) and all(r == j for j, (r, _) in enumerate(was))
         now = (_api.rank(), _api.size())
-        if (same or not old_size) and opt._ronde_position == now:
+        # (every rank says whether its layout is another place's: all decide alike)
+        was, old_size, moved = reshard.committed_ranks(rank, size,
+                                                       opt._ronde_position != now)
+        same = old_size == len(was) and all(r == j for j, (r, _) in enumerate(was))
+        if (same or not old_size) and not moved:
             _keep(opt, "_ronde_generation", _state.require().generation)
             return False
         opt._ronde_relayout()
         self.model.train_function = None  # it traced the old shards: fit traces anew
         if not old_size:
-            # nobody committed: fresh (zero) state, as at the start. Which ranks lay out
-            # again here differs by rank, so no collective follows (the next commit
-            # swaps the copies)
-            return False
+            return False  # nobody committed: fresh (zero) state, as at the start
         merged = reshard.reshard(own, neighbour, was, old_size,
                                  lambda t: opt._ronde_ranges(t, now[1]), reshard.NUMPY,
                                  "ronde.elastic.keras.reshard")

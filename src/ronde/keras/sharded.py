@@ -23,6 +23,12 @@ The returned object is a subclass of the user's optimizer class (like
   back into the variables: the traffic of one allreduce. Host calls run inside
   ``tf.function`` and ``jax.jit`` as ``DistributedOptimizer``'s do (:mod:`._bridge`).
 
+An elastic resize lays the shards out again (``KerasState.sync``): new shard variables
+and a new inner optimizer. A step traced before it (``fit``'s train function, which
+``KerasState`` drops, or the user's own ``tf.function``/``jax.jit``) holds the old ones,
+so each step's host call checks the layout it was traced in and refuses a stale one,
+naming the fix; a reset that keeps every rank's place keeps the layout, and the trace.
+
 Refused with the reason: optimizers whose step needs whole tensors (Lamb, Adafactor,
 Muon), ``clipnorm``/``global_clipnorm`` (a norm over whole gradients), ``use_ema``,
 ``exclude_from_weight_decay`` (names are per variable, the shards have none), sparse
@@ -124,6 +130,9 @@ class _ShardedMixin:
         rank, size = shard_position(cfg["process_set"])
         _keep(self, "_ronde_generation", _state.require().generation)
         _keep(self, "_ronde_position", (rank, size))
+        #: counts the layouts: a step traced (``tf.function``, ``jax.jit``) in an earlier
+        #: one holds the old shard variables and slices, and refuses to run
+        _keep(self, "_ronde_layout", getattr(self, "_ronde_layout", 0) + 1)
         by_dtype: dict[str, list[int]] = {}
         for i, v in enumerate(var_list):
             dt = str(v.dtype)
@@ -145,6 +154,10 @@ class _ShardedMixin:
             config["gradient_accumulation_steps"] = cfg["passes"]
         inner = cfg["base"].from_config(config)
         inner.build(self._ronde_shards)
+        # one learning rate for both (a ``LearningRateScheduler`` that sets the outer
+        # one's reaches the steps), set past the inner's tracker: it is the outer's
+        # variable, not the inner's
+        _keep(inner, "_learning_rate", self._learning_rate)
         _keep(self, "_ronde_inner", inner)
         own = {id(v) for v in self._variables}
         for v in inner.variables:
@@ -159,10 +172,18 @@ class _ShardedMixin:
         train function traced the old ones: ``KerasState`` drops it."""
         was = self._ronde_inner
         old = {id(v) for v in self._ronde_shards} | {id(v) for v in was.variables}
+        old -= {id(self._iterations), id(self._learning_rate)}  # the outer's own
         self._variables[:] = [v for v in self._variables if id(v) not in old]
         self._ronde_lay_out(list(self._trainable_variables))
         new = self._ronde_inner  # the step count (Adam's bias correction): the variable
         _step_count(new).assign(_step_count(was))
+        if keras_module().backend.backend() == "jax":
+            # JAX keeps traces by function and input shapes, not by the jit object: a
+            # new train function of the same model at a size seen before would run
+            # the earlier layout's trace (its rank's slices baked in)
+            import jax
+
+            jax.clear_caches()
 
     def _ronde_ranges(self, rank: int, size: int) -> dict[str, tuple[int, int]]:
         """The element ranges ``[a, b)`` of each variable (by its key in the files) that
@@ -203,6 +224,7 @@ class _ShardedMixin:
         ps: ProcessSet = cfg["process_set"]
         rank, size = shard_position(ps)
         wire = cfg["wire_dtype"]
+        layout = self._ronde_layout  # when traced (module docstring: stale traces)
         scale = 1.0 if cfg["average_aggregated"] or cfg["passes"] == 1 else float(cfg["passes"])
         g_shards, present = [], []
         for k, (g, shard) in enumerate(zip(self._ronde_groups, self._ronde_shards)):
@@ -211,11 +233,12 @@ class _ShardedMixin:
             present.append([grads[i] is not None for i in g.ids])
             g_shards.append(host_map(lambda *a, g=g, k=k: [_reduce_scatter(
                 a, g, size, f"{cfg['prefix']}.{k}.grads", ps, wire, scale,
-                self._ronde_generation)],
+                self._ronde_checked(layout))],
                 gs, f"ronde_{cfg['prefix']}_rs{k}", outs=[((g.per,), g.dtype)])[0])
             shard.assign(_my_slice(ops, [variables[i] for i in g.ids], g))
         inner = self._ronde_inner
-        inner._learning_rate = self._learning_rate  # one learning rate for both
+        if inner._learning_rate is not self._learning_rate:  # replaced (a schedule set)
+            _keep(inner, "_learning_rate", self._learning_rate)
         inner.apply(g_shards, self._ronde_shards)
         for k, (g, shard) in enumerate(zip(self._ronde_groups, self._ronde_shards)):
             outs = host_map(lambda a, g=g, k=k: _allgather(a, g, size,
@@ -227,6 +250,18 @@ class _ShardedMixin:
                     variables[i].assign(new)
         self.iterations.assign_add(1)
         return self.iterations
+
+    def _ronde_checked(self, layout: int) -> int:
+        """Host side, each step: the job generation the shards were laid out in, after
+        refusing a step traced in an earlier layout (``layout``: the one it was traced
+        in)."""
+        if layout != self._ronde_layout:
+            raise UnsupportedError(
+                "ShardedOptimizer: this step was traced (tf.function, jax.jit) before the "
+                "shards were laid out again for the resized job, and holds the old ones; "
+                "trace it anew after the elastic state's sync() (fit does: KerasState "
+                "drops model.train_function)")
+        return self._ronde_generation
 
     @property
     def stage(self) -> int:

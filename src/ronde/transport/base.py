@@ -41,14 +41,10 @@ class Communicator(abc.ABC):
     reducescatter_keeps_input: bool = False
 
     def reads_peers(self, nbytes: int, n_tensors: int) -> bool:
-        """Whether an allreduce of this shape may read the peers' tensors in place
-        (decided from what every member knows alike); False unless the transport can."""
-        return False
-
-    def fuses_round(self, nbytes: int, n_tensors: int) -> bool:
-        """Whether the fused groups of one round, ``nbytes`` in all, may run as one
-        operation (no fusion buffer bounds them): True only where every member already
-        agreed that peers' tensors are read in place."""
+        """Whether an allreduce of this shape reads the peers' tensors in place, so that
+        no fusion buffer bounds it (a round's fused groups then run as one operation):
+        decided from what every member knows alike, the same on every rank; False
+        unless the transport can."""
         return False
 
     @abc.abstractmethod

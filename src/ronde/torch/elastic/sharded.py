@@ -143,8 +143,9 @@ class ShardedOptimizerHandler(StateHandler):
     def sync(self) -> None:
         """Rebuild the state for the job as it is now (module docstring, steps 1-5)."""
         opt = self.value
-        was, old_size = reshard.committed_ranks(self._rank, self._size)
-        if not old_size and not self._resized:
+        was, old_size, resized = reshard.committed_ranks(self._rank, self._size,
+                                                         self._resized)
+        if not old_size and not resized:
             # the job's first sync (nobody committed yet, the layout is current): keep
             # each rank's state, take rank 0's hyperparameters
             self._sync_hyper(_api.rank())

@@ -22,6 +22,12 @@ Allreduces of at least ``CMA_MIN_BYTES`` skip the segment altogether when every 
 can use cross-memory attach (see ``single_copy.py``): peers read each other's tensors in
 place, about one pass over the data plus half a reduction, and fused tensors need no
 fusion buffer. The segment then only carries the counters and the address table.
+
+Whether they can is probed and agreed by every member once, when the communicator is
+made (each reads, then writes back, a probe value in every peer; ``CMA_OK`` carries
+the outcome): from then on which path an op takes is a pure function of its size,
+the same on every rank, decided in one place (:meth:`reads_peers` for an allreduce,
+:meth:`_single_copy` for the others).
 """
 
 from __future__ import annotations
@@ -98,7 +104,6 @@ class ShmCommunicator(Communicator, OwnedSegment):
         self._probe = np.array([PROBE_VALUE], dtype=np.int64)
         if cma:  # before ATTACHED: peers probe this process only after seeing it
             vm.allow_peers()
-        self._cma: bool | None = None if cma else False
         #: every member may also write into the others (process_vm_writev): agreed
         #: with ``_cma``; owners then write their reduced blocks into every peer
         self.push_agreed = False
@@ -116,6 +121,9 @@ class ShmCommunicator(Communicator, OwnedSegment):
         self.publish(PID, os.getpid())
         self.publish(PROBE, int(self._probe.ctypes.data))
         self.publish(ATTACHED, 1)  # I have mapped every peer's segment
+        #: every member reads the others' memory in place (single copy): probed and
+        #: agreed by all of them here, once (module docstring)
+        self._cma = self.size > 1 and self._agree_on_cma(cma)
 
     # -- synchronisation (the waits are in counters.py) ---------------------------------
     def begin(self) -> int:
@@ -224,14 +232,11 @@ class ShmCommunicator(Communicator, OwnedSegment):
         self.publish(DONE, t)
 
     # -- single-copy allreduce (cross-memory attach, see single_copy.py) ------------------------------
-    def cma_eligible(self, nbytes: int, n_tensors: int) -> bool:
-        """Whether an allreduce of this shape may take the single-copy path.
-
-        A pure function of the op (the same on every rank) and of a decision every
-        rank reached together at the first eligible op.
-        """
-        return (self._cma is not False and nbytes >= CMA_MIN_BYTES
-                and 0 < n_tensors <= TABLE_ENTRIES and self.size > 1)
+    def reads_peers(self, nbytes: int, n_tensors: int) -> bool:
+        """Whether an allreduce of this shape takes the single-copy path (and a round's
+        fused groups run as one operation): a pure function of the op, the same on
+        every rank, and of what every member agreed when the communicator was made."""
+        return self._cma and nbytes >= CMA_MIN_BYTES and 0 < n_tensors <= TABLE_ENTRIES
 
     def cma_scratch(self, count: int, dtype: np.dtype) -> np.ndarray:
         """A reused scratch buffer of ``count`` elements (for rank-order reductions)."""
@@ -240,11 +245,14 @@ class ShmCommunicator(Communicator, OwnedSegment):
             self._cma_scratch = np.empty(nbytes, dtype=np.uint8)
         return self._cma_scratch[:nbytes].view(dtype)
 
-    def _agree_on_cma(self) -> bool:
+    def _agree_on_cma(self, allowed: bool) -> bool:
         """Probe every peer's memory (read its probe value, then write the same bytes
         back), publish the outcome, and agree: single-copy reads where every member
-        can read, pushes (``push_agreed``) where every member can also write."""
-        read = write = vm.supported()
+        can read, pushes (``push_agreed``) where every member can also write. A
+        member where single copy is off (``allowed`` False: ``RONDE_CMA=0``) takes
+        part and says no. Run once, by :meth:`__init__`, on every member."""
+        self.wait_all(ATTACHED, 1)  # every peer's pid and probe address are published
+        read = write = allowed and vm.supported()
         self.pids = [int(h[PID]) for h in self.headers]
         for j in range(self.size):
             if j == self.rank or not read:
@@ -275,28 +283,10 @@ class ShmCommunicator(Communicator, OwnedSegment):
         Returns False, on every rank alike, when single-copy reads are not possible
         here (the caller then takes the shared-segment path).
         """
-        if not self._agreed():
+        if not self._cma:
             return False
         single_copy.allreduce(self, bufs, op, postscale)
         return True
-
-    def _agreed(self) -> bool:
-        """Whether single-copy reads work between every member: agreed by all of them
-        at the first collective that could use them, then remembered."""
-        if self._cma is None:
-            self._cma = self._agree_on_cma()
-        return self._cma
-
-    @property
-    def single_copy_agreed(self) -> bool:
-        """True once every member agreed that single-copy reads work (never guessed)."""
-        return self._cma is True
-
-    def reads_peers(self, nbytes: int, n_tensors: int) -> bool:
-        return self.cma_eligible(nbytes, n_tensors)
-
-    def fuses_round(self, nbytes: int, n_tensors: int) -> bool:
-        return self._cma is True and self.cma_eligible(nbytes, n_tensors)
 
     def reducescatter(self, buf: np.ndarray, counts: list[int], op: ReduceOp,
                       out: np.ndarray | None = None) -> np.ndarray:
@@ -324,11 +314,9 @@ class ShmCommunicator(Communicator, OwnedSegment):
         return out
 
     def _single_copy(self, nbytes: int) -> bool:
-        """Whether a collective of ``nbytes`` (the same on every member) reads peers'
-        buffers directly (see single_copy.py); agreed by every member at the first such op."""
-        if self._cma is False or nbytes < CMA_MIN_BYTES or self.size < 2:
-            return False
-        return self._agreed()
+        """Whether a collective of ``nbytes`` (the same on every member) other than an
+        allreduce reads peers' buffers directly (see single_copy.py)."""
+        return self._cma and nbytes >= CMA_MIN_BYTES
 
     def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None:
         if self._single_copy(sum(counts) * send.dtype.itemsize):

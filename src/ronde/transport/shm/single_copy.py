@@ -15,7 +15,7 @@ counters and the table of published addresses (see :mod:`.protocol`).
    chunks into a small scratch buffer and reduce into its own tensors, then apply
    the post-scale while the chunk is still in cache;
 3. allgather, where every rank may also write into the others (``process_vm_writev``,
-   agreed at the first op): right after reducing a chunk, write it into every peer's
+   agreed with the reads): right after reducing a chunk, write it into every peer's
    tensors, still in cache. Nobody reads a reduced block, so nobody waits for one,
    and the lines a rank reduces into next time were never loaded by a peer: writing
    into lines another core holds costs an invalidation each, which made the
@@ -40,8 +40,8 @@ peers' outputs instead (16 MiB: 0.65-0.79 ms against 0.87-0.92 read, interleaved
 One copy of each byte that crosses between processes, against two through the shared
 segment (copy in, copy out), and no piece-by-piece synchronisation.
 
-Used when every rank agreed that single-copy reads work (``ShmCommunicator.single_copy_agreed``)
-and the collective is large enough (``CMA_MIN_BYTES``), decided from sizes every rank
+Used when every rank agreed that single-copy reads work (``ShmCommunicator._cma``,
+probed when the communicator is made) and the collective is large enough (``CMA_MIN_BYTES``), decided from sizes every rank
 knows alike. Everything read from the shared table is checked before use.
 """
 
