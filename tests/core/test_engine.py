@@ -419,3 +419,37 @@ def test_submissions_inside_batch_are_announced_in_one_round(engines):
         for h in hs:
             np.testing.assert_array_equal(h.wait(10), np.full(5, 3.0))
     assert announced == [[12] * 5, [12] * 5], announced
+
+
+def test_a_waiting_caller_drives_its_own_ranks_engine(engines, monkeypatch):
+    # with threads as ranks, a thread waiting on its handle drove the engine of the
+    # process's one registry (the last rank started), and could sit in another rank's
+    # round; each handle now drives the engine that made it
+    from ronde.core.engine import Engine
+
+    g = engines(3, spin_time_us=200_000.0)
+    driven: dict[int, set[int]] = {r: set() for r in range(3)}
+    real = Engine.progress
+    import threading
+
+    who = threading.local()
+
+    def progress(self):
+        driven[who.rank].add(self.rank)
+        return real(self)
+
+    monkeypatch.setattr(Engine, "progress", progress)
+
+    def rank(r: int) -> None:
+        who.rank = r
+        for step in range(5):
+            h = g.engines[r].submit(ar(f"s{step}", np.full(4, r + 1.0))).handle
+            np.testing.assert_array_equal(h.wait(10), np.full(4, 6.0))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(driven[r] <= {r} for r in range(3)), driven
+    assert any(driven[r] for r in range(3)), driven  # and callers did drive

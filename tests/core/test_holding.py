@@ -20,11 +20,10 @@ from ronde.collectives.ops import ReduceOp
 from ronde.core.requests import Kind, Request
 
 pytestmark = pytest.mark.timeout(60)
-#: a minute of hold; and no caller driving: the process has one ``WAITERS`` (one engine
-#: per process in real jobs), so with threads as ranks a thread waiting on its handle
-#: would drive another rank's engine, and could sit in that rank's round while its own
-#: rank is the one the round waits for
-HOLD = {"round_hold_ms": 60_000.0, "spin_time_us": 0.0}
+#: a minute of hold. Callers drive their engines (a handle drives its own rank's: with a
+#: registry per process, a thread waiting on its handle drove another rank's engine, and
+#: could sit in that rank's round while its own rank was the one the round waited for)
+HOLD = {"round_hold_ms": 60_000.0}
 
 
 def _ar(name: str, arr: np.ndarray, **kw) -> Request:
@@ -73,7 +72,7 @@ def test_a_step_whose_ranks_arrive_apart_is_agreed_in_one_round(engines, hold_ms
     # whichever rank is late (the coordinator included), the others' announcements wait
     # for it: one round a step. Without the hold (RONDE_ROUND_HOLD=0, Horovod's way)
     # every early rank's announcement starts a round of its own
-    g = engines(4, round_hold_ms=hold_ms, spin_time_us=0.0)
+    g = engines(4, round_hold_ms=hold_ms)
     _steps(g, 2, 0)  # the names enter the response cache (new names are never held)
     before = _rounds(g)
     got = _steps(g, 8, 1)
@@ -158,7 +157,7 @@ def test_a_rank_that_never_comes_lets_the_hold_run_out(engines):
     # rank 2 announces nothing for a while: the others' round is held at most
     # RONDE_ROUND_HOLD, then runs (announcing), and the collective completes once
     # rank 2 submits
-    g = engines(3, round_hold_ms=20.0, spin_time_us=0.0)
+    g = engines(3, round_hold_ms=20.0)
     _steps(g, 2, 0)
     before = _rounds(g)
     hs = [g.engines[r].submit(_ar("a", np.full(3, 1.0))).handle for r in (0, 1)]

@@ -27,9 +27,16 @@ y = x.sum(axis=1, keepdims=True)
 #: ELASTIC_SHARDED=1: ShardedOptimizer(Adam), every rank on the whole data in order (so
 #: the average gradient is one process's): the run must end where one process's Adam does
 SHARDED = bool(os.environ.get("ELASTIC_SHARDED"))
+#: ELASTIC_PASSES=k: with backward_passes_per_step=k (averaged), against one process's
+#: Adam with Keras' gradient_accumulation_steps=k
+PASSES = int(os.environ.get("ELASTIC_PASSES", "1"))
+ACCUMULATE = {"gradient_accumulation_steps": PASSES} if PASSES > 1 else {}
 model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
 if SHARDED:
-    model.compile(optimizer=hvd.ShardedOptimizer(keras.optimizers.Adam(0.05)), loss="mse")
+    model.compile(optimizer=hvd.ShardedOptimizer(keras.optimizers.Adam(0.05),
+                                                 backward_passes_per_step=PASSES,
+                                                 average_aggregated_gradients=True),
+                  loss="mse")
 else:
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
 initial = [w.copy() for w in model.get_weights()]  # rank 0's are everyone's at the 1st sync
@@ -89,13 +96,15 @@ if hvd.rank() == 0:
     if SHARDED:  # one process, plain Adam, the same batches from the same weights
         ref = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
         ref.set_weights(initial)
-        ref.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+        ref.compile(optimizer=keras.optimizers.Adam(0.05, **ACCUMULATE), loss="mse")
         ref.fit(x, y, batch_size=4, epochs=EPOCHS, shuffle=False, verbose=0)
         found["vs_one_process"] = max(float(np.max(np.abs(a - b))) for a, b in
                                       zip(model.get_weights(), ref.get_weights()))
         found["moved"] = max(float(np.max(np.abs(a - b))) for a, b in
                              zip(model.get_weights(), initial))
         found["iterations"] = int(np.asarray(model.optimizer.iterations))
+        # the inner optimizer's steps: one per k passes with accumulation
+        found["updates"] = int(np.asarray(model.optimizer.inner_optimizer.iterations))
     with open(os.environ["ELASTIC_OUT"], "w") as f:
         json.dump(found, f)
 hvd.shutdown()

@@ -54,20 +54,24 @@ def test_jax_state_survives_a_lost_rank(tmp_path):
     assert result["w"] == [3 * 3 + 5] * 3
 
 
-def test_keras_fit_with_a_sharded_optimizer_across_2_1_2_ranks(tmp_path):
+@pytest.mark.parametrize("backend,passes", [("jax", 1), ("tensorflow", 2)])
+def test_keras_fit_with_a_sharded_optimizer_across_2_1_2_ranks(tmp_path, backend, passes):
     # Adam's state sharded over the ranks, resharded in memory at each resize: 127.0.0.2
     # dies as epoch 1 begins (its slice comes from the copy rank 0 kept at the last
     # commit), 127.0.0.3 joins at epoch 2's end (the whole state, on rank 0 at size 1,
     # split again). Every rank trains on the same batches in order, so the run must end
     # where one process's plain Adam does: a lost or misplaced moment shows in the weights.
     # On the JAX backend, whose fit empties the variables while it runs and wraps a lost
-    # peer in a ValueError (the TensorFlow and torch backends pass it too, by hand)
+    # peer in a ValueError; and on TensorFlow with backward_passes_per_step=2 (the
+    # accumulated shards and the inner step count carried), against one process's Adam
+    # with Keras' gradient_accumulation_steps=2
     pytest.importorskip("keras")
-    pytest.importorskip("jax")
+    pytest.importorskip(backend)
     res, result, text = _job(tmp_path, "keras_elastic_worker.py",
                              discovery=["127.0.0.1", "127.0.0.2"], min_np=1,
                              env={"ELASTIC_EPOCHS": "4", "ELASTIC_BATCH_SLEEP": "0.1",
-                                  "ELASTIC_SHARDED": "1", "KERAS_BACKEND": "jax",
+                                  "ELASTIC_SHARDED": "1", "KERAS_BACKEND": backend,
+                                  "ELASTIC_PASSES": str(passes),
                                   "ELASTIC_DIE_AT_EPOCH": "127.0.0.2:1",
                                   "ELASTIC_ADD_AT_EPOCH": "2:127.0.0.3"})
     assert res.returncode == 0, text
@@ -77,6 +81,7 @@ def test_keras_fit_with_a_sharded_optimizer_across_2_1_2_ranks(tmp_path):
     assert result["epoch"] == 4
     assert result["vs_one_process"] < 1e-5 and result["moved"] > 1e-2, result
     assert result["iterations"] == 4 * 16, result  # 16 batches an epoch, none twice
+    assert result["updates"] == 4 * 16 // passes, result
 
 
 def test_jax_optax_loop_across_a_resize(tmp_path):

@@ -62,7 +62,7 @@ class _Raw:
 
 
 @needs_collapse
-def test_a_block_seen_twice_moves_onto_a_huge_page_contents_unchanged():
+def test_a_block_seen_twice_moves_onto_a_huge_page_contents_unchanged(caplog, monkeypatch):
     m, buf = _anon(3 * BLOCK)
     buf[:] = np.arange(buf.size) % 251
     addr = buf.ctypes.data
@@ -71,8 +71,13 @@ def test_a_block_seen_twice_moves_onto_a_huge_page_contents_unchanged():
     hp = HugePages(True)
     hp.prepare(ranges)
     assert hp.collapsed_bytes == 0  # seen once: memory used once is not worth a copy
-    hp.prepare(ranges)
+    with caplog.at_level("DEBUG", logger="ronde.transport.hugepages"):
+        hp.prepare(ranges)
     assert hp.collapsed_bytes == 3 * BLOCK and hp.refused == 0
+    # the step that paid for it says so
+    assert f"{3 * BLOCK >> 20} MiB of memory peers read moved onto huge pages" in caplog.text
+    # and from then on nothing reads /proc/self/maps
+    monkeypatch.setattr(hugepages, "_read_maps", lambda *a: pytest.fail("read the maps"))
     assert _huge_bytes(addr, addr + 3 * BLOCK) >= 3 * BLOCK
     assert (buf == np.arange(buf.size) % 251).all()
 

@@ -19,18 +19,21 @@ import time
 from typing import TYPE_CHECKING
 
 from .protocol import RoundMessage
-from .requests import KIND_NAMES, WAITERS, Kind
+from .requests import KIND_NAMES, Kind
 from .responses import Response
 
 if TYPE_CHECKING:
     from .negotiation import Negotiator, _Entry
+    from .requests import Waiters
 
 
 class WaitWatch:
     """One rank's view: since when it has only been waiting, and at what CPU time."""
 
-    def __init__(self, limit_s: float) -> None:
+    def __init__(self, limit_s: float, waiters: Waiters) -> None:
         self.limit_s = limit_s
+        #: the engine's waiters: the rank counts as waiting only while one sleeps
+        self._waiters = waiters
         #: (since, process CPU time then, negotiator progress then), or None
         self._mark: tuple[float, float, int] | None = None
 
@@ -47,7 +50,7 @@ class WaitWatch:
         if self.limit_s <= 0:
             return None
         mark = self._mark
-        if not pending or WAITERS.sleeping <= 0:
+        if not pending or self._waiters.sleeping <= 0:
             self._mark = None
             return None
         if mark is None or mark[2] != progress or quiet_since > mark[0]:

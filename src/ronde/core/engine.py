@@ -38,7 +38,7 @@ from .holding import RoundHold
 from .negotiation import Negotiator, Response
 from .outbox import Outbox
 from . import autotune, crossed, protocol, rounds
-from .requests import WAITERS, Request
+from .requests import Handle, Request, Waiters
 from .stall import StallInspector
 from .timeline import Timeline, now_us
 
@@ -89,7 +89,8 @@ class Engine:
         self.executor = Executor(self)
         self.executor.on_idle = self._executor_idle
         self.stall = StallInspector(cfg, describe_rank)
-        self._waiting = crossed.WaitWatch(cfg.deadlock_time_s)  #: only waiting? (crossed.py)
+        self.waiters = Waiters()  #: callers waiting on its handles drive it (requests.py)
+        self._waiting = crossed.WaitWatch(cfg.deadlock_time_s, self.waiters)  # crossed.py
         self._thread = threading.Thread(target=self._control_main, name="ronde-control",
                                         daemon=True)
         self._stopped = threading.Event()
@@ -101,13 +102,13 @@ class Engine:
         self.executor.start()
         self._thread.start()
         if self.cfg.spin_time_us > 0:
-            WAITERS.attach(self)
+            self.waiters.attach(self)
 
     def shutdown(self) -> None:
         """Announce shutdown, let pending work finish (bounded), then stop the threads."""
         with self._lock:
             self.out.shutdown_requested = True
-        WAITERS.detach(self)
+        self.waiters.detach(self)
         self.wake(force=True)
         self._thread.join(self.cfg.shutdown_timeout_s + 5.0)
         self.executor.stop(5.0)
@@ -130,6 +131,7 @@ class Engine:
 
     # -- API used by the facade ------------------------------------------------------------
     def submit(self, req: Request) -> Request:
+        req.handle = Handle(req.name, self.waiters)  # (its waiter drives this engine)
         with self._lock:
             if self._error is not None:
                 raise fresh_copy(self._error)
@@ -140,9 +142,9 @@ class Engine:
                 req.t_submit = now_us()
             self._last_activity = now = time.monotonic()
             deep = self._ctl_deep_sleep and not self.out.batching
-            quiet = deep and self._waited_by == threading.get_ident() and WAITERS.engine is self
+            quiet = deep and self._waited_by == threading.get_ident() and self.waiters.engine
             self._waited_by = 0  # the next submission only (``waited_by``)
-            if deep and not quiet and WAITERS.engine is self:  # a burst joins this round
+            if deep and not quiet and self.waiters.engine:  # a burst joins this round
                 self._hold_until = now + self.cycle_s / 4
         if quiet and self._drive.acquire(False):  # no wake-up (``waited_by``); the round
             try:  # number holds still under the drive lock (else: wake, as for any)
@@ -173,6 +175,7 @@ class Engine:
                 self.wake()
 
     def request_process_set(self, action: str, arg: Any, req: Request) -> Request:
+        req.handle = Handle(req.name, self.waiters)
         with self._lock:
             if self._error is not None:
                 raise fresh_copy(self._error)
@@ -184,7 +187,6 @@ class Engine:
     def failed(self) -> BaseException | None:
         """The failure that stopped this engine, or None."""
         return self._error
-
     # -- failure -------------------------------------------------------------------------
     def fail(self, exc: BaseException) -> None:
         """Stop the engine with ``exc``: the first failure wins. A lost peer is told to
@@ -237,9 +239,8 @@ class Engine:
             self._stopped.set()
 
     def _driver_failed(self, exc: BaseException) -> None:
-        if not isinstance(exc, RondeError):
-            exc = RondeError(f"rank {self.rank}: engine control thread failed: {exc!r}")
-        self.fail(exc)
+        self.fail(exc if isinstance(exc, RondeError) else
+                  RondeError(f"rank {self.rank}: engine control thread failed: {exc!r}"))
 
     def _has_local(self) -> bool:
         with self._lock:
@@ -439,9 +440,10 @@ class Engine:
         messages = [protocol.SILENT] * self.size
         blobs: list[bytes] = [b""] * self.size
         messages[self.rank], blobs[self.rank] = msg, blob
-        if self.size > 1:
-            self.exchange.run(self._rounds + 1, protocol.pack_round(msg, blob), messages,
-                              blobs, self._reraise_error, self.negotiator.shutdown)
+        if self.size > 1:  # (the exchange raises a copy of this engine's failure, if any)
+            self.exchange.run(self._rounds + 1, protocol.pack_round(msg, blob), messages, blobs,
+                              lambda: self._error and fresh_copy(self._error),
+                              self.negotiator.shutdown)
         self._rounds += 1
         responses = self.negotiator.apply_round(messages, blobs)
         if self.autotune.after_round(self.negotiator.round, messages[0].tune, responses,
@@ -468,9 +470,6 @@ class Engine:
         self.cycle_s = t.cycle_time_ms / 1000.0
         self.announcer.set_inline_bytes(t.inline_bytes)
         self.exchange.set_spin(t.spin_time_us / 1e6)
-
-    def _reraise_error(self) -> BaseException | None:
-        return fresh_copy(self._error) if self._error is not None else None
 
     def _check_waiting(self, now: float) -> None:
         """Tell the peers when this rank is only waiting (see :mod:`.crossed`)."""

@@ -27,9 +27,7 @@ third rank, outside it, wants nothing, and their round starts.
 The one case the hold's deadline is for, through a coordinator: a member is committed to
 its frame, so when one of its threads sits in the round while another thread of the same
 rank holds what the others wait for, nothing of the frames covers a collective until
-the hold runs out (``RONDE_ROUND_HOLD``). With threads as ranks in one process (tests),
-a waiting thread drives the process's one engine of ``WAITERS``, another rank's: tests
-of the hold turn callers' driving off (``RONDE_SPIN_TIME=0``), as ``run_threads`` does.
+the hold runs out (``RONDE_ROUND_HOLD``).
 
 Nothing is delayed by it: what is held cannot complete before the rank that does not
 want the round yet announces. Never held: anything but announcements to send (joins,

@@ -62,7 +62,9 @@ def describe(dtype: str, shape: Sequence[int]) -> str:
 
 
 class Waiters:
-    """Threads of this process blocked on a handle, and the engine they may drive.
+    """Threads blocked on the handles of one engine, and that engine, which they may
+    drive (each :class:`Handle` is given its engine's: with threads as ranks in one
+    process, as in tests, a handle drives its own rank's engine, never another's).
 
     A thread that waits first *drives* for up to ``RONDE_SPIN_TIME``: it runs the
     engine's next round and executes the agreed collectives itself
@@ -111,10 +113,6 @@ class Waiters:
         return handle._done
 
 
-#: the waiters of this process (one engine per process)
-WAITERS = Waiters()
-
-
 #: guards every handle's completion against a waiter creating its event meanwhile
 _DONE_LOCK = threading.Lock()
 
@@ -127,10 +125,12 @@ class Handle:
     made only when one has to sleep: most waits end while the caller drives.
     """
 
-    __slots__ = ("_done", "_event", "_result", "_error", "name", "_callbacks")
+    __slots__ = ("_done", "_event", "_result", "_error", "name", "_callbacks", "_waiters")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, waiters: Waiters | None = None) -> None:
         self.name = name
+        #: the engine's waiters: a wait drives that engine first (None: it only sleeps)
+        self._waiters = waiters
         self._done = False
         self._event: threading.Event | None = None
         self._result: Any = None
@@ -148,17 +148,21 @@ class Handle:
             if self._event is None:
                 self._event = threading.Event()
             event = self._event
-            WAITERS.sleeping += 1
+            waiters = self._waiters
+            if waiters is not None:
+                waiters.sleeping += 1
         try:
             return event.wait(timeout)
         finally:
-            with _DONE_LOCK:
-                WAITERS.sleeping -= 1
+            if waiters is not None:
+                with _DONE_LOCK:
+                    waiters.sleeping -= 1
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until finished; return the result or raise its error."""
         if not self._done:
-            if not (WAITERS.drive(self) or self._sleep(timeout)):
+            waiters = self._waiters
+            if not ((waiters is not None and waiters.drive(self)) or self._sleep(timeout)):
                 raise TimeoutError(
                     f"collective {self.name!r} did not finish within {timeout}s")
         if self._error is not None:
@@ -284,7 +288,6 @@ class Request:
         self.postscale = float(postscale)
         self.splits = None if splits is None else [int(s) for s in splits]
         self.ps_id = ps_id
-        self.handle = Handle(name)
         self.t_submit = self.t_announce = 0.0  # timeline stamps (microseconds)
         #: turns the engine's raw result into what the caller gets back
         self.finish = finish

@@ -14,8 +14,8 @@ the global one. Tests of those start real processes (:func:`ronde.testing.run_ra
 
 Inside ``fn``, ``init()`` and ``shutdown()`` leave the thread's runtime alone (the
 harness made it and stops it), so a worker written for :func:`run_ranks` runs unchanged.
-The callers waiting on a handle do not drive the engine (``RONDE_SPIN_TIME=0``: the
-spin registry is one per process).
+A caller waiting on a handle drives its own rank's engine, as in a real job (each
+handle is given its engine's waiters).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _runtimes(n: int, **overrides: Any) -> list[Any]:
     from ..transport.base import Communicator, P2PCommunicator
     from ..transport.tcp import SocketP2P
 
-    cfg = _config.load(**{"spin_time_us": 0.0, **overrides})
+    cfg = _config.load(**overrides)
     ctl, data = socket_mesh(n), socket_mesh(n)
     hosts = ["localhost"] * n
     out = []

@@ -22,7 +22,9 @@ and for a straddled one it reports EINVAL, or on the heap success while leaving 
 - a block is collapsed the second time it is seen (memory used once, a freshly
   allocated output, is not worth a copy at 4 GB/s); after that attempt, whatever its
   outcome, it is never tried again, so the steady state costs one set lookup per
-  buffer;
+  buffer (a training loop's persistent gradient buckets: the first steps pay, each
+  such step logged at debug level with what moved, and then nothing reads
+  ``/proc/self/maps``);
 - a block is whole 2 MiB of address space: memory around a small tensor (its
   allocator's neighbours) moves onto the same huge page, its contents unchanged; a
   block not entirely mapped, or shared with a file mapping, is refused by the kernel
@@ -57,6 +59,7 @@ simply read at the 4 KiB rate (the record says "done"), never wrongly.
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 from typing import Iterable
 
@@ -83,6 +86,7 @@ _MADV_COLLAPSE = 25
 #: forgotten are tried again, a no-op for those already on huge pages)
 _MAX_RECORDED = 1 << 16
 _SYSFS = "/sys/kernel/mm/transparent_hugepage/enabled"
+log = logging.getLogger(__name__)
 
 
 def thp_allowed(path: str = _SYSFS) -> bool:
@@ -174,9 +178,15 @@ class HugePages:
                     settled.clear()
                 settled.add((addr, n))
         if due:
-            spans = _read_maps()  # once for all the blocks due now (each once ever)
+            # lazily, each block once ever: the steady state of a training loop reads no
+            # /proc here. Logged (RONDE_LOG_LEVEL=debug): the step that pays for it shows
+            spans = _read_maps()  # once for all the blocks due now
+            was = self.collapsed_bytes, self.refused
             for block in due:
                 self._collapse(block, spans)
+            log.debug("huge pages: %d MiB of memory peers read moved onto huge pages, "
+                      "%d blocks refused (RONDE_HUGEPAGES=0 turns this off)",
+                      (self.collapsed_bytes - was[0]) >> 20, self.refused - was[1])
 
     def _visit(self, addr: int, n: int, due: list[int]) -> bool:
         """Add the blocks of one range seen before to ``due``; True when all were tried."""
