@@ -174,7 +174,8 @@ KNOBS: tuple[Knob, ...] = (
                    ' timeout',
          doc='How long start-up may take: reaching the rendezvous and all ranks '
              "arriving there, connecting to every peer, the peers' shared-memory "
-             'segments appearing.'),
+             'segments appearing, and then every peer on the host mapping them (a '
+             'peer that dies during start-up fails the others within this time).'),
     Knob("stop_grace_s", "RONDE_STOP_GRACE", float,
          accepted=Range(0, 3600),
          default='`10`', unit='seconds',

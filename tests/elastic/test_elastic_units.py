@@ -239,6 +239,11 @@ def test_a_lost_peer_inside_a_jax_host_callback_still_resets_the_job():
         "above exception, another exception occurred:\n\nTraceback (most recent call "
         "last):\n  File \"x.py\", line 1\n    raise PeerLostError()\n"
         "ronde._errors.TensorMismatchError: 'w' differs")) is None
+    # older jaxlib's text: the exception behind the callback error on one line
+    found = as_ronde_error(ValueError("INTERNAL: Generated function failed: CpuCallback "
+                                      "error: PeerLostError: rank 1 exited\n\nAt:\n  "
+                                      "f.py(12): f"))
+    assert isinstance(found, PeerLostError)
     # TensorFlow's text: the op's node behind the traceback
     found = as_ronde_error(_TfLike("{{function_node __wrapped__EagerPyFunc}} PeerLostError: "
                                    "rank 1 lost\nTraceback (most recent call last):\n"

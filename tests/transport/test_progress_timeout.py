@@ -52,3 +52,28 @@ def test_shm_peer_that_never_arrives():
     peer.close()
     remove_job_segments(key)
     assert not [f for f in os.listdir("/dev/shm") if key in f]
+
+
+def test_shm_peer_that_dies_during_start_up_fails_construction_within_the_start_timeout():
+    # the peer made its segment and died before mapping the others' (SIGKILL, OOM in
+    # init): construction, which agrees on single copy with every member, waited for it
+    # for the progress timeout (minutes, or for ever at 0) with no engine yet to notice;
+    # it gives up at the start timeout, as a segment that never appears does, and
+    # leaves no file behind
+    from ronde import RendezvousError
+    from ronde.transport.segments import create_segment, shm_dir
+    from ronde.transport.shm.protocol import HEADER_BYTES, SMALL_BYTES
+
+    key = f"test-{uuid.uuid4().hex[:8]}"
+    seg = create_segment(os.path.join(shm_dir(), f"ronde-{key}-1"),
+                         HEADER_BYTES + (1 << 16) + 2 * SMALL_BYTES)
+    t = time.monotonic()
+    try:
+        with pytest.raises(RendezvousError, match="rank 1.*failed during start-up"):
+            ShmCommunicator(0, [0, 1], key, 1 << 16, lambda: None, timeout_s=1.0,
+                            progress_timeout_s=0.0)
+        assert time.monotonic() - t < 10
+        assert not os.path.exists(os.path.join(shm_dir(), f"ronde-{key}-0"))
+    finally:
+        seg.close()
+        remove_job_segments(key)

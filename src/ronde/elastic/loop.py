@@ -54,8 +54,9 @@ def as_ronde_error(exc: BaseException) -> RondeError | None:
 
 
 #: an exception's line in a traceback's text: ``[module.]Name: message`` (or ``Name``
-#: alone), possibly behind TensorFlow's ``{{function_node ...}}`` prefix
-_RAISED = re.compile(r"(?:^|\}\} )(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception))(?::|$)")
+#: alone), possibly behind TensorFlow's ``{{function_node ...}}`` prefix or another
+#: error's ``...: `` (older jaxlib: ``INTERNAL: ... CpuCallback error: PeerLostError: ...``)
+_RAISED = re.compile(r"(?:^|\}\} |: )(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception))(?::|$)")
 
 
 def _raised_last(text: str) -> str | None:

@@ -39,6 +39,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..._errors import RendezvousError
 from ...collectives.ops import ReduceOp, reduce_in_rank_order, reduce_into
 from .. import vm
 from ..balance import BlockSplit
@@ -123,7 +124,11 @@ class ShmCommunicator(Communicator, OwnedSegment):
         self.publish(ATTACHED, 1)  # I have mapped every peer's segment
         #: every member reads the others' memory in place (single copy): probed and
         #: agreed by all of them here, once (module docstring)
-        self._cma = self.size > 1 and self._agree_on_cma(cma)
+        try:
+            self._cma = self.size > 1 and self._agree_on_cma(cma, time.monotonic() + timeout_s)
+        except BaseException:
+            self.close()  # (this rank's segment file and the maps)
+            raise
 
     # -- synchronisation (the waits are in counters.py) ---------------------------------
     def begin(self) -> int:
@@ -245,13 +250,13 @@ class ShmCommunicator(Communicator, OwnedSegment):
             self._cma_scratch = np.empty(nbytes, dtype=np.uint8)
         return self._cma_scratch[:nbytes].view(dtype)
 
-    def _agree_on_cma(self, allowed: bool) -> bool:
+    def _agree_on_cma(self, allowed: bool, deadline: float) -> bool:
         """Probe every peer's memory (read its probe value, then write the same bytes
         back), publish the outcome, and agree: single-copy reads where every member
         can read, pushes (``push_agreed``) where every member can also write. A
         member where single copy is off (``allowed`` False: ``RONDE_CMA=0``) takes
         part and says no. Run once, by :meth:`__init__`, on every member."""
-        self.wait_all(ATTACHED, 1)  # every peer's pid and probe address are published
+        self._await_all(ATTACHED, deadline, "map every segment")  # pids, probes published
         read = write = allowed and vm.supported()
         self.pids = [int(h[PID]) for h in self.headers]
         for j in range(self.size):
@@ -271,10 +276,24 @@ class ShmCommunicator(Communicator, OwnedSegment):
                 except OSError:
                     write = False
         self.publish(CMA_OK, 1 if read and write else (3 if read else 2))
-        self.wait_all(CMA_OK, 1)
+        self._await_all(CMA_OK, deadline, "probe single-copy reads")
         agreed = [int(h[CMA_OK]) for h in self.headers]  # 1 read+write, 3 read only, 2 none
         self.push_agreed = all(v == 1 for v in agreed)
         return all(v in (1, 3) for v in agreed)
+
+    def _await_all(self, idx: int, deadline: float, what: str) -> None:
+        """The constructor's waits: every other member's counter ``idx`` set by
+        ``deadline`` (``RONDE_START_TIMEOUT`` from the agreement's start). No engine runs
+        yet to notice a peer lost during start-up: ``RendezvousError``, as
+        ``open_segment``'s, rather than the progress timeout's minutes."""
+        for j in range(self.size):
+            hdr = self.headers[j]
+            while j != self.rank and hdr[idx] < 1:
+                if time.monotonic() > deadline:
+                    raise RendezvousError(
+                        f"rank {self.members[j]}, a shared-memory peer on this host, did not "
+                        f"{what} in time: it failed during start-up")
+                time.sleep(0.0005)
 
     def allreduce_scattered(self, bufs: list[np.ndarray], op: ReduceOp, postscale: float
                             ) -> bool:
