@@ -11,6 +11,7 @@ import os
 
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -26,10 +27,14 @@ SHARDED = bool(os.environ.get("ELASTIC_SHARDED"))
 #: ELASTIC_SHARDED=2: stage 2 with two passes a step (the same gradients twice, averaged:
 #: the same steps as stage 1), so that the accumulator's slices are resharded too
 PASSES = 2 if os.environ.get("ELASTIC_SHARDED") == "2" else 1
-if SHARDED:  # 10 elements: slices of 5, 4 or 10 at 2, 3 or 1 ranks
-    tx = hvd.ShardedOptimizer(optax.adam(0.1), stage=PASSES, backward_passes_per_step=PASSES,
+if SHARDED:  # 10 elements: slices of 5, 4 or 10 at 2, 3 or 1 ranks. AdamW (it reads
+    # this rank's slice of the parameters) under jax.jit: a rank that comes back to a
+    # size it had at another place must not run its old trace (the old slice baked in)
+    tx = hvd.ShardedOptimizer(optax.adamw(0.1, weight_decay=0.5), stage=PASSES,
+                              backward_passes_per_step=PASSES,
                               average_aggregated_gradients=True)
-    params = {"w": jnp.zeros(7), "b": jnp.zeros(3)}
+    update = jax.jit(tx.update)
+    params = {"w": jnp.ones(7), "b": jnp.ones(3)}
 else:
     tx = optax.sgd(0.1, momentum=0.9)
     params = {"w": jnp.zeros(3)}
@@ -58,8 +63,8 @@ def train(state):
         time.sleep(float(os.environ.get("ELASTIC_STEP_SLEEP", "0")))
         if SHARDED:
             for _ in range(PASSES):
-                updates, state.opt_state = tx.update(sharded_grads(state.step),
-                                                     state.opt_state, state.params)
+                updates, state.opt_state = update(sharded_grads(state.step),
+                                                  state.opt_state, state.params)
                 state.params = optax.apply_updates(state.params, updates)
             state.sizes.append(hvd.size())
             state.step += 1
@@ -81,9 +86,9 @@ mine = np.asarray(state.params["w"]).tobytes()
 every = hvd.allgather_object(mine, name="final")
 out = {"w": np.asarray(state.params["w"]).tolist(), "sizes": state.sizes,
        "equal": all(x == every[0] for x in every)}
-if SHARDED:  # one process's Adam over the same gradients
-    ref_tx = optax.adam(0.1)
-    ref = {"w": jnp.zeros(7), "b": jnp.zeros(3)}
+if SHARDED:  # one process's AdamW over the same gradients
+    ref_tx = optax.adamw(0.1, weight_decay=0.5)
+    ref = {"w": jnp.ones(7), "b": jnp.ones(3)}
     ref_state = ref_tx.init(ref)
     for t in range(STEPS):
         u, ref_state = ref_tx.update(sharded_grads(t), ref_state, ref)

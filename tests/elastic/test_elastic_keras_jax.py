@@ -160,11 +160,14 @@ def test_tensorflow_run_turns_op_errors_of_a_lost_peer_into_peer_lost_error(monk
 
 def test_jax_sharded_optimizer_state_is_resharded_in_memory_across_a_lost_and_a_new_rank(
         tmp_path):
-    # np=3 with ronde.jax.ShardedOptimizer(adam) in a JaxState: the worker of 127.0.0.2
-    # dies at step 3 (3 -> 2: its slice of the moments comes from its neighbour's copy),
-    # 127.0.0.4 joins at step 6 (2 -> 3); every rank's gradients are the same, so the run
-    # must end where one process's Adam does on the same steps: any lost or misplaced
-    # moment shows in the weights. At stage 2 with two passes a step (ELASTIC_SHARDED=2),
+    # np=3 with ronde.jax.ShardedOptimizer(adamw) in a JaxState, its update under
+    # jax.jit: the worker of 127.0.0.2 dies at step 3 (3 -> 2: its slice of the moments
+    # comes from its neighbour's copy), 127.0.0.4 joins at step 6 (2 -> 3: 127.0.0.3,
+    # rank 2 at the start, is rank 1 now); every rank's gradients are the same, so the
+    # run must end where one process's AdamW does on the same steps: any lost or
+    # misplaced moment shows in the weights. (JAX kept 127.0.0.3's first trace of the
+    # size-3 update, rank 2's slice of the parameters baked in: 0.27 off, silently,
+    # until a relayout cleared JAX's caches.) At stage 2 with two passes a step (ELASTIC_SHARDED=2),
     # so that the accumulator's slices (1/N of the gradients) take the new size too
     pytest.importorskip("optax")
     res, result, text = _job(tmp_path, "jax_elastic_worker.py",

@@ -93,6 +93,7 @@ class JaxState(ObjectState):
         from ..frameworks import reshard
 
         now = _state.require().generation
+        relaid = False
         for k in self._trees:
             value = self._saved_state[k]
             if isinstance(value, ShardedState):
@@ -103,12 +104,20 @@ class JaxState(ObjectState):
                 same = old_size == len(was) and all(r == j for j, (r, _) in enumerate(was))
                 if old_size and not same:
                     self._saved_state[k] = shards.rebuild(self, k, was, old_size)
+                    relaid = True
                 elif not old_size and not _laid_out_for(value, self, k):
                     # nobody committed yet and this rank's slices are another size's:
                     # fresh ones (what a rank that joins starts from)
                     self._saved_state[k] = shards.rebuild(self, k, was, 0)
+                    relaid = True
             else:
                 self._saved_state[k] = _broadcast_but_shards(value, k, self._generation)
+        if relaid:
+            # a ShardedOptimizer laid out again: JAX keeps traces by function and input
+            # shapes, not by jit object, so a jitted update at a size this rank had at
+            # another place ran that trace, its old slice of the parameters baked in
+            # (AdamW decayed with another rank's weights): every trace is made anew
+            jax.clear_caches()
         self._generation = now
         plain = {k: v for k, v in self._saved_state.items() if k not in self._trees}
         if plain:
