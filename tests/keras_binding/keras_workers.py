@@ -274,23 +274,20 @@ def sharded_scenarios() -> dict:
     ref.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
     ref.fit(x, y, batch_size=2 * n * B, epochs=1, shuffle=False, verbose=0)
     out["accumulation"] = _maxdiff(_weights(model), _weights(ref))
-    # the shards laid out again (what an elastic resize's sync does): fit's train
-    # function traced before it holds the old shards. TensorFlow's refuses, naming the
-    # fix; JAX's traces anew (its caches are cleared: it would reuse a trace of the same
-    # shapes); torch's runs eagerly. Traced anew, every backend steps.
-    model = _sharded_model(0)
-    model.compile(optimizer=hvd.ShardedOptimizer(keras.optimizers.Adam(0.01), name="relaid"),
-                  loss=loss)
-    model.fit(xs, ys, batch_size=B, epochs=1, shuffle=False, verbose=0)
-    model.optimizer._ronde_relayout()
+    # the same model's shards laid out again (what an elastic resize's sync does): fit's
+    # train function traced before holds the old shards. TensorFlow's refuses, naming
+    # the fix; JAX's traces anew (its caches are cleared: it would reuse a trace of the
+    # same shapes); torch's runs eagerly. Traced anew, every backend steps (two passes
+    # of B: one update)
+    acc_opt._ronde_relayout()
     try:
-        model.fit(xs[:B], ys[:B], batch_size=B, epochs=1, shuffle=False, verbose=0)
+        model.fit(xs[:2 * B], ys[:2 * B], batch_size=B, epochs=1, shuffle=False, verbose=0)
         out["stale_trace"] = "stepped"
     except Exception as exc:  # noqa: BLE001 - the host call may wrap it
         out["stale_trace"] = f"{type(exc).__name__}: {exc}"
     model.train_function = None
     before = _weights(model)
-    model.fit(xs[:B], ys[:B], batch_size=B, epochs=1, shuffle=False, verbose=0)
+    model.fit(xs[:2 * B], ys[:2 * B], batch_size=B, epochs=1, shuffle=False, verbose=0)
     out["retraced_moved"] = _maxdiff(_weights(model), before)
     refused = []
     for bad in (lambda: keras.optimizers.Lamb(0.01),
