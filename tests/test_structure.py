@@ -163,6 +163,22 @@ def test_no_transport_imports_the_engine():
     assert bad == []
 
 
+def test_the_executor_never_reaches_the_engine():
+    # issue #34: the executor is given what it works with (communicators, the pending
+    # requests, failed()/fail()) and holds no engine: no import of it, no ``engine``
+    # attribute or name, in it or in the inline reductions it runs
+    bad = []
+    for module in ("ronde.core.executor", "ronde.core.inline", "ronde.core.planner"):
+        if any(t == "ronde.core.engine" for t in GRAPH[module]):
+            bad.append(f"{module} imports the engine")
+        with open(MODULES[module], encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+        bad += [f"{module}:{n.lineno} {ast.unparse(n)}" for n in ast.walk(tree)
+                if (isinstance(n, ast.Attribute) and n.attr in ("engine", "eng"))
+                or (isinstance(n, ast.Name) and n.id in ("engine", "eng"))]
+    assert bad == []
+
+
 def _backend(module: str) -> str | None:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 and parts[1] in BACKENDS else None

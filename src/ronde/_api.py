@@ -492,7 +492,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
 def stop_timeline() -> None:
     """Stop and close the timeline started by ``start_timeline`` or ``RONDE_TIMELINE``."""
     rt = runtime()
-    tl, rt.engine.timeline = rt.engine.timeline, None
+    tl = rt.engine.set_timeline(None)
     if tl is not None:
         tl.close()
 

@@ -339,7 +339,7 @@ def start_timeline(engine: Engine, path: str, rank: int, mark_cycles: bool) -> N
     target = timeline_path_for(path, rank)
     if target is None:
         return
-    old, engine.timeline = engine.timeline, Timeline(target, rank, mark_cycles)
+    old = engine.set_timeline(Timeline(target, rank, mark_cycles))
     if old is not None:
         old.close()
 

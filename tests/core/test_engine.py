@@ -316,12 +316,10 @@ def test_fused_groups_run_as_one_only_on_the_single_copy_path_and_with_fusion_on
         def reads_peers(self, nbytes, n):
             return self._cma
 
-    class Eng:
-        timeline, rank = None, 0
-
-        def __init__(self, threshold):
-            self.cfg = load({"RONDE_FUSION_THRESHOLD": threshold})
-            self.sets = Communicators(0, {0: Comm()}, {0: [0, 1]}, lambda ps_id, ranks: None)
+    def executor(threshold):
+        return Executor(0, load({"RONDE_FUSION_THRESHOLD": threshold}),
+                        Communicators(0, {0: Comm()}, {0: [0, 1]}, lambda ps_id, ranks: None),
+                        None, lambda: None, lambda exc: None)
 
     meta = Meta(ar("x", np.ones(1 << 16, np.float32)).meta())
 
@@ -331,7 +329,7 @@ def test_fused_groups_run_as_one_only_on_the_single_copy_path_and_with_fusion_on
             r.fuse_key = fusion_key(0, meta)
         return out
 
-    ex = Executor(Eng("64MiB"))
+    ex = executor("64MiB")
     ex.dispatch(responses(), None)
     lead = ex.queue.get_nowait()
     assert ex.queue.empty() and [r.names for r in lead.followers] == [["b"], ["c"]]
@@ -341,7 +339,7 @@ def test_fused_groups_run_as_one_only_on_the_single_copy_path_and_with_fusion_on
     Comm._cma = False  # single copy refused by a member: one after the other
     assert [p.names for p in ex._parts(lead)] == [["a"], ["b"], ["c"]]
     Comm._cma = True
-    ex = Executor(Eng("0"))
+    ex = executor("0")
     ex.dispatch(responses(), None)
     got = [ex.queue.get_nowait() for _ in range(3)]
     assert [r.names for r in got] == [["a"], ["b"], ["c"]]

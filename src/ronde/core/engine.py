@@ -21,7 +21,6 @@ dies closes its sockets, which every rank sees at once as ``PeerLostError``.
 from __future__ import annotations
 
 import contextlib
-import logging
 import socket
 import threading
 import time
@@ -41,8 +40,6 @@ from . import autotune, crossed, protocol, rounds
 from .requests import Handle, Request, Waiters
 from .stall import StallInspector
 from .timeline import Timeline, now_us
-
-log = logging.getLogger(__name__)
 
 #: how long the control thread sleeps with nothing to do: a submission or a peer's frame
 #: wakes it sooner; the stall and waiting checks run at least this often
@@ -86,7 +83,7 @@ class Engine:
         self._held_round = 0  #: the round held through the mailboxes (``_maybe_round``)
         self.round_hold = RoundHold(  # whether to hold the next round back (holding.py)
             cfg.round_hold_ms / 1000.0, self.negotiator, self.exchange, rank, size)
-        self.executor = Executor(self)
+        self.executor = Executor(rank, cfg, self.sets, self.out, lambda: self._error, self.fail)
         self.executor.on_idle = self._executor_idle
         self.stall = StallInspector(cfg, describe_rank)
         self.waiters = Waiters()  #: callers waiting on its handles drive it (requests.py)
@@ -114,7 +111,7 @@ class Engine:
         self.executor.stop(5.0)
         self._fail_all(ShutdownError("ronde was shut down while this collective was pending"))
         self.autotune.close()
-        timeline, self.timeline = self.timeline, None
+        timeline = self.set_timeline(None)
         if timeline is not None:
             timeline.close()
         self.sets.close()
@@ -212,17 +209,11 @@ class Engine:
             self.on_failure(exc)
         self.wake(force=True)
 
-    def fail_from_executor(self, exc: BaseException, resp: Response) -> None:
-        if isinstance(exc, PeerLostError) and self._error is None:
-            # the control thread may be about to learn the real cause (a peer's notice
-            # that another rank was lost first): give it a moment
-            deadline = time.monotonic() + 0.3
-            while self._error is None and time.monotonic() < deadline:
-                time.sleep(0.005)
-        if isinstance(exc, (PeerLostError, ShutdownError)) or self._error is not None:
-            self.fail(self._error or exc)
-        else:
-            log.error("collective %r failed on rank %d: %r", resp, self.rank, exc)
+    def set_timeline(self, timeline: Timeline | None) -> Timeline | None:
+        """Record into ``timeline`` from now on (None: stop); returns the one before."""
+        old, self.timeline = self.timeline, timeline
+        self.executor.timeline = timeline
+        return old
 
     def _fail_all(self, exc: BaseException) -> None:
         for req in self.out.drain():

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import numpy as np
 
-from .._errors import (DeadlockError, DuplicateNameError, JoinedError, RondeError, ShutdownError, StallError,
-                       TensorMismatchError)
+from .._errors import (DeadlockError, DuplicateNameError, JoinedError, PeerLostError, RondeError,
+                       ShutdownError, StallError, TensorMismatchError)
 from ..collectives.ops import ReduceOp, as_sum
 from ..collectives import adasum, fusion
 from ..collectives.allreduce import even_counts
@@ -39,18 +39,14 @@ if TYPE_CHECKING:
 
 
 class ExecutorContext(Protocol):
-    """What the executor (and the inline reductions) may use of the engine: its rank and
-    settings, the communicators, the pending requests, and where to report a failure.
-    The :class:`~ronde.core.engine.Engine` provides it; tests pass a small stand-in."""
+    """What the inline reductions use: the rank, the communicators, the pending
+    requests, the timeline (the :class:`Executor` has them all)."""
 
     rank: int
-    cfg: "Config"
     timeline: "Timeline | None"
 
     sets: "Communicators"  #: every process set's members and this rank's communicators
     out: "Outbox"  #: the requests in flight (``take_many`` hands them out)
-
-    def fail_from_executor(self, exc: BaseException, resp: Response) -> None: ...
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +67,19 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 class Executor:
-    """Consumes :class:`Response` objects on a dedicated thread."""
+    """Consumes :class:`Response` objects on a dedicated thread.
 
-    def __init__(self, engine: ExecutorContext) -> None:
-        self.engine = engine
+    Given what it works with when made, so that it never calls back into the engine:
+    this rank, the settings, the communicators and the pending requests (objects the
+    engine shares with it), ``failed()`` (the engine's failure, or None) and
+    ``fail(exc)`` (report one); the engine sets :attr:`timeline` with its own."""
+
+    def __init__(self, rank: int, cfg: "Config", sets: "Communicators", out: "Outbox",
+                 failed: Callable[[], BaseException | None],
+                 fail: Callable[[BaseException], None]) -> None:
+        self.rank, self.cfg, self.sets, self.out = rank, cfg, sets, out
+        self._failed, self._fail = failed, fail
+        self.timeline: "Timeline | None" = None  #: the engine's (``Engine.set_timeline``)
         self.queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         #: a response is running (on this thread, or on a caller that claimed it)
         self.busy = False
@@ -139,14 +144,27 @@ class Executor:
             try:
                 self.execute(part)
             except BaseException as exc:  # noqa: BLE001 - fail the requests, keep serving
-                self.engine.fail_from_executor(exc, part)
+                self._failed_running(exc, part)
+
+    def _failed_running(self, exc: BaseException, resp: Response) -> None:
+        """A response failed here (its requests failed already): a lost peer or a
+        shutdown stops the engine; anything else is logged, the engine goes on."""
+        if isinstance(exc, PeerLostError) and self._failed() is None:
+            # the control thread may be about to learn the real cause (a peer's notice
+            # that another rank was lost first): give it a moment
+            deadline = time.monotonic() + 0.3
+            while self._failed() is None and time.monotonic() < deadline:
+                time.sleep(0.005)
+        if isinstance(exc, (PeerLostError, ShutdownError)) or self._failed() is not None:
+            self._fail(self._failed() or exc)
+        else:
+            log.error("collective %r failed on rank %d: %r", resp, self.rank, exc)
 
     def _parts(self, item: Response) -> list[Response]:
         """What to run for ``item`` (``planner.parts``): with its followers as one
         operation where this rank's communicator takes them so."""
-        eng = self.engine
-        comm = (eng.sets.get(item.ps_id)
-                if item.followers and eng.rank in eng.sets.members(item.ps_id)
+        sets = self.sets
+        comm = (sets.get(item.ps_id) if item.followers and self.rank in sets.members(item.ps_id)
                 else None)
         return planner.parts(item, comm.reads_peers if comm is not None else None)
 
@@ -171,10 +189,10 @@ class Executor:
 
     # -- dispatch ------------------------------------------------------------------------
     def execute(self, resp: Response) -> None:
-        eng = self.engine
+        out, sets = self.out, self.sets
         if resp.error is not None:
             cls = _ERRORS.get(resp.error_type, RondeError)
-            for req in eng.out.take_many(resp.names):
+            for req in out.take_many(resp.names):
                 if req is not None:
                     exc = cls(resp.error)
                     if cls is ShutdownError:
@@ -182,23 +200,23 @@ class Executor:
                     req.fail(exc)
             return
         if resp.kind == Kind.JOIN:
-            req, = eng.out.take_many(resp.names[:1])
+            req, = out.take_many(resp.names[:1])
             if req is not None:
                 req.complete(resp.value)
             return
         if resp.value is not None and resp.kind == Kind.BARRIER and resp.ps_id == 0 \
                 and resp.names[0].startswith("process_set."):
-            eng.sets.apply(resp.value)
-            req, = eng.out.take_many(resp.names[:1])
+            sets.apply(resp.value)
+            req, = out.take_many(resp.names[:1])
             if req is not None:
                 req.complete(resp.value[1])
             return
-        members = eng.sets.members(resp.ps_id)
-        if eng.rank not in members:
+        members = sets.members(resp.ps_id)
+        if self.rank not in members:
             return
-        comm = eng.sets.get(resp.ps_id)
-        reqs = eng.out.take_many(resp.names)
-        self._marks = marks = [] if eng.timeline is not None else None
+        comm = sets.get(resp.ps_id)
+        reqs = out.take_many(resp.names)
+        self._marks = marks = [] if self.timeline is not None else None
         try:
             handler = _HANDLERS[resp.kind]
             if marks is not None:
@@ -216,7 +234,7 @@ class Executor:
 
     def _record(self, resp: Response) -> None:
         """Turn the marks of this response into timeline phases for each tensor."""
-        tl, marks = self.engine.timeline, self._marks
+        tl, marks = self.timeline, self._marks
         if tl is None or not marks:
             return
         marks.append(("end", now_us()))
@@ -235,21 +253,21 @@ class Executor:
         only inline ones between) rides along as that one's follower (:meth:`_parts`);
         followers are attached before anything is handed out."""
         # 0: no fusion at all
-        plan = planner.chain(responses, self.engine.cfg.fusion_threshold_bytes > 0)
+        plan = planner.chain(responses, self.cfg.fusion_threshold_bytes > 0)
         inline: list[Response] = []
         for resp in plan:
             if resp.inline is not None:
                 inline.append(resp)
                 continue
             if inline:
-                inline_mod.run_batch(self.engine, inline)
+                inline_mod.run_batch(self, inline)
                 inline = []
             if direct is not None and (direct or self.claim()):
                 direct.append(resp)
             else:
                 self.enqueue(resp)
         if inline:
-            inline_mod.run_batch(self.engine, inline)
+            inline_mod.run_batch(self, inline)
 
     # -- per kind ------------------------------------------------------------------------
     def _allreduce(self, resp: Response, reqs: list[Request | None], comm: Communicator,
@@ -329,7 +347,7 @@ class Executor:
     def _allgather(self, resp: Response, reqs: list[Request | None], comm: Communicator,
                    members: list[int]) -> None:
         metas, req = resp.metas[0], reqs[0]
-        meta = metas[self.engine.rank]
+        meta = metas[self.rank]
         dtype = resolve_dtype(meta.dtype)
         row = _numel(meta.shape[1:])
         firsts = [metas[r].shape[0] if metas[r].shape else 1 for r in members]
@@ -342,7 +360,7 @@ class Executor:
     def _broadcast(self, resp: Response, reqs: list[Request | None], comm: Communicator,
                    members: list[int]) -> None:
         req = reqs[0]
-        meta = resp.metas[0][self.engine.rank]
+        meta = resp.metas[0][self.rank]
         root = members.index(meta.root)
         if meta.device:
             assert req is not None
@@ -361,7 +379,7 @@ class Executor:
     def _alltoall(self, resp: Response, reqs: list[Request | None], comm: Communicator,
                   members: list[int]) -> None:
         req, metas = reqs[0], resp.metas[0]
-        me = self.engine.rank
+        me = self.rank
         meta = metas[me]
         dtype = resolve_dtype(meta.dtype)
         row = _numel(meta.shape[1:])
@@ -386,7 +404,7 @@ class Executor:
     def _reducescatter(self, resp: Response, reqs: list[Request | None], comm: Communicator,
                        members: list[int]) -> None:
         req = reqs[0]
-        meta = resp.metas[0][self.engine.rank]
+        meta = resp.metas[0][self.rank]
         dtype = resolve_dtype(meta.dtype)
         n = len(members)
         first = meta.shape[0] if meta.shape else 1
