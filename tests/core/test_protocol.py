@@ -76,3 +76,29 @@ def test_inline_spans_are_checked_against_the_binary_part():
     for bad in (Inline(0, -1, 8), Inline(0, 8, 8), Inline(0, 0, 4)):
         with pytest.raises(ProtocolError, match="rank 1 sent inline data out of bounds"):
             protocol.check_inline(bad, 8, 12, "rank 1")
+
+
+def test_a_steady_round_of_cached_ids_travels_packed_not_as_json():
+    # what a training step's rounds say once every name is cached: ids only. They go as
+    # packed 32-bit integers (no JSON written or parsed on the step path), decode to the
+    # same announcements (one ById object per id, the memo reused), and anything else
+    # (an inline or named announcement, another field) still goes as JSON
+    sent = RoundMessage(announced=(ById(4), ById(70000), ById(0)))
+    payload = protocol.pack_round(sent, b"blob")
+    body, blob = protocol.split(payload, 0)
+    assert body == b"\x00" + np.array([4, 70000, 0], "<u4").tobytes() and blob == b"blob"
+    dec = Decoder()
+    got, _ = dec.unpack(payload, 1)
+    assert got.announced == sent.announced and got.only_announces()
+    again, _ = dec.unpack(payload, 1)
+    assert again.announced is got.announced  # the memo: no new objects a step
+    for other in (RoundMessage(announced=(ById(4), Inline(5, 0, 4))),
+                  RoundMessage(announced=(ById(4),), waiting=3),
+                  RoundMessage(announced=(ById(1 << 33),))):
+        body, _ = protocol.split(protocol.pack_round(other), 0)
+        assert body[:1] == b"{"
+        assert Decoder().unpack(protocol.pack_round(other), 0)[0].announced == other.announced
+    # untrusted bytes: a packed part of a wrong length is a ProtocolError naming the rank
+    for bad in (b"\x00", b"\x00\x01\x02", b"\x00" + b"\x01" * 6):
+        with pytest.raises(ProtocolError, match="rank 5"):
+            Decoder().unpack(protocol.join(bad, b""), 5)

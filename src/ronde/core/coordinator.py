@@ -163,7 +163,7 @@ def decode(decoder: protocol.Decoder, g: Grouped, size: int, messages: list[prot
         mine = ranks.intersection(senders)
         if not mine:
             continue
-        msg = decoder.decode(wire.loads(body), senders[0])
+        msg = decoder.decode_part(body, senders[0])
         check(msg, senders[0])
         for r in mine:
             messages[r] = msg

@@ -3,7 +3,8 @@
 Where it sits in the engine cycle: the control thread builds one :class:`RoundMessage`
 per round (``Engine._build_message``); :func:`pack_round` encodes it into the frame's
 payload (a length, a compact JSON part, then the binary part carrying inline allreduce
-data); every peer's :class:`Decoder` turns the payload back into a :class:`RoundMessage`,
+data; a steady training round, which only announces cached ids, sends them as packed
+32-bit integers instead of JSON, so no text is written or parsed on the step path); every peer's :class:`Decoder` turns the payload back into a :class:`RoundMessage`,
 checking every field (the bytes come from an authenticated peer, but are still untrusted:
 anything malformed is a :class:`~ronde.ProtocolError` naming the rank). The negotiator,
 the crossed-collectives watch, the stall inspector and the exchange read only the typed
@@ -175,9 +176,17 @@ def encode(msg: RoundMessage) -> dict[str, Any]:
 
 
 _JSON_LEN = struct.Struct("!I")
+#: the first byte of a part that is only cached ids, packed (a JSON part starts with "{")
+_IDS_ONLY = b"\x00"
+_MAX_ID = (1 << 32) - 1
 
 
 def pack_round(msg: RoundMessage, blob: bytes = b"") -> bytes:
+    if msg.only_announces():
+        raw = (msg.wire_announced if msg.wire_announced is not None
+               else encode_announcements(msg.announced))
+        if all(type(a) is int and 0 <= a <= _MAX_ID for a in raw):
+            return join(_IDS_ONLY + struct.pack(f"<{len(raw)}I", *raw), blob)
     return join(wire.dumps(encode(msg)), blob)
 
 
@@ -204,14 +213,30 @@ class Decoder:
     not an object per announcement."""
 
     def __init__(self) -> None:
-        self._last: dict[int, tuple[list[Any], tuple[Announcement, ...]]] = {}
+        self._last: dict[int, tuple[Any, tuple[Announcement, ...]]] = {}  # (part, memo)
         #: one ById per id seen (ids repeat every step; bounded, see _announcements)
         self._ids: dict[int, ById] = {}
 
     def unpack(self, payload: bytes, rank: int) -> tuple[RoundMessage, bytes]:
         """``(message, binary part)`` of one payload from ``rank``."""
         body, blob = split(payload, rank)
-        return self.decode(wire.loads(body), rank), blob
+        return self.decode_part(body, rank), blob
+
+    def decode_part(self, body: bytes, rank: int) -> RoundMessage:
+        """A round message from its first part: packed ids, or JSON."""
+        if body[:1] != _IDS_ONLY:
+            return self.decode(wire.loads(body), rank)
+        if len(body) < 5 or (len(body) - 1) % 4:
+            raise ProtocolError(f"rank {rank} sent a malformed negotiation message")
+        msg = RoundMessage()
+        last = self._last.get(rank)
+        if last is not None and last[0] == body:
+            msg.announced = last[1]
+        else:
+            raw = list(struct.unpack(f"<{(len(body) - 1) // 4}I", body[1:]))
+            msg.announced = _announcements(raw, rank, self._ids)
+            self._last[rank] = (body, msg.announced)
+        return msg
 
     def decode(self, obj: Any, rank: int) -> RoundMessage:
         """A round message from its JSON part (every field checked)."""
