@@ -184,6 +184,7 @@ class Engine:
     def failed(self) -> BaseException | None:
         """The failure that stopped this engine, or None."""
         return self._error
+
     # -- failure -------------------------------------------------------------------------
     def fail(self, exc: BaseException) -> None:
         """Stop the engine with ``exc``: the first failure wins. A lost peer is told to

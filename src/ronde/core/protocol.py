@@ -4,7 +4,8 @@ Where it sits in the engine cycle: the control thread builds one :class:`RoundMe
 per round (``Engine._build_message``); :func:`pack_round` encodes it into the frame's
 payload (a length, a compact JSON part, then the binary part carrying inline allreduce
 data; a steady training round, which only announces cached ids, sends them as packed
-32-bit integers instead of JSON, so no text is written or parsed on the step path); every peer's :class:`Decoder` turns the payload back into a :class:`RoundMessage`,
+32-bit integers instead of JSON, so no text is written or parsed on the step path);
+every peer's :class:`Decoder` turns the payload back into a :class:`RoundMessage`,
 checking every field (the bytes come from an authenticated peer, but are still untrusted:
 anything malformed is a :class:`~ronde.ProtocolError` naming the rank). The negotiator,
 the crossed-collectives watch, the stall inspector and the exchange read only the typed

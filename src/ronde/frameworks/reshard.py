@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
@@ -103,6 +104,18 @@ def committed_ranks(rank: int, size: int, moved: bool = False
         raise RondeError(f"elastic ShardedOptimizer: the survivors committed at different "
                          f"sizes {sorted(sizes)}")
     return was, (sizes.pop() if sizes else 0), any(m for _, _, m in got)
+
+
+def forget_traces() -> None:
+    """After a sharded optimizer was laid out again: drop JAX's compiled traces. JAX keeps
+    them by function and input shapes, not by ``jax.jit`` object, so a step traced
+    before, at a size this rank had at another place, would run again with that place's
+    slices baked in (until 2026-12-05: AdamW decayed with another rank's weights, and
+    Keras' JAX backend stepped on old shards). Every jitted function of the process
+    compiles again once. Nothing where JAX is not loaded."""
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        jax.clear_caches()
 
 
 def reshard(own: list[Piece], neighbour: list[Piece], was: list[tuple[int, int]],

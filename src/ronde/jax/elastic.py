@@ -112,12 +112,8 @@ class JaxState(ObjectState):
                     relaid = True
             else:
                 self._saved_state[k] = _broadcast_but_shards(value, k, self._generation)
-        if relaid:
-            # a ShardedOptimizer laid out again: JAX keeps traces by function and input
-            # shapes, not by jit object, so a jitted update at a size this rank had at
-            # another place ran that trace, its old slice of the parameters baked in
-            # (AdamW decayed with another rank's weights): every trace is made anew
-            jax.clear_caches()
+        if relaid:  # a jitted update would run a trace of another place's slices
+            reshard.forget_traces()
         self._generation = now
         plain = {k: v for k, v in self._saved_state.items() if k not in self._trees}
         if plain:

@@ -59,6 +59,7 @@ from .._ops import ReduceOp
 from ..frameworks.compression import Compresses, host_compressor, wire_dtype_of
 from ..frameworks.elementwise import check_elementwise
 from ..frameworks.gradients import Reduction
+from ..frameworks import reshard
 from ..frameworks.naming import require_same_parameters
 from ..process_sets import ProcessSet, global_process_set, shard_position
 from ._bridge import host_map
@@ -177,13 +178,7 @@ class _ShardedMixin:
         self._ronde_lay_out(list(self._trainable_variables))
         new = self._ronde_inner  # the step count (Adam's bias correction): the variable
         _step_count(new).assign(_step_count(was))
-        if keras_module().backend.backend() == "jax":
-            # JAX keeps traces by function and input shapes, not by the jit object: a
-            # new train function of the same model at a size seen before would run
-            # the earlier layout's trace (its rank's slices baked in)
-            import jax
-
-            jax.clear_caches()
+        reshard.forget_traces()  # (JAX backend: a new train function would reuse a trace)
 
     def _ronde_ranges(self, rank: int, size: int) -> dict[str, tuple[int, int]]:
         """The element ranges ``[a, b)`` of each variable (by its key in the files) that

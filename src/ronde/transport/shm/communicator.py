@@ -296,16 +296,11 @@ class ShmCommunicator(Communicator, OwnedSegment):
                 time.sleep(0.0005)
 
     def allreduce_scattered(self, bufs: list[np.ndarray], op: ReduceOp, postscale: float
-                            ) -> bool:
-        """Allreduce the concatenation of ``bufs`` in place, reading peers directly.
-
-        Returns False, on every rank alike, when single-copy reads are not possible
-        here (the caller then takes the shared-segment path).
-        """
-        if not self._cma:
-            return False
+                            ) -> None:
+        """Allreduce the concatenation of ``bufs`` in place, reading peers directly
+        (where :meth:`reads_peers` said so: agreed when the communicator was made, so
+        there is nothing left to decline)."""
         single_copy.allreduce(self, bufs, op, postscale)
-        return True
 
     def reducescatter(self, buf: np.ndarray, counts: list[int], op: ReduceOp,
                       out: np.ndarray | None = None) -> np.ndarray:
