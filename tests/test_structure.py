@@ -164,11 +164,13 @@ def test_no_transport_imports_the_engine():
 
 
 def test_the_executor_never_reaches_the_engine():
-    # issue #34: the executor is given what it works with (communicators, the pending
-    # requests, failed()/fail()) and holds no engine: no import of it, no ``engine``
-    # attribute or name, in it or in the inline reductions it runs
+    # issue #34: the executor is given what it works with (each response carries its
+    # requests, members and communicator, resolved by the dispatcher; failed()/fail())
+    # and holds no engine: no import of it, no ``engine`` attribute or name, in it, in
+    # the dispatcher or in the inline reductions and planning they run
     bad = []
-    for module in ("ronde.core.executor", "ronde.core.inline", "ronde.core.planner"):
+    for module in ("ronde.core.executor", "ronde.core.dispatch", "ronde.core.inline",
+                   "ronde.core.planner"):
         if any(t == "ronde.core.engine" for t in GRAPH[module]):
             bad.append(f"{module} imports the engine")
         with open(MODULES[module], encoding="utf-8") as fh:

@@ -177,6 +177,47 @@ def test_disjoint_process_sets_run_independently(engines):
         np.testing.assert_array_equal(h.wait(10), np.full(3, 1.0))
 
 
+def test_a_process_set_agreed_while_data_moves_waits_for_it_and_a_failed_one_is_told(engines):
+    # issue #34: the dispatcher resolves each response's communicator where it hands it
+    # out, so a set change runs there once everything agreed before it has run. Data in
+    # flight on the global set completes around an added set; a communicator that cannot
+    # be built fails the add on every rank (it used to leave the request pending forever:
+    # the executor logged the error and went on) and stops the engine
+    from ronde import RendezvousError
+
+    g = engines(3)
+    hs = [[eng.submit(ar(f"d{i}", np.full(1 << 14, r + 1.0))).handle for i in range(6)]
+          for r, eng in enumerate(g.engines)]
+    add = [eng.request_process_set("add", [0, 1], Request(Kind.BARRIER,
+                                                          "process_set.add.[0, 1]", None))
+           for eng in g.engines]
+    after = [eng.submit(ar("after", np.full(3, r + 1.0))).handle
+             for r, eng in enumerate(g.engines)]
+    for per_rank in hs:
+        for h in per_rank:
+            np.testing.assert_array_equal(h.wait(10), np.full(1 << 14, 6.0))
+    (ps,) = {r.handle.wait(10) for r in add}
+    for h in after:
+        np.testing.assert_array_equal(h.wait(10), np.full(3, 6.0))
+    hs = [eng.submit(ar("in.set", np.full(3, r + 1.0), ps_id=ps)).handle
+          for r, eng in enumerate(g.engines[:2])]
+    for h in hs:
+        np.testing.assert_array_equal(h.wait(10), np.full(3, 3.0))
+
+    def refuse(ps_id, ranks):
+        raise RendezvousError(f"process set {ps_id}: a member never mapped its segment")
+
+    for eng in g.engines:
+        eng.sets._make = refuse
+    add = [eng.request_process_set("add", [1], Request(Kind.BARRIER, "process_set.add.[1]",
+                                                       None)) for eng in g.engines]
+    for r in add:
+        with pytest.raises(RendezvousError, match="never mapped"):
+            r.handle.wait(10)
+    for eng in g.engines:
+        assert eng.aborted.wait(5)
+
+
 def test_cache_entry_evicted_in_the_round_that_completes_it():
     # More names in flight than the cache holds: both ranks announce "x" by its cache
     # id, but in the same round an older entry completes first and its insertion
@@ -302,12 +343,14 @@ def test_small_allreduces_fuse_into_a_larger_one_of_their_message_instead_of_inl
 
 
 def test_fused_groups_run_as_one_only_on_the_single_copy_path_and_with_fusion_on():
-    # Executor.dispatch attaches a round's later fused groups to the first; _parts runs
+    # Dispatcher.dispatch attaches a round's later fused groups to the first; _parts runs
     # them as one operation only where the single-copy allreduce is in use, and
     # RONDE_FUSION_THRESHOLD=0 ("no fusion") must keep every allreduce on its own.
     from ronde._config import load
+    from ronde.core.dispatch import Dispatcher
     from ronde.core.executor import Executor
     from ronde.core.negotiation import Response, fusion_key
+    from ronde.core.outbox import Outbox
     from ronde.core.requests import Meta
 
     class Comm:
@@ -316,10 +359,13 @@ def test_fused_groups_run_as_one_only_on_the_single_copy_path_and_with_fusion_on
         def reads_peers(self, nbytes, n):
             return self._cma
 
-    def executor(threshold):
-        return Executor(0, load({"RONDE_FUSION_THRESHOLD": threshold}),
-                        Communicators(0, {0: Comm()}, {0: [0, 1]}, lambda ps_id, ranks: None),
-                        None, lambda: None, lambda exc: None)
+    comm = Comm()
+
+    def dispatcher(threshold):
+        ex = Executor(0, lambda: None, lambda exc: None)
+        return ex, Dispatcher(0, load({"RONDE_FUSION_THRESHOLD": threshold}),
+                              Communicators(0, {0: comm}, {0: [0, 1]}, lambda ps_id, ranks: None),
+                              Outbox(0), ex)
 
     meta = Meta(ar("x", np.ones(1 << 16, np.float32)).meta())
 
@@ -329,21 +375,30 @@ def test_fused_groups_run_as_one_only_on_the_single_copy_path_and_with_fusion_on
             r.fuse_key = fusion_key(0, meta)
         return out
 
-    ex = executor("64MiB")
-    ex.dispatch(responses(), None)
+    ex, d = dispatcher("64MiB")
+    d.dispatch(responses(), None)
     lead = ex.queue.get_nowait()
     assert ex.queue.empty() and [r.names for r in lead.followers] == [["b"], ["c"]]
-    assert [p.names for p in ex._parts(lead)] == [["a", "b", "c"]]
-    ex.dispatch(responses(), None)
+    # resolved where handed out: the executor runs from what each carries
+    assert lead.comm is comm and lead.members == [0, 1] and lead.reqs == [None]
+    assert all(f.comm is comm and f.reqs == [None] for f in lead.followers)
+    one, = ex._parts(lead)
+    assert one.names == ["a", "b", "c"] and one.reqs == [None] * 3 and one.comm is comm
+    d.dispatch(responses(), None)
     lead = ex.queue.get_nowait()
     Comm._cma = False  # single copy refused by a member: one after the other
     assert [p.names for p in ex._parts(lead)] == [["a"], ["b"], ["c"]]
     Comm._cma = True
-    ex = executor("0")
-    ex.dispatch(responses(), None)
+    ex, d = dispatcher("0")
+    d.dispatch(responses(), None)
     got = [ex.queue.get_nowait() for _ in range(3)]
     assert [r.names for r in got] == [["a"], ["b"], ["c"]]
     assert all(r.followers is None for r in got)
+    # a set this rank is not in never reaches the executor
+    d.sets.apply(("add", 1, [1]))
+    other = Response(Kind.ALLREDUCE, 1, ["z"], [{1: meta}])
+    d.dispatch([other], None)
+    assert ex.queue.empty()
 
 
 def test_the_first_failure_sets_the_abort_event_and_is_kept(engines):

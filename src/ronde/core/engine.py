@@ -11,7 +11,8 @@ The cycle, end to end:
    new announcements: names with metadata, or response-cache ids) and reads one
    frame from each.
 3. Every rank feeds the same frames to its :class:`Negotiator`, which returns the
-   same ordered, fused responses everywhere; they go to the executor queue.
+   same ordered, fused responses everywhere; each is resolved (its requests and
+   communicator) and handed out (``dispatch.py``), most to the executor queue.
 4. The executor runs them in order (see ``executor.py``) and completes handles.
 
 Nobody polls while idle: with nothing to announce there are no rounds. A peer that
@@ -32,6 +33,7 @@ from ..transport import mailbox, ready
 from ..transport.base import Communicator
 from .communicators import Communicators
 from .exchange import Exchange, Links
+from .dispatch import Dispatcher
 from .executor import Executor
 from .holding import RoundHold
 from .negotiation import Negotiator, Response
@@ -83,8 +85,9 @@ class Engine:
         self._held_round = 0  #: the round held through the mailboxes (``_maybe_round``)
         self.round_hold = RoundHold(  # whether to hold the next round back (holding.py)
             cfg.round_hold_ms / 1000.0, self.negotiator, self.exchange, rank, size)
-        self.executor = Executor(rank, cfg, self.sets, self.out, lambda: self._error, self.fail)
+        self.executor = Executor(rank, lambda: self._error, self.fail)
         self.executor.on_idle = self._executor_idle
+        self.dispatcher = Dispatcher(rank, cfg, self.sets, self.out, self.executor)
         self.stall = StallInspector(cfg, describe_rank)
         self.waiters = Waiters()  #: callers waiting on its handles drive it (requests.py)
         self._waiting = crossed.WaitWatch(cfg.deadlock_time_s, self.waiters)  # crossed.py
@@ -108,8 +111,9 @@ class Engine:
         self.waiters.detach(self)
         self.wake(force=True)
         self._thread.join(self.cfg.shutdown_timeout_s + 5.0)
-        self.executor.stop(5.0)
-        self._fail_all(ShutdownError("ronde was shut down while this collective was pending"))
+        gone = ShutdownError("ronde was shut down while this collective was pending")
+        self.executor.stop(5.0, gone)
+        self._fail_all(gone)
         self.autotune.close()
         timeline = self.set_timeline(None)
         if timeline is not None:
@@ -213,7 +217,7 @@ class Engine:
     def set_timeline(self, timeline: Timeline | None) -> Timeline | None:
         """Record into ``timeline`` from now on (None: stop); returns the one before."""
         old, self.timeline = self.timeline, timeline
-        self.executor.timeline = timeline
+        self.executor.timeline = self.dispatcher.timeline = timeline
         return old
 
     def _fail_all(self, exc: BaseException) -> None:
@@ -454,7 +458,7 @@ class Engine:
             if m.abort:
                 responses = self.negotiator.abort(m.abort.names, m.abort.message,
                                                   "stall") + responses
-        self.executor.dispatch(responses, direct)
+        self.dispatcher.dispatch(responses, direct)
 
     def _tuned(self, t: protocol.Tuning) -> None:
         """Apply the autotuner's agreed values (after the round that carried them)."""

@@ -1,10 +1,11 @@
 """The executor: runs agreed responses, in order, on this rank's communicators.
 
-Where it sits in the engine cycle: the control thread appends the responses of
-each negotiation round to a queue; the executor thread takes them one by one, in
-the same order on every rank, skips those of process sets this rank is not in,
-and moves the data (fusion, the collective, unpacking). Running data on its own
-thread means negotiation of the next tensors overlaps the transfer of the current
+Where it sits in the engine cycle: the thread that ran a negotiation round hands its
+responses out (``dispatch.py``), each resolved there with what running it takes (its
+requests, the process set's members, this rank's communicator); the executor thread
+takes them one by one, in the same order on every rank, and moves the data (fusion,
+the collective, unpacking) from what the response carries alone. Running data on its
+own thread means negotiation of the next tensors overlaps the transfer of the current
 ones, and a slow collective in one process set never blocks negotiation.
 """
 
@@ -15,38 +16,24 @@ import math
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from .._errors import (DeadlockError, DuplicateNameError, JoinedError, PeerLostError, RondeError,
-                       ShutdownError, StallError, TensorMismatchError)
+                       ShutdownError, StallError, TensorMismatchError, fresh_copy)
 from ..collectives.ops import ReduceOp, as_sum
 from ..collectives import adasum, fusion
 from ..collectives.allreduce import even_counts
 from ..transport.strategies import AllreducePlan, run_allreduce
-from . import inline as inline_mod, planner
+from . import planner
 from .negotiation import Response, any_meta
 from .requests import Kind, Meta, Request, fail_all, resolve_dtype
 from .timeline import now_us
 
 if TYPE_CHECKING:
-    from .._config import Config
     from ..transport.base import Communicator
-    from .communicators import Communicators
-    from .outbox import Outbox
     from .timeline import Timeline
-
-
-class ExecutorContext(Protocol):
-    """What the inline reductions use: the rank, the communicators, the pending
-    requests, the timeline (the :class:`Executor` has them all)."""
-
-    rank: int
-    timeline: "Timeline | None"
-
-    sets: "Communicators"  #: every process set's members and this rank's communicators
-    out: "Outbox"  #: the requests in flight (``take_many`` hands them out)
 
 log = logging.getLogger(__name__)
 
@@ -69,16 +56,16 @@ def _numel(shape: tuple[int, ...]) -> int:
 class Executor:
     """Consumes :class:`Response` objects on a dedicated thread.
 
-    Given what it works with when made, so that it never calls back into the engine:
-    this rank, the settings, the communicators and the pending requests (objects the
-    engine shares with it), ``failed()`` (the engine's failure, or None) and
+    Each response carries what running it takes (``dispatch.py`` resolved it), so the
+    executor looks nothing up and never calls back into the engine: it is given this
+    rank, ``failed()`` (the engine's failure, or None: the abort it checks) and
     ``fail(exc)`` (report one); the engine sets :attr:`timeline` with its own."""
 
-    def __init__(self, rank: int, cfg: "Config", sets: "Communicators", out: "Outbox",
-                 failed: Callable[[], BaseException | None],
+    def __init__(self, rank: int, failed: Callable[[], BaseException | None],
                  fail: Callable[[BaseException], None]) -> None:
-        self.rank, self.cfg, self.sets, self.out = rank, cfg, sets, out
-        self._failed, self._fail = failed, fail
+        self.rank = rank
+        self.failed = failed  #: the engine's failure, or None
+        self._fail = fail
         self.timeline: "Timeline | None" = None  #: the engine's (``Engine.set_timeline``)
         self.queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         #: a response is running (on this thread, or on a caller that claimed it)
@@ -95,9 +82,18 @@ class Executor:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout_s: float) -> None:
+    def stop(self, timeout_s: float, error: BaseException) -> None:
+        """Stop the thread (what is queued before runs first, up to ``timeout_s``); the
+        requests of anything still queued then fail with ``error``."""
         self.queue.put(_STOP)
         self._thread.join(timeout_s)
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _STOP:
+                fail_all(item.reqs, fresh_copy(error), item.kind.name.lower())
 
     def idle(self) -> bool:
         return not self.busy and self._outstanding == 0
@@ -149,23 +145,21 @@ class Executor:
     def _failed_running(self, exc: BaseException, resp: Response) -> None:
         """A response failed here (its requests failed already): a lost peer or a
         shutdown stops the engine; anything else is logged, the engine goes on."""
-        if isinstance(exc, PeerLostError) and self._failed() is None:
+        if isinstance(exc, PeerLostError) and self.failed() is None:
             # the control thread may be about to learn the real cause (a peer's notice
             # that another rank was lost first): give it a moment
             deadline = time.monotonic() + 0.3
-            while self._failed() is None and time.monotonic() < deadline:
+            while self.failed() is None and time.monotonic() < deadline:
                 time.sleep(0.005)
-        if isinstance(exc, (PeerLostError, ShutdownError)) or self._failed() is not None:
-            self._fail(self._failed() or exc)
+        if isinstance(exc, (PeerLostError, ShutdownError)) or self.failed() is not None:
+            self._fail(self.failed() or exc)
         else:
             log.error("collective %r failed on rank %d: %r", resp, self.rank, exc)
 
     def _parts(self, item: Response) -> list[Response]:
         """What to run for ``item`` (``planner.parts``): with its followers as one
         operation where this rank's communicator takes them so."""
-        sets = self.sets
-        comm = (sets.get(item.ps_id) if item.followers and self.rank in sets.members(item.ps_id)
-                else None)
+        comm = item.comm
         return planner.parts(item, comm.reads_peers if comm is not None else None)
 
     def _loop(self) -> None:
@@ -189,33 +183,26 @@ class Executor:
 
     # -- dispatch ------------------------------------------------------------------------
     def execute(self, resp: Response) -> None:
-        out, sets = self.out, self.sets
+        """Run one response from what it carries (``dispatch.py``)."""
+        reqs = resp.reqs
         if resp.error is not None:
             cls = _ERRORS.get(resp.error_type, RondeError)
-            for req in out.take_many(resp.names):
+            for req in reqs:
                 if req is not None:
                     exc = cls(resp.error)
                     if cls is ShutdownError:
                         exc.rank = resp.value  # type: ignore[attr-defined]
                     req.fail(exc)
             return
+        failed = self.failed()
+        if failed is not None:  # its requests left the outbox: they fail here
+            fail_all(reqs, fresh_copy(failed), resp.kind.name.lower())
+            return
         if resp.kind == Kind.JOIN:
-            req, = out.take_many(resp.names[:1])
-            if req is not None:
-                req.complete(resp.value)
+            if reqs[0] is not None:
+                reqs[0].complete(resp.value)
             return
-        if resp.value is not None and resp.kind == Kind.BARRIER and resp.ps_id == 0 \
-                and resp.names[0].startswith("process_set."):
-            sets.apply(resp.value)
-            req, = out.take_many(resp.names[:1])
-            if req is not None:
-                req.complete(resp.value[1])
-            return
-        members = sets.members(resp.ps_id)
-        if self.rank not in members:
-            return
-        comm = sets.get(resp.ps_id)
-        reqs = out.take_many(resp.names)
+        comm, members = resp.comm, resp.members
         self._marks = marks = [] if self.timeline is not None else None
         try:
             handler = _HANDLERS[resp.kind]
@@ -244,30 +231,6 @@ class Executor:
                 tl.phase(name, phase, start, end, args)
         for name in resp.names:
             tl.phase(name, resp.kind.name, marks[0][1], marks[-1][1], args)
-
-    def dispatch(self, responses: list[Response], direct: list[Response] | None) -> None:
-        """Hand out one round's responses, in order: inline ones run here and now (a
-        run of them together), the rest go to the queue, or into ``direct`` when the
-        driving caller may run them itself (see :meth:`claim`). A fused allreduce that
-        can run with the one before it (same process set, dtype, op and scales, with
-        only inline ones between) rides along as that one's follower (:meth:`_parts`);
-        followers are attached before anything is handed out."""
-        # 0: no fusion at all
-        plan = planner.chain(responses, self.cfg.fusion_threshold_bytes > 0)
-        inline: list[Response] = []
-        for resp in plan:
-            if resp.inline is not None:
-                inline.append(resp)
-                continue
-            if inline:
-                inline_mod.run_batch(self, inline)
-                inline = []
-            if direct is not None and (direct or self.claim()):
-                direct.append(resp)
-            else:
-                self.enqueue(resp)
-        if inline:
-            inline_mod.run_batch(self, inline)
 
     # -- per kind ------------------------------------------------------------------------
     def _allreduce(self, resp: Response, reqs: list[Request | None], comm: Communicator,

@@ -2,7 +2,8 @@
 
 A small cached allreduce travels inside the negotiation round (see negotiation.py);
 when every member attached its bytes, each rank reduces them itself, in rank order, on
-the thread that ran the round: no data plane, no hand-off to the executor.
+the thread that ran the round (``dispatch.py``, which gave each response its
+requests): no data plane, no hand-off to the executor.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from .requests import fail_all, resolve_dtype
 from .timeline import now_us
 
 if TYPE_CHECKING:
-    from .executor import ExecutorContext
+    from .timeline import Timeline
 
 
-def run_batch(ctx: "ExecutorContext", resps: list[Response]) -> None:
+def run_batch(resps: list[Response], timeline: "Timeline | None") -> None:
     """Reduce a round's consecutive inline responses (on the thread that ran the round).
     Those with the same dtype, op and scale are reduced as one vector: each rank's bytes
     joined in the agreed order, so per element the same additions in the same order as
@@ -34,15 +35,15 @@ def run_batch(ctx: "ExecutorContext", resps: list[Response]) -> None:
         j = i + 1
         while j < len(resps) and keys[j] == keys[i]:
             j += 1
-        _group(ctx, resps[i:j], metas[i:j])
+        _group(resps[i:j], metas[i:j], timeline)
         i = j
 
 
-def _group(ctx: "ExecutorContext", group: list[Response], metas: list[Any]) -> None:
-    reqs = ctx.out.take_many([resp.names[0] for resp in group])  # None: not a member
+def _group(group: list[Response], metas: list[Any], timeline: "Timeline | None") -> None:
+    reqs = [resp.reqs[0] for resp in group]  # None: not a member
     if not any(reqs):
         return
-    start = now_us() if ctx.timeline is not None else 0.0
+    start = now_us() if timeline is not None else 0.0
     meta = metas[0]
     dtype = resolve_dtype(meta.dtype)
     parts = len(group[0].inline or ())
@@ -57,14 +58,14 @@ def _group(ctx: "ExecutorContext", group: list[Response], metas: list[Any]) -> N
     except BaseException as exc:  # noqa: BLE001 - the callers get it
         fail_all(reqs, exc, "allreduce")
         return
-    end = now_us() if ctx.timeline is not None else 0.0
+    end = now_us() if timeline is not None else 0.0
     off = 0
     for m, req in zip(metas, reqs):
         n = math.prod(m.shape)
         if req is not None:
             out = req.out if req.out is not None else req.allocate(m.shape, dtype)
             np.copyto(out.reshape(-1), acc[off: off + n])
-            if ctx.timeline is not None:
-                ctx.timeline.phase(req.name, "INLINE_REDUCE", start, end)
+            if timeline is not None:
+                timeline.phase(req.name, "INLINE_REDUCE", start, end)
             req.complete(out)
         off += n

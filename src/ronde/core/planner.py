@@ -102,8 +102,11 @@ def parts(item: Response, reads_peers: Callable[[int, int], bool] | None) -> lis
     chained = [item, *followers]
     tensors = sum(len(r.names) for r in chained)
     if reads_peers is not None and reads_peers(sum(nbytes(r) for r in chained), tensors):
-        return [Response(item.kind, item.ps_id, [n for r in chained for n in r.names],
-                         [m for r in chained for m in r.metas])]
+        one = Response(item.kind, item.ps_id, [n for r in chained for n in r.names],
+                       [m for r in chained for m in r.metas])
+        one.reqs = [q for r in chained for q in r.reqs]
+        one.members, one.comm = item.members, item.comm
+        return [one]
     return chained
 
 

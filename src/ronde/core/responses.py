@@ -7,9 +7,13 @@ Every rank's :class:`~ronde.core.negotiation.Negotiator` (and its steady-state m
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .requests import KIND_NAMES, Kind, Meta
+
+if TYPE_CHECKING:
+    from ..transport.base import Communicator
+    from .requests import Request
 
 
 def any_meta(metas: dict[int, Meta]) -> Meta:
@@ -27,7 +31,7 @@ class Response:
     """One unit of work for the executor: a (possibly fused) collective, or an error."""
 
     __slots__ = ("kind", "ps_id", "names", "metas", "joined", "error", "error_type", "value",
-                 "inline", "followers", "nbytes", "fuse_key")
+                 "inline", "followers", "nbytes", "fuse_key", "reqs", "members", "comm")
 
     def __init__(self, kind: Kind, ps_id: int, names: list[str], metas: list[dict[int, Meta]],
                  joined: frozenset[int] = frozenset(), error: str | None = None,
@@ -49,6 +53,11 @@ class Response:
         self.nbytes = -1
         #: allreduces with equal keys may be fused (``planner.group``); None: never
         self.fuse_key: tuple[Any, ...] | None = None
+        # what running it takes, resolved where it is handed out (``dispatch.py``):
+        #: this rank's request of each name (None: none here, a joined rank)
+        self.reqs: list[Request | None] = []
+        self.members: list[int] = []  #: the process set's members
+        self.comm: Communicator | None = None  #: this rank's communicator for the set
 
     def __repr__(self) -> str:
         return f"<Response {KIND_NAMES[self.kind]} ps={self.ps_id} {self.names[:3]}{'...' if len(self.names) > 3 else ''}{' ERROR' if self.error else ''}>"
