@@ -7,7 +7,9 @@ A host with more ranks than cores negotiates over the control sockets rather tha
 shared-memory mailboxes (``RONDE_SHM_CONTROL=auto``). From ``RONDE_COORDINATOR_MIN``
 ranks on the rounds go through rank 0 (``core/coordinator.py``) over the sockets,
 except in a one-host job whose ranks use mailboxes; both sides of every round must
-take the same path, and they do, since every rank decides from the same table.
+take the same path, and they do, since every rank decides from the same table. And a
+rank whose host has more ranks than cores does not spin (``RONDE_SPIN_TIME`` 0 unless
+set): :func:`spin_time_us`.
 """
 
 from __future__ import annotations
@@ -73,6 +75,29 @@ def mailbox_hosts(cfg: _config.Config, topo: Any, cores_by_rank: tuple[int, ...]
         if len(ranks) > 1 and (cfg.shm_control == "on" or len(ranks) <= n_cores):
             out.add(h)
     return out
+
+
+def spin_time_us(cfg: _config.Config, topo: Any, cores_by_rank: tuple[int, ...],
+                 explicit: set[str]) -> float:
+    """``RONDE_SPIN_TIME`` for this rank: as configured, but 0 where its host has more
+    ranks than cores and the variable is not set. A waiter that polls there takes the
+    core that the peer it waits for needs, as the shm waits already knew
+    (``transport/shm/counters.py``): measured at np=4 and 8 on 2 cores, not spinning
+    made small collectives as fast or faster (np=4: 4-byte latency 625-664 us against
+    763-769, allreduce 696-722 us against 874-958) and cost the transformer's ranks
+    in ``python -m ronde.bench train`` about 0.4 ms less CPU a step (np=8:
+    docs/benchmarks.md). Only this rank's own behaviour: nothing to agree on."""
+    if "spin_time_us" in explicit or not cfg.spin_time_us:
+        return cfg.spin_time_us
+    from .transport.futex import cores
+
+    mine = [r for r in range(topo.size) if topo.hosts[r] == topo.hosts[topo.rank]]
+    n_cores = (cores_by_rank[topo.rank] if len(cores_by_rank) == topo.size else 0) or cores()
+    if len(mine) > n_cores:
+        log.debug("ronde: %d ranks on %d cores here: waiters sleep rather than spin "
+                  "(RONDE_SPIN_TIME=0; set it to override)", len(mine), n_cores)
+        return 0.0
+    return cfg.spin_time_us
 
 
 def coordinated(cfg: _config.Config, topo: Any, cores_by_rank: tuple[int, ...]) -> bool:

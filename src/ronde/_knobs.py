@@ -379,7 +379,9 @@ KNOBS: tuple[Knob, ...] = (
              " polls a same-host peer's mailbox before sleeping in `select`. Polling "
              'yields the CPU and the GIL. `0`: callers never drive or poll; the '
              "engine's threads do all the work (two thread hand-offs per collective, "
-             '~3x the latency of small ones).'),
+             '~3x the latency of small ones where every rank has a core). Unset, a rank '
+             'whose host has more ranks than cores uses `0`: a poller there takes the '
+             'core its peer needs (architecture.md, "Waiting callers drive").'),
     Knob("torch_device_path", "RONDE_TORCH_DEVICE_PATH", str,
          default='`auto`', unit='`auto`, `always`, `never`',
          doc='`ronde.torch`: `auto` keeps CUDA tensors on the GPU (allreduce and '

@@ -310,6 +310,9 @@ def _start_engine(cfg: _config.Config, topo: Topology, wenv: worker_env.WorkerEn
     assert world is not None
     if not cores_mod.coordinated(cfg, topo, wenv.host_cores):
         cfg = dataclasses.replace(cfg, coordinator_min=0)  # every rank alike (see there)
+    spin = cores_mod.spin_time_us(cfg, topo, wenv.host_cores, _config.explicit_fields())
+    if spin != cfg.spin_time_us:
+        cfg = dataclasses.replace(cfg, spin_time_us=spin)  # more ranks than cores here
     mesh = factory.ctx.mesh
     engine = Engine(rank, size, cfg, ctl, {0: world}, {0: list(range(size))}, factory,
                     factory.ctx.describe,

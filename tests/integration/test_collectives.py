@@ -75,6 +75,10 @@ def test_topology_single_host():
     assert all(o[1] == 3 and o[3] == 3 and o[5] == 1 and o[6] for o in out)
     assert [o[2] for o in out] == [0, 1, 2]
     assert all(o[7] == "shm" for o in out)
+    # more ranks than cores here: nobody spins (RONDE_SPIN_TIME unset), else 200 us
+    assert all(o[8] == (0.0 if 3 > o[9] else 200e-6) for o in out), out
+    out = run_ranks(3, workers.topology, timeout_s=50, env={"RONDE_SPIN_TIME": "100"})
+    assert all(o[8] == 100e-6 for o in out), out  # set: kept whatever the cores
 
 
 @pytest.mark.timeout(60)

@@ -206,8 +206,12 @@ def topology() -> tuple:
     import ronde as hvd
 
     hvd.init()
+    from ronde import _state
+    from ronde.transport.futex import cores
+
     out = (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(),
-           hvd.cross_size(), hvd.is_homogeneous(), hvd.active_transport())
+           hvd.cross_size(), hvd.is_homogeneous(), hvd.active_transport(),
+           _state.require().engine.exchange.spin_s, cores())
     hvd.shutdown()
     return out
 

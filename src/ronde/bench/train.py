@@ -16,10 +16,19 @@ CPU, one thread per rank, for:
 
 Each rank trains on a fixed random batch of ``--batch`` samples; the first ``--warmup``
 steps are not timed. Besides samples/s, each rank counts the CPU time of its whole
-process (every thread: ``resource.getrusage``) over the timed steps; the table shows
-the CPU milliseconds per step per rank beyond the single process's (what the library
-costs a rank: its threads, copies and reductions; on a machine with one rank per core
-that is time the backward pass does not get).
+process (every thread: ``resource.getrusage``) over the timed steps, less the GIL
+probe's own (below); the table shows the CPU milliseconds per step per rank beyond the
+single process's (what the library costs a rank: its threads, copies and reductions; on
+a machine with one rank per core that is time the backward pass does not get). The
+probe is the bench's instrument, not a contender's: it wakes a thousand times a wall
+second, so with more ranks than cores (a step of 120 ms of wall time at np=8 here, 27
+alone) it costs a rank about 1-2 ms of CPU a step more than it costs the single process,
+which the extra CPU would otherwise charge to the library (measured with each thread's
+CPU from ``/proc/self/task``: ronde's transformer at np=8 spent 29.6 ms a step in the
+training thread, 0.9 in the control thread, 1.0 in the executor, while ``getrusage``
+said 35.8). Eight independent single processes on the two cores, no communication at
+all, spend 29.2 ms a step each against 27.1 alone: contention alone is part of any
+contender's extra CPU at np=8.
 
 **GIL wait**: a probe thread in every rank (every contender, the single process too)
 sleeps 1 ms at a time through the timed steps and sums how late it wakes: the time a
@@ -106,6 +115,7 @@ class _GilProbe:
 
     def __init__(self) -> None:
         self.late_s = 0.0
+        self.cpu_s = 0.0  #: the probe thread's own CPU time (not charged to a contender)
         self.wakeups = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-gil-probe", daemon=True)
@@ -113,11 +123,13 @@ class _GilProbe:
 
     def _run(self) -> None:
         clock, nap = time.perf_counter, self.PROBE_S
+        c0 = time.thread_time()
         while not self._stop.is_set():
             t0 = clock()
             time.sleep(nap)
             self.late_s += max(0.0, clock() - t0 - nap)
             self.wakeups += 1
+        self.cpu_s = time.thread_time() - c0
 
     def stop(self) -> float:
         """Stop; the lateness summed over the run, in seconds."""
@@ -159,9 +171,10 @@ def _train(mode: str, model_name: str, batch: int, steps: int, warmup: int,
         F.cross_entropy(model(x), y).backward()
         opt.step()
     elapsed = time.perf_counter() - t0
-    cpu_ms = (_cpu_s() - c0) * 1e3 / steps
+    cpu_s = _cpu_s() - c0
     assert probe is not None
     wait_ms = probe.stop() * 1e3 / steps
+    cpu_ms = (cpu_s - probe.cpu_s) * 1e3 / steps  # the instrument's CPU is nobody's
     return world * batch * steps / elapsed, cpu_ms, wait_ms
 
 
