@@ -32,7 +32,7 @@ import os
 import socket
 import threading
 import time
-from typing import Callable
+from typing import Callable, Container
 
 from .._config import Config
 from .._errors import PeerLostError
@@ -121,16 +121,19 @@ class Exchange:
         return (self.coordinated and not self.over_tree
                 and coordinator.coordinator(self.channels) == self.rank)
 
-    def next_frames(self) -> dict[int, bytes] | None:
+    def next_frames(self, known: Container[int]) -> dict[int, bytes] | None:
         """The coordinator's look at the next round: the frames its members sent for it
-        already (left buffered for the round), by rank; None when a peer's socket
-        closed or holds anything but a round frame (the round itself handles it)."""
+        already (left buffered for the round), by rank, but for the ``known`` ranks'
+        (seen at an earlier look: a member sends one frame a round); None when a peer's
+        socket closed or holds anything but a round frame (the round handles it)."""
         out: dict[int, bytes] = {}
         readers = self.channels.readers
         for r in self.linked():
             rd = readers[r]
             if rd.eof:
                 return None
+            if r in known:
+                continue
             got = rd.peek_frame()
             if got is not None:
                 if got[0] != protocol.KIND_ROUND:

@@ -67,6 +67,9 @@ class RoundHold:
         #: the round :meth:`decide` held through the mailboxes (see :meth:`settled`)
         self._decided = 0
         self._wanted = 0  #: the round this rank's ``WANT`` word holds
+        #: the coordinator: what each member's frame of round ``_seen_round`` announces
+        self._seen_round = 0
+        self._seen: dict[int, frozenset[tuple[str, int]] | None] = {}
 
     def holding(self, next_round: int, now: float) -> bool:
         """Whether ``next_round`` is being held now (the control thread then sleeps
@@ -123,35 +126,44 @@ class RoundHold:
                 return False
             self._decided = next_round
             return True
-        frames = ex.next_frames()  # the coordinator: what its members sent already
+        # the coordinator: what its members sent already, each frame read once a round
+        # (it looks again at every frame that arrives: at np=8 it decoded each about
+        # three times, a third of its control thread's calls)
+        if self._seen_round != next_round:
+            self._seen_round, self._seen = next_round, {}
+        seen = self._seen
+        frames = ex.next_frames(seen)
         if frames is None:
             return False  # a peer left or sent something else: the round handles it
-        announced = self._announced_in(frames)
-        if announced is None:
-            return False
-        ready = set(frames)
+        for r, payload in frames.items():
+            seen[r] = self._announced_by(r, payload)
+        announced: set[tuple[str, int]] = set()
+        for got in seen.values():
+            if got is None:
+                return False
+            announced.update(got)
+        ready = set(seen)
         if reqs:
             ready.add(self.rank)
             announced.update((r.name, r.ps_id) for r in reqs)
         return not neg.any_covered(announced, ready)
 
-    def _announced_in(self, frames: dict[int, bytes]) -> set[tuple[str, int]] | None:
-        """What the members' frames of the next round announce, (name, process set);
-        None when one says anything else or names a tensor by name (not cached yet)."""
-        decoder, expand = self.exchange.channels.decoder, self.negotiator.cache.expand
-        out: set[tuple[str, int]] = set()
+    def _announced_by(self, r: int, payload: bytes) -> frozenset[tuple[str, int]] | None:
+        """What member ``r``'s frame of the next round announces, (name, process set);
+        None when it says anything else or names a tensor by name (not cached yet)."""
+        expand = self.negotiator.cache.expand
         try:
-            for r, payload in frames.items():
-                msg, _ = decoder.unpack(payload, r)
-                if msg is protocol.SILENT:
-                    continue
-                if not msg.only_announces():
+            msg, _ = self.exchange.channels.decoder.unpack(payload, r)
+            if msg is protocol.SILENT:
+                return frozenset()
+            if not msg.only_announces():
+                return None
+            out = []
+            for a in msg.announced:
+                if type(a) is protocol.ByName:
                     return None
-                for a in msg.announced:
-                    if type(a) is protocol.ByName:
-                        return None
-                    name, _, meta = expand(a.cid, r)
-                    out.add((name, meta.ps_id))
+                name, _, meta = expand(a.cid, r)
+                out.append((name, meta.ps_id))
         except RondeError:  # the round itself reports it, on every rank
             return None
-        return out
+        return frozenset(out)
