@@ -362,7 +362,7 @@ def test_fused_groups_run_as_one_only_on_the_single_copy_path_and_with_fusion_on
     comm = Comm()
 
     def dispatcher(threshold):
-        ex = Executor(0, lambda: None, lambda exc: None)
+        ex = Executor(0, lambda: None, lambda exc: None, lambda: None)
         return ex, Dispatcher(0, load({"RONDE_FUSION_THRESHOLD": threshold}),
                               Communicators(0, {0: comm}, {0: [0, 1]}, lambda ps_id, ranks: None),
                               Outbox(0), ex)

@@ -85,8 +85,7 @@ class Engine:
         self._held_round = 0  #: the round held through the mailboxes (``_maybe_round``)
         self.round_hold = RoundHold(  # whether to hold the next round back (holding.py)
             cfg.round_hold_ms / 1000.0, self.negotiator, self.exchange, rank, size)
-        self.executor = Executor(rank, lambda: self._error, self.fail)
-        self.executor.on_idle = self._executor_idle
+        self.executor = Executor(rank, lambda: self._error, self.fail, self._executor_idle)
         self.dispatcher = Dispatcher(rank, cfg, self.sets, self.out, self.executor)
         self.stall = StallInspector(cfg, describe_rank)
         self.waiters = Waiters()  #: callers waiting on its handles drive it (requests.py)

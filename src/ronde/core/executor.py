@@ -58,14 +58,16 @@ class Executor:
 
     Each response carries what running it takes (``dispatch.py`` resolved it), so the
     executor looks nothing up and never calls back into the engine: it is given this
-    rank, ``failed()`` (the engine's failure, or None: the abort it checks) and
-    ``fail(exc)`` (report one); the engine sets :attr:`timeline` with its own."""
+    rank, ``failed()`` (the engine's failure, or None: the abort it checks),
+    ``fail(exc)`` (report one) and ``idle()`` (called when it ran out of work: a round
+    may be due); the engine sets :attr:`timeline` with its own."""
 
     def __init__(self, rank: int, failed: Callable[[], BaseException | None],
-                 fail: Callable[[BaseException], None]) -> None:
+                 fail: Callable[[BaseException], None], idle: Callable[[], None]) -> None:
         self.rank = rank
         self.failed = failed  #: the engine's failure, or None
         self._fail = fail
+        self._on_idle = idle
         self.timeline: "Timeline | None" = None  #: the engine's (``Engine.set_timeline``)
         self.queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         #: a response is running (on this thread, or on a caller that claimed it)
@@ -76,7 +78,6 @@ class Executor:
         self._wake_loop = threading.Event()
         self._fusion = fusion.FusionBuffer()
         self._thread = threading.Thread(target=self._loop, name="ronde-executor", daemon=True)
-        self.on_idle: Callable[[], None] | None = None
         self._marks: list[tuple[str, float]] | None = None
 
     def start(self) -> None:
@@ -132,8 +133,8 @@ class Executor:
             self.busy = False
             if self._outstanding:
                 self._wake_loop.set()
-            elif self.on_idle is not None:
-                self.on_idle()
+            else:
+                self._on_idle()
 
     def _run_one(self, item: Response) -> None:
         for part in self._parts(item) if item.followers else (item,):
@@ -178,8 +179,8 @@ class Executor:
                 self.busy = False
                 with self._count_lock:
                     self._outstanding -= 1
-            if self._outstanding == 0 and self.on_idle is not None:
-                self.on_idle()
+            if self._outstanding == 0:
+                self._on_idle()
 
     # -- dispatch ------------------------------------------------------------------------
     def execute(self, resp: Response) -> None:
