@@ -401,6 +401,39 @@ def test_fused_groups_run_as_one_only_on_the_single_copy_path_and_with_fusion_on
     assert ex.queue.empty()
 
 
+def test_work_queued_when_the_engine_failed_or_stopped_fails_its_requests():
+    # the dispatcher takes a response's requests out of the outbox when it hands the
+    # response out, so the engine's own fan-out (the outbox) no longer reaches them: the
+    # executor fails them with the engine's error instead of running, and what is still
+    # queued when it stops fails with the shutdown's
+    from ronde import PeerLostError, ShutdownError
+    from ronde.core.executor import Executor
+    from ronde.core.negotiation import Response
+    from ronde.core.requests import Handle, Meta
+
+    failure: list[BaseException] = []
+    ex = Executor(0, lambda: failure[0] if failure else None, lambda exc: None, lambda: None)
+
+    def queued(name):
+        req = ar(name, np.ones(3))
+        req.handle = Handle(name, None)
+        resp = Response(Kind.ALLREDUCE, 0, [name], [{0: Meta(req.meta())}])
+        resp.reqs, resp.members = [req], [0, 1]  # no communicator: it must not run
+        return req, resp
+
+    failure.append(PeerLostError("rank 1 is gone", rank=1))
+    req, resp = queued("a")
+    ex.execute(resp)
+    with pytest.raises(PeerLostError, match="rank 1 is gone"):
+        req.handle.wait(1)
+    failure.clear()
+    req, resp = queued("b")
+    ex.enqueue(resp)  # the thread was never started: still queued at stop
+    ex.stop(0.1, ShutdownError("shut down while pending"))
+    with pytest.raises(ShutdownError, match="while pending"):
+        req.handle.wait(1)
+
+
 def test_the_first_failure_sets_the_abort_event_and_is_kept(engines):
     from ronde import PeerLostError
 

@@ -87,7 +87,8 @@ class Executor:
         """Stop the thread (what is queued before runs first, up to ``timeout_s``); the
         requests of anything still queued then fail with ``error``."""
         self.queue.put(_STOP)
-        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
         while True:
             try:
                 item = self.queue.get_nowait()
