@@ -46,12 +46,15 @@ def test_the_coordinator_where_the_job_spans_hosts_or_no_host_uses_mailboxes():
     assert not _cores.coordinated(_config.Config(coordinator_min=0), hosts, (8,) * 4)
 
 
-def test_ranks_of_an_oversubscribed_host_do_not_spin_unless_told_to():
-    cfg = _config.Config()  # RONDE_SPIN_TIME 200 us by default
-    hosts = ["a"] * 4 + ["b"] * 2
-    cores = (2,) * 4 + (8,) * 2
-    a, b = _runtime.Topology.build(0, hosts), _runtime.Topology.build(4, hosts)
-    assert _cores.spin_time_us(cfg, a, cores, set()) == 0.0  # 4 ranks on 2 cores
-    assert _cores.spin_time_us(cfg, b, cores, set()) == 200.0  # a core each
-    assert _cores.spin_time_us(cfg, a, cores, {"spin_time_us"}) == 200.0  # set: kept
-    assert _cores.spin_time_us(_config.Config(spin_time_us=50.0), b, cores, set()) == 50.0
+def test_ranks_of_an_oversubscribed_host_do_not_spin_and_hold_longer_unless_told_to():
+    cfg = _config.Config()  # RONDE_SPIN_TIME 200 us, RONDE_ROUND_HOLD 50 ms by default
+    hosts = ["a"] * 5 + ["b"] * 2
+    cores = (2,) * 5 + (8,) * 2
+    a, b = _runtime.Topology.build(0, hosts), _runtime.Topology.build(5, hosts)
+    got = _cores.for_this_host(cfg, a, cores, set())  # 5 ranks on 2 cores: 3 a core
+    assert (got.spin_time_us, got.round_hold_ms) == (0.0, 150.0)
+    assert _cores.for_this_host(cfg, b, cores, set()) is cfg  # a core each
+    got = _cores.for_this_host(cfg, a, cores, {"spin_time_us", "round_hold_ms"})
+    assert (got.spin_time_us, got.round_hold_ms) == (200.0, 50.0)  # set: kept
+    got = _cores.for_this_host(_config.Config(round_hold_ms=0.0), a, cores, {"round_hold_ms"})
+    assert (got.spin_time_us, got.round_hold_ms) == (0.0, 0.0)

@@ -8,12 +8,13 @@ shared-memory mailboxes (``RONDE_SHM_CONTROL=auto``). From ``RONDE_COORDINATOR_M
 ranks on the rounds go through rank 0 (``core/coordinator.py``) over the sockets,
 except in a one-host job whose ranks use mailboxes; both sides of every round must
 take the same path, and they do, since every rank decides from the same table. And a
-rank whose host has more ranks than cores does not spin (``RONDE_SPIN_TIME`` 0 unless
-set): :func:`spin_time_us`.
+rank whose host has more ranks than cores does not spin and holds rounds longer, unless
+told otherwise: :func:`for_this_host`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import platform
@@ -77,27 +78,41 @@ def mailbox_hosts(cfg: _config.Config, topo: Any, cores_by_rank: tuple[int, ...]
     return out
 
 
-def spin_time_us(cfg: _config.Config, topo: Any, cores_by_rank: tuple[int, ...],
-                 explicit: set[str]) -> float:
-    """``RONDE_SPIN_TIME`` for this rank: as configured, but 0 where its host has more
-    ranks than cores and the variable is not set. A waiter that polls there takes the
-    core that the peer it waits for needs, as the shm waits already knew
-    (``transport/shm/counters.py``): measured at np=4 and 8 on 2 cores, not spinning
-    made small collectives as fast or faster (np=4: 4-byte latency 625-664 us against
-    763-769, allreduce 696-722 us against 874-958) and cost the transformer's ranks
-    in ``python -m ronde.bench train`` about 0.4 ms less CPU a step (np=8:
-    docs/benchmarks.md). Only this rank's own behaviour: nothing to agree on."""
-    if "spin_time_us" in explicit or not cfg.spin_time_us:
-        return cfg.spin_time_us
-    from .transport.futex import cores
+def for_this_host(cfg: _config.Config, topo: Any, cores_by_rank: tuple[int, ...],
+                  explicit: set[str]) -> _config.Config:
+    """The settings of a rank whose host has more ranks than cores, where not set:
 
+    * ``RONDE_SPIN_TIME`` 0. A waiter that polls there takes the core that the peer it
+      waits for needs, as the shm waits already knew (``transport/shm/counters.py``):
+      measured at np=4 and 8 on 2 cores, not spinning made small collectives as fast or
+      faster (np=4: 4-byte latency 625-664 us against 763-769, allreduce 696-722 us
+      against 874-958) and cost the transformer's ranks in ``python -m ronde.bench
+      train`` about 0.4 ms less CPU a step at np=8 (docs/benchmarks.md).
+    * ``RONDE_ROUND_HOLD`` times the ranks per core (rounded up). Ranks that share a core
+      reach a bucket further apart (at np=8 on 2 cores a step takes ~150 ms of wall time),
+      so the 50 ms hold ran out before the last rank came and the round it started could
+      complete nothing: 2.67 rounds a step for the transformer's 2 buckets at np=8, 4.30
+      for ResNet's, against 2.00 and 2.37 with 200 ms.
+
+    Only this rank's own behaviour (each rank spins and holds its own rounds): nothing
+    to agree on."""
     mine = [r for r in range(topo.size) if topo.hosts[r] == topo.hosts[topo.rank]]
-    n_cores = (cores_by_rank[topo.rank] if len(cores_by_rank) == topo.size else 0) or cores()
-    if len(mine) > n_cores:
-        log.debug("ronde: %d ranks on %d cores here: waiters sleep rather than spin "
-                  "(RONDE_SPIN_TIME=0; set it to override)", len(mine), n_cores)
-        return 0.0
-    return cfg.spin_time_us
+    if len(cores_by_rank) == topo.size and cores_by_rank[topo.rank]:
+        n_cores = cores_by_rank[topo.rank]
+    else:
+        from .transport.futex import cores
+
+        n_cores = cores()
+    if len(mine) <= n_cores:
+        return cfg
+    changes: dict[str, float] = {}
+    if "spin_time_us" not in explicit:
+        changes["spin_time_us"] = 0.0
+    if "round_hold_ms" not in explicit:
+        changes["round_hold_ms"] = cfg.round_hold_ms * -(-len(mine) // n_cores)
+    log.debug("ronde: %d ranks on %d cores here: %s (set the variables to override)",
+              len(mine), n_cores, changes)
+    return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
 def coordinated(cfg: _config.Config, topo: Any, cores_by_rank: tuple[int, ...]) -> bool:

@@ -138,7 +138,9 @@ KNOBS: tuple[Knob, ...] = (
              'milliseconds apart is agreed in one round instead of one per rank (each '
              'round wakes every rank). Holding never delays a collective: it cannot '
              'complete before the last rank announces it. `0`: announce at once, as '
-             'Horovod does.'),
+             'Horovod does. Unset, a rank whose host has more ranks than cores holds '
+             'this times its ranks per core (rounded up): ranks that share a core reach '
+             'a bucket further apart.'),
     Knob("cache_capacity", "RONDE_CACHE_CAPACITY", int,
          accepted=Range(0, 1 << 20),
          default='`1024`', unit='entries',

@@ -310,9 +310,8 @@ def _start_engine(cfg: _config.Config, topo: Topology, wenv: worker_env.WorkerEn
     assert world is not None
     if not cores_mod.coordinated(cfg, topo, wenv.host_cores):
         cfg = dataclasses.replace(cfg, coordinator_min=0)  # every rank alike (see there)
-    spin = cores_mod.spin_time_us(cfg, topo, wenv.host_cores, _config.explicit_fields())
-    if spin != cfg.spin_time_us:
-        cfg = dataclasses.replace(cfg, spin_time_us=spin)  # more ranks than cores here
+    # more ranks than cores here: no spinning, a longer round hold (where not set)
+    cfg = cores_mod.for_this_host(cfg, topo, wenv.host_cores, _config.explicit_fields())
     mesh = factory.ctx.mesh
     engine = Engine(rank, size, cfg, ctl, {0: world}, {0: list(range(size))}, factory,
                     factory.ctx.describe,

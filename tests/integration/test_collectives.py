@@ -75,10 +75,13 @@ def test_topology_single_host():
     assert all(o[1] == 3 and o[3] == 3 and o[5] == 1 and o[6] for o in out)
     assert [o[2] for o in out] == [0, 1, 2]
     assert all(o[7] == "shm" for o in out)
-    # more ranks than cores here: nobody spins (RONDE_SPIN_TIME unset), else 200 us
-    assert all(o[8] == (0.0 if 3 > o[9] else 200e-6) for o in out), out
-    out = run_ranks(3, workers.topology, timeout_s=50, env={"RONDE_SPIN_TIME": "100"})
-    assert all(o[8] == 100e-6 for o in out), out  # set: kept whatever the cores
+    # more ranks than cores here: nobody spins and rounds are held longer (the knobs
+    # unset), else 200 us and 50 ms
+    assert all((o[8], o[10]) == ((0.0, 0.05 * -(-3 // o[9])) if 3 > o[9] else (200e-6, 0.05))
+               for o in out), out
+    out = run_ranks(3, workers.topology, timeout_s=50,
+                    env={"RONDE_SPIN_TIME": "100", "RONDE_ROUND_HOLD": "20"})
+    assert all((o[8], o[10]) == (100e-6, 0.02) for o in out), out  # set: kept
 
 
 @pytest.mark.timeout(60)

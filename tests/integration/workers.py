@@ -211,7 +211,8 @@ def topology() -> tuple:
 
     out = (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(),
            hvd.cross_size(), hvd.is_homogeneous(), hvd.active_transport(),
-           _state.require().engine.exchange.spin_s, cores())
+           _state.require().engine.exchange.spin_s, cores(),
+           _state.require().engine.round_hold.hold_s)
     hvd.shutdown()
     return out
 
