@@ -178,12 +178,27 @@ def _train(mode: str, model_name: str, batch: int, steps: int, warmup: int,
     return world * batch * steps / elapsed, cpu_ms, wait_ms
 
 
+def _engine_threads_cpu_s() -> float:
+    """The CPU time of ronde's own threads in this process (``ronde-*``: the control
+    thread, the executor), from each thread's CPU clock."""
+    total = 0.0
+    for t in threading.enumerate():
+        if t.name.startswith("ronde-") and t.ident is not None:
+            try:
+                total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+            except (OSError, ValueError):  # it just ended
+                pass
+    return total
+
+
 def ronde_worker(model_name: str, batch: int, steps: int, warmup: int
-                 ) -> tuple[float, float, float, float]:
+                 ) -> tuple[float, float, float, float, float]:
     """One rank of the ``ronde`` contender (run through :func:`ronde.testing.run_ranks`):
     (samples/s of the slowest rank, the mean CPU ms per step over the ranks, the mean GIL
     probe lateness in ms per step, negotiation rounds per timed step: a count, steadier
-    than any time on a shared machine)."""
+    than any time on a shared machine; the mean CPU ms per step of ronde's own threads,
+    which no contention with the other ranks inflates the way it does the training
+    thread's)."""
     import torch
 
     import ronde.torch as hvd
@@ -191,16 +206,20 @@ def ronde_worker(model_name: str, batch: int, steps: int, warmup: int
 
     hvd.init()
     engine = _state.require().engine
-    start = [0]
+    start = [0, 0.0]
+
+    def timed() -> None:
+        start[0], start[1] = engine._rounds, _engine_threads_cpu_s()
+
     rate, cpu_ms, wait_ms = _train("ronde", model_name, batch, steps, warmup, hvd.rank(),
-                                   hvd.size(),
-                                   on_timed=lambda: start.__setitem__(0, engine._rounds))
+                                   hvd.size(), on_timed=timed)
     rounds = (engine._rounds - start[0]) / steps  # read before the reductions below
+    threads_ms = (_engine_threads_cpu_s() - start[1]) * 1e3 / steps
     worst = float(hvd.allreduce(torch.tensor([1.0 / rate]), op=hvd.Max)[0])
-    cpu, wait = (float(v) for v in hvd.allreduce(
-        torch.tensor([cpu_ms, wait_ms], dtype=torch.float64), op=hvd.Average))
+    cpu, wait, threads = (float(v) for v in hvd.allreduce(
+        torch.tensor([cpu_ms, wait_ms, threads_ms], dtype=torch.float64), op=hvd.Average))
     hvd.shutdown()
-    return 1.0 / worst, cpu, wait, rounds  # the slowest rank sets the pace
+    return 1.0 / worst, cpu, wait, rounds, threads  # the slowest rank sets the pace
 
 
 def _run_ddp(np_: int, model_name: str, batch: int, steps: int, warmup: int,
@@ -284,6 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         best: dict[tuple[str, int], float] = {}  # samples/s: the best round's
         cpu: dict[tuple[str, int], float] = {}  # CPU ms per step per rank: the least
         rounds: dict[tuple[str, int], float] = {}  # ronde's rounds per step: the least
+        engine: dict[tuple[str, int], float] = {}  # ronde's threads' CPU ms/step: the least
         wait: dict[tuple[str, int], float] = {}  # GIL probe lateness ms/step: the least
         for _ in range(args.rounds):  # interleaved: every contender and N once a round
             runs: list[tuple[str, int, Any]] = [("single", 1, lambda n: _run_single(
@@ -310,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 wait[(name, n)] = min(wait.get((name, n), float("inf")), wait_ms)
                 if counted:
                     rounds[(name, n)] = min(rounds.get((name, n), float("inf")), counted[0])
+                    engine[(name, n)] = min(engine.get((name, n), float("inf")), counted[1])
         for (name, n), rate in best.items():
             point = {"case": "train", "model": model_name, "contender": name, "np": n,
                      "batch_per_rank": args.batch, "samples_per_s": round(rate, 1),
@@ -317,13 +338,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "gil_wait_ms_per_step": round(wait[(name, n)], 3)}
             if (name, n) in rounds:
                 point["rounds_per_step"] = round(rounds[(name, n)], 2)
+                point["engine_threads_cpu_ms_per_step"] = round(engine[(name, n)], 2)
             print(json.dumps(point), flush=True)
-        rows.append((model_name, best, cpu, rounds, wait))
+        rows.append((model_name, best, cpu, rounds, wait, engine))
     print("\n| model | N | single | ronde | ddp | ronde/ddp | ronde eff. | ddp eff. | "
           f"ronde eff. within {cores} cores | CPU ms/step single | extra CPU ms/step ronde "
-          "| ddp | ronde/ddp | rounds/step ronde | GIL wait ms/step single | ronde | ddp |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for model_name, best, cpu, rounds, wait in rows:
+          "| ddp | ronde/ddp | ronde's threads CPU ms/step | rounds/step ronde "
+          "| GIL wait ms/step single | ronde | ddp |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for model_name, best, cpu, rounds, wait, engine in rows:
         single, c1 = best[("single", 1)], cpu[("single", 1)]
         for n in counts:
             if n < 2:
@@ -334,6 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{r / (n * single):.2f} | {d / (n * single):.2f} | "
                   f"{r / (min(n, cores) * single):.2f} | {c1:.1f} | {xr:.1f} | {xd:.1f} | "
                   f"{xr / xd if xd > 0 else float('nan'):.2f} | "
+                  f"{engine.get(('ronde', n), float('nan')):.1f} | "
                   f"{rounds.get(('ronde', n), float('nan')):.2f} | "
                   f"{wait[('single', 1)]:.2f} | {wait[('ronde', n)]:.2f} | "
                   f"{wait[('ddp', n)]:.2f} |")
@@ -341,11 +365,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 a = best[("autotune", n)]
                 print(f"| {model_name} | {n} | autotuned ronde: {a:.1f} | autotuned/ronde "
                       f"{a / r:.2f} | autotuned/ddp {a / d:.2f} | | | | | "
-                      f"{cpu[('autotune', n)] - c1:.1f} | | | | | | |")
+                      f"{cpu[('autotune', n)] - c1:.1f} | | | | | | | |")
     print("(samples/s; one thread per rank; best of rounds; efficiency = throughput(N) / "
           "(N x single); within cores: / (min(N, cores) x single); extra CPU = the "
           "process's CPU time per step (all threads, least of rounds) minus one process's; "
-          "rounds/step: ronde's negotiation rounds per timed step, a count; GIL wait: how "
+          "ronde's threads: its control and executor threads' CPU per step, mean of the "
+          "ranks (part of its extra CPU; the rest is the training thread's); rounds/step: ronde's negotiation rounds per timed step, a count; GIL wait: how "
           "late a probe thread sleeping 1 ms at a time wakes, summed per step, mean of "
           "the ranks, least of rounds)")
     return 0
