@@ -57,6 +57,16 @@ def cores_by_rank(peers: list[dict[str, Any]], hosts: list[str] | None = None
     return tuple(per_host[h] for h in hosts)
 
 
+def _cores_of(topo: Any, rank: int, cores_by_rank: tuple[int, ...]) -> int:
+    """The cores of ``rank``'s host: from the rendezvous table, else this process's."""
+    got = cores_by_rank[rank] if len(cores_by_rank) == topo.size else 0
+    if got:
+        return got
+    from .transport.futex import cores
+
+    return cores()
+
+
 def mailbox_hosts(cfg: _config.Config, topo: Any, cores_by_rank: tuple[int, ...]
                    ) -> set[str]:
     """The hosts whose ranks negotiate through shared-memory mailboxes: every rank
@@ -66,13 +76,10 @@ def mailbox_hosts(cfg: _config.Config, topo: Any, cores_by_rank: tuple[int, ...]
         return set()
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return set()  # the slots rely on total store order
-    from .transport.futex import cores
-
     out = set()
     for h in set(topo.hosts):
         ranks = [r for r in range(topo.size) if topo.hosts[r] == h]
-        n_cores = (cores_by_rank[ranks[0]] if len(cores_by_rank) == topo.size else 0) \
-            or cores()
+        n_cores = _cores_of(topo, ranks[0], cores_by_rank)
         if len(ranks) > 1 and (cfg.shm_control == "on" or len(ranks) <= n_cores):
             out.add(h)
     return out
@@ -97,12 +104,7 @@ def for_this_host(cfg: _config.Config, topo: Any, cores_by_rank: tuple[int, ...]
     Only this rank's own behaviour (each rank spins and holds its own rounds): nothing
     to agree on."""
     mine = [r for r in range(topo.size) if topo.hosts[r] == topo.hosts[topo.rank]]
-    if len(cores_by_rank) == topo.size and cores_by_rank[topo.rank]:
-        n_cores = cores_by_rank[topo.rank]
-    else:
-        from .transport.futex import cores
-
-        n_cores = cores()
+    n_cores = _cores_of(topo, topo.rank, cores_by_rank)
     if len(mine) <= n_cores:
         return cfg
     changes: dict[str, float] = {}

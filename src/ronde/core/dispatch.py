@@ -61,11 +61,10 @@ class Dispatcher:
         batch: list[Response] = []
         for resp in plan:
             if resp.inline is not None:
-                resp.reqs = take(resp.names)
                 batch.append(resp)
                 continue
             if batch:
-                inline.run_batch(batch, self.timeline)
+                self._inline(batch)
                 batch = []
             if resp.value is not None and resp.kind == Kind.BARRIER and resp.ps_id == 0 \
                     and resp.names[0].startswith("process_set."):
@@ -80,7 +79,14 @@ class Dispatcher:
             else:
                 ex.enqueue(resp)
         if batch:
-            inline.run_batch(batch, self.timeline)
+            self._inline(batch)
+
+    def _inline(self, batch: list["Response"]) -> None:
+        """Reduce a run of inline allreduces here, their requests taken at once (one
+        name each)."""
+        for resp, req in zip(batch, self.out.take_many([r.names[0] for r in batch])):
+            resp.reqs = [req]
+        inline.run_batch(batch, self.timeline)
 
     def _resolve(self, resp: "Response",
                  take: Callable[[list[str]], list["Request | None"]], rank: int) -> bool:

@@ -161,8 +161,7 @@ class Executor:
     def _parts(self, item: Response) -> list[Response]:
         """What to run for ``item`` (``planner.parts``): with its followers as one
         operation where this rank's communicator takes them so."""
-        comm = item.comm
-        return planner.parts(item, comm.reads_peers if comm is not None else None)
+        return planner.parts(item, item.comm.reads_peers)  # type: ignore[union-attr]
 
     def _loop(self) -> None:
         while True:
@@ -183,7 +182,7 @@ class Executor:
             if self._outstanding == 0:
                 self._on_idle()
 
-    # -- dispatch ------------------------------------------------------------------------
+    # -- running one response -----------------------------------------------------------
     def execute(self, resp: Response) -> None:
         """Run one response from what it carries (``dispatch.py``)."""
         reqs = resp.reqs

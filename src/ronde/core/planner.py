@@ -91,17 +91,17 @@ def chain(responses: list[Response], fusing: bool) -> list[Response]:
     return plan
 
 
-def parts(item: Response, reads_peers: Callable[[int, int], bool] | None) -> list[Response]:
+def parts(item: Response, reads_peers: Callable[[int, int], bool]) -> list[Response]:
     """What to run for ``item``: itself and its followers (:func:`chain`), as one
-    operation when ``reads_peers(bytes, tensors)`` says so (None: this rank is not a
-    member, nothing is merged), else one by one."""
+    operation when this rank's communicator's ``reads_peers(bytes, tensors)`` says so
+    (every member answers alike), else one by one."""
     followers = item.followers
     if not followers:
         return [item]
     item.followers = None
     chained = [item, *followers]
     tensors = sum(len(r.names) for r in chained)
-    if reads_peers is not None and reads_peers(sum(nbytes(r) for r in chained), tensors):
+    if reads_peers(sum(nbytes(r) for r in chained), tensors):
         one = Response(item.kind, item.ps_id, [n for r in chained for n in r.names],
                        [m for r in chained for m in r.metas])
         one.reqs = [q for r in chained for q in r.reqs]
