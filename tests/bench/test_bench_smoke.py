@@ -135,11 +135,14 @@ def test_training_throughput_reports_samples_and_extra_cpu_for_every_contender()
     assert set(points) == {"single", "ronde", "ddp"}, out.stdout
     assert all(p["samples_per_s"] > 0 and p["cpu_ms_per_step"] > 0 for p in points.values())
     row = [line for line in out.stdout.splitlines() if line.startswith("| cnn | 2 |")]
-    assert len(row) == 1 and row[0].count("|") == 19, out.stdout
+    assert len(row) == 1 and row[0].count("|") == 23, out.stdout
     assert points["ronde"]["rounds_per_step"] > 0  # a count of the timed steps' rounds
     # ronde's own threads' CPU, a part of its process's
     assert 0 < points["ronde"]["engine_threads_cpu_ms_per_step"] \
         < points["ronde"]["cpu_ms_per_step"], out.stdout
+    # the paired extra CPU was measured in every contender (a figure, not a NaN)
+    assert all(p["paired_extra_cpu_ms_per_step"] == p["paired_extra_cpu_ms_per_step"]
+               for p in points.values()), out.stdout
     # the GIL probe ran in every contender (issue #34 item 3's measure)
     assert all(p["gil_wait_ms_per_step"] >= 0 for p in points.values()), out.stdout
 

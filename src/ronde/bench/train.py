@@ -30,6 +30,17 @@ said 35.8). Eight independent single processes on the two cores, no communicatio
 all, spend 29.2 ms a step each against 27.1 alone: contention alone is part of any
 contender's extra CPU at np=8.
 
+**Paired extra CPU** (``--paired-steps``, default ``--steps``): that difference takes its
+baseline from another process at another time, and the single process's CPU a step
+moved by 4 ms between runs here (24.6-28.9 ms for the transformer), twice the quantity
+measured. So after the timed steps each rank also runs pairs of one library step and one
+step of an identical model without the library, in turn (:func:`_paired`): the same
+process, the same contention from the other ranks (they run their plain steps at the
+same time), the same drift of the machine on both halves. Its figure is what a library
+step costs beyond a plain one, every thread counted; the ``single`` contender runs it
+with two plain models, which gives the instrument's floor (about 0). The table shows
+the median of the rounds.
+
 **GIL wait**: a probe thread in every rank (every contender, the single process too)
 sleeps 1 ms at a time through the timed steps and sums how late it wakes: the time a
 thread that wants the GIL (and a core) back waits for it. The training thread is such a
@@ -139,15 +150,22 @@ class _GilProbe:
 
 
 def _train(mode: str, model_name: str, batch: int, steps: int, warmup: int,
-           rank: int = 0, world: int = 1, on_timed: Any = None) -> tuple[float, float, float]:
+           rank: int = 0, world: int = 1, on_timed: Any = None, on_done: Any = None,
+           paired: int = 0) -> tuple[float, float, float, float]:
     """Run the loop in this process; return (samples/s over all ranks, this process's
     CPU milliseconds per timed step, the GIL probe's lateness in milliseconds per timed
-    step). ``on_timed()`` is called as the timed steps begin."""
+    step, the paired extra CPU in milliseconds per step: see :func:`_paired`, NaN
+    without ``paired`` steps). ``on_timed()`` is called as the timed steps begin,
+    ``on_done()`` as they end (before the paired steps)."""
+    import copy
+
     import torch
     import torch.nn.functional as F
 
     torch.set_num_threads(1)
     model, shape, classes = _model(torch, model_name)
+    plain = copy.deepcopy(model)  # no library on it: the paired steps' baseline
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.01, momentum=0.9)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     if mode == "ronde":
         import ronde.torch as hvd
@@ -159,6 +177,17 @@ def _train(mode: str, model_name: str, batch: int, steps: int, warmup: int,
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(batch, *shape, generator=gen)
     y = torch.randint(0, classes, (batch,), generator=gen)
+
+    def step() -> None:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    def plain_step() -> None:
+        plain_opt.zero_grad()
+        F.cross_entropy(plain(x), y).backward()
+        plain_opt.step()
+
     t0 = c0 = 0.0
     probe: _GilProbe | None = None
     for i in range(warmup + steps):
@@ -167,15 +196,46 @@ def _train(mode: str, model_name: str, batch: int, steps: int, warmup: int,
                 on_timed()
             probe = _GilProbe()
             t0, c0 = time.perf_counter(), _cpu_s()
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+        step()
     elapsed = time.perf_counter() - t0
     cpu_s = _cpu_s() - c0
+    if on_done is not None:
+        on_done()
     assert probe is not None
     wait_ms = probe.stop() * 1e3 / steps
     cpu_ms = (cpu_s - probe.cpu_s) * 1e3 / steps  # the instrument's CPU is nobody's
-    return world * batch * steps / elapsed, cpu_ms, wait_ms
+    paired_ms = _paired(step, plain_step, paired) if paired else float("nan")
+    return world * batch * steps / elapsed, cpu_ms, wait_ms, paired_ms
+
+
+def _paired(step: Any, plain_step: Any, steps: int) -> float:
+    """The **paired extra CPU**: ``steps`` pairs of one step through the library and
+    one step of an identical model without it, in turn, in the same process; returns
+    the CPU milliseconds a library step costs beyond a plain one.
+
+    The library's side is the whole process's CPU over the pairs (every thread, at any
+    time: what its threads do while the plain step runs is charged to it too), less the
+    training thread's CPU in the plain steps and the GIL probe's own; the plain side is
+    the training thread's CPU in the plain steps. Every rank runs its plain step at the
+    same time as the others (the library step before it ended together), so the plain
+    steps share the cores as the library steps do, and a drift of the machine's speed
+    over the run falls on both halves alike: unlike the difference from the ``single``
+    process, measured in another process at another time (whose CPU a step moved by
+    4 ms between runs here, twice the quantity measured), it needs no baseline from
+    elsewhere. The ``single`` contender runs it too, two plain models: its figure is the
+    instrument's floor (about 0)."""
+    for _ in range(2):  # the plain model's first steps allocate
+        plain_step()
+    probe = _GilProbe()
+    c0, plain_s = _cpu_s(), 0.0
+    for _ in range(steps):
+        step()
+        p0 = time.thread_time()
+        plain_step()
+        plain_s += time.thread_time() - p0
+    probe.stop()
+    library_s = _cpu_s() - c0 - probe.cpu_s - plain_s
+    return (library_s - plain_s) * 1e3 / steps
 
 
 def _engine_threads_cpu_s() -> float:
@@ -191,8 +251,8 @@ def _engine_threads_cpu_s() -> float:
     return total
 
 
-def ronde_worker(model_name: str, batch: int, steps: int, warmup: int
-                 ) -> tuple[float, float, float, float, float]:
+def ronde_worker(model_name: str, batch: int, steps: int, warmup: int, paired: int = 0
+                 ) -> tuple[float, float, float, float, float, float]:
     """One rank of the ``ronde`` contender (run through :func:`ronde.testing.run_ranks`):
     (samples/s of the slowest rank, the mean CPU ms per step over the ranks, the mean GIL
     probe lateness in ms per step, negotiation rounds per timed step: a count, steadier
@@ -206,52 +266,58 @@ def ronde_worker(model_name: str, batch: int, steps: int, warmup: int
 
     hvd.init()
     engine = _state.require().engine
-    start = [0, 0.0]
+    start = [0.0, 0.0]
 
     def timed() -> None:
         start[0], start[1] = engine._rounds, _engine_threads_cpu_s()
 
-    rate, cpu_ms, wait_ms = _train("ronde", model_name, batch, steps, warmup, hvd.rank(),
-                                   hvd.size(), on_timed=timed)
-    rounds = (engine._rounds - start[0]) / steps  # read before the reductions below
-    threads_ms = (_engine_threads_cpu_s() - start[1]) * 1e3 / steps
+    def done() -> None:  # read before the paired steps and the reductions below
+        start[0] = (engine._rounds - start[0]) / steps
+        start[1] = (_engine_threads_cpu_s() - start[1]) * 1e3 / steps
+
+    rate, cpu_ms, wait_ms, paired_ms = _train("ronde", model_name, batch, steps, warmup,
+                                              hvd.rank(), hvd.size(), on_timed=timed,
+                                              on_done=done, paired=paired)
+    rounds, threads_ms = start
     worst = float(hvd.allreduce(torch.tensor([1.0 / rate]), op=hvd.Max)[0])
-    cpu, wait, threads = (float(v) for v in hvd.allreduce(
-        torch.tensor([cpu_ms, wait_ms, threads_ms], dtype=torch.float64), op=hvd.Average))
+    cpu, wait, paired_ms, threads = (float(v) for v in hvd.allreduce(
+        torch.tensor([cpu_ms, wait_ms, paired_ms, threads_ms], dtype=torch.float64),
+        op=hvd.Average))
     hvd.shutdown()
-    return 1.0 / worst, cpu, wait, rounds, threads  # the slowest rank sets the pace
+    return 1.0 / worst, cpu, wait, paired_ms, rounds, threads  # the slowest rank sets the pace
 
 
-def _run_ddp(np_: int, model_name: str, batch: int, steps: int, warmup: int,
-             timeout_s: float) -> tuple[float, float, float]:
+def _run_ddp(np_: int, model_name: str, batch: int, steps: int, warmup: int, paired: int,
+             timeout_s: float) -> tuple[float, float, float, float]:
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     procs = [subprocess.Popen([sys.executable, "-m", "ronde.bench.train", "--ddp-worker",
                                f"{r},{np_},{port}", "--models", model_name, "--batch",
-                               str(batch), "--steps", str(steps), "--warmup", str(warmup)],
+                               str(batch), "--steps", str(steps), "--warmup", str(warmup),
+                               "--paired-steps", str(paired)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(np_)]
-    rates, cpus, waits = [], [], []
+    ranks = []
     for p in procs:
         out, err = p.communicate(timeout=timeout_s)
         if p.returncode != 0:
             raise RuntimeError(f"ddp worker failed: {err[-2000:]}")
-        rate, cpu, wait = out.strip().splitlines()[-1].split()
-        rates.append(float(rate))
-        cpus.append(float(cpu))
-        waits.append(float(wait))
-    return min(rates), sum(cpus) / len(cpus), sum(waits) / len(waits)
+        ranks.append([float(v) for v in out.strip().splitlines()[-1].split()])
+    rates, cpus, waits, paired_ms = zip(*ranks)
+    mean = lambda v: sum(v) / len(v)  # noqa: E731
+    return min(rates), mean(cpus), mean(waits), mean(paired_ms)
 
 
-def _ddp_worker(spec: str, model_name: str, batch: int, steps: int, warmup: int) -> None:
+def _ddp_worker(spec: str, model_name: str, batch: int, steps: int, warmup: int,
+                paired: int) -> None:
     import torch.distributed as dist
 
     rank, world, port = (int(v) for v in spec.split(","))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    rate, cpu_ms, wait_ms = _train("ddp", model_name, batch, steps, warmup, rank, world)
+    measured = _train("ddp", model_name, batch, steps, warmup, rank, world, paired=paired)
     dist.barrier()
-    print(rate, cpu_ms, wait_ms, flush=True)
+    print(*measured, flush=True)
     # no destroy_process_group() and no interpreter teardown: Gloo may abort a process
     # whose peer tore its pairs down first ("terminate called without an active
     # exception"), which would lose a finished measurement
@@ -259,15 +325,24 @@ def _ddp_worker(spec: str, model_name: str, batch: int, steps: int, warmup: int)
     os._exit(0)
 
 
-def _run_single(model_name: str, batch: int, steps: int, warmup: int, timeout_s: float
-                ) -> tuple[float, float, float]:
+def _run_single(model_name: str, batch: int, steps: int, warmup: int, paired: int,
+                timeout_s: float) -> tuple[float, float, float, float]:
     code = (f"from ronde.bench.train import _train; print(*_train('single', {model_name!r}, "
-            f"{batch}, {steps}, {warmup}))")
+            f"{batch}, {steps}, {warmup}, paired={paired}))")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=timeout_s, check=True)
-    rate, cpu, wait = out.stdout.strip().splitlines()[-1].split()
-    return float(rate), float(cpu), float(wait)
+    rate, cpu, wait, paired_ms = (float(v) for v in out.stdout.strip().splitlines()[-1].split())
+    return rate, cpu, wait, paired_ms
+
+
+def _median(values: list[float]) -> float:
+    v = sorted(values)
+    return (v[(len(v) - 1) // 2] + v[len(v) // 2]) / 2 if v else float("nan")
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b > 0 else "nan"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -279,6 +354,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--paired-steps", type=int, default=None,
+                   help="pairs of a library step and a plain one after the timed steps, "
+                        "for the paired extra CPU (default: --steps; 0: none)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--timeout-s", type=float, default=300.0)
     p.add_argument("--autotune", action="store_true",
@@ -288,7 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     if args.ddp_worker:
-        _ddp_worker(args.ddp_worker, models[0], args.batch, args.steps, args.warmup)
+        _ddp_worker(args.ddp_worker, models[0], args.batch, args.steps, args.warmup,
+                    args.paired_steps or 0)
         return 0
     from ..testing import run_ranks
     from . import train as importable  # run_ranks imports the worker by module name
@@ -305,26 +384,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         rounds: dict[tuple[str, int], float] = {}  # ronde's rounds per step: the least
         engine: dict[tuple[str, int], float] = {}  # ronde's threads' CPU ms/step: the least
         wait: dict[tuple[str, int], float] = {}  # GIL probe lateness ms/step: the least
+        paired: dict[tuple[str, int], list[float]] = {}  # paired extra CPU: the median
+        pairs = args.steps if args.paired_steps is None else args.paired_steps
         for _ in range(args.rounds):  # interleaved: every contender and N once a round
             runs: list[tuple[str, int, Any]] = [("single", 1, lambda n: _run_single(
-                model_name, args.batch, args.steps, args.warmup, args.timeout_s))]
+                model_name, args.batch, args.steps, args.warmup, pairs, args.timeout_s))]
             for n in counts:
                 if n < 2:
                     continue
                 runs.append(("ronde", n, lambda n: run_ranks(
                     n, importable.ronde_worker, model_name, args.batch, args.steps,
-                    args.warmup, timeout_s=args.timeout_s, env={"OMP_NUM_THREADS": "1"})[0]))
+                    args.warmup, pairs, timeout_s=args.timeout_s,
+                    env={"OMP_NUM_THREADS": "1"})[0]))
                 if args.autotune:
                     tune_env = {"OMP_NUM_THREADS": "1", "RONDE_AUTOTUNE": "1"}
                     extra = search_steps(_config.load(tune_env))
                     runs.append(("autotune", n, lambda n: run_ranks(
                         n, importable.ronde_worker, model_name, args.batch, args.steps,
-                        args.warmup + extra, timeout_s=args.timeout_s, env=tune_env)[0]))
+                        args.warmup + extra, pairs, timeout_s=args.timeout_s,
+                        env=tune_env)[0]))
                 runs.append(("ddp", n, lambda n: _run_ddp(n, model_name, args.batch,
-                                                          args.steps, args.warmup,
+                                                          args.steps, args.warmup, pairs,
                                                           args.timeout_s)))
             for name, n, fn in runs:
-                rate, cpu_ms, wait_ms, *counted = fn(n)
+                rate, cpu_ms, wait_ms, paired_ms, *counted = fn(n)
+                paired.setdefault((name, n), []).append(paired_ms)
                 best[(name, n)] = max(best.get((name, n), 0.0), rate)
                 cpu[(name, n)] = min(cpu.get((name, n), float("inf")), cpu_ms)
                 wait[(name, n)] = min(wait.get((name, n), float("inf")), wait_ms)
@@ -335,18 +419,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             point = {"case": "train", "model": model_name, "contender": name, "np": n,
                      "batch_per_rank": args.batch, "samples_per_s": round(rate, 1),
                      "cpu_ms_per_step": round(cpu[(name, n)], 2),
-                     "gil_wait_ms_per_step": round(wait[(name, n)], 3)}
+                     "gil_wait_ms_per_step": round(wait[(name, n)], 3),
+                     "paired_extra_cpu_ms_per_step": round(_median(paired[(name, n)]), 2)}
             if (name, n) in rounds:
                 point["rounds_per_step"] = round(rounds[(name, n)], 2)
                 point["engine_threads_cpu_ms_per_step"] = round(engine[(name, n)], 2)
             print(json.dumps(point), flush=True)
-        rows.append((model_name, best, cpu, rounds, wait, engine))
+        rows.append((model_name, best, cpu, rounds, wait, engine,
+                     {k: _median(v) for k, v in paired.items()}))
     print("\n| model | N | single | ronde | ddp | ronde/ddp | ronde eff. | ddp eff. | "
           f"ronde eff. within {cores} cores | CPU ms/step single | extra CPU ms/step ronde "
-          "| ddp | ronde/ddp | ronde's threads CPU ms/step | rounds/step ronde "
+          "| ddp | ronde/ddp | paired extra CPU ms/step single | ronde | ddp | ronde/ddp "
+          "| ronde's threads CPU ms/step | rounds/step ronde "
           "| GIL wait ms/step single | ronde | ddp |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for model_name, best, cpu, rounds, wait, engine in rows:
+    print("|---" * 22 + "|")
+    for model_name, best, cpu, rounds, wait, engine, pair in rows:
         single, c1 = best[("single", 1)], cpu[("single", 1)]
         for n in counts:
             if n < 2:
@@ -357,18 +444,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{r / (n * single):.2f} | {d / (n * single):.2f} | "
                   f"{r / (min(n, cores) * single):.2f} | {c1:.1f} | {xr:.1f} | {xd:.1f} | "
                   f"{xr / xd if xd > 0 else float('nan'):.2f} | "
+                  f"{pair[('single', 1)]:.1f} | {pair[('ronde', n)]:.1f} | "
+                  f"{pair[('ddp', n)]:.1f} | {_ratio(pair[('ronde', n)], pair[('ddp', n)])} | "
                   f"{engine.get(('ronde', n), float('nan')):.1f} | "
                   f"{rounds.get(('ronde', n), float('nan')):.2f} | "
                   f"{wait[('single', 1)]:.2f} | {wait[('ronde', n)]:.2f} | "
                   f"{wait[('ddp', n)]:.2f} |")
             if ("autotune", n) in best:
                 a = best[("autotune", n)]
-                print(f"| {model_name} | {n} | autotuned ronde: {a:.1f} | autotuned/ronde "
-                      f"{a / r:.2f} | autotuned/ddp {a / d:.2f} | | | | | "
-                      f"{cpu[('autotune', n)] - c1:.1f} | | | | | | | |")
+                cells = [model_name, str(n), f"autotuned ronde: {a:.1f}",
+                         f"autotuned/ronde {a / r:.2f}", f"autotuned/ddp {a / d:.2f}"]
+                cells += [""] * 5 + [f"{cpu[('autotune', n)] - c1:.1f}"] + [""] * 3
+                cells += [f"{pair[('autotune', n)]:.1f}"] + [""] * 7
+                print("| " + " | ".join(cells) + " |")
     print("(samples/s; one thread per rank; best of rounds; efficiency = throughput(N) / "
           "(N x single); within cores: / (min(N, cores) x single); extra CPU = the "
           "process's CPU time per step (all threads, least of rounds) minus one process's; "
+          "paired extra CPU: a library step's CPU beyond a plain one's in the same process, "
+          "in turn (_paired; median of rounds; single's is the instrument's floor); "
           "ronde's threads: its control and executor threads' CPU per step, mean of the "
           "ranks (part of its extra CPU; the rest is the training thread's); rounds/step: ronde's negotiation rounds per timed step, a count; GIL wait: how "
           "late a probe thread sleeping 1 ms at a time wakes, summed per step, mean of "
