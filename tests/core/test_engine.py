@@ -13,6 +13,7 @@ from ronde.core import protocol
 from ronde.core.communicators import Communicators
 from ronde.core.protocol import SILENT, RoundMessage
 from ronde.core.requests import Kind, Request
+from ronde.transport.ready import Doorbell
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -362,7 +363,7 @@ def test_fused_groups_run_as_one_only_on_the_single_copy_path_and_with_fusion_on
     comm = Comm()
 
     def dispatcher(threshold):
-        ex = Executor(0, lambda: None, lambda exc: None, lambda: None)
+        ex = Executor(0, lambda: None, lambda exc: None, Doorbell())
         return ex, Dispatcher(0, load({"RONDE_FUSION_THRESHOLD": threshold}),
                               Communicators(0, {0: comm}, {0: [0, 1]}, lambda ps_id, ranks: None),
                               Outbox(0), ex)
@@ -412,7 +413,7 @@ def test_work_queued_when_the_engine_failed_or_stopped_fails_its_requests():
     from ronde.core.requests import Handle, Meta
 
     failure: list[BaseException] = []
-    ex = Executor(0, lambda: failure[0] if failure else None, lambda exc: None, lambda: None)
+    ex = Executor(0, lambda: failure[0] if failure else None, lambda exc: None, Doorbell())
 
     def queued(name):
         req = ar(name, np.ones(3))
@@ -432,6 +433,33 @@ def test_work_queued_when_the_engine_failed_or_stopped_fails_its_requests():
     ex.stop(0.1, ShutdownError("shut down while pending"))
     with pytest.raises(ShutdownError, match="while pending"):
         req.handle.wait(1)
+
+
+def test_the_executor_rings_the_control_threads_bell_as_it_runs_out_of_work_if_asked():
+    # the executor knows the control thread only by its doorbell: a round waiting for the
+    # executor to finish asks for the ring (``wanted``); otherwise finishing costs nothing
+    from ronde.core.executor import Executor
+    from ronde.core.negotiation import Response
+    from ronde.transport import ready
+
+    bell = Doorbell()
+    ex = Executor(0, lambda: None, lambda exc: None, bell)
+    ex.start()
+    try:
+        for wanted in (True, False, True):
+            bell.wanted = wanted
+            ex.enqueue(Response(Kind.JOIN, 0, ["join"], [{}]))  # needs no communicator
+            end = time.monotonic() + 10
+            while not (ex.idle() and not bell.wanted) and time.monotonic() < end:
+                time.sleep(0.001)  # wanted is cleared by the ring, after idle() holds
+            assert ex.idle()
+            rung, _ = ready.wait([bell], [], 0.0)
+            assert (rung == [bell]) is wanted and bell.pending is wanted
+            assert not bell.wanted  # once
+            bell.drain()
+    finally:
+        ex.stop(5.0, RuntimeError("stopped"))
+        bell.close()
 
 
 def test_the_first_failure_sets_the_abort_event_and_is_kept(engines):

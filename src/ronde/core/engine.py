@@ -85,7 +85,7 @@ class Engine:
         self._held_round = 0  #: the round held through the mailboxes (``_maybe_round``)
         self.round_hold = RoundHold(  # whether to hold the next round back (holding.py)
             cfg.round_hold_ms / 1000.0, self.negotiator, self.exchange, rank, size)
-        self.executor = Executor(rank, lambda: self._error, self.fail, self._executor_idle)
+        self.executor = Executor(rank, lambda: self._error, self.fail, self._bell)
         self.dispatcher = Dispatcher(rank, cfg, self.sets, self.out, self.executor)
         self.stall = StallInspector(cfg, describe_rank)
         self.waiters = Waiters()  #: callers waiting on its handles drive it (requests.py)
@@ -291,10 +291,6 @@ class Engine:
         self._last_round = time.monotonic()
         return True, have_local
 
-    def _executor_idle(self) -> None:  # the executor ran out of work: a round to start?
-        if self.out.reqs or self._other_local():
-            self.wake()
-
     def _control_loop(self) -> None:
         ex = self.exchange
         last_stall_check = last_wait_check = time.monotonic()
@@ -343,7 +339,11 @@ class Engine:
         elif have_local:
             due = self._hold_until
             if not self.executor.idle():
-                due = max(due, self._last_round + self.cycle_s)
+                # rung as the executor runs out of work (a round is due then), unless it
+                # did so between the two looks
+                self._bell.wanted = True
+                if not self.executor.idle():
+                    due = max(due, self._last_round + self.cycle_s)
             timeout = max(0.0, due - now)
         else:
             timeout = _IDLE_S if self.timeline is None else 0.1
@@ -363,6 +363,7 @@ class Engine:
             readable, _ = ready.wait([self._bell] + ex.sockets(), [], timeout)
         finally:
             self._ctl_deep_sleep = False
+            self._bell.wanted = False
             ex.after_block(idle=True)
         self._read_ready(readable)
 

@@ -33,6 +33,7 @@ from .timeline import now_us
 
 if TYPE_CHECKING:
     from ..transport.base import Communicator
+    from ..transport.ready import Doorbell
     from .timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -57,17 +58,19 @@ class Executor:
     """Consumes :class:`Response` objects on a dedicated thread.
 
     Each response carries what running it takes (``dispatch.py`` resolved it), so the
-    executor looks nothing up and never calls back into the engine: it is given this
-    rank, ``failed()`` (the engine's failure, or None: the abort it checks),
-    ``fail(exc)`` (report one) and ``idle()`` (called when it ran out of work: a round
-    may be due); the engine sets :attr:`timeline` with its own."""
+    executor looks nothing up and never calls back into the engine but to raise the
+    abort: it is given this rank, ``failed()`` (the engine's failure, or None: the
+    abort it checks), ``fail(exc)`` (raise it: a lost peer or a shutdown seen in a
+    collective) and the control thread's doorbell, which it rings as it runs out of
+    work where the control thread asked for that (``Doorbell.wanted``: a round waits
+    for it); the engine sets :attr:`timeline` with its own."""
 
     def __init__(self, rank: int, failed: Callable[[], BaseException | None],
-                 fail: Callable[[BaseException], None], idle: Callable[[], None]) -> None:
+                 fail: Callable[[BaseException], None], bell: "Doorbell") -> None:
         self.rank = rank
         self.failed = failed  #: the engine's failure, or None
         self._fail = fail
-        self._on_idle = idle
+        self._bell = bell
         self.timeline: "Timeline | None" = None  #: the engine's (``Engine.set_timeline``)
         self.queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         #: a response is running (on this thread, or on a caller that claimed it)
@@ -135,7 +138,7 @@ class Executor:
             if self._outstanding:
                 self._wake_loop.set()
             else:
-                self._on_idle()
+                self._bell.ring_if_wanted()
 
     def _run_one(self, item: Response) -> None:
         for part in self._parts(item) if item.followers else (item,):
@@ -180,7 +183,7 @@ class Executor:
                 with self._count_lock:
                     self._outstanding -= 1
             if self._outstanding == 0:
-                self._on_idle()
+                self._bell.ring_if_wanted()
 
     # -- running one response -----------------------------------------------------------
     def execute(self, resp: Response) -> None:

@@ -64,13 +64,19 @@ def _poll(readers: Sequence[Any], writers: Sequence[Any], timeout_s: float,
 class Doorbell:
     """A pipe that wakes a thread blocked in :func:`wait` (pass the bell among its
     readers). One byte stays in the pipe until the woken thread drains it, so ringing
-    again before then costs nothing."""
+    again before then costs nothing.
+
+    A thread that will block may also set :attr:`wanted` first, to be woken when some
+    other thread reaches a point it cares about (the engine's control thread, waiting
+    for its executor to run out of work): that thread calls :meth:`ring_if_wanted`,
+    which costs nothing when nobody asked."""
 
     def __init__(self) -> None:
         self._r, self._w = os.pipe()
         os.set_blocking(self._r, False)
         os.set_blocking(self._w, False)
         self.pending = False  #: rung and not drained yet
+        self.wanted = False  #: the woken thread asked for :meth:`ring_if_wanted`'s ring
 
     def fileno(self) -> int:
         return self._r
@@ -79,6 +85,13 @@ class Doorbell:
         self.pending = True
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._w, b"x")
+
+    def ring_if_wanted(self) -> None:
+        """Ring once if :attr:`wanted` (and clear it); nothing otherwise."""
+        if self.wanted:
+            self.wanted = False
+            if not self.pending:
+                self.ring()
 
     def drain(self) -> None:
         with contextlib.suppress(BlockingIOError):
