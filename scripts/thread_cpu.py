@@ -13,19 +13,13 @@ sum of the difference and the threads is the rank's paired extra CPU.
 
 import copy
 import sys
-import threading
 import time
 
 import torch
 import torch.nn.functional as F
 
 import ronde.torch as hvd
-from ronde.bench.train import _model
-
-
-def _threads() -> dict[str, float]:
-    return {t.name: time.clock_gettime(time.pthread_getcpuclockid(t.ident))
-            for t in threading.enumerate() if t.name.startswith("ronde-") and t.ident}
+from ronde.bench.train import _model, ronde_threads_cpu_s
 
 
 def main() -> None:
@@ -52,7 +46,7 @@ def main() -> None:
         step(model, opt)
         step(plain, plain_opt)
     lib = base = 0.0
-    before = _threads()
+    before = ronde_threads_cpu_s()
     for _ in range(pairs):
         t0 = time.thread_time()
         step(model, opt)
@@ -60,7 +54,7 @@ def main() -> None:
         step(plain, plain_opt)
         t2 = time.thread_time()
         lib, base = lib + t1 - t0, base + t2 - t1
-    after = _threads()
+    after = ronde_threads_cpu_s()
     ms = 1e3 / pairs
     spent = {k: (v - before.get(k, 0.0)) * ms for k, v in after.items()}
     print(f"rank {hvd.rank()}: training thread {lib * ms:.2f} ms a library step, "

@@ -62,6 +62,7 @@ import time
 from typing import Any, Sequence
 
 from ._gloo import free_port
+from ._stats import median
 
 
 def _model(torch: Any, name: str) -> tuple[Any, Any, Any]:
@@ -238,27 +239,32 @@ def _paired(step: Any, plain_step: Any, steps: int) -> float:
     return (library_s - plain_s) * 1e3 / steps
 
 
-def _engine_threads_cpu_s() -> float:
-    """The CPU time of ronde's own threads in this process (``ronde-*``: the control
-    thread, the executor), from each thread's CPU clock."""
-    total = 0.0
+def ronde_threads_cpu_s() -> dict[str, float]:
+    """The CPU time of each of ronde's own threads in this process (``ronde-*``: the
+    control thread, the executor...), by name, from each thread's CPU clock."""
+    out: dict[str, float] = {}
     for t in threading.enumerate():
         if t.name.startswith("ronde-") and t.ident is not None:
             try:
-                total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+                out[t.name] = time.clock_gettime(time.pthread_getcpuclockid(t.ident))
             except (OSError, ValueError):  # it just ended
                 pass
-    return total
+    return out
+
+
+def _engine_threads_cpu_s() -> float:
+    """The CPU time of ronde's own threads in this process, together."""
+    return sum(ronde_threads_cpu_s().values())
 
 
 def ronde_worker(model_name: str, batch: int, steps: int, warmup: int, paired: int = 0
                  ) -> tuple[float, float, float, float, float, float]:
     """One rank of the ``ronde`` contender (run through :func:`ronde.testing.run_ranks`):
     (samples/s of the slowest rank, the mean CPU ms per step over the ranks, the mean GIL
-    probe lateness in ms per step, negotiation rounds per timed step: a count, steadier
-    than any time on a shared machine; the mean CPU ms per step of ronde's own threads,
-    which no contention with the other ranks inflates the way it does the training
-    thread's)."""
+    probe lateness in ms per step, the mean paired extra CPU ms per step (:func:`_paired`),
+    negotiation rounds per timed step: a count, steadier than any time on a shared
+    machine; the mean CPU ms per step of ronde's own threads, which no contention with
+    the other ranks inflates the way it does the training thread's)."""
     import torch
 
     import ronde.torch as hvd
@@ -266,19 +272,20 @@ def ronde_worker(model_name: str, batch: int, steps: int, warmup: int, paired: i
 
     hvd.init()
     engine = _state.require().engine
-    start = [0.0, 0.0]
+    begin: list[float] = []  # the rounds and ronde's threads' CPU s as timing starts
+    per_step: list[float] = []  # rounds a timed step, ronde's threads' CPU ms a timed step
 
     def timed() -> None:
-        start[0], start[1] = engine._rounds, _engine_threads_cpu_s()
+        begin[:] = [engine._rounds, _engine_threads_cpu_s()]
 
     def done() -> None:  # read before the paired steps and the reductions below
-        start[0] = (engine._rounds - start[0]) / steps
-        start[1] = (_engine_threads_cpu_s() - start[1]) * 1e3 / steps
+        per_step[:] = [(engine._rounds - begin[0]) / steps,
+                       (_engine_threads_cpu_s() - begin[1]) * 1e3 / steps]
 
     rate, cpu_ms, wait_ms, paired_ms = _train("ronde", model_name, batch, steps, warmup,
                                               hvd.rank(), hvd.size(), on_timed=timed,
                                               on_done=done, paired=paired)
-    rounds, threads_ms = start
+    rounds, threads_ms = per_step
     worst = float(hvd.allreduce(torch.tensor([1.0 / rate]), op=hvd.Max)[0])
     cpu, wait, paired_ms, threads = (float(v) for v in hvd.allreduce(
         torch.tensor([cpu_ms, wait_ms, paired_ms, threads_ms], dtype=torch.float64),
@@ -334,11 +341,6 @@ def _run_single(model_name: str, batch: int, steps: int, warmup: int, paired: in
                          timeout=timeout_s, check=True)
     rate, cpu, wait, paired_ms = (float(v) for v in out.stdout.strip().splitlines()[-1].split())
     return rate, cpu, wait, paired_ms
-
-
-def _median(values: list[float]) -> float:
-    v = sorted(values)
-    return (v[(len(v) - 1) // 2] + v[len(v) // 2]) / 2 if v else float("nan")
 
 
 def _ratio(a: float, b: float) -> str:
@@ -420,13 +422,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "batch_per_rank": args.batch, "samples_per_s": round(rate, 1),
                      "cpu_ms_per_step": round(cpu[(name, n)], 2),
                      "gil_wait_ms_per_step": round(wait[(name, n)], 3),
-                     "paired_extra_cpu_ms_per_step": round(_median(paired[(name, n)]), 2)}
+                     "paired_extra_cpu_ms_per_step": round(median(paired[(name, n)]), 2)}
             if (name, n) in rounds:
                 point["rounds_per_step"] = round(rounds[(name, n)], 2)
                 point["engine_threads_cpu_ms_per_step"] = round(engine[(name, n)], 2)
             print(json.dumps(point), flush=True)
         rows.append((model_name, best, cpu, rounds, wait, engine,
-                     {k: _median(v) for k, v in paired.items()}))
+                     {k: median(v) for k, v in paired.items()}))
     print("\n| model | N | single | ronde | ddp | ronde/ddp | ronde eff. | ddp eff. | "
           f"ronde eff. within {cores} cores | CPU ms/step single | extra CPU ms/step ronde "
           "| ddp | ronde/ddp | paired extra CPU ms/step single | ronde | ddp | ronde/ddp "
@@ -443,7 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"| {model_name} | {n} | {single:.1f} | {r:.1f} | {d:.1f} | {r / d:.2f} | "
                   f"{r / (n * single):.2f} | {d / (n * single):.2f} | "
                   f"{r / (min(n, cores) * single):.2f} | {c1:.1f} | {xr:.1f} | {xd:.1f} | "
-                  f"{xr / xd if xd > 0 else float('nan'):.2f} | "
+                  f"{_ratio(xr, xd)} | "
                   f"{pair[('single', 1)]:.1f} | {pair[('ronde', n)]:.1f} | "
                   f"{pair[('ddp', n)]:.1f} | {_ratio(pair[('ronde', n)], pair[('ddp', n)])} | "
                   f"{engine.get(('ronde', n), float('nan')):.1f} | "
