@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from ronde import _config, _knobs
+from ronde import _config, _knob_docs, _knobs
 from ronde.runner.cli import build_parser
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
@@ -19,8 +19,8 @@ DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 def test_the_docs_tables_are_generated_from_the_knobs():
     with open(DOCS, encoding="utf-8") as fh:
         text = fh.read()
-    assert _knobs.render(text) == text, \
-        "stale: python -m ronde._knobs --write docs/configuration.md"
+    assert _knob_docs.render(text) == text, \
+        "stale: python -m ronde._knob_docs --write docs/configuration.md"
 
 
 def test_every_config_field_has_exactly_one_knob():

@@ -2,7 +2,7 @@
 
 This module is the only reader of ``RONDE_*`` settings (and of the Horovod names
 accepted as fallbacks, so a Horovod user's settings keep working), through the knobs
-declared in :mod:`ronde._knobs` (which also generates docs/configuration.md).
+declared in :mod:`ronde._knobs` (``_knob_docs`` generates docs/configuration.md from it).
 ``ronderun`` flags are written into these variables for the workers. An unknown
 ``RONDE_*`` variable (a typo) gets a warning that names the closest knob.
 """
@@ -32,6 +32,7 @@ class Config:
     fusion_threshold_bytes: int = 64 * 1024 * 1024
     bucket_bytes: int = 25 * 1024 * 1024
     bucket_views: bool = True
+    steady_lane: bool = True
     cycle_time_ms: float = 1.0
     round_hold_ms: float = 50.0
     cache_capacity: int = 1024

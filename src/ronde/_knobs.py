@@ -3,7 +3,7 @@ flag, meaning.
 
 :mod:`ronde._config` reads the environment through :data:`KNOBS` (and Horovod's names
 as fallbacks); ``docs/configuration.md``'s tables of variables and of ``ronderun``
-flags are generated from it (``python -m ronde._knobs --write docs/configuration.md``)
+flags are generated from it (``python -m ronde._knob_docs --write docs/configuration.md``)
 and a test checks they are current, that every :class:`~ronde._config.Config` field has
 exactly one knob whose shown default is the field's default, and that every flag exists.
 Every numeric knob has a :class:`~ronde._values.Range` (generous, but finite): a value
@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import sys
 from typing import Callable
 
 from ._errors import ConfigError
@@ -117,6 +116,13 @@ KNOBS: tuple[Knob, ...] = (
              "`ShardedOptimizer(stage=1)`'s buffers (its `p.grad` stays this rank's own "
              'gradient, one copy of it instead of two). `0`: gradients are copied in '
              'and out and stay tensors of their own.'),
+    Knob("steady_lane", "RONDE_STEADY_LANE", parse_bool,
+         default='`1` (on)', unit='boolean',
+         doc='From its third agreement on, a gradient bucket of the global set skips '
+             'negotiation where that set is on one host (`shm`): every rank checks in '
+             "shared memory that the others bring the same bucket, and the lane's own "
+             'thread runs it; any difference sends it back to negotiation (see '
+             'architecture.md, "The steady lane"). `0`: buckets are always negotiated.'),
     Knob("cycle_time_ms", "RONDE_CYCLE_TIME", float,
          accepted=Range(0, 60_000, above=True),
          default='`1.0`', unit='milliseconds',
@@ -456,43 +462,3 @@ LAUNCHER_VARIABLES = frozenset({
     "RONDE_SECRET_FILE",
     # read by scripts/ and tests, not by ronde: a setting of theirs is no typo
     "RONDE_MXNET_CORE", "RONDE_MXNET_VENV", "RONDE_MXNET_PYTHON", "RONDE_FAKE_HOST"})
-
-
-def env_table() -> str:
-    """The markdown table of every variable (docs/configuration.md)."""
-    rows = ["| variable | Horovod fallback | default | unit | accepted | meaning |",
-            "|---|---|---|---|---|---|"]
-    for k in KNOBS:
-        horovod = k.horovod_shown or (", ".join(f"`{v}`" for v in k.horovod) or "-")
-        accepted = str(k.accepted) if k.accepted else "-"
-        rows.append(f"| `{k.var}` | {horovod} | {k.default} | {k.unit} | {accepted} | {k.doc} |")
-    return "\n".join(rows)
-
-
-def flag_table() -> str:
-    """The markdown table of the ``ronderun`` flags that set knobs."""
-    rows = ["| flag | sets | note |", "|---|---|---|"]
-    rows += [f"| `{k.flag}` | `{k.var}` | {k.flag_note} |" for k in KNOBS if k.flag]
-    return "\n".join(rows)
-
-
-_BLOCKS = {"knobs": env_table, "flags": flag_table}
-
-
-def render(text: str) -> str:
-    """``text`` with every ``<!-- NAME:start -->...<!-- NAME:end -->`` block regenerated."""
-    for name, make in _BLOCKS.items():
-        pattern = re.compile(rf"(<!-- {name}:start -->\n).*?(\n<!-- {name}:end -->)", re.S)
-        if not pattern.search(text):
-            raise ValueError(f"no <!-- {name}:start/end --> block in the file")
-        text = pattern.sub(lambda m: m.group(1) + make() + m.group(2), text)
-    return text
-
-
-if __name__ == "__main__":  # python -m ronde._knobs --write docs/configuration.md
-    if len(sys.argv) != 3 or sys.argv[1] != "--write":
-        sys.exit("usage: python -m ronde._knobs --write docs/configuration.md")
-    with open(sys.argv[2], encoding="utf-8") as fh:
-        old = fh.read()
-    with open(sys.argv[2], "w", encoding="utf-8") as fh:
-        fh.write(render(old))

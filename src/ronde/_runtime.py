@@ -293,11 +293,15 @@ def _communicators(cfg: _config.Config, topo: Topology, wenv: worker_env.WorkerE
             return None
         return engine_box[0].failed
 
+    def urgent() -> bool:
+        # a thread waits for a result (on a handle, or a steady lane's): shm waits poll
+        return not engine_box or engine_box[0].waiters.waiting() or engine_box[0].lane.urgent
+
     from .transport.segments import job_key
 
     key = job_key(wenv.job_id or f"pid{os.getppid()}")
     ctx = factory_mod.Context(cfg, wenv.rank, wenv.size, topo.hosts, key, gen, aborted, mesh,
-                              mpi_world)
+                              mpi_world, urgent)
     return factory_mod.Factory(ctx)
 
 
@@ -313,11 +317,14 @@ def _start_engine(cfg: _config.Config, topo: Topology, wenv: worker_env.WorkerEn
     # more ranks than cores here: no spinning, a longer round hold (where not set)
     cfg = cores_mod.for_this_host(cfg, topo, wenv.host_cores, _config.explicit_fields())
     mesh = factory.ctx.mesh
+    # the steady lane (core/lane.py): a second shm communicator of the global set
+    lane = (lambda members: factory.lane(0, members)) \
+        if cfg.steady_lane and factory.kinds[0] == "shm" else None
     engine = Engine(rank, size, cfg, ctl, {0: world}, {0: list(range(size))}, factory,
                     factory.ctx.describe,
                     cores_mod.control_mailboxes(cfg, topo, rank, size, f"{factory.ctx.key}-g{gen}",
                                        wenv.host_cores),
-                    mesh)
+                    mesh, lane)
     if wenv.rendezvous_mode == "server" and wenv.rendezvous and wenv.secret:
         engine.on_failure = _lost_peer_reporter(wenv)
     if cfg.timeline_path:

@@ -1110,12 +1110,10 @@ def calls_in_backward(tensors: int = 40, steps: int = 12) -> dict:
             if threading.current_thread().name == "ronde-control":
                 everywhere[2] += 1
 
+    # set until the end: the steady lane's thread starts during the steps
     threading.setprofile(prof_all)
-    try:
-        torch.set_num_threads(1)
-        hvd.init()
-    finally:
-        threading.setprofile(None)
+    torch.set_num_threads(1)
+    hvd.init()
     # the structure, not the machine's load: a waiting caller spins (and drives) up to
     # 5 s instead of 200 us before it hands the round to the control thread, which a
     # busy machine (the full suite) made every step do (+150-300 calls a step)
@@ -1152,7 +1150,52 @@ def calls_in_backward(tensors: int = 40, steps: int = 12) -> dict:
         per_step.append(counted[1])
         whole.append(everywhere[1])
         control.append(everywhere[2])
+    threading.setprofile(None)
     buckets = len(opt._ronde_buckets.buckets) if opt._ronde_buckets is not None else 0
+    laned = _state.require().engine.lane.laned
     hvd.shutdown()
     return {"calls": per_step, "buckets": buckets, "tensors": tensors, "step_calls": whole,
-            "control_calls": control}
+            "control_calls": control, "laned": laned}
+
+
+def lane_training(steps: int = 10, batch: int = 4) -> dict:
+    """Train past the point where the buckets take the steady lane (core/lane.py), in
+    float64, against one process on the global batch; and every rank against rank 0.
+    Two buckets (the first at most 1 MiB): one above the single-copy size, one above the
+    inline size, so both shared-memory paths run in the lane. Returns the largest
+    differences, how many collectives the lane ran and its breaks."""
+    torch, hvd = _setup()
+    from ronde import _state
+
+    r, n = hvd.rank(), hvd.size()
+    nn, F = torch.nn, torch.nn.functional
+
+    def make() -> "torch.nn.Module":
+        torch.manual_seed(5)
+        return nn.Sequential(nn.Linear(32, 384), nn.Tanh(), nn.Linear(384, 384), nn.Tanh(),
+                             nn.Linear(384, 4)).double()
+
+    model, ref = make(), make()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        x = torch.randn(n * batch, 32, generator=gen, dtype=torch.float64)
+        y = torch.randn(n * batch, 4, generator=gen, dtype=torch.float64)
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        F.mse_loss(model(x[r * batch:(r + 1) * batch]), y[r * batch:(r + 1) * batch]).backward()
+        opt.step()
+    mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    ref_flat = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
+    root = hvd.broadcast(mine.clone(), root_rank=0, name="lane_training.weights")
+    lane = _state.require().engine.lane
+    out = {"vs_one_process": float((mine - ref_flat).abs().max()),
+           "vs_rank0": float((mine - root).abs().max()),
+           "buckets": len(opt._ronde_buckets.buckets), "laned": lane.laned,
+           "breaks": lane.breaks}
+    hvd.shutdown()
+    return out

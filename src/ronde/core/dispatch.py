@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from .._config import Config
     from .communicators import Communicators
     from .executor import Executor
+    from .lane import Lane
     from .outbox import Outbox
     from .requests import Request
     from .responses import Response
@@ -43,9 +44,11 @@ class Dispatcher:
     with it) and the executor it feeds; :attr:`timeline` is the engine's."""
 
     def __init__(self, rank: int, cfg: "Config", sets: "Communicators", out: "Outbox",
-                 executor: "Executor") -> None:
+                 executor: "Executor", lane: "Lane | None" = None) -> None:
         self.rank, self.cfg, self.sets, self.out = rank, cfg, sets, out
         self.executor = executor
+        #: shown every resolved allreduce: steady buckets enter it (``lane.py``)
+        self.lane = lane
         self.timeline: "Timeline | None" = None  #: the engine's (``Engine.set_timeline``)
 
     def dispatch(self, responses: list["Response"], direct: list["Response"] | None) -> None:
@@ -57,7 +60,7 @@ class Dispatcher:
         (``planner.chain``); followers are attached before anything is handed out."""
         # 0: no fusion at all
         plan = planner.chain(responses, self.cfg.fusion_threshold_bytes > 0)
-        ex, take, rank = self.executor, self.out.take_many, self.rank
+        ex, take, rank, lane = self.executor, self.out.take_many, self.rank, self.lane
         batch: list[Response] = []
         for resp in plan:
             if resp.inline is not None:
@@ -72,6 +75,8 @@ class Dispatcher:
                 continue
             if not self._resolve(resp, take, rank):
                 continue  # nothing for this rank
+            if lane is not None and resp.kind == Kind.ALLREDUCE:
+                lane.observe(resp)
             for f in resp.followers or ():
                 self._resolve(f, take, rank)
             if direct is not None and (direct or ex.claim()):

@@ -36,6 +36,7 @@ from .exchange import Exchange, Links
 from .dispatch import Dispatcher
 from .executor import Executor
 from .holding import RoundHold
+from .lane import Lane
 from .negotiation import Negotiator, Response
 from .outbox import Outbox
 from . import autotune, crossed, protocol, rounds
@@ -55,7 +56,8 @@ class Engine:
                  make_communicator: Callable[[int, list[int]], Communicator | None],
                  describe_rank: Callable[[int], str],
                  mailboxes: "mailbox.Mailboxes | None" = None,
-                 links: Links | None = None) -> None:
+                 links: Links | None = None,
+                 make_lane: Callable[[list[int]], Communicator] | None = None) -> None:
         self.rank, self.size, self.cfg = rank, size, cfg
         self.cycle_s = cfg.cycle_time_ms / 1000.0  #: set anew by autotune (autotune.py)
         self.describe_rank = describe_rank
@@ -86,7 +88,8 @@ class Engine:
         self.round_hold = RoundHold(  # whether to hold the next round back (holding.py)
             cfg.round_hold_ms / 1000.0, self.negotiator, self.exchange, rank, size)
         self.executor = Executor(rank, lambda: self._error, self.fail, self._bell)
-        self.dispatcher = Dispatcher(rank, cfg, self.sets, self.out, self.executor)
+        self.lane = Lane(rank, make_lane, lambda: self._error, self.fail, self._bell, self._add)
+        self.dispatcher = Dispatcher(rank, cfg, self.sets, self.out, self.executor, self.lane)
         self.stall = StallInspector(cfg, describe_rank)
         self.waiters = Waiters()  #: callers waiting on its handles drive it (requests.py)
         self._waiting = crossed.WaitWatch(cfg.deadlock_time_s, self.waiters)  # crossed.py
@@ -105,6 +108,7 @@ class Engine:
 
     def shutdown(self) -> None:
         """Announce shutdown, let pending work finish (bounded), then stop the threads."""
+        self.lane.leave(connect=False)  # peers in a lane meeting stop waiting for this rank
         with self._lock:
             self.out.shutdown_requested = True
         self.waiters.detach(self)
@@ -112,6 +116,7 @@ class Engine:
         self._thread.join(self.cfg.shutdown_timeout_s + 5.0)
         gone = ShutdownError("ronde was shut down while this collective was pending")
         self.executor.stop(5.0, gone)
+        self.lane.close(5.0)
         self._fail_all(gone)
         self.autotune.close()
         timeline = self.set_timeline(None)
@@ -131,7 +136,15 @@ class Engine:
 
     # -- API used by the facade ------------------------------------------------------------
     def submit(self, req: Request) -> Request:
+        if self.lane.table and self.lane.take(req, self._waited_by == threading.get_ident()):
+            self._waited_by = 0  # a steady gradient bucket skips the round (lane.py)
+            return req
         req.handle = Handle(req.name, self.waiters)  # (its waiter drives this engine)
+        self._add(req)
+        return req
+
+    def _add(self, req: Request) -> None:
+        """The general path of ``submit`` (and of the lane's fall-backs: handle kept)."""
         with self._lock:
             if self._error is not None:
                 raise fresh_copy(self._error)
@@ -153,7 +166,6 @@ class Engine:
                 self._drive.release()
         elif deep:  # a control thread in a short sleep looks at the outbox after it
             self.wake()
-        return req
 
     def waited_by(self, ident: int) -> None:
         """Thread ``ident`` (0: none) drives the next submission, if it makes it (a step's
@@ -191,10 +203,9 @@ class Engine:
     # -- failure -------------------------------------------------------------------------
     def fail(self, exc: BaseException) -> None:
         """Stop the engine with ``exc``: the first failure wins. A lost peer is told to
-        the others (``Exchange.tell_peers``) before the failure shows anywhere: a user
-        thread that catches the error and exits, or an executor that sees the abort,
-        would otherwise close the sockets before the peers heard which rank was lost,
-        and they would blame this rank instead."""
+        the others (``Exchange.tell_peers``) before the failure shows anywhere (else a
+        user thread that catches it and exits, or an executor that sees the abort, could
+        close the sockets first, and the peers would blame this rank)."""
         with self._lock:
             first = self._failing is None
             if first:
@@ -217,6 +228,7 @@ class Engine:
         """Record into ``timeline`` from now on (None: stop); returns the one before."""
         old, self.timeline = self.timeline, timeline
         self.executor.timeline = self.dispatcher.timeline = timeline
+        self.lane.set_timeline(timeline)
         return old
 
     def _fail_all(self, exc: BaseException) -> None:
@@ -449,8 +461,7 @@ class Engine:
             with self._lock:
                 self.timeline.negotiated(self.negotiator.round, responses, self.out.pending)
         if self.rank in messages[0].ask_stacks:
-            with self._lock:
-                self.out.send_stack = True
+            self.out.post(send_stack=True)
             self.wake()
         for r, m in enumerate(messages):
             if m.stack and self.rank == 0:
@@ -477,19 +488,13 @@ class Engine:
         seen = self._waiting.check(now, pending and self._error is None and not busy,
                                    quiet_since, self.negotiator.progress)
         if seen is not None:
-            with self._lock:
-                self.out.waiting = seen
+            self.out.post(waiting=seen)
             self.wake(force=True)
 
     def _check_stalls(self) -> None:
-        if not self.cfg.stall_check_enabled or self.rank != 0:
-            return
-        ask, abort = self.stall.check(self.negotiator)
-        if ask or abort:
-            with self._lock:
-                if ask:
-                    self.out.ask_stacks = ask
-                if abort:
-                    self.out.abort = abort
-            self.wake()
+        if self.cfg.stall_check_enabled and self.rank == 0:
+            ask, abort = self.stall.check(self.negotiator)
+            if ask or abort:
+                self.out.post(ask_stacks=ask or None, abort=abort)
+                self.wake()
 

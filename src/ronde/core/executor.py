@@ -132,7 +132,7 @@ class Executor:
         """Run responses claimed with :meth:`claim` on this thread, then release."""
         try:
             for resp in responses:
-                self._run_one(resp)
+                self.run_one(resp)
         finally:
             self.busy = False
             if self._outstanding:
@@ -140,7 +140,10 @@ class Executor:
             else:
                 self._bell.ring_if_wanted()
 
-    def _run_one(self, item: Response) -> None:
+    def run_one(self, item: Response) -> None:
+        """Run ``item`` (with its followers) here; a failure fails its requests, and a
+        lost peer or a shutdown stops the engine (the steady lane runs its collectives
+        with this too)."""
         for part in self._parts(item) if item.followers else (item,):
             try:
                 self.execute(part)
@@ -177,7 +180,7 @@ class Executor:
                 self._wake_loop.clear()
             self.busy = True
             try:
-                self._run_one(item)
+                self.run_one(item)
             finally:
                 self.busy = False
                 with self._count_lock:

@@ -68,6 +68,14 @@ class Outbox:
         self.ps_requests.append(protocol.ProcessSetRequest(
             action, tuple(sorted(arg)) if action == "add" else (arg,)))
 
+    def post(self, **control: Any) -> None:
+        """Control messages for the next round (``ask_stacks``, ``abort``, ``waiting``,
+        ``send_stack``), set under the lock; a None leaves its field as it is."""
+        with self.lock:
+            for field, value in control.items():
+                if value is not None:
+                    setattr(self, field, value)
+
     def end_batch_locked(self) -> bool:
         """Leave a ``batch()``; True when the outermost one released submissions."""
         self.batching -= 1

@@ -44,6 +44,9 @@ class Context:
     aborted: Aborted         #: the engine's failure, if any (waits check it)
     mesh: Any = None         #: the connected mesh (None for a job of one)
     mpi_world: Any = None    #: mpi4py's world, when the job runs on MPI
+    #: whether a thread of this process waits for a collective's result now: shm waits
+    #: poll only then (``shm/counters.py``); None: always
+    urgent: Callable[[], bool] | None = None
 
     def describe(self, r: int) -> str:
         return f"{r} (host {self.hosts[r]})"
@@ -119,6 +122,13 @@ class Factory:
         self.kinds[ps_id] = kind
         return BUILDERS[kind](self.ctx, ps_id, members)
 
+    def lane(self, ps_id: int, members: list[int]) -> Communicator:
+        """A second shared-memory communicator of process set ``ps_id`` (an ``shm`` one),
+        for the steady lane (``core/lane.py``): its collectives run beside the
+        executor's, never interleaved with them on one communicator."""
+        assert self.kinds.get(ps_id) == "shm" and self.ctx.rank in members
+        return _shm(self.ctx, members, f"ps{ps_id}-lane")
+
 
 def _members_only(fn: Builder) -> Builder:
     def build(ctx: Context, ps_id: int, members: list[int]) -> Communicator | None:
@@ -158,7 +168,8 @@ def _shm(ctx: Context, members: list[int], name: str) -> Communicator:
     cfg = ctx.cfg
     return ShmCommunicator(ctx.rank, members, f"{ctx.key}-g{ctx.generation}-{name}",
                            cfg.shm_segment_bytes, ctx.aborted, cfg.start_timeout_s,
-                           cfg.stall_shutdown_time_s, cfg.cma, cfg.hugepages)
+                           cfg.stall_shutdown_time_s, cfg.cma, cfg.hugepages, ctx.urgent,
+                           cfg.stall_check_time_s if cfg.stall_check_enabled else float("inf"))
 
 
 def _tcp(ctx: Context, group: list[int]) -> Communicator:

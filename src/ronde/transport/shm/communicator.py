@@ -49,9 +49,9 @@ from ..hugepages import HugePages
 from ..segments import OwnedSegment, close_maps, create_segment, open_segment, shm_dir
 from . import single_copy
 from .counters import Counters
-from .protocol import (ATTACHED, CMA_MIN_BYTES, CMA_OK, DONE, HEADER_BYTES, PID, PROBE,
-                       PROBE_VALUE, REDUCED, SMALL_BYTES, TABLE_ENTRIES, TABLE_OFFSET, WRITTEN,
-                       blocks)
+from .protocol import (ATTACHED, CMA_MIN_BYTES, CMA_OK, DONE, HEADER_BYTES, MEET, MEET_TAG, PID,
+                       PROBE, PROBE_VALUE, REDUCED, SMALL_BYTES, TABLE_ENTRIES, TABLE_OFFSET,
+                       WRITTEN, blocks)
 
 class ShmCommunicator(Communicator, OwnedSegment):
     """Collectives among the members of one process set that share a host."""
@@ -64,7 +64,8 @@ class ShmCommunicator(Communicator, OwnedSegment):
     def __init__(self, rank: int, members: list[int], key: str, segment_bytes: int,
                  aborted: Callable[[], BaseException | None], timeout_s: float = 30.0,
                  progress_timeout_s: float = 0.0, cma: bool = True,
-                 hugepages: bool = True) -> None:
+                 hugepages: bool = True, urgent: Callable[[], bool] | None = None,
+                 stall_warn_s: float = 60.0) -> None:
         self.members = members
         self.rank = members.index(rank)
         self.size = len(members)
@@ -94,7 +95,8 @@ class ShmCommunicator(Communicator, OwnedSegment):
         self._scratch = np.empty(SMALL_BYTES, dtype=np.uint8)
         #: every member's counters and the waits on them; ``publish``, ``wait_for`` and
         #: ``wait_all`` are its methods (bound here: one call less on every wait)
-        self.counters = Counters(self._maps, self.rank, members, aborted, progress_timeout_s)
+        self.counters = Counters(self._maps, self.rank, members, aborted, progress_timeout_s,
+                                 urgent, stall_warn_s)
         self.headers = self.counters.headers
         self._my_hdr = self.headers[self.rank]
         self.publish = self.counters.publish
@@ -137,6 +139,20 @@ class ShmCommunicator(Communicator, OwnedSegment):
         self.wait_all(DONE, self._t)
         self._t += 1
         return self._t
+
+    def meet(self, t: int, tag: int, wait: bool = True) -> list[int] | None:
+        """The steady lane's check before a collective (``core/lane.py``): bring ``tag``
+        to meeting ``t`` and, with ``wait``, return every member's tag for it once all
+        brought theirs. The tag is stored before the counter (x86 keeps stores in order).
+        A member brings meeting ``t + 1`` only after a collective that every member
+        entered after reading the tags of ``t``, or never (it left the lane), so the
+        tags read are those of ``t``."""
+        self._my_hdr[MEET_TAG] = tag
+        self.publish(MEET, t)
+        if not wait:
+            return None
+        self.wait_all(MEET, t)
+        return [int(h[MEET_TAG]) for h in self.headers]
 
     def _view(self, j: int, dtype: np.dtype, count: int) -> np.ndarray:
         return self._data[j][: count * dtype.itemsize].view(dtype)

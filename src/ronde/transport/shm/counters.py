@@ -6,12 +6,15 @@ Where it sits: ``communicator.py`` and ``single_copy.py`` synchronise only throu
 ``protocol.py`` for what each counter means.
 
 How a wait waits. It spins a few dozen reads (a peer that is already there answers
-within them); then, while every member has a core of its own, it polls with the CPU
-(and the GIL) yielded for up to ``YIELD_S`` (peers of a collective usually arrive
-within that); then it sleeps on the counter's futex (``transport/futex.py``). With
-more members than cores it does not poll at all: a poller takes the core that the
-member it waits for needs (measured: yielding pollers made 8 ranks on 2 cores 10x
-slower than Gloo). Sleeping is a handshake on the owner's segment: the waiter writes
+within them); then, while every member has a core of its own and a thread of this
+process waits for a result (``urgent``), it polls with the CPU (and the GIL) yielded for
+up to ``YIELD_S`` (peers of a collective usually arrive within that); then it sleeps on
+the counter's futex (``transport/futex.py``). With more members than cores it does not
+poll at all: a poller takes the core that the member it waits for needs (measured:
+yielding pollers made 8 ranks on 2 cores 10x slower than Gloo). Nor while nobody waits
+for the result (a gradient bucket's allreduce while the backward pass runs): the
+poller's yields hand the core back and forth with the thread that computes, and cost
+CPU on both sides, for a result nobody needs yet; the futex costs the peer one wake-up. Sleeping is a handshake on the owner's segment: the waiter writes
 which counter it sleeps on into its own word of the owner's *sleepers* table, fences,
 looks at the counter once more and sleeps while it still holds the value seen; the
 owner stores the counter, fences and wakes the counter's futex only when some word of
@@ -23,6 +26,7 @@ publish costs no system call while nobody sleeps. A sleep lasts at most
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import time
@@ -36,6 +40,10 @@ from .protocol import MAX_SLEEPERS, SLEEPERS_OFFSET, SLOTS, YIELD_S
 
 #: the longest a futex sleep lasts before the wait looks at the abort flag again
 SLEEP_CHECK_S = 0.05
+#: a wait this long warns (Horovod's stall warning comes after 60 s too)
+STALL_WARN_S = 60.0
+
+log = logging.getLogger(__name__)
 
 
 class Counters:
@@ -43,9 +51,17 @@ class Counters:
 
     def __init__(self, maps: list[mmap.mmap], rank: int, members: list[int],
                  aborted: Callable[[], BaseException | None],
-                 progress_timeout_s: float = 0.0) -> None:
+                 progress_timeout_s: float = 0.0,
+                 urgent: Callable[[], bool] | None = None,
+                 stall_warn_s: float = STALL_WARN_S) -> None:
         self.rank, self.members, self.size = rank, members, len(members)
+        #: a wait this long logs a warning naming the member it waits for (once a wait)
+        self.stall_warn_s = stall_warn_s
+        self._warned = 0.0  #: the start of the wait that warned last
         self._aborted = aborted
+        #: whether a thread of this process waits for a result now (waits poll only
+        #: then; None: always, where nobody says)
+        self._urgent = urgent
         #: fail when a peer makes no progress for this long (0: wait for ever)
         self.progress_timeout_s = progress_timeout_s
         self.headers = [np.frombuffer(mm, dtype=np.int64, count=SLOTS, offset=0)
@@ -87,8 +103,8 @@ class Counters:
     def wait_for(self, j: int, idx: int, t: int) -> None:
         """Wait until member ``j``'s counter ``idx`` reaches ``t``.
 
-        Spin a little, then (unless :attr:`oversubscribed`) poll with the CPU (and the
-        GIL) yielded for up to ``YIELD_S`` (peers of a collective usually arrive within
+        Spin a little, then (unless :attr:`oversubscribed`, or nobody waits for the
+        result: ``urgent``) poll with the CPU (and the GIL) yielded for up to ``YIELD_S`` (peers of a collective usually arrive within
         that), then sleep on the counter's futex (mark, fence, look, sleep: the other
         half is :meth:`publish`), waking every ``SLEEP_CHECK_S`` to check the engine's
         abort flag and the progress timeout. ``time.sleep(0)`` is not a yield here: it
@@ -101,8 +117,8 @@ class Counters:
             if hdr[idx] >= t:
                 return
         start = time.monotonic()
-        poll_s = 0.0 if self.oversubscribed else YIELD_S
-        if poll_s > 0:
+        urgent = self._urgent
+        if not self.oversubscribed and (urgent is None or urgent()):
             polls = 0
             while hdr[idx] < t:
                 polls += 1
@@ -110,7 +126,7 @@ class Counters:
                 if polls % 64:
                     continue
                 self.check()
-                if time.monotonic() - start > poll_s:
+                if time.monotonic() - start > YIELD_S:
                     break
         if hdr[idx] >= t:
             return
@@ -138,11 +154,17 @@ class Counters:
             mark[self.rank] = 0
 
     def _wait_checks(self, j: int, start: float) -> None:
-        """A sleeping wait's periodic checks: the engine's abort flag, the progress
-        timeout."""
+        """A sleeping wait's periodic checks: the engine's abort flag, the stall warning,
+        the progress timeout."""
         self.check()
+        waited = time.monotonic() - start
+        if waited > self.stall_warn_s and self._warned != start:
+            self._warned = start
+            log.warning("rank %d has waited %.0fs for rank %d in a shared-memory collective "
+                        "(or the steady lane's check before one): that rank is slow, stuck, "
+                        "or running other collectives", self.members[self.rank], waited,
+                        self.members[j])
         if self.progress_timeout_s:
-            waited = time.monotonic() - start
             if waited > self.progress_timeout_s:
                 from ..._errors import PeerLostError
 

@@ -37,5 +37,8 @@ WRITTEN, REDUCED, DONE, ATTACHED, PID, PROBE, CMA_OK, NSEG = 0, 1, 2, 3, 4, 5, 6
 PROGRESS = 8
 #: single-copy allreduce: nanoseconds this rank took over its block in this op
 BUSY = 9
+#: the steady lane's meetings (``ShmCommunicator.meet``, ``core/lane.py``): the last
+#: meeting this member reached, and the tag it brought to it
+MEET, MEET_TAG = 10, 11
 #: what every member's probe word holds (peers read it, and write it back, to test)
 PROBE_VALUE = 0x726F6E6465

@@ -1,0 +1,167 @@
+"""Rank functions for tests/integration/test_steady_lane.py (core/lane.py).
+
+Each scenario starts ronde, makes two gradient-bucket names (``.bucket<k>.<n>``) enter
+the steady lane (two agreed steps), does one thing, checks the values against what a
+sum over the ranks must give, and shuts ronde down: a broken lane stays broken, so each
+scenario gets a fresh engine. Arrays are above the inline size (4 KiB), one of them
+above the single-copy size (256 KiB), so both shared-memory data paths run.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+SMALL, LARGE = 3000, 100_000  # float64 elements: 24 KB (staged), 800 KB (single copy)
+NAMES = (("m.bucket0.3", SMALL), ("m.bucket1.7", LARGE))
+
+
+def _start() -> tuple:
+    import ronde as hvd
+    from ronde import _state
+
+    hvd.init()
+    return hvd, hvd.rank(), hvd.size(), _state.require().engine.lane
+
+
+def _step(hvd, r: int, step: int, order=NAMES, sizes=None) -> list:
+    """One step: every bucket started, then waited for, as DistributedOptimizer does;
+    each rank brings ``r + 1 + step``."""
+    handles = [hvd.allreduce_async(np.full((sizes or {}).get(name, size), r + 1.0 + step),
+                                   op=hvd.Sum, name=name) for name, size in order]
+    return [h.wait() for h in handles]
+
+
+def _expect(n: int, step: int) -> float:
+    return n * (n + 1) / 2 + n * step
+
+
+def _warm(hvd, r: int, n: int, lane) -> None:
+    for step in range(2):  # two agreements: both names enter
+        for got in _step(hvd, r, step):
+            np.testing.assert_array_equal(got, _expect(n, step))
+    assert set(lane.table) == {name for name, _ in NAMES}, lane.table
+
+
+def steady() -> dict:
+    """Steps through the lane: exact sums, an Average, no round for them, no break."""
+    hvd, r, n, lane = _start()
+    _warm(hvd, r, n, lane)
+    from ronde import _state
+
+    eng = _state.require().engine
+    rounds = eng._rounds
+    for step in range(2, 8):
+        for got in _step(hvd, r, step):
+            np.testing.assert_array_equal(got, _expect(n, step))
+    out = {"laned": lane.laned, "breaks": lane.breaks, "rounds": eng._rounds - rounds}
+    hvd.shutdown()
+    return out
+
+
+def swapped() -> dict:
+    """Odd ranks start the buckets in the other order: every rank breaks at the same
+    meeting and the general path reduces both, exactly."""
+    hvd, r, n, lane = _start()
+    _warm(hvd, r, n, lane)
+    order = NAMES[::-1] if r % 2 else NAMES
+    got = _step(hvd, r, 2, order)
+    for g in got:
+        np.testing.assert_array_equal(g, _expect(n, 2))
+    after = _step(hvd, r, 3)  # the general path from now on
+    for g in after:
+        np.testing.assert_array_equal(g, _expect(n, 3))
+    out = {"laned": lane.laned, "breaks": lane.breaks, "broken": lane.broken}
+    hvd.shutdown()
+    return out
+
+
+def changed_shape() -> dict:
+    """The last rank's first bucket grows by one element: every rank gets the general
+    path's TensorMismatchError for it (the lane broke), the other bucket is reduced,
+    and the engine goes on."""
+    hvd, r, n, lane = _start()
+    _warm(hvd, r, n, lane)
+    sizes = {"m.bucket0.3": SMALL + 1} if r == n - 1 else None
+    handles = [hvd.allreduce_async(np.full(sizes.get(name, size) if sizes else size, 1.0),
+                                   op=hvd.Sum, name=name) for name, size in NAMES]
+    errors = []
+    for h in handles:
+        try:
+            np.testing.assert_array_equal(h.wait(), float(n))
+        except hvd.TensorMismatchError as exc:
+            errors.append(str(exc))
+    later = hvd.allreduce(np.full(SMALL, 1.0), op=hvd.Sum, name="m.bucket0.3")
+    np.testing.assert_array_equal(later, float(n))
+    out = {"errors": errors, "breaks": lane.breaks}
+    hvd.shutdown()
+    return out
+
+
+def interleaved() -> dict:
+    """A negotiated collective started around a lane one in a different order on
+    different ranks: neither waits for the other (the lane has its own thread and
+    communicator)."""
+    hvd, r, n, lane = _start()
+    _warm(hvd, r, n, lane)
+    before = lane.laned
+    for step in range(2, 5):
+        other = lambda: hvd.allreduce_async(np.full(5000, float(r)), op=hvd.Sum,  # noqa: E731
+                                            name=f"metric.{step}")
+        if r % 2:
+            hx = other()
+            got = _step(hvd, r, step)
+        else:
+            handles = [hvd.allreduce_async(np.full(size, r + 1.0 + step), op=hvd.Sum,
+                                           name=name) for name, size in NAMES]
+            hx = other()
+            got = [h.wait() for h in handles]
+        np.testing.assert_array_equal(hx.wait(), float(n * (n - 1) / 2))
+        for g in got:
+            np.testing.assert_array_equal(g, _expect(n, step))
+    out = {"laned": lane.laned - before, "breaks": lane.breaks}
+    hvd.shutdown()
+    return out
+
+
+def joined() -> dict:
+    """The last rank joins while the others run a step: they break at that meeting and
+    the general path reduces with the joined rank's zeros, as without the lane."""
+    hvd, r, n, lane = _start()
+    _warm(hvd, r, n, lane)
+    if r == n - 1:
+        hvd.join()
+        got = None
+    else:
+        got = [float(g[0]) for g in _step(hvd, r, 2)]
+        hvd.join()
+    out = {"got": got, "breaks": lane.breaks, "broken": lane.broken}
+    hvd.shutdown()
+    return out
+
+
+def late() -> dict:
+    """Rank 0 reaches a step 0.3 s after the others: they wait at the meeting, nothing
+    breaks, the sums are exact."""
+    hvd, r, n, lane = _start()
+    _warm(hvd, r, n, lane)
+    for step in range(2, 4):
+        if r == 0:
+            time.sleep(0.3)
+        for g in _step(hvd, r, step):
+            np.testing.assert_array_equal(g, _expect(n, step))
+    out = {"laned": lane.laned, "breaks": lane.breaks}
+    hvd.shutdown()
+    return out
+
+
+def lane_state() -> dict:
+    """Four steps; whether the lane is on, what it ran, how many names it holds."""
+    hvd, r, n, lane = _start()
+    for step in range(4):
+        for g in _step(hvd, r, step):
+            np.testing.assert_array_equal(g, _expect(n, step))
+    out = {"enabled": lane.enabled, "laned": lane.laned, "table": len(lane.table)}
+    hvd.shutdown()
+    return out
