@@ -62,17 +62,20 @@ def steady() -> dict:
 
 def swapped() -> dict:
     """Odd ranks start the buckets in the other order: every rank breaks at the same
-    meeting and the general path reduces both, exactly."""
+    meeting and the general path reduces both, exactly; two steps later the lane is
+    back (a new epoch)."""
     hvd, r, n, lane = _start()
     _warm(hvd, r, n, lane)
     order = NAMES[::-1] if r % 2 else NAMES
     got = _step(hvd, r, 2, order)
     for g in got:
         np.testing.assert_array_equal(g, _expect(n, 2))
-    after = _step(hvd, r, 3)  # the general path from now on
-    for g in after:
-        np.testing.assert_array_equal(g, _expect(n, 3))
-    out = {"laned": lane.laned, "breaks": lane.breaks, "broken": lane.broken}
+    # the swapped step's buckets, negotiated, were the first agreement of a new epoch;
+    # the next step enters both names again, the two after it take the lane
+    for step in range(3, 6):
+        for g in _step(hvd, r, step):
+            np.testing.assert_array_equal(g, _expect(n, step))
+    out = {"laned": lane.laned, "breaks": lane.breaks, "epoch": lane.epoch}
     hvd.shutdown()
     return out
 
@@ -127,7 +130,8 @@ def interleaved() -> dict:
 
 def joined() -> dict:
     """The last rank joins while the others run a step: they break at that meeting and
-    the general path reduces with the joined rank's zeros, as without the lane."""
+    the general path reduces with the joined rank's zeros, as without the lane; the
+    next epoch's steps take the lane again."""
     hvd, r, n, lane = _start()
     _warm(hvd, r, n, lane)
     if r == n - 1:
@@ -136,7 +140,14 @@ def joined() -> dict:
     else:
         got = [float(g[0]) for g in _step(hvd, r, 2)]
         hvd.join()
-    out = {"got": got, "breaks": lane.breaks, "broken": lane.broken}
+    broken = lane.broken
+    # the next epoch of training: its first step's agreement starts the lane's next
+    # epoch (the join step's had a joined rank), the second enters, the third is laned
+    for step in range(3, 6):
+        for g in _step(hvd, r, step):
+            np.testing.assert_array_equal(g, _expect(n, step))
+    out = {"got": got, "breaks": lane.breaks, "broken": broken, "laned": lane.laned,
+           "epoch": lane.epoch}
     hvd.shutdown()
     return out
 

@@ -34,9 +34,13 @@ How.
   or that submitted it twice, brings :data:`NO`): every rank reads the same tags, so
   every rank *breaks* the lane at that meeting: this request and every later one go to
   the general path (``resubmit``), which fails or proceeds as it does for any request.
-  A broken lane stays broken (an elastic reset makes a new engine, and a new lane). A
-  rank that joins (``hvd.join``) or shuts down brings ``NO`` to its next meeting without
-  waiting, so nobody waits for it there.
+  A rank that joins (``hvd.join``) or shuts down brings ``NO`` to its next meeting
+  without waiting, so nobody waits for it there.
+* **Starting again, agreed.** Once broken, a name of the table reaches negotiation on
+  every rank; the first such response agreed by all (no joined rank, no error) starts a
+  new *epoch* everywhere at the same point: an empty table that fills as before (two
+  more agreements). Tags and meeting numbers carry the epoch, so a rank still at an old
+  meeting never takes a new one's tag for its own.
 * **Apart, so nothing deadlocks.** Its own thread and communicator: a negotiated
   collective on the executor (another thread's, an asynchronous one) and a lane
   collective never wait for each other in one queue, in whatever order each rank
@@ -76,6 +80,8 @@ AGREED = 2
 #: the tag of a rank that leaves the lane (a changed bucket, a join, a shutdown)
 NO = 0
 _BUCKET = re.compile(r"\.bucket\d+\.\d+$")
+#: a tag is (epoch, place in the table); an epoch's meetings are numbered from epoch << 40
+_TAG_BITS, _MEETING_BITS = 20, 40
 
 
 class _Entry(NamedTuple):
@@ -89,8 +95,9 @@ class _Entry(NamedTuple):
     members: list[int]
 
 
-#: a queued item: (request or None for NO, its entry, meeting number, connect for NO)
-_Item = tuple["Request | None", "_Entry | None", int, bool]
+#: a queued item: (request or None for NO, its entry, meeting number, connect for NO,
+#: the lane's epoch when it was queued)
+_Item = tuple["Request | None", "_Entry | None", int, bool, int]
 
 
 class _Waiters:
@@ -142,6 +149,7 @@ class Lane:
         self._leaving = False  #: a NO is queued: later requests go the general way
         self._stopping = False
         self.broken = False
+        self.epoch = 0  #: bumped at each agreed restart after a break (``_reset``)
         self._inflight: set[str] = set()
         #: runs the collectives (``Executor.run_one``); its own thread is never started
         self.runner = Executor(rank, failed, fail, bell)
@@ -164,9 +172,11 @@ class Lane:
         for name, req, metas in zip(resp.names, resp.reqs, resp.metas):
             # a fused one counts too: the lane runs it alone, to the same values (every
             # data path reduces element by element in rank order, however tensors fuse)
-            if name in self.table or req is None or req.array is None \
-                    or req.op == ReduceOp.ADASUM or not _BUCKET.search(name):
+            if req is None or req.array is None or req.op == ReduceOp.ADASUM \
+                    or not _BUCKET.search(name):
                 continue
+            if name in self.table:  # every rank broke or leaves: the next epoch starts
+                self._reset()
             raw = req.meta()
             seen = self._seen.get(name)
             count = seen[1] + 1 if seen is not None and seen[0] == raw else 1
@@ -180,8 +190,9 @@ class Lane:
                resp: Response) -> None:
         with self._lock:
             self._members = list(resp.members)
-            self.table[name] = _Entry(len(self.table) + 1, raw, [metas], nbytes,
-                                      resp.fuse_key, self._members)
+            tag = (self.epoch << _TAG_BITS) | (len(self.table) + 1)
+            self.table[name] = _Entry(tag, raw, [metas], nbytes, resp.fuse_key,
+                                      self._members)
             if self._thread is None:  # it builds the communicator first, off the step
                 self._thread = threading.Thread(target=self._loop, name="ronde-lane",
                                                 daemon=True)
@@ -205,7 +216,7 @@ class Lane:
                 self._leave_locked(True)  # every rank breaks at that meeting
                 return False
             self._meeting += 1
-            item = (req, entry, self._meeting, True)
+            item = (req, entry, self._meeting, True, self.epoch)
             req.handle = Handle(req.name, self.waiters)  # type: ignore[arg-type]
             self._inflight.add(req.name)
             if not (waited and not self._running and not self._queue):
@@ -228,8 +239,20 @@ class Lane:
     def _leave_locked(self, connect: bool) -> None:
         self._leaving = True
         self._meeting += 1
-        self._queue.append((None, None, self._meeting, connect))
+        self._queue.append((None, None, self._meeting, connect, self.epoch))
         self._ready.notify()
+
+    def _reset(self) -> None:
+        """A new epoch, at an agreed response (every rank decided to break): an empty
+        table that fills again as before. Items of the old epoch still queued fall back
+        (a NO is still brought: a peer may wait for it); tags and meeting numbers carry
+        the epoch, so no rank mistakes an old epoch's meeting for a new one's."""
+        with self._lock:
+            self.epoch += 1
+            self.table = {}
+            self._seen.clear()
+            self.broken = self._leaving = False
+            self._meeting = self.epoch << _MEETING_BITS
 
     @property
     def urgent(self) -> bool:
@@ -290,21 +313,20 @@ class Lane:
 
     def _run(self, item: _Item) -> None:
         """One queued item: meet, then run the collective, or break and fall back."""
-        req, entry, t, connect = item
+        req, entry, t, connect, epoch = item
         try:
-            if self.broken:
-                if req is not None:
-                    self._fall_back(req)
+            if req is not None and (self.broken or epoch != self.epoch):
+                self._fall_back(req)
                 return
             comm = self._comm
             if comm is None:
                 if req is None and not connect:
-                    self._break("this rank left it")
+                    self._break(epoch, "this rank left it")
                     return
                 comm = self._connect()
-            if req is None or entry is None:
+            if req is None or entry is None:  # brought even when broken: harmless then
                 comm.meet(t, NO, wait=False)  # type: ignore[attr-defined]
-                self._break("this rank left it, or changed a bucket")
+                self._break(epoch, "this rank left it, or changed a bucket")
                 return
             tags = comm.meet(t, entry.tag)  # type: ignore[attr-defined]
         except BaseException as exc:  # noqa: BLE001 - the request gets it; the engine fails
@@ -315,7 +337,7 @@ class Lane:
                 self._fail(exc)
             return
         if any(tag != entry.tag for tag in tags):
-            self._break(f"at {req.name!r} rank(s) "
+            self._break(epoch, f"at {req.name!r} rank(s) "
                         f"{[m for m, tag in zip(entry.members, tags) if tag != entry.tag]} "
                         "brought another bucket, or none")
             self._fall_back(req)
@@ -334,8 +356,10 @@ class Lane:
         except BaseException as exc:  # noqa: BLE001 - the engine failed or shuts down
             req.fail(exc)
 
-    def _break(self, why: str) -> None:
+    def _break(self, epoch: int, why: str) -> None:
         with self._lock:
+            if epoch != self.epoch or self.broken:
+                return
             self.broken = True
             self.breaks += 1
         log.info("rank %d: the steady lane closed (%s); gradient buckets are negotiated "
@@ -363,7 +387,7 @@ class Lane:
             self._queue.clear()
         if thread is not None:
             thread.join(timeout_s)
-        for req, _, _, _ in left:
+        for req, *_ in left:
             if req is not None:
                 req.fail(fresh_copy(self._failed() or ShutdownError(
                     "ronde was shut down while this collective was pending")))
