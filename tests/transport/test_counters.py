@@ -90,3 +90,47 @@ def test_a_publish_nobody_waits_for_makes_no_system_call(monkeypatch):
     monkeypatch.setattr(counters_mod.futex, "wake", lambda addr: woken.append(addr))
     owner.publish(WRITTEN, 5)
     assert woken == [] and waiter.headers[0][WRITTEN] == 5
+
+
+def test_a_wait_polls_only_while_someone_waits_for_the_result(monkeypatch):
+    # urgent() false (a gradient bucket's allreduce while backward runs): no sched_yield
+    # polling, straight to the futex after the spin; urgent, or told nothing: polls
+    maps = [mmap.mmap(-1, HEADER_BYTES), mmap.mmap(-1, HEADER_BYTES)]
+    owner = Counters(maps, 0, [0, 1], lambda: None)
+    urgent = [False]
+    waiter = Counters(maps, 1, [0, 1], lambda: None, urgent=lambda: urgent[0])
+    waiter.oversubscribed = False
+    yields = []
+    monkeypatch.setattr(counters_mod.os, "sched_yield", lambda: yields.append(1))
+    for t, flag in ((1, False), (2, True)):
+        urgent[0] = flag
+        th = threading.Thread(target=waiter.wait_for, args=(0, WRITTEN, t))
+        th.start()
+        time.sleep(0.05)  # past the poll window (2 ms) either way
+        owner.publish(WRITTEN, t)
+        th.join(10)
+        assert (len(yields) > 0) == flag, (flag, len(yields))
+        yields.clear()
+    # and a wait told not to poll (the steady lane's meeting) does not, urgent or not
+    th = threading.Thread(target=waiter.wait_for, args=(0, WRITTEN, 3, False))
+    th.start()
+    time.sleep(0.05)
+    owner.publish(WRITTEN, 3)
+    th.join(10)
+    assert not yields
+
+
+def test_a_long_wait_warns_once_naming_the_rank_it_waits_for(caplog):
+    maps = [mmap.mmap(-1, HEADER_BYTES), mmap.mmap(-1, HEADER_BYTES)]
+    owner = Counters(maps, 0, [4, 7], lambda: None)
+    waiter = Counters(maps, 1, [4, 7], lambda: None, stall_warn_s=0.1)
+    waiter.oversubscribed = True
+    th = threading.Thread(target=waiter.wait_for, args=(0, WRITTEN, 1))
+    with caplog.at_level("WARNING", logger="ronde.transport.shm.counters"):
+        th.start()
+        time.sleep(0.4)  # several sleep checks past the threshold: one warning
+        owner.publish(WRITTEN, 1)
+        th.join(10)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "rank 7 has waited" in warned[0] \
+        and "for rank 4" in warned[0], warned

@@ -94,13 +94,13 @@ class Counters:
             if marks.any() and (marks == idx + 1).any():
                 futex.wake(self._addr[self.rank] + 8 * idx)
 
-    def wait_all(self, idx: int, t: int) -> None:
+    def wait_all(self, idx: int, t: int, poll: bool = True) -> None:
         """Wait until every other member's counter ``idx`` reaches ``t``."""
         for j in range(self.size):
             if j != self.rank:
-                self.wait_for(j, idx, t)
+                self.wait_for(j, idx, t, poll)
 
-    def wait_for(self, j: int, idx: int, t: int) -> None:
+    def wait_for(self, j: int, idx: int, t: int, poll: bool = True) -> None:
         """Wait until member ``j``'s counter ``idx`` reaches ``t``.
 
         Spin a little, then (unless :attr:`oversubscribed`, or nobody waits for the
@@ -118,7 +118,7 @@ class Counters:
                 return
         start = time.monotonic()
         urgent = self._urgent
-        if not self.oversubscribed and (urgent is None or urgent()):
+        if poll and not self.oversubscribed and (urgent is None or urgent()):
             polls = 0
             while hdr[idx] < t:
                 polls += 1
