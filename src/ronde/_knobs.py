@@ -122,7 +122,8 @@ KNOBS: tuple[Knob, ...] = (
              'negotiation where that set is on one host (`shm`): every rank checks in '
              "shared memory that the others bring the same bucket, and the lane's own "
              'thread runs it; any difference sends it back to negotiation (see '
-             'architecture.md, "The steady lane"). `0`: buckets are always negotiated.'),
+             'architecture.md, "The steady lane"). `0`, or `RONDE_AUTOTUNE=1`: buckets '
+             'are always negotiated.'),
     Knob("cycle_time_ms", "RONDE_CYCLE_TIME", float,
          accepted=Range(0, 60_000, above=True),
          default='`1.0`', unit='milliseconds',

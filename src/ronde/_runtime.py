@@ -317,9 +317,10 @@ def _start_engine(cfg: _config.Config, topo: Topology, wenv: worker_env.WorkerEn
     # more ranks than cores here: no spinning, a longer round hold (where not set)
     cfg = cores_mod.for_this_host(cfg, topo, wenv.host_cores, _config.explicit_fields())
     mesh = factory.ctx.mesh
-    # the steady lane (core/lane.py): a second shm communicator of the global set
+    # the steady lane (core/lane.py): a second shm communicator of the global set; not
+    # under autotune, which scores negotiated collectives (the lane's have none of its knobs)
     lane = (lambda members: factory.lane(0, members)) \
-        if cfg.steady_lane and factory.kinds[0] == "shm" else None
+        if cfg.steady_lane and not cfg.autotune and factory.kinds[0] == "shm" else None
     engine = Engine(rank, size, cfg, ctl, {0: world}, {0: list(range(size))}, factory,
                     factory.ctx.describe,
                     cores_mod.control_mailboxes(cfg, topo, rank, size, f"{factory.ctx.key}-g{gen}",

@@ -464,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           "process's CPU time per step (all threads, least of rounds) minus one process's; "
           "paired extra CPU: a library step's CPU beyond a plain one's in the same process, "
           "in turn (_paired; median of rounds; single's is the instrument's floor); "
-          "ronde's threads: its control and executor threads' CPU per step, mean of the "
+          "ronde's threads: its own threads' CPU per step (control, executor, steady lane), mean of the "
           "ranks (part of its extra CPU; the rest is the training thread's); rounds/step: ronde's negotiation rounds per timed step, a count; GIL wait: how "
           "late a probe thread sleeping 1 ms at a time wakes, summed per step, mean of "
           "the ranks, least of rounds)")
