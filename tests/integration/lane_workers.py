@@ -176,3 +176,26 @@ def lane_state() -> dict:
     out = {"enabled": lane.enabled, "laned": lane.laned, "table": len(lane.table)}
     hvd.shutdown()
     return out
+
+
+def timeline(path: str) -> dict:
+    """A timeline of steps through the lane: each bucket's QUEUE, its meeting as
+    NEGOTIATE (marked ``steady_lane``) and its ALLREDUCE, and a summary with a
+    communication figure per step (the lane recorded nothing once: every figure 0)."""
+    from ronde.core.timeline import load
+    from ronde.timeline import summarize
+
+    hvd, r, n, lane = _start()
+    _warm(hvd, r, n, lane)
+    mine = path.format(rank=r)
+    hvd.start_timeline(path)  # {rank} in the path: every rank writes its own
+    for step in range(2, 6):
+        _step(hvd, r, step)
+    hvd.stop_timeline()
+    laned = lane.laned
+    hvd.shutdown()
+    events = [e for e in load(mine) if e.get("ph") == "X"]
+    phases = sorted({(e["name"], bool((e.get("args") or {}).get("steady_lane")))
+                     for e in events})
+    comm = summarize([mine])["stats"][r]["communication"]["p50_us"]
+    return {"laned": laned, "phases": phases, "comm_p50_positive": comm > 0}

@@ -43,6 +43,16 @@ def test_buckets_skip_the_round_and_fall_back_on_every_rank_alike(np_):
         assert res == {"laned": 4, "breaks": 0}, late
 
 
+def test_a_timeline_shows_the_lanes_steps(tmp_path):
+    # the lane once recorded nothing: every figure of the summary read 0
+    got = run_ranks_many(2, [(w.timeline, str(tmp_path / "tl.{rank}.json"))], timeout_s=60,
+                         env=ENV)[0]
+    for res in got:
+        assert res["laned"] == 8 and res["comm_p50_positive"], got
+        assert ("NEGOTIATE", True) in res["phases"] and ("QUEUE", False) in res["phases"] \
+            and ("ALLREDUCE", False) in res["phases"], got
+
+
 @pytest.mark.parametrize("env", [{"RONDE_STEADY_LANE": "0", "RONDE_TRANSPORT": "shm"},
                                  {"RONDE_TRANSPORT": "tcp"}])
 def test_without_the_knob_or_shared_memory_buckets_are_negotiated(env):

@@ -50,8 +50,8 @@ Not covered (they keep the general path): other process sets; transports other t
 ``shm`` (multi-host jobs, MPI, Gloo); ``RONDE_STEADY_LANE=0``. The stall inspector does
 not see lane collectives: a meeting that waits ``RONDE_STALL_CHECK_TIME`` logs a
 warning naming the rank waited for, and one that waits
-``RONDE_STALL_SHUTDOWN_TIME`` fails as a lost peer; the timeline shows no NEGOTIATE
-phase for them.
+``RONDE_STALL_SHUTDOWN_TIME`` fails as a lost peer. In the timeline a lane collective's
+NEGOTIATE phase is its meeting (args ``steady_lane``).
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ from ..collectives.ops import ReduceOp
 from .executor import Executor
 from .requests import Handle, Kind, Request
 from .responses import Response
+from .timeline import now_us
 
 if TYPE_CHECKING:
     from ..transport.base import Communicator
@@ -218,6 +219,8 @@ class Lane:
             self._meeting += 1
             item = (req, entry, self._meeting, True, self.epoch)
             req.handle = Handle(req.name, self.waiters)  # type: ignore[arg-type]
+            if self.runner.timeline is not None:
+                req.t_submit = now_us()
             self._inflight.add(req.name)
             if not (waited and not self._running and not self._queue):
                 self._queue.append(item)
@@ -328,7 +331,13 @@ class Lane:
                 comm.meet(t, NO, wait=False)  # type: ignore[attr-defined]
                 self._break(epoch, "this rank left it, or changed a bucket")
                 return
+            timeline = self.runner.timeline
+            if timeline is not None:  # QUEUE until now; the meeting is its NEGOTIATE
+                timeline.queued([req])
             tags = comm.meet(t, entry.tag)  # type: ignore[attr-defined]
+            if timeline is not None:
+                timeline.phase(req.name, "NEGOTIATE", req.t_announce, now_us(),
+                               {"steady_lane": 1})
         except BaseException as exc:  # noqa: BLE001 - the request gets it; the engine fails
             if req is not None:
                 self._inflight.discard(req.name)
