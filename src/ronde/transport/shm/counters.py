@@ -72,6 +72,9 @@ class Counters:
         self._my_hdr = self.headers[rank]
         self._addr = [int(h.ctypes.data) for h in self.headers]
         self._my_sleepers = self._sleepers[rank][: self.size]
+        #: the same words as a memoryview: ``in`` on it costs 0.1 us where numpy's
+        #: ``any()`` cost 1 us and two Python calls, on every publish
+        self._marks = memoryview(self._my_sleepers)
         #: waits sleep on futexes (else in short steps)
         self.futex = futex.AVAILABLE and self.size <= MAX_SLEEPERS
         #: more members than cores: waits never poll (see the module docstring)
@@ -90,8 +93,7 @@ class Counters:
         self._my_hdr[idx] = t
         if self.futex:
             fence()
-            marks = self._my_sleepers
-            if marks.any() and (marks == idx + 1).any():
+            if idx + 1 in self._marks:
                 futex.wake(self._addr[self.rank] + 8 * idx)
 
     def wait_all(self, idx: int, t: int, poll: bool = True) -> None:
