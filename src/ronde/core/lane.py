@@ -134,7 +134,7 @@ class Lane:
                  resubmit: Callable[[Request], None]) -> None:
         self.rank = rank
         self.enabled = make is not None
-        #: name -> what was agreed for it (grows only; read without the lock)
+        #: name -> what was agreed for it (read without the lock; a new epoch replaces it)
         self.table: dict[str, _Entry] = {}
         self._seen: dict[str, tuple[list[Any], int]] = {}
         self._make = make
