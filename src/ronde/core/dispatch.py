@@ -47,8 +47,9 @@ class Dispatcher:
                  executor: "Executor", lane: "Lane | None" = None) -> None:
         self.rank, self.cfg, self.sets, self.out = rank, cfg, sets, out
         self.executor = executor
-        #: shown every resolved allreduce: steady buckets enter it (``lane.py``)
-        self.lane = lane
+        #: shown every resolved allreduce: steady buckets enter it (``lane.py``); None
+        #: where it is off (no call per response then)
+        self.lane = lane if lane is not None and lane.enabled else None
         self.timeline: "Timeline | None" = None  #: the engine's (``Engine.set_timeline``)
 
     def dispatch(self, responses: list["Response"], direct: list["Response"] | None) -> None:

@@ -79,7 +79,7 @@ class Engine:
         self._rounds = 0  #: negotiation rounds completed (the same count on every rank)
         self._last_round = 0.0
         self._drive = threading.Lock()  #: held by the thread that runs a round
-        self._spinners = 0
+        self.spinners = 0  #: threads driving it in a wait now (``Waiters.drive``)
         self._waited_by = 0  #: the thread that drives its next submission at once
         self._last_activity = 0.0
         self._ctl_deep_sleep = True
@@ -131,7 +131,7 @@ class Engine:
         # one byte in the pipe is enough until the control thread has drained it, and a
         # caller spinning in wait() drives the engine itself: skip the system call (and
         # the thread switch) then
-        if force or not (self._bell.pending or self._spinners):
+        if force or not (self._bell.pending or self.spinners):
             self._bell.ring()
 
     # -- API used by the facade ------------------------------------------------------------
@@ -310,7 +310,7 @@ class Engine:
             if self._error is not None:
                 return
             now = time.monotonic()
-            if self._spinners:
+            if self.spinners:
                 # a waiting caller drives (and runs collectives without a hand-off): stay
                 # out of its way, but keep reading the sockets (EOF, remote frames)
                 readable, _ = ready.wait([self._bell] + ex.sockets(), [], self.cycle_s)
@@ -411,16 +411,16 @@ class Engine:
     def spinner_enter(self) -> None:
         # the waiter covers the control thread's idle sleep (``Exchange.cover``)
         with self._lock:
-            self._spinners += 1
-            first = self._spinners == 1
+            self.spinners += 1
+            first = self.spinners == 1
         if first:
             self.exchange.cover(True)
 
     def spinner_leave(self) -> None:
         """A waiter stops polling and blocks: what it would have picked up is handed on."""
         with self._lock:
-            self._spinners -= 1
-            if self._spinners:
+            self.spinners -= 1
+            if self.spinners:
                 return
         ex = self.exchange
         ex.cover(False)  # the flag back up, a fence: then look

@@ -60,6 +60,7 @@ import collections
 import logging
 import re
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from .._errors import ShutdownError, fresh_copy
@@ -372,7 +373,7 @@ class Lane:
             self.broken = True
             self.breaks += 1
         log.info("rank %d: the steady lane closed (%s); gradient buckets are negotiated "
-                 "from now on", self.rank, why)
+                 "until negotiation agrees them again", self.rank, why)
 
     # -- the end ---------------------------------------------------------------------------
     def set_timeline(self, timeline: "Timeline | None") -> None:
@@ -382,13 +383,10 @@ class Lane:
         """Stop the lane's thread (after what is queued, up to ``timeout_s``); anything
         still queued fails with a shutdown error; close the communicator."""
         thread = self._thread
-        if thread is not None:
-            end = threading.Event()
-            for _ in range(int(timeout_s / 0.01)):
-                with self._lock:
-                    if not self._queue and not self._running:
-                        break
-                end.wait(0.01)
+        deadline = time.monotonic() + timeout_s
+        while thread is not None and (self._queue or self._running) \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
         with self._lock:
             self._stopping = True
             self._ready.notify_all()

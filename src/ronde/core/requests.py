@@ -80,12 +80,12 @@ class Waiters:
         #: threads of this process asleep on a handle right now (the engine's check for
         #: crossed collectives reads it: a rank counts as waiting only while one is)
         self.sleeping = 0
-        self.driving = 0  #: threads driving the engine in a wait right now
 
     def waiting(self) -> bool:
-        """Whether a thread waits on a handle now (driving, or asleep): shared-memory
-        waits poll only then (``transport/shm/counters.py``)."""
-        return self.sleeping > 0 or self.driving > 0
+        """Whether a thread waits on a handle now (driving the engine, or asleep):
+        shared-memory waits poll only then (``transport/shm/counters.py``)."""
+        eng = self.engine
+        return self.sleeping > 0 or (eng is not None and eng.spinners > 0)
 
     def attach(self, engine: Engine) -> None:
         self.engine = engine
@@ -100,8 +100,6 @@ class Waiters:
         if eng is None:
             return False
         spin_s = eng.exchange.spin_s
-        with _DONE_LOCK:
-            self.driving += 1
         eng.spinner_enter()
         try:
             end = time.monotonic() + spin_s
@@ -118,8 +116,6 @@ class Waiters:
                 os.sched_yield()  # releases the GIL too
         finally:
             eng.spinner_leave()
-            with _DONE_LOCK:
-                self.driving -= 1
         return handle._done
 
 

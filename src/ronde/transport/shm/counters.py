@@ -14,10 +14,10 @@ poll at all: a poller takes the core that the member it waits for needs (measure
 yielding pollers made 8 ranks on 2 cores 10x slower than Gloo). Nor while nobody waits
 for the result (a gradient bucket's allreduce while the backward pass runs): the
 poller's yields hand the core back and forth with the thread that computes, and cost
-CPU on both sides, for a result nobody needs yet; the futex costs the peer one wake-up. Sleeping is a handshake on the owner's segment: the waiter writes
-which counter it sleeps on into its own word of the owner's *sleepers* table, fences,
-looks at the counter once more and sleeps while it still holds the value seen; the
-owner stores the counter, fences and wakes the counter's futex only when some word of
+CPU on both sides, for a result nobody needs yet; the futex costs the peer one wake-up.
+Sleeping is a handshake on the owner's segment: the waiter writes which counter it
+sleeps on into its own word of the owner's *sleepers* table, fences, looks at the
+counter once more and sleeps while it still holds the value seen; the owner stores the counter, fences and wakes the counter's futex only when some word of
 its table names that counter. One of the two always sees the other's store, and the
 kernel compares the counter atomically with the wake, so no wake-up is lost, and a
 publish costs no system call while nobody sleeps. A sleep lasts at most
@@ -105,9 +105,9 @@ class Counters:
     def wait_for(self, j: int, idx: int, t: int, poll: bool = True) -> None:
         """Wait until member ``j``'s counter ``idx`` reaches ``t``.
 
-        Spin a little, then (unless :attr:`oversubscribed`, or nobody waits for the
-        result: ``urgent``) poll with the CPU (and the GIL) yielded for up to ``YIELD_S`` (peers of a collective usually arrive within
-        that), then sleep on the counter's futex (mark, fence, look, sleep: the other
+        Spin a little, then (unless :attr:`oversubscribed`, ``poll`` is false, or nobody
+        waits for the result: ``urgent``) poll with the CPU (and the GIL) yielded for up
+        to ``YIELD_S`` (peers of a collective usually arrive within that), then sleep on the counter's futex (mark, fence, look, sleep: the other
         half is :meth:`publish`), waking every ``SLEEP_CHECK_S`` to check the engine's
         abort flag and the progress timeout. ``time.sleep(0)`` is not a yield here: it
         costs a timer round trip (~70 us).
