@@ -294,8 +294,8 @@ def _communicators(cfg: _config.Config, topo: Topology, wenv: worker_env.WorkerE
         return engine_box[0].failed
 
     def urgent() -> bool:
-        # a thread waits for a result (on a handle, or a steady lane's): shm waits poll
-        return not engine_box or engine_box[0].waiters.waiting() or engine_box[0].lane.urgent
+        # a thread waits for a result: shm waits poll (never the steady lane's: Factory.lane)
+        return not engine_box or engine_box[0].waiters.waiting()
 
     from .transport.segments import job_key
 

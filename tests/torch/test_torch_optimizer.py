@@ -173,6 +173,17 @@ def test_differing_parameters_fail_every_rank_within_seconds():
     assert out[0][0] == out[1][0]
 
 
+@pytest.mark.timeout(60)
+def test_the_steady_steps_lean_hooks_still_count_passes_and_follow_a_change_of_them():
+    out = run_ranks(2, workers.steady_passes, timeout_s=50)
+    for res in out:
+        assert res["lean"], res
+        assert "the gradient of 'sp." in res["error"], res
+        assert "computed 2 times" in res["error"] and "backward_passes_per_step=1" in res["error"]
+        assert res["after"] == [False] * 3 + [True] * 3, res
+        assert res["diff"] <= 1e-12 and res["same"], res
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("np_, views", [(2, "1"), (3, "1"), (2, "0")])
 def test_gradients_in_buckets_train_as_one_process_on_the_global_batch(np_, views):

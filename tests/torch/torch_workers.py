@@ -1087,6 +1087,63 @@ def bucketed(steps: int = 7) -> dict:
     return out
 
 
+def steady_passes() -> dict:
+    """The steady state's lean hooks (every parameter in a bucket, one backward pass a
+    step: ``_ronde_lean``): a second backward pass before step() still raises
+    TooManyPassesError naming the gradient; ``set_backward_passes_per_step(2)`` then
+    turns the lean hooks off and two passes accumulate, and back to 1 turns them on;
+    both against one process on the global batch."""
+    torch, hvd = _setup()
+    r, n = hvd.rank(), hvd.size()
+    F = torch.nn.functional
+    model = _model(torch, 4)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=[(f"sp.{k}", v)
+                                                     for k, v in model.named_parameters()])
+    gen = torch.Generator().manual_seed(9)
+
+    def batch():
+        x = torch.randn(4 * n, 6, generator=gen, dtype=torch.float64)
+        return x, torch.randn(4 * n, 3, generator=gen, dtype=torch.float64)
+
+    for _ in range(3):  # per tensor, the layout, then buckets
+        x, y = batch()
+        opt.zero_grad()
+        F.mse_loss(model(x[4 * r:4 * r + 4]), y[4 * r:4 * r + 4]).backward()
+        opt.step()
+    out = {"lean": opt._ronde_lean is not None}
+    x, y = batch()
+    opt.zero_grad()
+    F.mse_loss(model(x[4 * r:4 * r + 4]), y[4 * r:4 * r + 4]).backward()
+    try:
+        F.mse_loss(model(x[4 * r:4 * r + 4]), y[4 * r:4 * r + 4]).backward()
+    except hvd.TooManyPassesError as exc:
+        out["error"] = str(exc)
+    opt.step()  # (its values are not checked: the second pass added into some gradients)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    ref = _model(torch, 4)
+    ref.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    lean = []
+    for step in range(6):
+        passes = 2 if step < 3 else 1
+        if step in (0, 3):
+            opt.set_backward_passes_per_step(passes)
+        x, y = batch()
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        for xs, ys in zip(x[4 * r:4 * r + 4].chunk(passes), y[4 * r:4 * r + 4].chunk(passes)):
+            (F.mse_loss(model(xs), ys) / passes).backward()
+        opt.step()
+        lean.append(opt._ronde_lean is not None)
+    out.update(after=lean, diff=_diff(torch, model, ref),
+               same=_same_on_every_rank(torch, hvd, model, "steady_passes"))
+    hvd.shutdown()
+    return out
+
+
 def calls_in_backward(tensors: int = 40, steps: int = 12) -> dict:
     """Python calls inside ronde while ``loss.backward()`` runs (the gradient hooks and
     the bucket submissions, on this thread; counts, not times) in the steady state, for

@@ -41,12 +41,17 @@ class PassCounter(Generic[K]):
         """
         seen = self._seen.get(key, 0)
         if seen >= self.passes_per_step:
-            raise TooManyPassesError(
-                f"{what.format(*args)} was computed {seen + 1} times before optimizer.step() with "
-                f"backward_passes_per_step={self.passes_per_step}; call step() (or "
-                "synchronize()) after each window, or raise backward_passes_per_step")
+            raise self.too_many(seen + 1, what, *args)
         self._seen[key] = seen + 1
         return seen + 1 == self.passes_per_step
+
+    def too_many(self, passes: int, what: str, *args: object) -> TooManyPassesError:
+        """The error of a key computed ``passes`` times in one window (``what`` and
+        ``args`` as for :meth:`record`); a caller that counts on its own raises it too."""
+        return TooManyPassesError(
+            f"{what.format(*args)} was computed {passes} times before optimizer.step() with "
+            f"backward_passes_per_step={self.passes_per_step}; call step() (or "
+            "synchronize()) after each window, or raise backward_passes_per_step")
 
     def passes(self, key: K) -> int:
         """Backward passes counted for ``key`` in the current window."""

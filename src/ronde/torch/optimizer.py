@@ -119,6 +119,8 @@ class _DistributedMixin(SkipSynchronize):
         #: gradient buckets (``_buckets.py``): laid out at the second synchronize() of a
         #: generation, from the ready order the hooks record in it (None: per tensor)
         self._ronde_buckets: _buckets.Buckets | None = None
+        #: the buckets, where every hook may go straight to them (``_ronde_set_buckets``)
+        self._ronde_lean: _buckets.Buckets | None = None
         self._ronde_syncs = 0  #: synchronize() calls in this generation
         self._ronde_order: list[int] | None = None
         self._ronde_index = {id(p): i for i, p in enumerate(self._ronde_params)}
@@ -164,15 +166,25 @@ class _DistributedMixin(SkipSynchronize):
 
     # -- backward side ---------------------------------------------------------------------
     def _ronde_hook(self, p: torch.Tensor) -> None:
+        lean = self._ronde_lean
+        if lean is not None:  # the usual steady step, in as few steps as it takes
+            i = id(p)
+            if i in lean.slot_of and (lean.taken or self._ronde_same_generation()):
+                if i in lean.taken:  # a second backward pass before step()
+                    raise self._ronde_counter.too_many(
+                        2, "the gradient of {!r}", self._ronde_names[i])
+                lean.take(p)
+                return
         if not self._ronde_counter.record(p, "the gradient of {!r}", self._ronde_names[id(p)]):
             return
         buckets = self._ronde_buckets
         if buckets is not None and not buckets.taken and not self._ronde_same_generation():
             # an elastic reset since the layout: the new ranks lay theirs out anew, with
             # this rank, after two per-tensor steps
-            buckets = self._ronde_buckets = None
+            buckets = None
+            self._ronde_set_buckets(None)
         if buckets is not None and id(p) in buckets.slot_of:  # the steady state
-            buckets.take(p, p.grad)
+            buckets.take(p)
             if not buckets.presence \
                     and len(buckets.taken) + len(self._ronde_handles) == len(self._ronde_hooks) \
                     and self._ronde_presence is None \
@@ -210,7 +222,7 @@ class _DistributedMixin(SkipSynchronize):
         assert grad is not None
         buckets = self._ronde_buckets
         if buckets is not None and id(p) in buckets.slot_of:
-            buckets.take(p, grad)
+            buckets.take(p)
             return
         name = gradient_name(self._ronde_names[id(p)])
         red = self._ronde_reduction
@@ -280,7 +292,8 @@ class _DistributedMixin(SkipSynchronize):
         try:
             if self._ronde_validated != _state.require().generation:
                 self._ronde_validate()
-                self._ronde_syncs, self._ronde_buckets = 0, None
+                self._ronde_syncs = 0
+                self._ronde_set_buckets(None)
             params, handles = self._ronde_params, self._ronde_handles
             buckets = self._ronde_buckets
             if not handles and (buckets is None or not buckets.taken) \
@@ -350,10 +363,21 @@ class _DistributedMixin(SkipSynchronize):
         at the same synchronize() on every rank."""
         params = self._ronde_params
         base = self._ronde_presence_name[: -len(".presence")]
-        self._ronde_buckets = _buckets.make(
+        self._ronde_set_buckets(_buckets.make(
             order, params, self._ronde_hooks, [self._ronde_names[id(p)] for p in params],
             base, self._ronde_bucket_cap(), self._ronde_reduction, C.bucket_allreduce(),
-            _state.require().cfg.bucket_views)
+            _state.require().cfg.bucket_views))
+
+    def _ronde_set_buckets(self, buckets: "_buckets.Buckets | None") -> None:
+        """Use ``buckets`` (None: the per-tensor path). Where they hold every parameter
+        (and so carry the presence count) and each backward pass is a step's, a hook
+        needs nothing but its bucket (``_ronde_lean``): no pass count (a second pass
+        finds its gradient taken), no presence count of its own; per hook that is 5
+        Python operations and no torch call, where a hook costs about 1 us per
+        operation with the backward pass's caches cold (``scripts/hook_cost.py``)."""
+        self._ronde_buckets = buckets
+        self._ronde_lean = buckets if buckets is not None and buckets.presence \
+            and self._ronde_counter.passes_per_step == 1 else None
 
     @eager
     def step(self, closure: Any = None) -> Any:
@@ -423,6 +447,7 @@ class _DistributedMixin(SkipSynchronize):
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change ``backward_passes_per_step`` (between steps)."""
         self._ronde_counter = PassCounter(passes)
+        self._ronde_set_buckets(self._ronde_buckets)
 
     @property
     def backward_passes_per_step(self) -> int:

@@ -127,7 +127,7 @@ class Factory:
         for the steady lane (``core/lane.py``): its collectives run beside the
         executor's, never interleaved with them on one communicator."""
         assert self.kinds.get(ps_id) == "shm" and self.ctx.rank in members
-        return _shm(self.ctx, members, f"ps{ps_id}-lane")
+        return _shm(self.ctx, members, f"ps{ps_id}-lane", poll=False)
 
 
 def _members_only(fn: Builder) -> Builder:
@@ -162,13 +162,20 @@ def _self(ctx: Context, ps_id: int, members: list[int]) -> Communicator | None:
     return SelfCommunicator()
 
 
-def _shm(ctx: Context, members: list[int], name: str) -> Communicator:
+def _never() -> bool:
+    return False
+
+
+def _shm(ctx: Context, members: list[int], name: str, poll: bool = True) -> Communicator:
+    """``poll``: its waits may poll while a thread waits for a result (``ctx.urgent``);
+    else they always sleep (``transport/shm/counters.py``)."""
     from .shm import ShmCommunicator
 
     cfg = ctx.cfg
     return ShmCommunicator(ctx.rank, members, f"{ctx.key}-g{ctx.generation}-{name}",
                            cfg.shm_segment_bytes, ctx.aborted, cfg.start_timeout_s,
-                           cfg.stall_shutdown_time_s, cfg.cma, cfg.hugepages, ctx.urgent,
+                           cfg.stall_shutdown_time_s, cfg.cma, cfg.hugepages,
+                           ctx.urgent if poll else _never,
                            cfg.stall_check_time_s if cfg.stall_check_enabled else float("inf"))
 
 
