@@ -60,3 +60,26 @@ def test_fp16_overflow_is_reported(caplog):
     assert "fp16 compression of 'grad.big' overflowed" in caplog.text
     ints = torch.ones(2, dtype=torch.int64)
     assert Compression.fp16.compress(ints)[0] is ints
+
+
+def test_bucket_layout_caps_and_joins_a_small_last_bucket():
+    import torch
+
+    from ronde.torch import _buckets
+
+    kib = 256  # float32 elements in one KiB
+    sizes = [600, 300, 2000, 2000, 100]  # KiB, in ready order
+    params = [torch.zeros(s * kib) for s in sizes]
+    order = list(range(len(params)))
+    # the first bucket at most 1 MiB, the others at most 2 MiB; the last, 100 KiB (under
+    # a quarter of 1 MiB), joins the one before it, over the cap
+    assert _buckets.layout(order, params, lambda i: True, 2 << 20) == [[0, 1], [2], [3, 4]]
+    # a last bucket of a quarter of the first's cap or more stays on its own
+    params[4] = torch.zeros(256 * kib)
+    assert _buckets.layout(order, params, lambda i: True, 2 << 20) == [[0, 1], [2], [3], [4]]
+    # and a small one of another dtype too
+    params[4] = torch.zeros(100 * kib, dtype=torch.float64)
+    assert _buckets.layout(order, params, lambda i: True, 2 << 20) == [[0, 1], [2], [3], [4]]
+    # the transformer of `python -m ronde.bench train`: 1,003 KiB + 192 KiB is one bucket
+    params = [torch.zeros(1003 * kib), torch.zeros(192 * kib)]
+    assert _buckets.layout([0, 1], params, lambda i: True, 25 << 20) == [[0, 1]]
