@@ -10,6 +10,7 @@ blocking forms wait on it. Framework bindings reuse these functions through
 from __future__ import annotations
 
 import atexit
+import functools
 import threading
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence
 
@@ -80,23 +81,17 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
         add_process_set(ps)
 
 
-_exit_registered = False
-
-
+@functools.cache
 def _at_exit() -> None:
     """Shut down at the interpreter's exit (registered once, after the runtime's own
     clean-up, so it runs first)."""
-    global _exit_registered
-    if not _exit_registered:
-        _exit_registered = True
+    def quietly() -> None:
+        try:
+            shutdown()
+        except Exception:  # noqa: BLE001 - never fail the interpreter's exit
+            pass
 
-        def quietly() -> None:
-            try:
-                shutdown()
-            except Exception:  # noqa: BLE001 - never fail the interpreter's exit
-                pass
-
-        atexit.register(quietly)
+    atexit.register(quietly)
 
 
 def shutdown() -> None:
@@ -179,11 +174,8 @@ def _auto_name(kind: str, ps_id: int) -> str:
 
 def auto_name(kind: str, name: str | None = None,
               process_set: ProcessSet | None = None) -> str:
-    """``name``, or the next automatic name of ``kind`` on the process set.
-
-    Automatic names count per (kind, process set), so the members of a set stay in step
-    whatever the other ranks do; :func:`submit` scopes every name by its process set.
-    """
+    """``name``, or the next automatic name of ``kind`` on the process set (counted per
+    kind and set, so a set's members stay in step; :func:`submit` scopes it by set)."""
     return name if name is not None else _auto_name(kind, _ps_id(process_set))
 
 
@@ -231,6 +223,11 @@ def as_array(tensor: Any, what: str) -> np.ndarray:
 def waited_by() -> Callable[[int], None]:
     """The engine's ``waited_by`` (a binding keeps it for its job generation)."""
     return runtime().engine.waited_by
+
+
+def bucket_memory(nbytes: int) -> np.ndarray | None:
+    """Memory for a gradient bucket that the steady lane reduces where it lies (or None)."""
+    return runtime().engine.lane.buffer(nbytes)
 
 
 def together() -> ContextManager[None]:

@@ -319,7 +319,7 @@ def _start_engine(cfg: _config.Config, topo: Topology, wenv: worker_env.WorkerEn
     mesh = factory.ctx.mesh
     # the steady lane (core/lane.py): a second shm communicator of the global set; not
     # under autotune, which scores negotiated collectives (the lane's have none of its knobs)
-    lane = (lambda members: factory.lane(0, members)) \
+    lane = (lambda: factory.lane(0, list(range(size)))) \
         if cfg.steady_lane and not cfg.autotune and factory.kinds[0] == "shm" else None
     engine = Engine(rank, size, cfg, ctl, {0: world}, {0: list(range(size))}, factory,
                     factory.ctx.describe,

@@ -87,7 +87,7 @@ def _check_lane(out: list) -> None:
     """Training through the steady lane equals one process on the global batch, and
     every rank holds rank 0's weights: 10 steps, the lane from the fifth (2 buckets)."""
     for res in out:
-        assert res["buckets"] == 2 and res["laned"] == 2 * (10 - 4), res
+        assert res["buckets"] == 2 and res["laned"] == res["resident"] == 2 * (10 - 4), res
         assert res["breaks"] == 0 and res["vs_rank0"] == 0.0, res
         assert res["vs_one_process"] < 1e-12, res
 

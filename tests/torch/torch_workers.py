@@ -1218,9 +1218,10 @@ def calls_in_backward(tensors: int = 40, steps: int = 12) -> dict:
 def lane_training(steps: int = 10, batch: int = 4) -> dict:
     """Train past the point where the buckets take the steady lane (core/lane.py), in
     float64, against one process on the global batch; and every rank against rank 0.
-    Two buckets (the first at most 1 MiB): one above the single-copy size, one above the
-    inline size, so both shared-memory paths run in the lane. Returns the largest
-    differences, how many collectives the lane ran and its breaks."""
+    Two buckets (the first at most 1 MiB), whose buffers live in the lane's shared
+    memory, so the lane reduces them where they lie (``allreduce_resident``). Returns
+    the largest differences, how many collectives the lane ran (and how many where they
+    lie) and its breaks."""
     torch, hvd = _setup()
     from ronde import _state
 
@@ -1253,6 +1254,6 @@ def lane_training(steps: int = 10, batch: int = 4) -> dict:
     out = {"vs_one_process": float((mine - ref_flat).abs().max()),
            "vs_rank0": float((mine - root).abs().max()),
            "buckets": len(opt._ronde_buckets.buckets), "laned": lane.laned,
-           "breaks": lane.breaks}
+           "resident": lane.resident, "breaks": lane.breaks}
     hvd.shutdown()
     return out

@@ -57,7 +57,7 @@ class Engine:
                  describe_rank: Callable[[int], str],
                  mailboxes: "mailbox.Mailboxes | None" = None,
                  links: Links | None = None,
-                 make_lane: Callable[[list[int]], Communicator] | None = None) -> None:
+                 make_lane: Callable[[], Communicator] | None = None) -> None:
         self.rank, self.size, self.cfg = rank, size, cfg
         self.cycle_s = cfg.cycle_time_ms / 1000.0  #: set anew by autotune (autotune.py)
         self.describe_rank = describe_rank

@@ -278,7 +278,7 @@ class Executor:
             comm, inputs, outputs, sizes, dtype, op, meta0.prescale, post,
             sum(sizes) * dtype.itemsize, bool(resp.joined) or missing,
             lambda i: None if reqs[i] is None else reqs[i].allocate(shapes[i], dtype),
-            self._fusion.get, self._mark if self._marks is not None else None)
+            self._fusion.get, self._mark if self._marks is not None else None, resp.resident)
         outs = run_allreduce(plan)
         for req, out in zip(reqs, outs):
             if req is not None:

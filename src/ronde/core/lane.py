@@ -77,6 +77,8 @@ from .responses import Response
 from .timeline import now_us
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from ..transport.base import Communicator
     from ..transport.ready import Doorbell
     from .timeline import Timeline
@@ -127,15 +129,14 @@ class Lane:
 
     Args:
         rank: this rank.
-        make: builds the lane's communicator for the global set's members (a second
-            ``shm`` one, ``Factory.lane``), or None: no lane (every request goes the
-            general way).
+        make: builds the lane's communicator of the global set (a second ``shm`` one,
+            ``Factory.lane``), or None: no lane (every request goes the general way).
         failed, fail, bell: the engine's failure, its ``fail`` and its control thread's
             doorbell, for the executor code the lane runs collectives with.
         resubmit: hands a request to the general path, its handle kept.
     """
 
-    def __init__(self, rank: int, make: "Callable[[list[int]], Communicator] | None",
+    def __init__(self, rank: int, make: "Callable[[], Communicator] | None",
                  failed: Callable[[], BaseException | None],
                  fail: Callable[[BaseException], None], bell: "Doorbell",
                  resubmit: Callable[[Request], None]) -> None:
@@ -145,7 +146,6 @@ class Lane:
         self.table: dict[str, _Entry] = {}
         self._seen: dict[str, tuple[list[Any], int]] = {}
         self._make = make
-        self._members: list[int] = []
         self._comm: "Communicator | None" = None
         self._connecting = threading.Lock()
         self._lock = threading.Lock()
@@ -164,8 +164,11 @@ class Lane:
         self._resubmit = resubmit
         self.waiters = _Waiters(self)
         self._thread: threading.Thread | None = None
-        #: collectives run through the lane, and breaks (tests and benchmarks read them)
+        #: collectives run through the lane, those of them agreed resident (every
+        #: member's bucket at one place of its segment: ``buffer``), and breaks (tests
+        #: and benchmarks read them)
         self.laned = 0
+        self.resident = 0
         self.breaks = 0
 
     # -- entering (agreed) -----------------------------------------------------------------
@@ -196,10 +199,9 @@ class Lane:
     def _enter(self, name: str, raw: list[Any], metas: Any, nbytes: int,
                resp: Response) -> None:
         with self._lock:
-            self._members = list(resp.members)
             tag = (self.epoch << _TAG_BITS) | (len(self.table) + 1)
             self.table[name] = _Entry(tag, raw, [metas], nbytes, resp.fuse_key,
-                                      self._members)
+                                      list(resp.members))
             if self._thread is None:  # it builds the communicator first, off the step
                 self._thread = threading.Thread(target=self._loop, name="ronde-lane",
                                                 daemon=True)
@@ -262,6 +264,21 @@ class Lane:
             self.broken = self._leaving = False
             self._meeting = self.epoch << _MEETING_BITS
 
+    def buffer(self, nbytes: int) -> "np.ndarray | None":
+        """``nbytes`` of this rank's memory for a gradient bucket of the global set that
+        the lane then reduces where it lies, in its communicator's
+        segment (``ShmCommunicator.resident``), or None: no lane, no room, or its
+        communicator could not be built (the lane's thread then fails the engine with
+        that, as before). Every member asks at the same agreed step (the bucket layout),
+        so building the communicator here, on the caller's thread, meets the others."""
+        if not self.enabled or self._failed() is not None:
+            return None
+        try:
+            return self._connect().resident(nbytes)  # type: ignore[attr-defined]
+        except Exception as exc:  # noqa: BLE001 - a plain buffer serves as well
+            log.warning("rank %d: no shared-memory gradient bucket (%r)", self.rank, exc)
+            return None
+
     # -- running ---------------------------------------------------------------------------
     def run_here(self) -> None:
         """A caller waiting on a lane handle runs the next queued collective itself if
@@ -288,7 +305,7 @@ class Lane:
         with self._connecting:
             if self._comm is None:
                 assert self._make is not None
-                self._comm = self._make(self._members)
+                self._comm = self._make()
             return self._comm
 
     def _loop(self) -> None:
@@ -332,7 +349,8 @@ class Lane:
             timeline = self.runner.timeline
             if timeline is not None:  # QUEUE until now; the meeting is its NEGOTIATE
                 timeline.queued([req])
-            tags = comm.meet(t, entry.tag)  # type: ignore[attr-defined]
+            at = comm.offset_of(req.array)  # type: ignore[attr-defined]
+            tags, ats = comm.meet(t, entry.tag, at=at)  # type: ignore[attr-defined]
             if timeline is not None:
                 timeline.phase(req.name, "NEGOTIATE", req.t_announce, now_us(),
                                {"steady_lane": 1})
@@ -351,6 +369,9 @@ class Lane:
             return
         resp = Response(Kind.ALLREDUCE, 0, [req.name], entry.metas)
         resp.nbytes, resp.fuse_key = entry.nbytes, entry.fuse_key
+        if at >= 0 and all(a == at for a in ats):  # every member's lies at ``at``
+            resp.resident = at
+            self.resident += 1
         resp.reqs, resp.members, resp.comm = [req], entry.members, comm
         self._inflight.discard(req.name)
         self.runner.run_one(resp)

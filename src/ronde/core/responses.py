@@ -31,7 +31,8 @@ class Response:
     """One unit of work for the executor: a (possibly fused) collective, or an error."""
 
     __slots__ = ("kind", "ps_id", "names", "metas", "joined", "error", "error_type", "value",
-                 "inline", "followers", "nbytes", "fuse_key", "reqs", "members", "comm")
+                 "inline", "followers", "nbytes", "fuse_key", "reqs", "members", "comm",
+                 "resident")
 
     def __init__(self, kind: Kind, ps_id: int, names: list[str], metas: list[dict[int, Meta]],
                  joined: frozenset[int] = frozenset(), error: str | None = None,
@@ -58,6 +59,9 @@ class Response:
         self.reqs: list[Request | None] = []
         self.members: list[int] = []  #: the process set's members
         self.comm: Communicator | None = None  #: this rank's communicator for the set
+        #: the steady lane's: where every member's vector lies in its shm segment, agreed
+        #: at the meeting before it (``ShmCommunicator.allreduce_resident``), or None
+        self.resident: int | None = None
 
     def __repr__(self) -> str:
         return f"<Response {KIND_NAMES[self.kind]} ps={self.ps_id} {self.names[:3]}{'...' if len(self.names) > 3 else ''}{' ERROR' if self.error else ''}>"

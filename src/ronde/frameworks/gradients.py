@@ -152,6 +152,13 @@ class Reduction:
             return comp.decompress(out, ctx, name)
         return comp.decompress(out, ctx)  # a Horovod-style compressor
 
+    @property
+    def as_sent(self) -> bool:
+        """Whether :meth:`start` sends a tensor as it is: no compression (or ronde's
+        ``Compression.none``, which would send it as it is, with a context saying so)."""
+        comp = self.compression
+        return comp is None or (type(comp) is Compressor and comp.wire_dtype is None)
+
     def start(self, tensor: Any, name: str, allreduce: Callable[..., Any]) -> Started:
         """Start the allreduce of one dense gradient (or a bucket's flat buffer).
 
@@ -161,14 +168,11 @@ class Reduction:
             allreduce: ``(tensor, output, name, op, prescale, postscale, process_set) ->
                 handle``: the binding's asynchronous allreduce (in place for torch).
         """
-        comp = self.compression
-        if comp is None or (type(comp) is Compressor and comp.wire_dtype is None):
-            # no compression (ronde's ``Compression.none``: it would send the tensor as
-            # it is, with a context that says so)
+        if self.as_sent:
             handle = allreduce(tensor, None, name, self.op, self.prescale, self.postscale,
                                self.process_set)
             return Started(handle, AS_SENT, name)
-        sent, ctx = comp.compress(tensor)
+        sent, ctx = self.compression.compress(tensor)  # type: ignore[union-attr]
         op, pre, post = self.wire(tensor, sent, ctx)
         handle = allreduce(sent, None, name, op, pre, post, self.process_set)
         return Started(handle, ctx, name)

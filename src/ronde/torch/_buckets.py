@@ -69,10 +69,11 @@ class Bucket:
     __slots__ = ("name", "flat", "members", "left", "handle", "flags")
 
     def __init__(self, name: str, members: list[tuple[int, torch.Tensor]],
-                 dtype: torch.dtype, presence: bool = False) -> None:
+                 dtype: torch.dtype, presence: bool = False,
+                 memory: Callable[[int], np.ndarray | None] | None = None) -> None:
         self.name = name
         total = sum(p.numel() for _, p in members)
-        self.flat = torch.zeros(total + (len(members) if presence else 0), dtype=dtype)
+        self.flat = _flat(total + (len(members) if presence else 0), dtype, memory)
         #: the presence flags after the gradients (one per member), or None
         self.flags: torch.Tensor | None = self.flat[total:] if presence else None
         #: (parameter index in the optimizer, parameter, its slot: a view of ``flat``)
@@ -84,6 +85,20 @@ class Bucket:
             at += n
         self.left = len(self.members)  #: members whose gradient is not in ``flat`` yet
         self.handle: Started | None = None  #: the step's allreduce once started
+
+
+def _flat(numel: int, dtype: torch.dtype,
+          memory: Callable[[int], np.ndarray | None] | None) -> torch.Tensor:
+    """A zeroed flat buffer, in the memory ``memory`` gives where it gives some (the
+    steady lane's shared memory, ``_api.bucket_memory``: reduced there in place, no
+    cross-memory copies), else torch's own."""
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    raw = memory(nbytes) if memory is not None else None
+    if raw is None:
+        return torch.zeros(numel, dtype=dtype)
+    flat = torch.from_numpy(raw).view(dtype)
+    flat.zero_()
+    return flat
 
 
 def _adopt_grads(bucket: Bucket) -> None:
@@ -113,6 +128,7 @@ class Buckets:
             flat buffer as to a gradient (:mod:`ronde.frameworks.gradients`).
         allreduce: torch's in-place asynchronous allreduce.
         as_view: make each gradient taken a view of its slot (``RONDE_GRADIENT_AS_BUCKET_VIEW``).
+        memory: where the buckets' buffers may live (:func:`_flat`), or None.
         presence: the buckets carry the presence count (module docstring): true only
             when the layout holds every parameter and :func:`carries_presence` allows it.
     """
@@ -120,12 +136,13 @@ class Buckets:
     def __init__(self, layout: Sequence[Sequence[int]], params: Sequence[torch.Tensor],
                  names: Sequence[str], base: str, reduction: Reduction,
                  allreduce: Callable[..., Any], as_view: bool = False,
-                 presence: bool = False) -> None:
+                 presence: bool = False,
+                 memory: Callable[[int], np.ndarray | None] | None = None) -> None:
         self.presence = presence
         self.buckets: list[Bucket] = []
         for k, ids in enumerate(layout):
             bucket = Bucket(f"{base}.bucket{k}.{len(ids)}", [(i, params[i]) for i in ids],
-                            params[ids[0]].dtype, presence)
+                            params[ids[0]].dtype, presence, memory)
             if as_view:
                 _adopt_grads(bucket)
             self.buckets.append(bucket)
@@ -342,7 +359,11 @@ def make(order: Sequence[int], params: Sequence[torch.Tensor], hooked: Any,
     if not found:
         return None
     presence = sum(map(len, found)) == len(params) and carries_presence(reduction)
-    return Buckets(found, params, names, base, reduction, allreduce, as_view, presence)
+    # the steady lane reduces buckets of the global set only, uncompressed in place
+    memory = _api.bucket_memory if reduction.process_set.process_set_id == 0 \
+        and reduction.as_sent else None
+    return Buckets(found, params, names, base, reduction, allreduce, as_view, presence,
+                   memory)
 
 
 def user_groups(groups: Any, params: list[torch.Tensor]) -> dict[int, list[torch.Tensor]]:

@@ -10,6 +10,7 @@ cross-memory reads are refused), and the next one runs. The executor never asks 
 communicator what it is.
 
 ==================  ===================================================================
+:class:`Resident`    shm, steady lane: a tensor that lives in every rank's segment
 :class:`SingleCopy`  shm: reduce straight between the ranks' own tensors (no buffer)
 :class:`Staged`      shm: pack into this rank's segment, read the result from everyone's
 :class:`OneTensor`   one tensor: reduce it in its output (the input copied there first)
@@ -55,6 +56,9 @@ class AllreducePlan:
     fusion_buffer: Callable[[int], np.ndarray]     #: a private byte buffer
     #: timeline phases (None: no timeline is recorded)
     mark: Callable[[str], None] | None = None
+    #: shm, the steady lane: where every member's one tensor lies in its segment, agreed
+    #: at the meeting before (:class:`Resident`); None elsewhere
+    resident: int | None = None
 
     def output(self, i: int) -> np.ndarray | None:
         out = self.outputs[i]
@@ -74,6 +78,29 @@ class Strategy:
 
     def run(self, plan: AllreducePlan) -> list[np.ndarray | None] | None:
         raise NotImplementedError
+
+
+class Resident(Strategy):
+    """shm, the steady lane: one tensor that every member holds in its own segment at the
+    same place (a gradient bucket: ``ShmCommunicator.resident``), reduced where it lies,
+    in place (the meeting before it was its synchronisation: an input scaled after it
+    could be read half scaled, so a prescaled one takes the next strategy)."""
+
+    def enabled(self, plan: AllreducePlan) -> bool:
+        return plan.resident is not None and plan.prescale == 1.0
+
+    def run(self, plan: AllreducePlan) -> list[np.ndarray | None] | None:
+        arr = plan.inputs[0]
+        assert arr is not None and plan.outputs[0] is arr  # a bucket's, in place
+        flat = arr.reshape(-1)
+        if plan.mark is not None:
+            plan.mark("TRANSFER")
+        plan.comm.allreduce_resident(plan.resident, flat.size, plan.dtype, plan.op)
+        if plan.postscale != 1.0:
+            if plan.mark is not None:
+                plan.mark("SCALE")
+            fusion.scale_inplace(flat, plan.postscale)
+        return [arr]
 
 
 class SingleCopy(Strategy):
@@ -175,8 +202,8 @@ class Fused(Strategy):
 
 #: the strategies of a communicator that moves bytes itself (p2p, Gloo, MPI)
 DEFAULT: Sequence[Strategy] = (OneTensor(), Fused())
-#: shm: single-copy reads, then the segment, then the generic ones
-SHARED_MEMORY: Sequence[Strategy] = (SingleCopy(), Staged(), OneTensor(), Fused())
+#: shm: a resident tensor, single-copy reads, then the segment, then the generic ones
+SHARED_MEMORY: Sequence[Strategy] = (Resident(), SingleCopy(), Staged(), OneTensor(), Fused())
 
 
 def run_allreduce(plan: AllreducePlan) -> list[np.ndarray | None]:

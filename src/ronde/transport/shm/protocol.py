@@ -40,5 +40,10 @@ BUSY = 9
 #: the steady lane's meetings (``ShmCommunicator.meet``, ``core/lane.py``): the last
 #: meeting this member reached, and the tag it brought to it
 MEET, MEET_TAG = 10, 11
+#: the steady lane's meetings: where the member's vector lies in its data region (a
+#: resident one, ``ShmCommunicator.resident``), or -1
+MEET_AT = 12
+#: data-region bytes kept for staging below the resident vectors (``resident``)
+RESIDENT_FLOOR = 256 * 1024
 #: what every member's probe word holds (peers read it, and write it back, to test)
 PROBE_VALUE = 0x726F6E6465
