@@ -134,10 +134,9 @@ class _DistributedMixin(SkipSynchronize):
 
     # -- set-up --------------------------------------------------------------------------
     def _ronde_rehook(self) -> None:
-        """Hook exactly the parameters that are trainable now (at construction, and at a
-        ``synchronize()`` that found some parameter not as it was): a hook cannot be put
-        on a frozen parameter, and one on a parameter frozen since would keep the
-        presence count from starting early."""
+        """Hook exactly the parameters trainable now (at construction, and at a
+        ``synchronize()`` that found one changed): a frozen one cannot be hooked, and one
+        frozen since would keep the presence count from starting early."""
         hooks = self._ronde_hooks
         for p in self._ronde_params if self._ronde_member else ():
             if p.requires_grad and p not in hooks:
@@ -156,25 +155,23 @@ class _DistributedMixin(SkipSynchronize):
                                 for q in members}
 
     def remove_hooks(self) -> None:
-        """Take this wrapper's gradient hooks off its parameters, for a model that another
-        wrapper will train (Lightning wraps anew at every ``fit``, an elastic retry
-        too): two wrappers' hooks would reduce each gradient twice under one name. A
-        later ``step()`` of this wrapper puts them back (its gradients are reduced then)."""
+        """Take this wrapper's gradient hooks off, for a model another wrapper will train
+        (Lightning wraps anew at every ``fit``): two wrappers would reduce each gradient
+        twice under one name. A later ``step()`` of this wrapper puts them back."""
         for hook in self._ronde_hooks.values():
             hook.remove()
         self._ronde_hooks.clear()
 
     # -- backward side ---------------------------------------------------------------------
     def _ronde_hook(self, p: torch.Tensor) -> None:
-        lean = self._ronde_lean
-        if lean is not None:  # the usual steady step, in as few steps as it takes
-            i = id(p)
-            if i in lean.slot_of and (lean.taken or self._ronde_same_generation()):
-                if i in lean.taken:  # a second backward pass before step()
-                    raise self._ronde_counter.too_many(
-                        2, "the gradient of {!r}", self._ronde_names[i])
-                lean.take(p)
-                return
+        lean = self._ronde_lean  # the usual steady step: as few operations as it takes
+        if lean is not None and id(p) in lean.slot_of \
+                and (lean.taken or self._ronde_same_generation()):
+            if id(p) in lean.taken:  # a second backward pass before step()
+                raise self._ronde_counter.too_many(2, "the gradient of {!r}",
+                                                   self._ronde_names[id(p)])
+            lean.take(p)
+            return
         if not self._ronde_counter.record(p, "the gradient of {!r}", self._ronde_names[id(p)]):
             return
         buckets = self._ronde_buckets
@@ -244,11 +241,8 @@ class _DistributedMixin(SkipSynchronize):
 
     def _ronde_agree(self) -> list[int]:
         """Start the reductions and the presence count that no hook started; return the
-        indices of the parameters that have no gradient to contribute here.
-
-        A parameter contributes when it is trainable and has a gradient; a frozen one
-        never does (a gradient it has stays local, as under DDP).
-        """
+        indices of the parameters with no gradient to contribute here (one contributes
+        when trainable and with a gradient: a frozen one's stays local, as under DDP)."""
         params, handles = self._ronde_params, self._ronde_handles
         buckets = self._ronde_buckets
         taken = buckets.taken if buckets is not None else ()
@@ -369,12 +363,9 @@ class _DistributedMixin(SkipSynchronize):
             _state.require().cfg.bucket_views))
 
     def _ronde_set_buckets(self, buckets: "_buckets.Buckets | None") -> None:
-        """Use ``buckets`` (None: the per-tensor path). Where they hold every parameter
-        (and so carry the presence count) and each backward pass is a step's, a hook
-        needs nothing but its bucket (``_ronde_lean``): no pass count (a second pass
-        finds its gradient taken), no presence count of its own; per hook that is 5
-        Python operations and no torch call, where a hook costs about 1 us per
-        operation with the backward pass's caches cold (``scripts/hook_cost.py``)."""
+        """Use ``buckets`` (None: the per-tensor path); where they hold every parameter (so
+        carry the presence count) and a step is one backward pass, hooks go straight to
+        them (``_ronde_lean``): no pass count (a second pass finds its gradient taken)."""
         self._ronde_buckets = buckets
         self._ronde_lean = buckets if buckets is not None and buckets.presence \
             and self._ronde_counter.passes_per_step == 1 else None
@@ -489,14 +480,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             optimizer skips it, as in one process and under DDP.
 
     Returns:
-        An instance of a subclass of ``type(optimizer)`` sharing its attributes (one
-        ``__dict__``); an ``optimizer.step`` patched before wrapping (an LR scheduler's
-        step counter) runs inside the distributed step.
+        An instance of a subclass of ``type(optimizer)`` sharing its ``__dict__``; a
+        ``step`` patched before wrapping (an LR scheduler's) runs inside the distributed one.
 
     Raises:
         ValueError: duplicate names, parameters missing from ``named_parameters``, an
-            unsupported op, a predivide factor with an op other than Average, or an
-            optimizer wrapped already.
+            unsupported op, a predivide factor without Average, or a wrapped optimizer.
     """
     if C.resolve_op(op, None) == ReduceOp.ADASUM:
         if compression is not Compression.none or backward_passes_per_step != 1:

@@ -23,6 +23,9 @@ can use cross-memory attach (see ``single_copy.py``): peers read each other's te
 place, about one pass over the data plus half a reduction, and fused tensors need no
 fusion buffer. The segment then only carries the counters and the address table.
 
+The steady lane's gradient buckets may live in the segment itself (:meth:`resident`):
+they are reduced where they lie, with no copy at all (:meth:`allreduce_resident`).
+
 Whether they can is probed and agreed by every member once, when the communicator is
 made (each reads, then writes back, a probe value in every peer; ``CMA_OK`` carries
 the outcome): from then on which path an op takes is a pure function of its size,
@@ -32,6 +35,7 @@ the same on every rank, decided in one place (:meth:`reads_peers` for an allredu
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import time
@@ -52,6 +56,10 @@ from .counters import Counters
 from .protocol import (ATTACHED, CMA_MIN_BYTES, CMA_OK, DONE, HEADER_BYTES, MEET, MEET_AT,
                        MEET_TAG, PID, PROBE, PROBE_VALUE, REDUCED, RESIDENT_FLOOR, SMALL_BYTES,
                        TABLE_ENTRIES, TABLE_OFFSET, WRITTEN, blocks)
+
+#: madvise(2)'s MADV_POPULATE_WRITE (Linux 5.14), which Python's mmap does not name
+_MADV_POPULATE_WRITE = 23
+
 
 class ShmCommunicator(Communicator, OwnedSegment):
     """Collectives among the members of one process set that share a host."""
@@ -143,37 +151,44 @@ class ShmCommunicator(Communicator, OwnedSegment):
     def meet(self, t: int, tag: int, wait: bool = True, at: int = -1
              ) -> tuple[list[int], list[int]] | None:
         """The steady lane's check before a collective (``core/lane.py``): bring ``tag``
-        (and ``at``: where the vector lies in this rank's data region, or -1: see
-        :meth:`resident`) to meeting ``t`` and, with ``wait``, return every member's tags
-        and places once all brought theirs. Both are stored before the counter (x86
-        keeps stores in order). A member brings meeting ``t + 1`` only after a
-        collective that every member entered after reading the tags of ``t``, or never
-        (it left the lane), so the tags read are those of ``t``."""
-        hdr = self._my_hdr
-        hdr[MEET_TAG] = tag
-        hdr[MEET_AT] = at
+        and ``at`` (:meth:`offset_of`) to meeting ``t``; with ``wait``, every member's
+        once all brought theirs (stored before the counter: x86 keeps stores in order). A
+        member brings ``t + 1`` only after a collective that every member entered after
+        reading ``t``'s, or never (it left the lane): the values read are ``t``'s."""
+        self._my_hdr[MEET_TAG], self._my_hdr[MEET_AT] = tag, at
         self.publish(MEET, t)
         if not wait:
             return None
-        # no polling here: a peer may be a whole backward pass away, and a poller takes
-        # the core from it (0.2 ms of CPU a step less, measured, for a wake-up's latency)
-        self.wait_all(MEET, t, False)
+        self.wait_all(MEET, t, False)  # never polls: a peer may be a backward pass away
         return [int(h[MEET_TAG]) for h in self.headers], [int(h[MEET_AT]) for h in self.headers]
 
     # -- resident vectors (the steady lane's gradient buckets) ----------------------------
     def resident(self, nbytes: int) -> np.ndarray | None:
-        """``nbytes`` of this rank's data region, from its top down, for a vector that
-        lives there (a gradient bucket's buffer: ``torch/_buckets.py``) so that
-        :meth:`allreduce_resident` reduces it where it lies; None where it does not fit
-        above :data:`RESIDENT_FLOOR` bytes kept for staging, which shrinks by what is
-        given (``segment_bytes``). The memory stays mapped while a view of it lives
-        (``close_maps``). Members that ask for the same sizes in the same order get the
-        same places; the lane checks that at every meeting."""
+        """``nbytes`` of my data region, from its top down, for a vector that lives there
+        (a gradient bucket: ``torch/_buckets.py``) and :meth:`allreduce_resident` reduces
+        where it lies; None where it does not fit above :data:`RESIDENT_FLOOR` bytes of
+        staging (which shrinks by what is given) or in ``/dev/shm``. It stays mapped while
+        a view lives (``close_maps``). Members asking alike get the same places (checked
+        at every meeting)."""
         top = (self.segment_bytes - nbytes) & ~63
-        if nbytes <= 0 or top < RESIDENT_FLOOR:
+        if nbytes <= 0 or top < RESIDENT_FLOOR or not self._populate(top, nbytes):
             return None
         self.segment_bytes = top
         return self._data[self.rank][top: top + nbytes]
+
+    def _populate(self, at: int, nbytes: int) -> bool:
+        """Back ``nbytes`` at ``at`` of my data region with memory now: False where
+        ``/dev/shm`` has no room for them (a full tmpfs would kill the process with
+        SIGBUS at the first write, where populating reports an error instead)."""
+        lo = (HEADER_BYTES + at) & ~(mmap.PAGESIZE - 1)
+        try:
+            self._mine.madvise(_MADV_POPULATE_WRITE, lo, HEADER_BYTES + at + nbytes - lo)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # (EINVAL: a kernel before 5.14, no such advice)
+                return False
+            free = os.statvfs(shm_dir())
+            return free.f_bavail * free.f_frsize > 2 * nbytes * self.size
+        return True
 
     def offset_of(self, arr: np.ndarray) -> int:
         """Where ``arr`` starts in this rank's resident region, or -1 (elsewhere)."""
@@ -182,12 +197,10 @@ class ShmCommunicator(Communicator, OwnedSegment):
         return at if self.segment_bytes <= at and at + arr.nbytes <= mine.nbytes else -1
 
     def allreduce_resident(self, at: int, count: int, dtype: np.dtype, op: ReduceOp) -> None:
-        """Allreduce in place the ``count`` values that every member holds at ``at`` of its
-        data region (:meth:`resident`), right after a meeting where all brought ``at``:
-        each member's values were there before it came, so the meeting is this op's
-        ``WRITTEN``. Each member reduces its block reading the others' in place, in rank
-        order (the same bits as every other path), then copies the others' reduced
-        blocks: no copy in or out, no cross-memory call, one synchronisation fewer."""
+        """Allreduce in place the ``count`` values every member holds at ``at`` of its data
+        region (:meth:`resident`), right after a meeting where all brought ``at`` (so the
+        meeting is this op's ``WRITTEN``): reduce my block reading the others' in place,
+        in rank order (every path's bits), then copy the others' reduced blocks."""
         t = self.begin()
         nbytes = count * dtype.itemsize
         views = [d[at: at + nbytes].view(dtype) for d in self._data]
