@@ -293,7 +293,9 @@ KNOBS: tuple[Knob, ...] = (
              'segment run in pieces; a fused allreduce that fits is packed straight '
              "into it. Each rank maps every member's segment,"
              ' so a host uses about `local ranks x this` of `/dev/shm` memory per shm '
-             'process set.'),
+             "process set. The steady lane's own segment also holds torch's gradient "
+             'buckets (those that fit, keeping 256 KiB for staging), reduced there in '
+             'place: their gradients then live in `/dev/shm`.'),
     Knob("small_allreduce_bytes", "RONDE_SMALL_ALLREDUCE", parse_bytes,
          accepted=_BYTES,
          default='`64KiB`', unit='bytes ([size syntax](#sizes))',
