@@ -156,7 +156,8 @@ def resident() -> dict:
     """Buckets in the lane's shared memory (``_api.bucket_memory``, where torch's live):
     reduced where they lie, to the bits of the general path (an Average of random
     values, against a negotiated allreduce of a copy); a step where odd ranks bring a
-    bucket that lies elsewhere takes the general data path on every rank, exactly."""
+    bucket that lies elsewhere, and one where they do not reduce it in place, take the
+    general data path on every rank, exactly."""
     hvd, r, n, lane = _start()
     from ronde import _api
 
@@ -165,18 +166,19 @@ def resident() -> dict:
     small = _api.bucket_memory(SMALL * 8).view(np.float64)
     elsewhere = _api.bucket_memory(LARGE * 8).view(np.float64)
     exact = []
-    for step in range(6):
-        moved = step == 5 and r % 2 == 1
+    for step in range(7):
+        moved, apart = step == 5 and r % 2 == 1, step == 6 and r % 2 == 1
         bufs = (("r.bucket0.2", elsewhere if moved else big), ("r.bucket1.5", small))
         for _, buf in bufs:
             buf[:] = rng.standard_normal(buf.size)
         want = [hvd.allreduce(buf.copy(), op=hvd.Average, name=f"check.{step}.{name}")
                 for name, buf in bufs]
-        handles = [hvd.allreduce_async(buf, op=hvd.Average, name=name, out=buf)
-                   for name, buf in bufs]
+        handles = [hvd.allreduce_async(buf, op=hvd.Average, name=name,
+                                       out=None if apart and k == 0 else buf)
+                   for k, (name, buf) in enumerate(bufs)]
         for h, w, (_, buf) in zip(handles, want, bufs):
             got = h.wait()
-            exact.append(got is buf and bool(np.array_equal(got, w)))
+            exact.append((got is buf or apart) and bool(np.array_equal(got, w)))
     out = {"exact": all(exact), "laned": lane.laned, "resident": lane.resident,
            "breaks": lane.breaks}
     hvd.shutdown()

@@ -349,7 +349,10 @@ class Lane:
             timeline = self.runner.timeline
             if timeline is not None:  # QUEUE until now; the meeting is its NEGOTIATE
                 timeline.queued([req])
-            at = comm.offset_of(req.array)  # type: ignore[attr-defined]
+            # where its values lie in the segment, if reduced in place there (the
+            # meeting then agrees on the place too: ``Resident``)
+            at = -1 if req.out is not req.array \
+                else comm.offset_of(req.array)  # type: ignore[attr-defined]
             tags, ats = comm.meet(t, entry.tag, at=at)  # type: ignore[attr-defined]
             if timeline is not None:
                 timeline.phase(req.name, "NEGOTIATE", req.t_announce, now_us(),
