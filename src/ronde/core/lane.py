@@ -45,6 +45,11 @@ How.
   collective on the executor (another thread's, an asynchronous one) and a lane
   collective never wait for each other in one queue, in whatever order each rank
   reaches them.
+* **Resident buckets.** torch allocates its buckets in this communicator's segment
+  (:meth:`Lane.buffer`, ``ShmCommunicator.resident``); each rank brings the bucket's
+  offset to the meeting, and where all agree (and it is reduced in place) the data
+  moves with plain loads where it lies (``allreduce_resident``), the meeting serving as
+  the op's first synchronisation. Otherwise the usual shm paths run, on every rank alike.
 * **Sleeping, never polling.** The lane's communicator (``Factory.lane``) waits on
   futexes only, where the general path's waits poll while a thread waits for a result:
   a training step keeps every core busy with some rank's backward pass, so a poller
@@ -266,11 +271,11 @@ class Lane:
 
     def buffer(self, nbytes: int) -> "np.ndarray | None":
         """``nbytes`` of this rank's memory for a gradient bucket of the global set that
-        the lane then reduces where it lies, in its communicator's
-        segment (``ShmCommunicator.resident``), or None: no lane, no room, or its
-        communicator could not be built (the lane's thread then fails the engine with
-        that, as before). Every member asks at the same agreed step (the bucket layout),
-        so building the communicator here, on the caller's thread, meets the others."""
+        the lane then reduces where it lies, in its communicator's segment
+        (``ShmCommunicator.resident``), or None: no lane, no room, or its communicator
+        could not be built (the lane's thread then fails the engine with that, as
+        before). Every member asks at the same agreed step (the bucket layout), so
+        building the communicator here, on the caller's thread, meets the others."""
         if not self.enabled or self._failed() is not None:
             return None
         try:
