@@ -100,7 +100,8 @@ KNOBS: tuple[Knob, ...] = (
          doc='torch `DistributedOptimizer` on CPU tensors: from its third step on, '
              'gradients travel in buckets of at most this many bytes (the first '
              'one at most 1 MiB, so that communication starts early in the backward '
-             'pass; a last one under 256 KiB joins the one before), laid out once in the order rank 0 saw them become ready, as '
+             'pass; one under 256 KiB joins the next, the last one the one before), '
+             'laid out once in the order rank 0 saw them become ready, as '
              "DDP's `bucket_cap_mb`: each gradient is copied into its bucket by its "
              'hook and each bucket is one allreduce, so the per-tensor work of '
              'negotiation is paid per bucket. `0` reduces each gradient on its own '

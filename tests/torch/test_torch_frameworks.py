@@ -62,7 +62,7 @@ def test_fp16_overflow_is_reported(caplog):
     assert Compression.fp16.compress(ints)[0] is ints
 
 
-def test_bucket_layout_caps_and_joins_a_small_last_bucket():
+def test_bucket_layout_caps_and_joins_small_buckets_to_their_neighbours():
     import torch
 
     from ronde.torch import _buckets
@@ -80,6 +80,11 @@ def test_bucket_layout_caps_and_joins_a_small_last_bucket():
     # and a small one of another dtype too
     params[4] = torch.zeros(100 * kib, dtype=torch.float64)
     assert _buckets.layout(order, params, lambda i: True, 2 << 20) == [[0, 1], [2], [3], [4]]
+    # a small first bucket (what fits before a large gradient) joins the next one, and
+    # so does a small one before a gradient larger than the cap
+    params = [torch.zeros(s * kib) for s in (5, 2000, 70, 3000, 10, 10, 900)]
+    assert _buckets.layout(list(range(7)), params, lambda i: True, 2 << 20) == \
+        [[0, 1], [2, 3], [4, 5, 6]]
     # the transformer of `python -m ronde.bench train`: 1,003 KiB + 192 KiB is one bucket
     params = [torch.zeros(1003 * kib), torch.zeros(192 * kib)]
     assert _buckets.layout([0, 1], params, lambda i: True, 25 << 20) == [[0, 1]]

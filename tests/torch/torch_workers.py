@@ -1218,7 +1218,8 @@ def calls_in_backward(tensors: int = 40, steps: int = 12) -> dict:
 def lane_training(steps: int = 10, batch: int = 4) -> dict:
     """Train past the point where the buckets take the steady lane (core/lane.py), in
     float64, against one process on the global batch; and every rank against rank 0.
-    Two buckets (the first at most 1 MiB), whose buffers live in the lane's shared
+    Two buckets (the first at most 1 MiB, 291 KiB: not small enough to join the
+    second, ``_buckets.SMALL_FRACTION``), whose buffers live in the lane's shared
     memory, so the lane reduces them where they lie (``allreduce_resident``). Returns
     the largest differences, how many collectives the lane ran (and how many where they
     lie) and its breaks."""
@@ -1231,7 +1232,7 @@ def lane_training(steps: int = 10, batch: int = 4) -> dict:
     def make() -> "torch.nn.Module":
         torch.manual_seed(5)
         return nn.Sequential(nn.Linear(32, 384), nn.Tanh(), nn.Linear(384, 384), nn.Tanh(),
-                             nn.Linear(384, 4)).double()
+                             nn.Linear(384, 96)).double()
 
     model, ref = make(), make()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
@@ -1240,7 +1241,7 @@ def lane_training(steps: int = 10, batch: int = 4) -> dict:
     gen = torch.Generator().manual_seed(3)
     for _ in range(steps):
         x = torch.randn(n * batch, 32, generator=gen, dtype=torch.float64)
-        y = torch.randn(n * batch, 4, generator=gen, dtype=torch.float64)
+        y = torch.randn(n * batch, 96, generator=gen, dtype=torch.float64)
         ref_opt.zero_grad()
         F.mse_loss(ref(x), y).backward()
         ref_opt.step()

@@ -51,13 +51,15 @@ from ..process_sets import ProcessSet
 
 #: DDP's first bucket: small, so that the first allreduce starts early in the backward
 FIRST_BUCKET_BYTES = 1 << 20
-#: a last bucket smaller than 1/TAIL_FRACTION of the first bucket's cap joins the bucket
-#: before it. Such a tail holds the gradients that are ready last, so it fills the
-#: moment the backward pass ends, while the bucket before it fills only a few layers
-#: earlier: that split overlaps almost nothing, and costs a whole collective more a step
-#: (the transformer of ``python -m ronde.bench train``, 1,003 KiB + 192 KiB: 0.25-0.4 ms
-#: of CPU a step at np=2 as two buckets, by ``scripts/thread_cpu.py``). DDP splits there.
-TAIL_FRACTION = 4
+#: a bucket smaller than 1/SMALL_FRACTION of the first bucket's cap joins the next one of
+#: its dtype (the last one, the one before). A collective costs about the same for 5 KiB
+#: as for 500: a small bucket moves nothing worth overlapping. Where a small last bucket
+#: holds the gradients ready last, it fills the moment backward ends, a few layers after
+#: the one before it (the transformer of ``python -m ronde.bench train``, 1,003 KiB + 192
+#: KiB: 0.25-0.4 ms of CPU a step more at np=2 as two buckets, ``scripts/thread_cpu.py``);
+#: a small first one is what fits before a large gradient (the CNN's 5 KiB before its
+#: 2 MiB layer). DDP keeps both.
+SMALL_FRACTION = 4
 #: the synchronize() (0-based, per generation) whose ready order the layout follows:
 #: the second, after lazy initialisation and the first step's checks
 LAYOUT_STEP = 1
@@ -276,8 +278,8 @@ def layout(order: Sequence[int], params: Sequence[torch.Tensor], eligible: Calla
     """Buckets over the parameters in ready ``order``: consecutive eligible parameters of
     one dtype, the first bucket at most :data:`FIRST_BUCKET_BYTES` (or ``cap_bytes`` if
     smaller), the others at most ``cap_bytes``; a parameter larger than that is a bucket
-    of its own. A last bucket under :data:`TAIL_FRACTION` of the first bucket's cap
-    joins the one before it (same dtype): see :data:`TAIL_FRACTION`."""
+    of its own. Then a bucket under 1/:data:`SMALL_FRACTION` of the first's cap joins
+    the next one of its dtype (the last, the one before), over the cap."""
     out: list[list[int]] = []
     cur: list[int] = []
     first = min(FIRST_BUCKET_BYTES, cap_bytes)
@@ -293,11 +295,34 @@ def layout(order: Sequence[int], params: Sequence[torch.Tensor], eligible: Calla
         cur.append(i)
         size += n
     if cur:
-        if out and size * TAIL_FRACTION < first and params[out[-1][0]].dtype == params[cur[0]].dtype:
-            out[-1].extend(cur)
+        out.append(cur)
+    return _join_small(out, params, first // SMALL_FRACTION)
+
+
+def _join_small(out: list[list[int]], params: Sequence[torch.Tensor],
+                small: int) -> list[list[int]]:
+    """:func:`layout`'s buckets with each one under ``small`` bytes joined to the next
+    of its dtype (the last to the one before), ready order kept."""
+    def same(a: list[int], b: list[int]) -> bool:
+        return params[a[0]].dtype == params[b[0]].dtype
+
+    joined: list[list[int]] = []
+    pending: list[int] = []  # a small bucket (or several) waiting for the next
+    for ids in out:
+        if pending and same(pending, ids):
+            ids = pending + ids
+        elif pending:
+            joined.append(pending)
+        pending = []
+        if sum(params[i].numel() * params[i].element_size() for i in ids) < small:
+            pending = ids
         else:
-            out.append(cur)
-    return out
+            joined.append(ids)
+    if pending and joined and same(joined[-1], pending):
+        joined[-1].extend(pending)
+    elif pending:
+        joined.append(pending)
+    return joined
 
 
 def agree_layout(order: Sequence[int], params: Sequence[torch.Tensor],
