@@ -32,7 +32,7 @@ def test_tcp_peer_that_sends_nothing():
 
 
 def test_shm_peer_that_never_arrives():
-    key = f"test-{uuid.uuid4().hex[:8]}"
+    key = f"test{uuid.uuid4().hex[:8]}"  # (job_key() keeps it as it is)
     import threading
 
     # the peer maps its segment (so construction succeeds) and then never takes part
@@ -64,7 +64,7 @@ def test_shm_peer_that_dies_during_start_up_fails_construction_within_the_start_
     from ronde.transport.segments import create_segment, shm_dir
     from ronde.transport.shm.protocol import HEADER_BYTES, SMALL_BYTES
 
-    key = f"test-{uuid.uuid4().hex[:8]}"
+    key = f"test{uuid.uuid4().hex[:8]}"  # (job_key() keeps it as it is)
     seg = create_segment(os.path.join(shm_dir(), f"ronde-{key}-1"),
                          HEADER_BYTES + (1 << 16) + 2 * SMALL_BYTES)
     t = time.monotonic()

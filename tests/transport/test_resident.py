@@ -34,7 +34,7 @@ def _pair(key: str) -> list[ShmCommunicator]:
 
 
 def test_resident_vectors_are_reduced_where_they_lie():
-    key = f"test-{uuid.uuid4().hex[:8]}"
+    key = f"test{uuid.uuid4().hex[:8]}"  # (job_key() keeps it as it is)
     comms = _pair(key)
     try:
         count = 10_001  # odd: the two blocks differ in length
@@ -83,7 +83,7 @@ class _FullShm:
 def test_a_dev_shm_that_cannot_back_a_vector_refuses_it():
     # a full tmpfs would kill the process with SIGBUS at the bucket's first write;
     # populating the range first turns that into a refusal (torch's memory then)
-    key = f"test-{uuid.uuid4().hex[:8]}"
+    key = f"test{uuid.uuid4().hex[:8]}"  # (job_key() keeps it as it is)
     comms = _pair(key)
     mine = comms[0]._mine
     try:
