@@ -94,8 +94,7 @@ def _flat(numel: int, dtype: torch.dtype,
     """A zeroed flat buffer, in the memory ``memory`` gives where it gives some (the
     steady lane's shared memory, ``_api.bucket_memory``: reduced there in place, no
     cross-memory copies), else torch's own."""
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    raw = memory(nbytes) if memory is not None else None
+    raw = memory(numel * dtype.itemsize) if memory is not None else None
     if raw is None:
         return torch.zeros(numel, dtype=dtype)
     flat = torch.from_numpy(raw).view(dtype)

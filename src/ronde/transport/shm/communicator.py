@@ -101,6 +101,8 @@ class ShmCommunicator(Communicator, OwnedSegment):
                                               offset=HEADER_BYTES + segment_bytes + p * SMALL_BYTES)
                                 for p in (0, 1)])
         self._scratch = np.empty(SMALL_BYTES, dtype=np.uint8)
+        #: where my data region starts, and its size (``offset_of``)
+        self._base, self._data_bytes = int(self._data[self.rank].ctypes.data), segment_bytes
         #: every member's counters and the waits on them; ``publish``, ``wait_for`` and
         #: ``wait_all`` are its methods (bound here: one call less on every wait)
         self.counters = Counters(self._maps, self.rank, members, aborted, progress_timeout_s,
@@ -192,33 +194,25 @@ class ShmCommunicator(Communicator, OwnedSegment):
 
     def offset_of(self, arr: np.ndarray) -> int:
         """Where ``arr`` starts in this rank's resident region, or -1 (elsewhere)."""
-        mine = self._data[self.rank]
-        at = int(arr.ctypes.data) - int(mine.ctypes.data)
-        return at if self.segment_bytes <= at and at + arr.nbytes <= mine.nbytes else -1
+        at = int(arr.ctypes.data) - self._base
+        return at if self.segment_bytes <= at and at + arr.nbytes <= self._data_bytes else -1
 
     def allreduce_resident(self, at: int, count: int, dtype: np.dtype, op: ReduceOp) -> None:
         """Allreduce in place the ``count`` values every member holds at ``at`` of its data
         region (:meth:`resident`), right after a meeting where all brought ``at`` (so the
         meeting is this op's ``WRITTEN``): reduce my block reading the others' in place,
         in rank order (every path's bits), then copy the others' reduced blocks."""
-        t = self.begin()
-        nbytes = count * dtype.itemsize
-        views = [d[at: at + nbytes].view(dtype) for d in self._data]
-        mine = views[self.rank]
-        parts = blocks(count, self.size)
-        lo, hi = parts[self.rank]
-        reduce_in_rank_order(self.rank, self.size, lambda j, _buf: views[j][lo:hi],
-                             [mine[lo:hi]], op, self.cma_scratch(hi - lo, dtype))
-        self.publish(REDUCED, t)
-        for j, (a, b) in enumerate(parts):
+        t = self._reduce_own_block(None, count, dtype, op, at)
+        mine = self._view(self.rank, dtype, count, at)
+        for j, (a, b) in enumerate(blocks(count, self.size)):
             if j != self.rank:
                 self.wait_for(j, REDUCED, t)
-                np.copyto(mine[a:b], views[j][a:b])
+                np.copyto(mine[a:b], self._view(j, dtype, count, at)[a:b])
         self.publish(DONE, t)
         self.wait_all(DONE, t)  # nobody reads my values any more: the caller may write
 
-    def _view(self, j: int, dtype: np.dtype, count: int) -> np.ndarray:
-        return self._data[j][: count * dtype.itemsize].view(dtype)
+    def _view(self, j: int, dtype: np.dtype, count: int, at: int = 0) -> np.ndarray:
+        return self._data[j][at: at + count * dtype.itemsize].view(dtype)
 
     def _piece_elems(self, dtype: np.dtype) -> int:
         return max(1, self.segment_bytes // dtype.itemsize)
@@ -291,16 +285,19 @@ class ShmCommunicator(Communicator, OwnedSegment):
             self._allreduce_piece(buf[s: s + step], min(step, buf.size - s), buf.dtype, op)
 
     def _reduce_own_block(self, buf: np.ndarray | None, m: int, dtype: np.dtype,
-                          op: ReduceOp) -> int:
-        """Copy in (unless staged), then reduce this rank's block; returns the counter."""
+                          op: ReduceOp, at: int | None = None) -> int:
+        """Copy in (unless staged), then reduce this rank's block; returns the counter.
+        ``at``: a resident vector there in every member's region, whose meeting was
+        this op's ``WRITTEN`` (:meth:`allreduce_resident`)."""
         t = self.begin()
-        views = [self._view(j, dtype, m) for j in range(self.size)]
+        views = [self._view(j, dtype, m, at or 0) for j in range(self.size)]
         mine = views[self.rank]
         if buf is not None:
             np.copyto(mine, buf)
-        self.publish(WRITTEN, t)
         lo, hi = blocks(m, self.size)[self.rank]
-        self.wait_all(WRITTEN, t)
+        if at is None:
+            self.publish(WRITTEN, t)
+            self.wait_all(WRITTEN, t)
         # in rank order, as the single-copy path: the same bits either way
         reduce_in_rank_order(self.rank, self.size, lambda j, _buf: views[j][lo:hi],
                              [mine[lo:hi]], op, self.cma_scratch(hi - lo, dtype))

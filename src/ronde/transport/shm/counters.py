@@ -17,8 +17,9 @@ poller's yields hand the core back and forth with the thread that computes, and 
 CPU on both sides, for a result nobody needs yet; the futex costs the peer one wake-up.
 Sleeping is a handshake on the owner's segment: the waiter writes which counter it
 sleeps on into its own word of the owner's *sleepers* table, fences, looks at the
-counter once more and sleeps while it still holds the value seen; the owner stores the counter, fences and wakes the counter's futex only when some word of
-its table names that counter. One of the two always sees the other's store, and the
+counter once more and sleeps while it still holds the value seen; the owner stores
+the counter, fences and wakes the counter's futex only when some word of its table
+names that counter. One of the two always sees the other's store, and the
 kernel compares the counter atomically with the wake, so no wake-up is lost, and a
 publish costs no system call while nobody sleeps. A sleep lasts at most
 ``SLEEP_CHECK_S``, so the engine's abort flag and the progress timeout are looked at.
@@ -107,10 +108,11 @@ class Counters:
 
         Spin a little, then (unless :attr:`oversubscribed`, ``poll`` is false, or nobody
         waits for the result: ``urgent``) poll with the CPU (and the GIL) yielded for up
-        to ``YIELD_S`` (peers of a collective usually arrive within that), then sleep on the counter's futex (mark, fence, look, sleep: the other
-        half is :meth:`publish`), waking every ``SLEEP_CHECK_S`` to check the engine's
-        abort flag and the progress timeout. ``time.sleep(0)`` is not a yield here: it
-        costs a timer round trip (~70 us).
+        to ``YIELD_S`` (peers of a collective usually arrive within that), then sleep on
+        the counter's futex (mark, fence, look, sleep: the other half is :meth:`publish`),
+        waking every ``SLEEP_CHECK_S`` to check the engine's abort flag and the progress
+        timeout. ``time.sleep(0)`` is not a yield here: it costs a timer round trip
+        (~70 us).
         """
         hdr = self.headers[j]
         if hdr[idx] >= t:
