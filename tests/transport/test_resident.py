@@ -11,7 +11,7 @@ import uuid
 import numpy as np
 import pytest
 
-from ronde.collectives.ops import ReduceOp
+from ronde.collectives.ops import ReduceOp, scale_inplace
 from ronde.transport.segments import remove_job_segments
 from ronde.transport.shm import ShmCommunicator
 from ronde.transport.shm.protocol import RESIDENT_FLOOR
@@ -48,11 +48,17 @@ def test_resident_vectors_are_reduced_where_they_lie():
         assert comms[0].offset_of(bufs[1]) == -1  # the peer's: not mine
         got: dict[int, tuple] = {}
 
+        scaled: dict[int, np.ndarray] = {}
+
         def run(r: int) -> None:
             bufs[r][:] = values[r]
             met = comms[r].meet(1, 7, at=ats[r])
             comms[r].allreduce_resident(ats[r], count, np.dtype(np.float64), ReduceOp.SUM)
             got[r] = met
+            scaled[r] = bufs[r].copy()
+            comms[r].meet(2, 8, at=ats[r])  # an average over 3 (joined ranks): 1/3 after
+            comms[r].allreduce_resident(ats[r], count, np.dtype(np.float64), ReduceOp.SUM,
+                                        1.0 / 3.0)
 
         threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
         for t in threads:
@@ -61,6 +67,11 @@ def test_resident_vectors_are_reduced_where_they_lie():
             t.join(10)
         assert got[0] == got[1] == ([7, 7], ats)
         want = values[0] + values[1]  # rank order: the bits of every other path
+        for r in (0, 1):
+            np.testing.assert_array_equal(scaled[r], want)
+        # scaled on each block's owner before the copies: the bits of a scale after
+        want = want + want
+        scale_inplace(want, 1.0 / 3.0)
         for b in bufs:
             np.testing.assert_array_equal(b, want)
         # what does not fit above the staging floor is refused, and changes nothing

@@ -95,11 +95,8 @@ class Resident(Strategy):
         flat = arr.reshape(-1)
         if plan.mark is not None:
             plan.mark("TRANSFER")
-        plan.comm.allreduce_resident(plan.resident, flat.size, plan.dtype, plan.op)
-        if plan.postscale != 1.0:
-            if plan.mark is not None:
-                plan.mark("SCALE")
-            fusion.scale_inplace(flat, plan.postscale)
+        plan.comm.allreduce_resident(plan.resident, flat.size, plan.dtype, plan.op,
+                                     plan.postscale)
         return [arr]
 
 

@@ -44,7 +44,7 @@ from typing import Callable
 import numpy as np
 
 from ..._errors import RendezvousError
-from ...collectives.ops import ReduceOp, reduce_in_rank_order, reduce_into
+from ...collectives.ops import ReduceOp, reduce_in_rank_order, reduce_into, scale_inplace
 from .. import vm
 from ..balance import BlockSplit
 from .. import strategies
@@ -197,12 +197,15 @@ class ShmCommunicator(Communicator, OwnedSegment):
         at = int(arr.ctypes.data) - self._base
         return at if self.segment_bytes <= at and at + arr.nbytes <= self._data_bytes else -1
 
-    def allreduce_resident(self, at: int, count: int, dtype: np.dtype, op: ReduceOp) -> None:
+    def allreduce_resident(self, at: int, count: int, dtype: np.dtype, op: ReduceOp,
+                           postscale: float = 1.0) -> None:
         """Allreduce in place the ``count`` values every member holds at ``at`` of its data
         region (:meth:`resident`), right after a meeting where all brought ``at`` (so the
         meeting is this op's ``WRITTEN``): reduce my block reading the others' in place,
-        in rank order (every path's bits), then copy the others' reduced blocks."""
-        t = self._reduce_own_block(None, count, dtype, op, at)
+        in rank order (every path's bits), scale it by ``postscale`` while it is in the
+        cache (the same arithmetic as a scale of the whole result after: one pass over
+        the vector fewer), then copy the others' reduced blocks."""
+        t = self._reduce_own_block(None, count, dtype, op, at, postscale)
         mine = self._view(self.rank, dtype, count, at)
         for j, (a, b) in enumerate(blocks(count, self.size)):
             if j != self.rank:
@@ -285,10 +288,9 @@ class ShmCommunicator(Communicator, OwnedSegment):
             self._allreduce_piece(buf[s: s + step], min(step, buf.size - s), buf.dtype, op)
 
     def _reduce_own_block(self, buf: np.ndarray | None, m: int, dtype: np.dtype,
-                          op: ReduceOp, at: int | None = None) -> int:
-        """Copy in (unless staged), then reduce this rank's block; returns the counter.
-        ``at``: a resident vector there in every member's region, whose meeting was
-        this op's ``WRITTEN`` (:meth:`allreduce_resident`)."""
+                          op: ReduceOp, at: int | None = None, postscale: float = 1.0) -> int:
+        """Copy in (unless staged), reduce and scale this rank's block; returns the counter.
+        ``at``: a resident vector's place, its meeting the ``WRITTEN`` (``allreduce_resident``)."""
         t = self.begin()
         views = [self._view(j, dtype, m, at or 0) for j in range(self.size)]
         mine = views[self.rank]
@@ -301,6 +303,7 @@ class ShmCommunicator(Communicator, OwnedSegment):
         # in rank order, as the single-copy path: the same bits either way
         reduce_in_rank_order(self.rank, self.size, lambda j, _buf: views[j][lo:hi],
                              [mine[lo:hi]], op, self.cma_scratch(hi - lo, dtype))
+        scale_inplace(mine[lo:hi], postscale)
         self.publish(REDUCED, t)
         return t
 
