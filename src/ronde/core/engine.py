@@ -2,21 +2,19 @@
 
 The cycle, end to end:
 
-1. ``submit()`` (any thread) records a :class:`Request` as pending and wakes the
-   control thread.
+1. ``submit()`` (any thread) records a :class:`Request` as pending, wakes the control.
 2. The control thread runs a *round* when it has something to announce (at once
    if the executor is idle, else after at most ``RONDE_CYCLE_TIME`` ms, which lets
    gradients that arrive while data is moving batch into one fused op), or as soon
    as a peer starts one. In a round every rank sends one frame to every peer (its
    new announcements: names with metadata, or response-cache ids) and reads one
    frame from each.
-3. Every rank feeds the same frames to its :class:`Negotiator`, which returns the
-   same ordered, fused responses everywhere; each is resolved (its requests and
-   communicator) and handed out (``dispatch.py``), most to the executor queue.
+3. Every rank feeds the same frames to its :class:`Negotiator`: the same ordered, fused
+   responses everywhere, resolved and handed out (``dispatch.py``), most to the executor.
 4. The executor runs them in order (see ``executor.py``) and completes handles.
 
-Nobody polls while idle: with nothing to announce there are no rounds. A peer that
-dies closes its sockets, which every rank sees at once as ``PeerLostError``.
+Nobody polls while idle: with nothing to announce there are no rounds. A peer that dies
+closes its sockets, which every rank sees at once as ``PeerLostError``.
 """
 
 from __future__ import annotations
@@ -45,8 +43,10 @@ from .stall import StallInspector
 from .timeline import Timeline, now_us
 
 #: how long the control thread sleeps with nothing to do: a submission or a peer's frame
-#: wakes it sooner; the stall and waiting checks run at least this often
-_IDLE_S = 0.25
+#: wakes it sooner; the stall and waiting checks run at least this often; ``_QUIET_S``
+#: with nothing pending anywhere (a steady step's buckets take the lane): they have
+#: nothing to look at, and 4 wake-ups a second cost ~0.25 ms of CPU a second
+_IDLE_S, _QUIET_S = 0.25, 2.0
 
 class Engine:
     """Background negotiation and execution of collectives for one process."""
@@ -342,8 +342,7 @@ class Engine:
         last round is over, so that submissions arriving meanwhile share a round;
         otherwise until a submission (``submit`` wakes it through the pipe), a peer's
         frame (a socket, or a same-host peer's doorbell, rung while it sleeps) or
-        ``_IDLE_S``. (Polling every cycle instead cost ~30 Python calls a millisecond.)
-        """
+        ``_IDLE_S`` (``_QUIET_S``). (Polling every cycle cost ~30 Python calls a ms.)"""
         ex = self.exchange
         holding = self.round_hold.holding(self._rounds + 1, now)
         if holding:  # until a peer starts it, a submission arrives, or the hold ends
@@ -358,7 +357,8 @@ class Engine:
                     due = max(due, self._last_round + self.cycle_s)
             timeout = max(0.0, due - now)
         else:
-            timeout = _IDLE_S if self.timeline is None else 0.1
+            timeout = 0.1 if self.timeline is not None else _IDLE_S if self.out.pending \
+                or self.negotiator.entries or self.out.shutdown_requested else _QUIET_S
         if now < self._hold_until:  # then a peer's round is joined too (_maybe_round)
             timeout = min(timeout, self._hold_until - now)
         deep = timeout > self.cycle_s

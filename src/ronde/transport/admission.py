@@ -73,6 +73,10 @@ class Admission:
         self._deadline_s = deadline_s
         self._pending: dict[socket.socket, _Pending] = {}
         self._closed = False
+        #: ``close`` writes a byte here: the loop sleeps without a timeout while no
+        #: connection is in the handshake (it woke five times a second before, ~70 us of
+        #: CPU each, a training process's steady cost)
+        self._wake_r, self._wake_w = socket.socketpair()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
     def start(self) -> "Admission":
@@ -81,8 +85,12 @@ class Admission:
         return self
 
     def close(self) -> None:
-        """Stop admitting (the loop ends within 0.2 s; pending connections are closed)."""
+        """Stop admitting (the loop ends at once; pending connections are closed)."""
         self._closed = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:  # closed already
+            pass
 
     def join(self, timeout_s: float) -> None:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
@@ -93,14 +101,18 @@ class Admission:
         sel = selectors.DefaultSelector()  # epoll here: no limit on descriptor numbers
         try:
             sel.register(self._listener, selectors.EVENT_READ, None)
+            sel.register(self._wake_r, selectors.EVENT_READ, self._wake_r)
             while not self._closed:
-                for key, _ in sel.select(0.2):
+                pending = self._pending
+                timeout = None if not pending else max(
+                    0.0, min(p.deadline for p in pending.values()) - time.monotonic())
+                for key, _ in sel.select(timeout):
                     if key.data is None:
                         self._accept(sel)
-                    else:
+                    elif key.data is not self._wake_r:
                         self._advance(sel, key.data)
                 now = time.monotonic()
-                for p in [p for p in self._pending.values() if p.deadline < now]:
+                for p in [p for p in pending.values() if p.deadline < now]:
                     self._drop(sel, p, TimeoutError("did not finish the handshake in time"))
         except Exception:  # noqa: BLE001 - the acceptor must say why it stopped
             if not self._closed:
@@ -110,6 +122,8 @@ class Admission:
                 p.sock.close()
             self._pending.clear()
             sel.close()
+            self._wake_r.close()
+            self._wake_w.close()
 
     def _accept(self, sel: selectors.BaseSelector) -> None:
         for _ in range(64):  # a burst, then the pending ones get their turn
