@@ -160,3 +160,14 @@ def test_memory_case_measures_the_sharded_optimizer_against_its_formula():
     assert abs(points["distributed"]["state_bytes"] - 8 * params) <= 0.02 * 8 * params
     assert abs(points["stage2"]["state_bytes"] - 4 * params) <= 0.02 * 4 * params
     assert "| stage2 | 2 |" in out.stdout
+
+
+def test_steady_malloc_reaches_every_contender_and_keeps_the_users_tunables(monkeypatch):
+    from ronde.bench import train
+
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert train._worker_env("default") == {"OMP_NUM_THREADS": "1"}
+    assert train._worker_env("steady")["GLIBC_TUNABLES"] == train.STEADY_MALLOC
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.pthread.rseq=0")
+    assert train._worker_env("steady")["GLIBC_TUNABLES"] == \
+        "glibc.pthread.rseq=0:" + train.STEADY_MALLOC

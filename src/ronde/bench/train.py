@@ -41,6 +41,14 @@ step costs beyond a plain one, every thread counted; the ``single`` contender ru
 with two plain models, which gives the instrument's floor (about 0). The table shows
 the median of the rounds.
 
+**Allocation** (``--malloc``): ``default``, glibc's own behaviour, as users run.
+``steady`` gives every contender's processes (the single one too) glibc's ``mmap``
+threshold fixed at 32 MiB and trimming off (``GLIBC_TUNABLES``, :data:`STEADY_MALLOC`):
+with glibc's sliding threshold the ResNet's activations are mapped and unmapped again
+from one step to the next, or not, and identical steps of one plain process varied in
+CPU time with a standard deviation of 8-10 ms a 100 ms step; fixed, 2-4 ms, the paired
+floor ~0. A diagnostic: it changes the workload (every step gets faster, DDP's most).
+
 **GIL wait**: a probe thread in every rank (every contender, the single process too)
 sleeps 1 ms at a time through the timed steps and sums how late it wakes: the time a
 thread that wants the GIL (and a core) back waits for it. The training thread is such a
@@ -110,6 +118,19 @@ def _resnet18(nn: Any, width: int) -> Any:
             cin = cout
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, 10)]
     return nn.Sequential(*layers)
+
+
+#: the glibc tunables of every contender's processes (``--malloc steady``: module docstring)
+STEADY_MALLOC = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967295"
+
+
+def _worker_env(malloc: str) -> dict[str, str]:
+    """What every contender's processes get in their environment besides the bench's."""
+    env = {"OMP_NUM_THREADS": "1"}
+    if malloc == "steady":
+        mine = os.environ.get("GLIBC_TUNABLES")
+        env["GLIBC_TUNABLES"] = f"{mine}:{STEADY_MALLOC}" if mine else STEADY_MALLOC
+    return env
 
 
 def _cpu_s() -> float:
@@ -295,9 +316,9 @@ def ronde_worker(model_name: str, batch: int, steps: int, warmup: int, paired: i
 
 
 def _run_ddp(np_: int, model_name: str, batch: int, steps: int, warmup: int, paired: int,
-             timeout_s: float) -> tuple[float, float, float, float]:
+             timeout_s: float, extra_env: dict[str, str]) -> tuple[float, float, float, float]:
     port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **extra_env)
     procs = [subprocess.Popen([sys.executable, "-m", "ronde.bench.train", "--ddp-worker",
                                f"{r},{np_},{port}", "--models", model_name, "--batch",
                                str(batch), "--steps", str(steps), "--warmup", str(warmup),
@@ -333,10 +354,10 @@ def _ddp_worker(spec: str, model_name: str, batch: int, steps: int, warmup: int,
 
 
 def _run_single(model_name: str, batch: int, steps: int, warmup: int, paired: int,
-                timeout_s: float) -> tuple[float, float, float, float]:
+                timeout_s: float, extra_env: dict[str, str]) -> tuple[float, float, float, float]:
     code = (f"from ronde.bench.train import _train; print(*_train('single', {model_name!r}, "
             f"{batch}, {steps}, {warmup}, paired={paired}))")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, **extra_env)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=timeout_s, check=True)
     rate, cpu, wait, paired_ms = (float(v) for v in out.stdout.strip().splitlines()[-1].split())
@@ -364,6 +385,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--autotune", action="store_true",
                    help="also ronde after autotuning (RONDE_AUTOTUNE=1; the tuning steps "
                         "are not timed)")
+    p.add_argument("--malloc", choices=("default", "steady"), default="default",
+                   help="default: glibc's own behaviour; steady: its mmap threshold fixed "
+                        "and trimming off in every contender's processes (steadier CPU "
+                        "times, a changed workload)")
     p.add_argument("--ddp-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
@@ -380,6 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
         (os.cpu_count() or 1)
     rows = []
+    env = _worker_env(args.malloc)
     for model_name in models:
         best: dict[tuple[str, int], float] = {}  # samples/s: the best round's
         cpu: dict[tuple[str, int], float] = {}  # CPU ms per step per rank: the least
@@ -390,16 +416,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         pairs = args.steps if args.paired_steps is None else args.paired_steps
         for _ in range(args.rounds):  # interleaved: every contender and N once a round
             runs: list[tuple[str, int, Any]] = [("single", 1, lambda n: _run_single(
-                model_name, args.batch, args.steps, args.warmup, pairs, args.timeout_s))]
+                model_name, args.batch, args.steps, args.warmup, pairs, args.timeout_s, env))]
             for n in counts:
                 if n < 2:
                     continue
                 runs.append(("ronde", n, lambda n: run_ranks(
                     n, importable.ronde_worker, model_name, args.batch, args.steps,
-                    args.warmup, pairs, timeout_s=args.timeout_s,
-                    env={"OMP_NUM_THREADS": "1"})[0]))
+                    args.warmup, pairs, timeout_s=args.timeout_s, env=env)[0]))
                 if args.autotune:
-                    tune_env = {"OMP_NUM_THREADS": "1", "RONDE_AUTOTUNE": "1"}
+                    tune_env = dict(env, RONDE_AUTOTUNE="1")
                     extra = search_steps(_config.load(tune_env))
                     runs.append(("autotune", n, lambda n: run_ranks(
                         n, importable.ronde_worker, model_name, args.batch, args.steps,
@@ -407,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         env=tune_env)[0]))
                 runs.append(("ddp", n, lambda n: _run_ddp(n, model_name, args.batch,
                                                           args.steps, args.warmup, pairs,
-                                                          args.timeout_s)))
+                                                          args.timeout_s, env)))
             for name, n, fn in runs:
                 rate, cpu_ms, wait_ms, paired_ms, *counted = fn(n)
                 paired.setdefault((name, n), []).append(paired_ms)
