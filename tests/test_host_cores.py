@@ -58,3 +58,22 @@ def test_ranks_of_an_oversubscribed_host_do_not_spin_and_hold_longer_unless_told
     assert (got.spin_time_us, got.round_hold_ms) == (200.0, 50.0)  # set: kept
     got = _cores.for_this_host(_config.Config(round_hold_ms=0.0), a, cores, {"round_hold_ms"})
     assert (got.spin_time_us, got.round_hold_ms) == (0.0, 0.0)
+
+
+def test_no_small_first_bucket_on_one_host_whose_ranks_have_no_core_to_spare():
+    cfg = _config.Config()
+    one = _runtime.Topology.build(1, ["a"] * 2)
+    assert _cores.first_bucket(cfg, one, (2, 2)) == cfg.bucket_bytes  # ranks == cores
+    assert _cores.first_bucket(cfg, one, (3, 3)) == _cores.FIRST_BUCKET_BYTES  # one spare
+    two_hosts = _runtime.Topology.build(0, ["a", "b"])  # the network: overlap pays
+    assert _cores.first_bucket(cfg, two_hosts, (1, 1)) == _cores.FIRST_BUCKET_BYTES
+    assert _cores.first_bucket(cfg, _runtime.Topology.build(0, ["a"]), (1,)) == \
+        _cores.FIRST_BUCKET_BYTES  # one rank: nothing to reduce
+    # set, it is what it says; read from the environment, `auto` or a size
+    assert _cores.first_bucket(_config.Config(first_bucket_bytes=4096), one, (2, 2)) == 4096
+    assert _config.load({"RONDE_FIRST_BUCKET_BYTES": "auto"}).first_bucket_bytes is None
+    assert _config.load({"RONDE_FIRST_BUCKET_BYTES": "2MB"}).first_bucket_bytes == 2 << 20
+    import pytest
+
+    with pytest.raises(_config.ConfigError, match="RONDE_FIRST_BUCKET_BYTES"):
+        _config.load({"RONDE_FIRST_BUCKET_BYTES": "65GiB"})

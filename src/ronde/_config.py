@@ -31,6 +31,7 @@ class Config:
 
     fusion_threshold_bytes: int = 64 * 1024 * 1024
     bucket_bytes: int = 25 * 1024 * 1024
+    first_bucket_bytes: int | None = None  #: None: ``auto`` (``_cores.first_bucket``)
     bucket_views: bool = True
     steady_lane: bool = True
     cycle_time_ms: float = 1.0

@@ -24,6 +24,9 @@ from . import _config
 
 log = logging.getLogger("ronde")
 
+#: DDP's first bucket: small, so that the first allreduce starts early in the backward
+FIRST_BUCKET_BYTES = 1 << 20
+
 
 def my_cpus() -> list[int]:
     """The CPUs this process may run on (its affinity), for its peers on this host."""
@@ -115,6 +118,22 @@ def for_this_host(cfg: _config.Config, topo: Any, cores_by_rank: tuple[int, ...]
     log.debug("ronde: %d ranks on %d cores here: %s (set the variables to override)",
               len(mine), n_cores, changes)
     return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+def first_bucket(cfg: _config.Config, topo: Any, cores_by_rank: tuple[int, ...]) -> int:
+    """``RONDE_FIRST_BUCKET_BYTES`` with ``auto`` resolved: :data:`FIRST_BUCKET_BYTES`, or
+    ``RONDE_BUCKET_BYTES`` in a one-host job whose ranks have no core to spare. There a
+    bucket's reduction (shared memory: loads, adds and stores) can only run on a core
+    the backward pass is using: a small first bucket overlaps nothing, and its thread
+    hand-off and the cache it takes cost the ResNet of ``python -m ronde.bench train``
+    at np=2 on 2 cores 2 ms of CPU a step (docs/benchmarks.md). Every rank computes the
+    same; rank 0's layout is the one used."""
+    if cfg.first_bucket_bytes is not None:
+        return cfg.first_bucket_bytes
+    one_host = len(set(topo.hosts)) == 1
+    if one_host and topo.size > 1 and topo.size >= _cores_of(topo, 0, cores_by_rank):
+        return cfg.bucket_bytes
+    return FIRST_BUCKET_BYTES
 
 
 def coordinated(cfg: _config.Config, topo: Any, cores_by_rank: tuple[int, ...]) -> bool:

@@ -100,6 +100,8 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
     if cfg.torchrun_env:
         _export_torchrun(wenv, topo)
     _tune_heap(cfg, topo)
+    cfg = dataclasses.replace(cfg, first_bucket_bytes=cores_mod.first_bucket(
+        cfg, topo, wenv.host_cores))
     engine_box: list[Engine] = []
     factory = _communicators(cfg, topo, wenv, mesh, gen, engine_box)
     engine = _start_engine(cfg, topo, wenv, ctl, factory, gen)

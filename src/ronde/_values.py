@@ -41,6 +41,17 @@ def parse_bytes(text: str) -> int:
     return int(size)
 
 
+def parse_auto_bytes(text: str) -> int | None:
+    """``auto`` (None: decided at ``init()``) or a byte size (:func:`parse_bytes`) of at
+    most 64 GiB."""
+    if text.strip().lower() == "auto":
+        return None
+    size = parse_bytes(text)
+    if size > 64 << 30:
+        raise ConfigError(f"byte size {text!r} is over 64GiB")
+    return size
+
+
 def parse_bool(text: str) -> bool:
     low = text.strip().lower()
     if low in ("1", "true", "yes", "on"):

@@ -44,12 +44,12 @@ def test_at_two_ranks_training_equals_one_process_and_the_step_semantics(monkeyp
     # tests/test_threads.py; these draw from the global RNG, one per process)
     # (compiled first: the optimizer's methods are first called inside a trace there)
     (compiled, equivalence, unused, presence, requires_grad, schedulers, closure,
-     calls, lane) = run_ranks_many(2, [
+     calls, lane, lane_auto) = run_ranks_many(2, [
         workers.compiled, (workers.equivalence, configs), workers.unused_parameter,
         workers.presence_in_buckets,
         workers.requires_grad_changes, workers.schedulers_made_before_wrapping,
-        workers.step_with_closure, workers.calls_in_backward, workers.lane_training],
-        timeout_s=280)
+        workers.step_with_closure, workers.calls_in_backward, workers.lane_training,
+        (workers.lane_training, 10, 4, "auto")], timeout_s=280)
     for diffs in equivalence:  # one process on the full batch, per configuration
         for cfg, diff in zip(configs, diffs):
             assert diff <= CONFIGS[cfg], (cfg, diff)
@@ -70,6 +70,8 @@ def test_at_two_ranks_training_equals_one_process_and_the_step_semantics(monkeyp
         assert res["whole"] == 1 and res["split"] >= 2, res
     _check_calls(calls)
     _check_lane(lane)
+    # auto: no small first bucket where the host's ranks have no core to spare
+    _check_lane(lane_auto, 1 if 2 >= len(os.sched_getaffinity(0)) else 2)
 
 
 @pytest.mark.timeout(200)
@@ -83,11 +85,12 @@ def test_at_three_ranks_unused_parameters_and_requires_grad_changes():
     _check_lane(lane)
 
 
-def _check_lane(out: list) -> None:
+def _check_lane(out: list, buckets: int = 2) -> None:
     """Training through the steady lane equals one process on the global batch, and
-    every rank holds rank 0's weights: 10 steps, the lane from the fifth (2 buckets)."""
+    every rank holds rank 0's weights: 10 steps, the lane from the fifth."""
     for res in out:
-        assert res["buckets"] == 2 and res["laned"] == res["resident"] == 2 * (10 - 4), res
+        assert res["buckets"] == buckets, res
+        assert res["laned"] == res["resident"] == buckets * (10 - 4), res
         assert res["breaks"] == 0 and res["vs_rank0"] == 0.0, res
         assert res["vs_one_process"] < 1e-12, res
 

@@ -1215,15 +1215,22 @@ def calls_in_backward(tensors: int = 40, steps: int = 12) -> dict:
             "control_calls": control, "laned": laned}
 
 
-def lane_training(steps: int = 10, batch: int = 4) -> dict:
+def lane_training(steps: int = 10, batch: int = 4, first: str = "1MiB") -> dict:
     """Train past the point where the buckets take the steady lane (core/lane.py), in
     float64, against one process on the global batch; and every rank against rank 0.
-    Two buckets (the first at most 1 MiB, 291 KiB: not small enough to join the
-    second, ``_buckets.SMALL_FRACTION``), whose buffers live in the lane's shared
-    memory, so the lane reduces them where they lie (``allreduce_resident``). Returns
-    the largest differences, how many collectives the lane ran (and how many where they
-    lie) and its breaks."""
-    torch, hvd = _setup()
+    Two buckets with ``RONDE_FIRST_BUCKET_BYTES=first`` 1 MiB (the first 291 KiB: not
+    small enough to join the second, ``_buckets.SMALL_FRACTION``), one where ``auto``
+    finds no core to spare; their buffers live in the lane's shared memory, so the lane
+    reduces them where they lie (``allreduce_resident``). Returns the largest
+    differences, how many collectives the lane ran (and how many where they lie) and its
+    breaks."""
+    import os
+
+    os.environ["RONDE_FIRST_BUCKET_BYTES"] = first
+    try:
+        torch, hvd = _setup()
+    finally:
+        del os.environ["RONDE_FIRST_BUCKET_BYTES"]
     from ronde import _state
 
     r, n = hvd.rank(), hvd.size()

@@ -42,15 +42,15 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from .. import _api
+from .. import _api, _cores
 from .._errors import TensorMismatchError
 from .._ops import ReduceOp
 from ..frameworks.compression import Compressor
 from ..frameworks.gradients import Reduction, Started
 from ..process_sets import ProcessSet
 
-#: DDP's first bucket: small, so that the first allreduce starts early in the backward
-FIRST_BUCKET_BYTES = 1 << 20
+#: DDP's first bucket (``RONDE_FIRST_BUCKET_BYTES`` resolves ``auto`` to it or not: _cores)
+FIRST_BUCKET_BYTES = _cores.FIRST_BUCKET_BYTES
 #: a bucket smaller than 1/SMALL_FRACTION of the first bucket's cap joins the next one of
 #: its dtype (the last one, the one before). A collective costs about the same for 5 KiB
 #: as for 500: a small bucket moves nothing worth overlapping. Where a small last bucket
@@ -273,15 +273,15 @@ class Buckets:
 
 
 def layout(order: Sequence[int], params: Sequence[torch.Tensor], eligible: Callable[[int], bool],
-           cap_bytes: int) -> list[list[int]]:
+           cap_bytes: int, first_bytes: int = FIRST_BUCKET_BYTES) -> list[list[int]]:
     """Buckets over the parameters in ready ``order``: consecutive eligible parameters of
-    one dtype, the first bucket at most :data:`FIRST_BUCKET_BYTES` (or ``cap_bytes`` if
-    smaller), the others at most ``cap_bytes``; a parameter larger than that is a bucket
-    of its own. Then a bucket under 1/:data:`SMALL_FRACTION` of the first's cap joins
-    the next one of its dtype (the last, the one before), over the cap."""
+    one dtype, the first bucket at most ``first_bytes`` (or ``cap_bytes`` if smaller),
+    the others at most ``cap_bytes``; a parameter larger than that is a bucket of its
+    own. Then a bucket under 1/:data:`SMALL_FRACTION` of the first's cap joins the next
+    one of its dtype (the last, the one before), over the cap."""
     out: list[list[int]] = []
     cur: list[int] = []
-    first = min(FIRST_BUCKET_BYTES, cap_bytes)
+    first = min(first_bytes, cap_bytes)
     size, cap = 0, first
     for i in order:
         if not eligible(i):
@@ -326,7 +326,7 @@ def _join_small(out: list[list[int]], params: Sequence[torch.Tensor],
 
 def agree_layout(order: Sequence[int], params: Sequence[torch.Tensor],
                  eligible: Callable[[int], bool], cap_bytes: int, process_set: ProcessSet,
-                 name: str) -> list[list[int]]:
+                 name: str, first_bytes: int = FIRST_BUCKET_BYTES) -> list[list[int]]:
     """Rank 0 of ``process_set`` lays the buckets out from its ``order``; every member
     returns that layout (one broadcast of ``2 x len(params)`` integers; no pickle)."""
     m = len(params)
@@ -334,7 +334,7 @@ def agree_layout(order: Sequence[int], params: Sequence[torch.Tensor],
     root = process_set.ranks[0]
     if _api.rank() == root:
         at = 0
-        for k, ids in enumerate(layout(order, params, eligible, cap_bytes)):
+        for k, ids in enumerate(layout(order, params, eligible, cap_bytes, first_bytes)):
             msg[0, at:at + len(ids)] = ids
             msg[1, at:at + len(ids)] = k
             at += len(ids)
@@ -366,9 +366,10 @@ def carries_presence(reduction: Reduction) -> bool:
 
 def make(order: Sequence[int], params: Sequence[torch.Tensor], hooked: Any,
          names: Sequence[str], base: str, cap_bytes: int, reduction: Reduction,
-         allreduce: Callable[..., Any], as_view: bool = False) -> Buckets | None:
+         allreduce: Callable[..., Any], as_view: bool = False,
+         first_bytes: int | None = None) -> Buckets | None:
     """The buckets of an optimizer's ``params`` (None where none is laid out), from rank
-    0's ready ``order``. A gradient goes in one when its parameter is ``hooked`` (its
+    0's ready ``order`` (:func:`layout`; ``first_bytes`` None: :data:`FIRST_BUCKET_BYTES`). A gradient goes in one when its parameter is ``hooked`` (its
     hook copies it in), on the CPU, dense and floating; the rest keep their own
     reductions; ``as_view``: see :class:`Buckets`. The buckets carry the presence count
     when they hold every parameter (the layout is agreed, so every rank decides alike)
@@ -379,7 +380,8 @@ def make(order: Sequence[int], params: Sequence[torch.Tensor], hooked: Any,
             p.grad is not None and not p.grad.is_sparse and p.dtype.is_floating_point
 
     found = agree_layout(order, params, eligible, cap_bytes, reduction.process_set,
-                         f"{base}.buckets")
+                         f"{base}.buckets", FIRST_BUCKET_BYTES if first_bytes is None
+                         else first_bytes)
     if not found:
         return None
     presence = sum(map(len, found)) == len(params) and carries_presence(reduction)

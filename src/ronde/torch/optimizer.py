@@ -355,12 +355,12 @@ class _DistributedMixin(SkipSynchronize):
     def _ronde_make_buckets(self, order: list[int]) -> None:
         """Lay the buckets out (rank 0's ready order, broadcast: the same on every rank)
         at the same synchronize() on every rank."""
-        params = self._ronde_params
+        params, cfg = self._ronde_params, _state.require().cfg
         base = self._ronde_presence_name[: -len(".presence")]
         self._ronde_set_buckets(_buckets.make(
             order, params, self._ronde_hooks, [self._ronde_names[id(p)] for p in params],
             base, self._ronde_bucket_cap(), self._ronde_reduction, C.bucket_allreduce(),
-            _state.require().cfg.bucket_views))
+            cfg.bucket_views, cfg.first_bucket_bytes))
 
     def _ronde_set_buckets(self, buckets: "_buckets.Buckets | None") -> None:
         """Use ``buckets`` (None: the per-tensor path); where they hold every parameter (so
