@@ -567,3 +567,34 @@ def test_a_waiting_caller_drives_its_own_ranks_engine(engines, monkeypatch):
         t.join(30)
     assert all(driven[r] <= {r} for r in range(3)), driven
     assert any(driven[r] for r in range(3)), driven  # and callers did drive
+
+
+def test_a_submission_wakes_a_control_thread_in_its_quiet_sleep(engines, monkeypatch):
+    # with nothing pending and the lane carrying the steps, the control thread sleeps
+    # _QUIET_S; a submission that its own thread says it will drive (waited_by, a step's
+    # last bucket) must still wake it then, or nobody starts the round until the sleep
+    # ends (here 60 s, the test's timeout, if nobody drove the round)
+    import threading
+
+    from ronde.core import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "_QUIET_S", 60.0)
+    g = engines(2)
+    for eng in g.engines:
+        eng.lane.table["elsewhere"] = None  # type: ignore[assignment]  # the lane runs
+    deadline = time.monotonic() + 10
+    while not all(e._ctl_quiet for e in g.engines) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(e._ctl_quiet for e in g.engines)  # both asleep, quietly
+    handles = []
+    for r, eng in enumerate(g.engines):
+        eng.waited_by(threading.get_ident())  # ... and this thread will not drive it
+        handles.append(eng.submit(ar("last", np.full(3, r + 1.0))).handle)
+    deadline = time.monotonic() + 10
+    while not all(h.poll() for h in handles) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(h.poll() for h in handles)  # done with nobody driving: the round ran
+    for h in handles:
+        np.testing.assert_array_equal(h.wait(1), np.full(3, 3.0))
+    for eng in g.engines:
+        eng.lane.table.clear()

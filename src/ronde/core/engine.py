@@ -42,10 +42,8 @@ from .requests import Handle, Request, Waiters
 from .stall import StallInspector
 from .timeline import Timeline, now_us
 
-#: how long the control thread sleeps with nothing to do: a submission or a peer's frame
-#: wakes it sooner; the stall and waiting checks run at least this often; ``_QUIET_S``
-#: with nothing pending anywhere (a steady step's buckets take the lane): they have
-#: nothing to look at, and 4 wake-ups a second cost ~0.25 ms of CPU a second
+#: the control thread's sleep with nothing to do (the checks' period; what comes wakes
+#: it), ``_QUIET_S`` with nothing pending and the lane carrying the steps
 _IDLE_S, _QUIET_S = 0.25, 2.0
 
 class Engine:
@@ -82,7 +80,8 @@ class Engine:
         self.spinners = 0  #: threads driving it in a wait now (``Waiters.drive``)
         self._waited_by = 0  #: the thread that drives its next submission at once
         self._last_activity = 0.0
-        self._ctl_deep_sleep = True
+        #: quiet: in its ``_QUIET_S`` sleep, which every submission interrupts
+        self._ctl_deep_sleep, self._ctl_quiet = True, False
         self._hold_until = 0.0  #: a local round waits for this (a burst after a long sleep)
         self._held_round = 0  #: the round held through the mailboxes (``_maybe_round``)
         self.round_hold = RoundHold(  # whether to hold the next round back (holding.py)
@@ -155,7 +154,8 @@ class Engine:
                 req.t_submit = now_us()
             self._last_activity = now = time.monotonic()
             deep = self._ctl_deep_sleep and not self.out.batching
-            quiet = deep and self._waited_by == threading.get_ident() and self.waiters.engine
+            quiet = deep and not self._ctl_quiet and self.waiters.engine \
+                and self._waited_by == threading.get_ident()
             self._waited_by = 0  # the next submission only (``waited_by``)
             if deep and not quiet and self.waiters.engine:  # a burst joins this round
                 self._hold_until = now + self.cycle_s / 4
@@ -340,9 +340,8 @@ class Engine:
 
         With something to announce, until the cycle (``RONDE_CYCLE_TIME``) since the
         last round is over, so that submissions arriving meanwhile share a round;
-        otherwise until a submission (``submit`` wakes it through the pipe), a peer's
-        frame (a socket, or a same-host peer's doorbell, rung while it sleeps) or
-        ``_IDLE_S`` (``_QUIET_S``). (Polling every cycle cost ~30 Python calls a ms.)"""
+        otherwise until a submission (through the pipe), a peer's frame (a socket, or a
+        same-host peer's doorbell) or ``_IDLE_S`` (``_QUIET_S``): no polling."""
         ex = self.exchange
         holding = self.round_hold.holding(self._rounds + 1, now)
         if holding:  # until a peer starts it, a submission arrives, or the hold ends
@@ -358,12 +357,13 @@ class Engine:
             timeout = max(0.0, due - now)
         else:
             timeout = 0.1 if self.timeline is not None else _IDLE_S if self.out.pending \
-                or self.negotiator.entries or self.out.shutdown_requested else _QUIET_S
+                or self.negotiator.entries or self.out.shutdown_requested \
+                or not self.lane.table else _QUIET_S
         if now < self._hold_until:  # then a peer's round is joined too (_maybe_round)
             timeout = min(timeout, self._hold_until - now)
         deep = timeout > self.cycle_s
         with self._lock:
-            self._ctl_deep_sleep = deep
+            self._ctl_deep_sleep, self._ctl_quiet = deep, timeout == _QUIET_S
             # something to do that arrived before the flag was up (submit() did not wake
             # this thread): holding, only a new submission counts
             new = (self.out.submitted != self.out.held_submitted if holding
@@ -374,7 +374,7 @@ class Engine:
         try:
             readable, _ = ready.wait([self._bell] + ex.sockets(), [], timeout)
         finally:
-            self._ctl_deep_sleep = False
+            self._ctl_deep_sleep = self._ctl_quiet = False
             self._bell.wanted = False
             ex.after_block(idle=True)
         self._read_ready(readable)
