@@ -1,8 +1,16 @@
 """Where a rank's extra CPU goes: each thread's CPU per paired training step (issue #34).
 
-Usage: ``ronderun -np 2 python scripts/thread_cpu.py [model] [pairs]``
+Usage: ``ronderun -np 2 python scripts/thread_cpu.py [model] [pairs] [bare]``
 (model: ``cnn``, ``transformer`` or ``resnet`` from ``python -m ronde.bench train``;
 default ``transformer``, 80 pairs)
+
+``bare``: the model's compute taken out. A real step's CPU time moves by several
+milliseconds from one identical step to the next (a ResNet step: a standard deviation of
+8-10 ms in 100, docs/benchmarks.md), and ronde adds 1-3 ms. With ``bare`` the loss is the
+sum of the parameters (times 1.0), so a step is the hooks, the copies into the buckets,
+the reductions and the optimizer's step over the same gradients, and almost nothing
+else: measured to a few hundredths of a millisecond. What it leaves out is how ronde's
+work and the model's share the caches and the cores.
 
 Each rank alternates one step through ``DistributedOptimizer`` with one step of an
 identical model without it (the bench's paired extra CPU, ``bench/train.py``), and
@@ -25,6 +33,7 @@ from ronde.bench.train import _model, ronde_threads_cpu_s
 def main() -> None:
     name = sys.argv[1] if len(sys.argv) > 1 else "transformer"
     pairs = int(sys.argv[2]) if len(sys.argv) > 2 else 80
+    bare = len(sys.argv) > 3 and sys.argv[3] == "bare"
     hvd.init()
     torch.set_num_threads(1)
     model, shape, classes = _model(torch, name)
@@ -39,7 +48,9 @@ def main() -> None:
 
     def step(m: torch.nn.Module, o: torch.optim.Optimizer) -> None:
         o.zero_grad()
-        F.cross_entropy(m(x), y).backward()
+        loss = sum((p * 1.0).sum() for p in m.parameters()) if bare \
+            else F.cross_entropy(m(x), y)
+        loss.backward()
         o.step()
 
     for _ in range(5):  # the per-tensor steps, the bucket layout, allocations
@@ -57,10 +68,10 @@ def main() -> None:
     after = ronde_threads_cpu_s()
     ms = 1e3 / pairs
     spent = {k: (v - before.get(k, 0.0)) * ms for k, v in after.items()}
-    print(f"rank {hvd.rank()}: training thread {lib * ms:.2f} ms a library step, "
-          f"{base * ms:.2f} a plain one, extra {(lib - base) * ms:.2f}; ronde's threads "
-          + " ".join(f"{k}={v:.2f}" for k, v in sorted(spent.items()) if v >= 0.005)
-          + f"; total extra {(lib - base) * ms + sum(spent.values()):.2f}", flush=True)
+    print(f"rank {hvd.rank()}: training thread {lib * ms:.3f} ms a library step, "
+          f"{base * ms:.3f} a plain one, extra {(lib - base) * ms:.3f}; ronde's threads "
+          + " ".join(f"{k}={v:.3f}" for k, v in sorted(spent.items()) if v >= 0.0005)
+          + f"; total extra {(lib - base) * ms + sum(spent.values()):.3f}", flush=True)
     hvd.shutdown()
 
 

@@ -369,8 +369,9 @@ def make(order: Sequence[int], params: Sequence[torch.Tensor], hooked: Any,
          allreduce: Callable[..., Any], as_view: bool = False,
          first_bytes: int | None = None) -> Buckets | None:
     """The buckets of an optimizer's ``params`` (None where none is laid out), from rank
-    0's ready ``order`` (:func:`layout`; ``first_bytes`` None: :data:`FIRST_BUCKET_BYTES`). A gradient goes in one when its parameter is ``hooked`` (its
-    hook copies it in), on the CPU, dense and floating; the rest keep their own
+    0's ready ``order`` (:func:`layout`, the first bucket's cap ``first_bytes``, None:
+    :data:`FIRST_BUCKET_BYTES`). A gradient goes in one when its parameter is ``hooked``
+    (its hook copies it in), on the CPU, dense and floating; the rest keep their own
     reductions; ``as_view``: see :class:`Buckets`. The buckets carry the presence count
     when they hold every parameter (the layout is agreed, so every rank decides alike)
     and :func:`carries_presence`."""

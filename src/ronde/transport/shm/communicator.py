@@ -296,14 +296,14 @@ class ShmCommunicator(Communicator, OwnedSegment):
         mine = views[self.rank]
         if buf is not None:
             np.copyto(mine, buf)
-        lo, hi = blocks(m, self.size)[self.rank]
+        lo, hi = blocks(m, self.size)[self.rank]  # reduced in rank order: every path's bits
         if at is None:
             self.publish(WRITTEN, t)
             self.wait_all(WRITTEN, t)
-        # in rank order, as the single-copy path: the same bits either way
         reduce_in_rank_order(self.rank, self.size, lambda j, _buf: views[j][lo:hi],
                              [mine[lo:hi]], op, self.cma_scratch(hi - lo, dtype))
-        scale_inplace(mine[lo:hi], postscale)
+        if postscale != 1.0:  # (the staged paths scale as they unpack)
+            scale_inplace(mine[lo:hi], postscale)
         self.publish(REDUCED, t)
         return t
 
