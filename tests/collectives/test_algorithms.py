@@ -111,6 +111,29 @@ def counts_patterns(total: int, size: int) -> list[list[int]]:
     return [even, last, rand]
 
 
+def run_cases(size: int, cases: list[Any], fn: Callable[[Any, Any], Any]) -> list[list[Any]]:
+    """``fn(endpoint, case)`` for every case, all in one loopback launch; per case, the
+    ranks' results in rank order.
+
+    One launch per case started hundreds of thread sets a test: on a starved CPU (the
+    MXNet venv's run, at nice 15 beside the main run) each start and join waits for the
+    scheduler, and test_reducescatter[4]'s 441 launches took it past its 60 s
+    (0.65 s unstarved). A rank's failure names its case.
+    """
+
+    def body(ep: Any) -> list[Any]:
+        out = []
+        for case in cases:
+            try:
+                out.append(fn(ep, case))
+            except Exception as exc:
+                raise AssertionError(f"rank {ep.rank}, case {case[0]}: {exc!r}") from exc
+        return out
+
+    per_rank = run_threads(size, body, timeout_s=50.0)
+    return [[per_rank[r][i] for r in range(size)] for i in range(len(cases))]
+
+
 # -- allreduce ---------------------------------------------------------------
 
 ALLREDUCE_ALGOS: dict[str, Callable[..., None]] = {
@@ -125,20 +148,23 @@ ALLREDUCE_ALGOS: dict[str, Callable[..., None]] = {
 @pytest.mark.parametrize("algo", list(ALLREDUCE_ALGOS))
 def test_allreduce(algo: str, size: int) -> None:
     fn = ALLREDUCE_ALGOS[algo]
+    cases = []
     for dtype in DTYPES:
         for op in OPS:
             for length in LENGTHS:
                 if length == LENGTHS[-1] and op != ReduceOp.SUM and dtype not in (np.float32, np.int32):
                     continue  # the long case: every dtype for SUM, every op for two dtypes
-                inputs = make_inputs(size, length, dtype, op)
-
-                def body(ep: Any) -> np.ndarray:
-                    buf = inputs[ep.rank].copy()
-                    fn(ep, buf, op)
-                    return buf
-
                 what = f"{algo} n={size} {np.dtype(dtype).name} {op.name} len={length}"
-                check_result(run_threads(size, body), reference(inputs, op), op, what)
+                cases.append((what, op, make_inputs(size, length, dtype, op)))
+
+    def body(ep: Any, case: Any) -> np.ndarray:
+        _, op, inputs = case
+        buf = inputs[ep.rank].copy()
+        fn(ep, buf, op)
+        return buf
+
+    for (what, op, inputs), results in zip(cases, run_cases(size, cases, body)):
+        check_result(results, reference(inputs, op), op, what)
 
 
 @pytest.mark.timeout(60)
@@ -194,26 +220,28 @@ def test_allreduce_average_reduces_as_sum_and_adasum_is_refused() -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("size", SIZES)
 def test_reducescatter(size: int) -> None:
+    cases = []
     for dtype in DTYPES:
         for op in OPS:
             for length in [0, 1, 3, 7, 1000, 100003]:
                 if length == 100003 and op != ReduceOp.SUM:
                     continue
                 inputs = make_inputs(size, length, dtype, op, seed=1)
-                ref = reference(inputs, op)
                 for counts in counts_patterns(length, size):
-                    offs = np.cumsum([0, *counts])
-
-                    def body(ep: Any) -> np.ndarray:
-                        buf = inputs[ep.rank].copy()
-                        out = reducescatter(ep, buf, counts, op, piece_bytes=16 * 1024)
-                        np.testing.assert_array_equal(buf, inputs[ep.rank])  # input untouched
-                        return out
-
-                    results = run_threads(size, body)
                     what = f"n={size} {np.dtype(dtype).name} {op.name} counts={counts}"
-                    for rank, res in enumerate(results):
-                        check_result([res], ref[offs[rank] : offs[rank + 1]], op, f"{what} rank {rank}")
+                    cases.append((what, op, inputs, counts))
+
+    def body(ep: Any, case: Any) -> np.ndarray:
+        _, op, inputs, counts = case
+        buf = inputs[ep.rank].copy()
+        out = reducescatter(ep, buf, counts, op, piece_bytes=16 * 1024)
+        np.testing.assert_array_equal(buf, inputs[ep.rank])  # input untouched
+        return out
+
+    for (what, op, inputs, counts), results in zip(cases, run_cases(size, cases, body)):
+        ref, offs = reference(inputs, op), np.cumsum([0, *counts])
+        for rank, res in enumerate(results):
+            check_result([res], ref[offs[rank] : offs[rank + 1]], op, f"{what} rank {rank}")
 
 
 @pytest.mark.timeout(60)
@@ -240,19 +268,22 @@ ALLGATHER_ALGOS: dict[str, Callable[..., None]] = {
 @pytest.mark.parametrize("algo", list(ALLGATHER_ALGOS))
 def test_allgatherv(algo: str, size: int) -> None:
     fn = ALLGATHER_ALGOS[algo]
+    cases = []
     for dtype in DTYPES:
         for length in LENGTHS:
             full = make_inputs(1, length, dtype, ReduceOp.MAX, seed=2)[0]
             for counts in counts_patterns(length, size):
-                offs = np.cumsum([0, *counts])
+                cases.append((f"{algo} n={size} counts={counts}", full, counts))
 
-                def body(ep: Any) -> np.ndarray:
-                    send = full[offs[ep.rank] : offs[ep.rank + 1]].copy()
-                    recv = np.zeros(length, dtype=dtype)
-                    fn(ep, send, recv, counts)
-                    return recv
+    def body(ep: Any, case: Any) -> np.ndarray:
+        _, full, counts = case
+        offs = np.cumsum([0, *counts])
+        recv = np.zeros(len(full), dtype=full.dtype)
+        fn(ep, full[offs[ep.rank] : offs[ep.rank + 1]].copy(), recv, counts)
+        return recv
 
-                check_result(run_threads(size, body), full, ReduceOp.MAX, f"{algo} n={size} counts={counts}")
+    for (what, full, _), results in zip(cases, run_cases(size, cases, body)):
+        check_result(results, full, ReduceOp.MAX, what)
 
 
 @pytest.mark.timeout(60)
@@ -295,17 +326,20 @@ BROADCAST_ALGOS: dict[str, Callable[..., None]] = {
 @pytest.mark.parametrize("algo", list(BROADCAST_ALGOS))
 def test_broadcast_every_root(algo: str, size: int) -> None:
     fn = BROADCAST_ALGOS[algo]
+    cases = []
     for dtype in [np.uint8, np.float16, np.float64] + ([BF16] if BF16 is not None else []):
         for length in LENGTHS:
             data = make_inputs(size, length, dtype, ReduceOp.MAX, seed=3)
-            for root in range(size):
+            cases += [(f"{algo} n={size} root={root}", data, root) for root in range(size)]
 
-                def body(ep: Any) -> np.ndarray:
-                    buf = data[ep.rank].copy()
-                    fn(ep, buf, root)
-                    return buf
+    def body(ep: Any, case: Any) -> np.ndarray:
+        _, data, root = case
+        buf = data[ep.rank].copy()
+        fn(ep, buf, root)
+        return buf
 
-                check_result(run_threads(size, body), data[root], ReduceOp.MAX, f"{algo} n={size} root={root}")
+    for (what, data, root), results in zip(cases, run_cases(size, cases, body)):
+        check_result(results, data[root], ReduceOp.MAX, what)
 
 
 @pytest.mark.timeout(60)
@@ -320,6 +354,7 @@ def test_broadcast_rejects_bad_root() -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("size", SIZES)
 def test_alltoallv(size: int) -> None:
+    cases = []
     for dtype in DTYPES:
         for scale in [0, 1, 3, 1000, 20000]:
             rng = np.random.default_rng([size, scale])
@@ -330,21 +365,21 @@ def test_alltoallv(size: int) -> None:
                 (np.arange(matrix[i].sum()) % 97 + 100 * i).astype(dtype) if matrix[i].sum() else np.zeros(0, dtype)
                 for i in range(size)
             ]
+            cases.append((f"n={size} {np.dtype(dtype).name} scale={scale}", matrix, sends))
 
-            def body(ep: Any) -> np.ndarray:
-                r = ep.rank
-                recv = np.zeros(int(matrix[:, r].sum()), dtype=dtype)
-                alltoallv(ep, sends[r].copy(), matrix[r].tolist(), recv, matrix[:, r].tolist())
-                return recv
+    def body(ep: Any, case: Any) -> np.ndarray:
+        _, matrix, sends = case
+        r = ep.rank
+        recv = np.zeros(int(matrix[:, r].sum()), dtype=sends[r].dtype)
+        alltoallv(ep, sends[r].copy(), matrix[r].tolist(), recv, matrix[:, r].tolist())
+        return recv
 
-            results = run_threads(size, body)
-            for r, res in enumerate(results):
-                expect = [
-                    sends[i][matrix[i, :r].sum() : matrix[i, : r + 1].sum()] for i in range(size)
-                ]
-                np.testing.assert_array_equal(
-                    res.astype(np.float64), np.concatenate(expect).astype(np.float64), err_msg=f"rank {r}"
-                )
+    for (what, matrix, sends), results in zip(cases, run_cases(size, cases, body)):
+        for r, res in enumerate(results):
+            expect = [sends[i][matrix[i, :r].sum() : matrix[i, : r + 1].sum()] for i in range(size)]
+            np.testing.assert_array_equal(
+                res.astype(np.float64), np.concatenate(expect).astype(np.float64), err_msg=f"{what} rank {r}"
+            )
 
 
 # -- barrier -------------------------------------------------------------------
