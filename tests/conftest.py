@@ -41,6 +41,12 @@ SLOW_WORDS = ("gloo",)
 #: main venv cannot hold (its tests run in their own venv, after this one)
 ALLOWED_ON_CI = ("CUDA", "GPU", "could not import 'mxnet'")
 HERE = os.path.dirname(os.path.abspath(__file__))
+#: collected first: Ray's modules take one lock in turn (``tests/ray/conftest.py``). Last
+#: in the collection, they ran at the suite's end, split between the three workers, each
+#: waiting for the lock: 112 s in which one worker trained on Ray and the others waited
+#: (a timeline of the main run, docs/testing.md). First, they lie at the head of the first
+#: worker's share (pytest-xdist's worksteal steals from the tail), in turn, no waits
+FIRST_PARTS = ("ray/",)
 #: MXNet needs numpy<1.24: its tests run in their own venv (scripts/mxnet_tests.sh, which
 #: scripts/test.sh runs after this one), not skipped here
 collect_ignore = [] if importlib.util.find_spec("mxnet") else ["mxnet_binding"]
@@ -69,6 +75,7 @@ def pytest_ignore_collect(collection_path: os.PathLike[str], config: pytest.Conf
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _scale_time_limits(config, items)
+    _first(FIRST_PARTS, items)
     if not config.getoption("--quick"):
         return
     keep, drop = [], []
@@ -78,6 +85,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+def _first(parts: tuple[str, ...], items: list[pytest.Item]) -> None:
+    """Move the items under ``parts`` to the front, keeping both groups' own order."""
+    head = [i for i in items if i.nodeid.startswith(tuple("tests/" + p for p in parts))]
+    if head:
+        picked = set(map(id, head))
+        items[:] = head + [i for i in items if id(i) not in picked]
 
 
 def _scale_time_limits(config: pytest.Config, items: list[pytest.Item]) -> None:
