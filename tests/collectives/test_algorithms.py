@@ -134,6 +134,19 @@ def run_cases(size: int, cases: list[Any], fn: Callable[[Any, Any], Any]) -> lis
     return [[per_rank[r][i] for r in range(size)] for i in range(len(cases))]
 
 
+def in_place(fn: Callable[..., None]) -> Callable[[Any, Any], np.ndarray]:
+    """A case body for ``(what, arg, inputs)``: ``fn(endpoint, buf, arg)`` on a copy of
+    this rank's input (``arg``: an op, a root), the copy returned."""
+
+    def body(ep: Any, case: Any) -> np.ndarray:
+        _, arg, inputs = case
+        buf = inputs[ep.rank].copy()
+        fn(ep, buf, arg)
+        return buf
+
+    return body
+
+
 # -- allreduce ---------------------------------------------------------------
 
 ALLREDUCE_ALGOS: dict[str, Callable[..., None]] = {
@@ -157,13 +170,7 @@ def test_allreduce(algo: str, size: int) -> None:
                 what = f"{algo} n={size} {np.dtype(dtype).name} {op.name} len={length}"
                 cases.append((what, op, make_inputs(size, length, dtype, op)))
 
-    def body(ep: Any, case: Any) -> np.ndarray:
-        _, op, inputs = case
-        buf = inputs[ep.rank].copy()
-        fn(ep, buf, op)
-        return buf
-
-    for (what, op, inputs), results in zip(cases, run_cases(size, cases, body)):
+    for (what, op, inputs), results in zip(cases, run_cases(size, cases, in_place(fn))):
         check_result(results, reference(inputs, op), op, what)
 
 
@@ -330,15 +337,9 @@ def test_broadcast_every_root(algo: str, size: int) -> None:
     for dtype in [np.uint8, np.float16, np.float64] + ([BF16] if BF16 is not None else []):
         for length in LENGTHS:
             data = make_inputs(size, length, dtype, ReduceOp.MAX, seed=3)
-            cases += [(f"{algo} n={size} root={root}", data, root) for root in range(size)]
+            cases += [(f"{algo} n={size} root={root}", root, data) for root in range(size)]
 
-    def body(ep: Any, case: Any) -> np.ndarray:
-        _, data, root = case
-        buf = data[ep.rank].copy()
-        fn(ep, buf, root)
-        return buf
-
-    for (what, data, root), results in zip(cases, run_cases(size, cases, body)):
+    for (what, root, data), results in zip(cases, run_cases(size, cases, in_place(fn))):
         check_result(results, data[root], ReduceOp.MAX, what)
 
 
