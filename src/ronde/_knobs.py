@@ -21,7 +21,8 @@ import re
 from typing import Callable
 
 from ._errors import ConfigError
-from ._values import Range, parse_auto_bytes, parse_bool, parse_bytes, parse_hierarchical
+from ._values import (Range, parse_auto_bytes, parse_bool, parse_bytes, parse_hierarchical,
+                      parse_timeline_path)
 
 _GIB = 1 << 30
 _YEAR_S = 365 * 24 * 3600
@@ -268,13 +269,14 @@ KNOBS: tuple[Knob, ...] = (
          horovod_shown='`HOROVOD_STALL_CHECK_DISABLE` (inverted)',
          doc='Turns the stall inspector (warnings and `StallError`) on or off. '
              '`HOROVOD_STALL_CHECK_DISABLE=1` turns it off.'),
-    Knob("timeline_path", "RONDE_TIMELINE", str,
+    Knob("timeline_path", "RONDE_TIMELINE", parse_timeline_path,
          default='empty', unit='file path',
          horovod=('HOROVOD_TIMELINE',), flag='--timeline-filename FILE',
          flag_note='see [timeline.md](timeline.md)',
          doc='Write a Chrome-trace timeline (see [timeline.md](timeline.md)). Rank 0 '
              'writes the path as given (as Horovod does); with `{rank}` in the path '
-             'every rank writes its own file.'),
+             'every rank writes its own file. `DYNAMIC` (as in Horovod): no file until '
+             'the script calls `start_timeline(path)`.'),
     Knob("timeline_mark_cycles", "RONDE_TIMELINE_MARK_CYCLES", parse_bool,
          default='`0`', unit='boolean',
          horovod=('HOROVOD_TIMELINE_MARK_CYCLES',),

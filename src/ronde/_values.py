@@ -61,6 +61,12 @@ def parse_bool(text: str) -> bool:
     raise ConfigError(f"expected a boolean (1/0, true/false), got {text!r}")
 
 
+def parse_timeline_path(text: str) -> str:
+    """A timeline's file; ``DYNAMIC`` (Horovod's word for "no file now, the script calls
+    ``start_timeline()`` later") is no file."""
+    return "" if text.strip().upper() == "DYNAMIC" else text
+
+
 def parse_hierarchical(text: str) -> str:
     """``auto``, or a boolean as ``on``/``off``."""
     return "auto" if text.strip().lower() == "auto" else ("on" if parse_bool(text) else "off")

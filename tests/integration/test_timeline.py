@@ -41,3 +41,20 @@ def test_timeline_is_loadable_after_sigkill(tmp_path):
     events = load(str(tmp_path / "killed-0.json"))
     assert "NEGOTIATE" in _phases(events) and len(events) > 20
     assert "NEGOTIATE" in _phases(load(str(tmp_path / "killed-1.json")))
+
+
+@pytest.mark.timeout(60)
+def test_horovods_dynamic_timeline_writes_nothing_until_start_timeline(tmp_path):
+    # Horovod's own test_torch.py sets HOROVOD_TIMELINE=DYNAMIC: no file named DYNAMIC
+    # (ronde wrote one in the working directory); start_timeline/stop_timeline record
+    # exactly what runs between them
+    folder = tmp_path / "tl"
+    folder.mkdir()
+    seen = run_ranks(2, workers.dynamic_timeline_job, str(folder), timeout_s=50,
+                     env={"HOROVOD_TIMELINE": "DYNAMIC"})
+    for rank_seen in seen:
+        assert "DYNAMIC" not in rank_seen[0], rank_seen
+    assert sorted(p.name for p in folder.iterdir()) == ["dyn-0.json", "dyn-1.json"]
+    rows = {e["args"]["name"] for e in load(str(folder / "dyn-0.json"))
+            if e.get("name") == "thread_name"}
+    assert "during" in rows and not {"before", "after"} & rows, rows

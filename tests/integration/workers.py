@@ -358,6 +358,27 @@ def timeline_job(path: str, kill_rank0: bool) -> str:
     return path
 
 
+def dynamic_timeline_job(folder: str) -> list[str]:
+    """``HOROVOD_TIMELINE=DYNAMIC``: no file at init; ``start_timeline`` records,
+    ``stop_timeline`` closes; returns what the working directory and ``folder`` held at
+    each point."""
+    import os
+
+    import ronde as hvd
+
+    hvd.init()
+    hvd.allreduce(np.ones(10), name="before")
+    seen = [f"cwd: {sorted(os.listdir('.'))}"]
+    path = os.path.join(folder, "dyn-{rank}.json")
+    hvd.start_timeline(path)
+    hvd.allreduce(np.ones(10), name="during")
+    hvd.stop_timeline()
+    hvd.allreduce(np.ones(10), name="after")
+    seen.append(f"folder: {sorted(os.listdir(folder))}")
+    hvd.shutdown()
+    return seen
+
+
 def _rank1_busy_elsewhere() -> None:
     time.sleep(6)
 
