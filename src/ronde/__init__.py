@@ -13,9 +13,10 @@ learning framework and no MPI.
 
 from ._errors import (AuthenticationError, ConfigError, DuplicateNameError, JoinedError,
                       NotInitializedError, PeerLostError, ProtocolError, RendezvousError,
-                      RondeError, ShutdownError, StallError, TensorMismatchError,
-                      ArgumentError, CollectiveError, DeadlockError, HorovodInternalError,
-                      HostsUpdatedInterrupt, ProcessSetError, UnsupportedError)
+                      RondeError, SecurityError, ShutdownError, StallError,
+                      TensorMismatchError, ArgumentError, CollectiveError, DeadlockError,
+                      HorovodInternalError, HostsUpdatedInterrupt, ProcessSetError,
+                      UnsupportedError)
 from ._ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .process_sets import ProcessSet, global_process_set
 

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import platform
-from typing import Any
+from typing import Any, Callable
 
 from . import _config
 
@@ -148,7 +147,8 @@ def coordinated(cfg: _config.Config, topo: Any, cores_by_rank: tuple[int, ...]) 
 
 
 def control_mailboxes(cfg: _config.Config, topo: Any, rank: int, size: int,
-                       key: str, cores_by_rank: tuple[int, ...] = ()) -> Any:
+                       path_of: Callable[[int], str], cores_by_rank: tuple[int, ...] = ()
+                       ) -> Any:
     """Shared-memory negotiation mailboxes with the ranks on this host (see
     ``transport/mailbox.py``), or None (RONDE_SHM_CONTROL=0, not x86-64, no such peer,
     or, with ``auto``, more ranks on this host than cores, or rounds through the
@@ -160,7 +160,5 @@ def control_mailboxes(cfg: _config.Config, topo: Any, rank: int, size: int,
         return None
     peers = [r for r in range(size) if r != rank and topo.hosts[r] == topo.hosts[rank]]
     from .transport.mailbox import Mailboxes
-    from .transport.segments import shm_dir
 
-    return Mailboxes(rank, peers, lambda r: os.path.join(shm_dir(), f"ronde-{key}-ctl-{r}"),
-                     cfg.start_timeout_s)
+    return Mailboxes(rank, peers, path_of, cfg.start_timeout_s)

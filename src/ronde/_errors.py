@@ -83,6 +83,13 @@ class AuthenticationError(RondeError, PermissionError):
     """A peer does not hold this job's secret."""
 
 
+class SecurityError(RondeError):
+    """A file or shared-memory segment that ronde makes or reads outside the user's own
+    folders is not what only this user could have made: another user's, a link, open to
+    others. Raised before anything in it is trusted; the message names the path and the
+    fix (see docs/security.md, local users)."""
+
+
 class ProtocolError(RondeError, ValueError):
     """Bytes received from a peer are malformed."""
 

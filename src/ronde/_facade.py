@@ -26,8 +26,8 @@ OPS = ["Average", "Sum", "Min", "Max", "Product", "Adasum", "ReduceOp"]
 ERRORS = ["RondeError", "HorovodInternalError", "CollectiveError", "ConfigError",
           "NotInitializedError", "TensorMismatchError", "DuplicateNameError", "PeerLostError",
           "StallError", "DeadlockError", "RendezvousError", "AuthenticationError",
-          "ProtocolError", "ShutdownError", "JoinedError", "UnsupportedError",
-          "ProcessSetError", "ArgumentError", "HostsUpdatedInterrupt"]
+          "SecurityError", "ProtocolError", "ShutdownError", "JoinedError",
+          "UnsupportedError", "ProcessSetError", "ArgumentError", "HostsUpdatedInterrupt"]
 #: Horovod's build-introspection functions (what this installation can use)
 BUILD = ["mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built",
          "rocm_built", "ddl_built", "ccl_built", "mpi_threads_supported", "gpu_available"]

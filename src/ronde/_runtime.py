@@ -94,7 +94,7 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
     wenv = worker_env.detect()
     _generation += 1
     gen = _generation
-    wenv, gen, hosts, ctl, mesh = _meet_peers(wenv, cfg, gen)
+    wenv, gen, hosts, ctl, mesh, secret = _meet_peers(wenv, cfg, gen)
     _generation = gen
     topo = Topology.build(wenv.rank, hosts)
     if cfg.torchrun_env:
@@ -103,7 +103,7 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
     cfg = dataclasses.replace(cfg, first_bucket_bytes=cores_mod.first_bucket(
         cfg, topo, wenv.host_cores))
     engine_box: list[Engine] = []
-    factory = _communicators(cfg, topo, wenv, mesh, gen, engine_box)
+    factory = _communicators(cfg, topo, wenv, mesh, secret, gen, engine_box)
     engine = _start_engine(cfg, topo, wenv, ctl, factory, gen)
     engine_box.append(engine)
     rt = Runtime(cfg, topo, engine, wenv, mesh, gen, factory.kinds[0])
@@ -146,15 +146,16 @@ def _tune_heap(cfg: _config.Config, topo: Topology) -> None:
 
 def _meet_peers(wenv: worker_env.WorkerEnv, cfg: _config.Config, gen: int
                 ) -> tuple[worker_env.WorkerEnv, int, list[str], dict[int, socket.socket],
-                           mesh_mod.Mesh | None]:
+                           mesh_mod.Mesh | None, bytes]:
     """Step 2: rendezvous and connect to every peer; returns the worker's place (an
     elastic job's rendezvous hands out rank, size and generation), every rank's host,
-    the control sockets and the mesh (none of either for a job of one)."""
+    the control sockets, the mesh (none of either for a job of one) and the job's
+    secret (empty for a job of one)."""
     if wenv.elastic:
         return _meet_elastic(wenv, cfg)
     rank, size = wenv.rank, wenv.size
     if size == 1:
-        return wenv, gen, [wenv.host], {}, None
+        return wenv, gen, [wenv.host], {}, None, b""
     rdv_host = wenv.rendezvous[0] if wenv.rendezvous else "127.0.0.1"
     local_job = wenv.rendezvous_mode == "file" or _is_loopback(rdv_host)
     bind = cfg.bind_addr or ("127.0.0.1" if local_job else route_address(rdv_host))
@@ -185,12 +186,12 @@ def _meet_peers(wenv: worker_env.WorkerEnv, cfg: _config.Config, gen: int
 
         torch_dist.init_world(rank, size, str(peers[0]["addr"]), int(peers[0]["store_port"]),
                               cfg.start_timeout_s, store)
-    return wenv, gen, hosts, mesh.ctl, mesh
+    return wenv, gen, hosts, mesh.ctl, mesh, secret
 
 
 def _meet_elastic(wenv: worker_env.WorkerEnv, cfg: _config.Config
                   ) -> tuple[worker_env.WorkerEnv, int, list[str], dict[int, socket.socket],
-                             mesh_mod.Mesh | None]:
+                             mesh_mod.Mesh | None, bytes]:
     """Step 2 in an elastic job: register this worker's slot and wait (up to
     ``RONDE_ELASTIC_TIMEOUT``) until the driver has formed the next generation."""
     from ._errors import WorkerRemovedError
@@ -235,11 +236,11 @@ def _meet_elastic(wenv: worker_env.WorkerEnv, cfg: _config.Config
                                master=_master(peers))
     if size == 1:
         listener.close()
-        return wenv, gen, hosts, {}, None
+        return wenv, gen, hosts, {}, None, b""
     mesh = mesh_mod.Mesh(rank, size, gen, wenv.secret, listener, peers, cfg.start_timeout_s,
                          _ctl_peers(cfg, rank, hosts, wenv.host_cores))
     mesh.connect()
-    return wenv, gen, hosts, mesh.ctl, mesh
+    return wenv, gen, hosts, mesh.ctl, mesh, wenv.secret
 
 
 def _master(peers: list[dict[str, Any]]) -> tuple[str, int] | None:
@@ -280,9 +281,11 @@ def _ctl_peers(cfg: _config.Config, rank: int, hosts: list[str],
 
 
 def _communicators(cfg: _config.Config, topo: Topology, wenv: worker_env.WorkerEnv,
-                   mesh: mesh_mod.Mesh | None, gen: int, engine_box: list[Engine]
-                   ) -> factory_mod.Factory:
-    """Step 3: the factory of every process set's communicator (see transport/factory.py)."""
+                   mesh: mesh_mod.Mesh | None, secret: bytes, gen: int,
+                   engine_box: list[Engine]) -> factory_mod.Factory:
+    """Step 3: the factory of every process set's communicator (see transport/factory.py);
+    its shared-memory segments are named from the job's ``secret`` (transport/segments.py:
+    no other user can tell their names)."""
     mpi_world = None
     if cfg.transport == "mpi":
         from .transport import mpi as mpi_mod
@@ -299,10 +302,10 @@ def _communicators(cfg: _config.Config, topo: Topology, wenv: worker_env.WorkerE
         # a thread waits for a result: shm waits poll (never the steady lane's: Factory.lane)
         return not engine_box or engine_box[0].waiters.waiting()
 
-    from .transport.segments import job_key
+    from .transport.segments import Names
 
-    key = job_key(wenv.job_id or f"pid{os.getppid()}")
-    ctx = factory_mod.Context(cfg, wenv.rank, wenv.size, topo.hosts, key, gen, aborted, mesh,
+    names = Names(wenv.job_id or f"pid{os.getppid()}", secret)
+    ctx = factory_mod.Context(cfg, wenv.rank, wenv.size, topo.hosts, names, gen, aborted, mesh,
                               mpi_world, urgent)
     return factory_mod.Factory(ctx)
 
@@ -325,8 +328,9 @@ def _start_engine(cfg: _config.Config, topo: Topology, wenv: worker_env.WorkerEn
         if cfg.steady_lane and not cfg.autotune and factory.kinds[0] == "shm" else None
     engine = Engine(rank, size, cfg, ctl, {0: world}, {0: list(range(size))}, factory,
                     factory.ctx.describe,
-                    cores_mod.control_mailboxes(cfg, topo, rank, size, f"{factory.ctx.key}-g{gen}",
-                                       wenv.host_cores),
+                    cores_mod.control_mailboxes(cfg, topo, rank, size,
+                                                factory.ctx.segments.of(f"g{gen}-ctl"),
+                                                wenv.host_cores),
                     mesh, lane)
     if wenv.rendezvous_mode == "server" and wenv.rendezvous and wenv.secret:
         engine.on_failure = _lost_peer_reporter(wenv)

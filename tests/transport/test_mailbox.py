@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import threading
 
 import pytest
 
@@ -21,13 +22,15 @@ def pair():
     def path(r: int) -> str:
         return os.path.join(d, f"mb-{r}")
 
-    # both segments must exist before either maps the other's: create 1's file first
-    # by hand the way a concurrently starting peer would
-    a_file = path(1)
-    with open(a_file, "wb") as fh:
-        fh.truncate(mailbox._HEADER_BYTES + 2 * mailbox.SLOT_BYTES)
-    a = Mailboxes(0, [1], path, 5.0)
-    b = Mailboxes(1, [0], path, 5.0)
+    # each maps the other's segment once it exists: made at once, as two ranks do
+    made: dict[int, Mailboxes] = {}
+    threads = [threading.Thread(target=lambda r=r: made.setdefault(
+        r, Mailboxes(r, [1 - r], path, 5.0))) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    a, b = made[0], made[1]
     yield a, b
     a.close()
     b.close()

@@ -12,7 +12,7 @@ import pytest
 
 from ronde import PeerLostError
 from ronde.collectives.ops import ReduceOp
-from ronde.transport.segments import remove_job_segments
+from ronde.transport.segments import Names, remove_job_segments
 from ronde.transport.shm import ShmCommunicator
 
 pytestmark = pytest.mark.timeout(30)
@@ -33,14 +33,15 @@ def test_tcp_peer_that_sends_nothing():
 
 def test_shm_peer_that_never_arrives():
     key = f"test{uuid.uuid4().hex[:8]}"  # (job_key() keeps it as it is)
+    path_of = Names(key, b"secret").of("t")
     import threading
 
     # the peer maps its segment (so construction succeeds) and then never takes part
     made = {}
     t = threading.Thread(target=lambda: made.setdefault(
-        "peer", ShmCommunicator(1, [0, 1], key, 1 << 16, lambda: None, timeout_s=5)))
+        "peer", ShmCommunicator(1, [0, 1], path_of, 1 << 16, lambda: None, timeout_s=5)))
     t.start()
-    me = ShmCommunicator(0, [0, 1], key, 1 << 16, lambda: None, timeout_s=5,
+    me = ShmCommunicator(0, [0, 1], path_of, 1 << 16, lambda: None, timeout_s=5,
                          progress_timeout_s=1.0)
     t.join(5)
     peer = made["peer"]
@@ -61,19 +62,19 @@ def test_shm_peer_that_dies_during_start_up_fails_construction_within_the_start_
     # it gives up at the start timeout, as a segment that never appears does, and
     # leaves no file behind
     from ronde import RendezvousError
-    from ronde.transport.segments import create_segment, shm_dir
+    from ronde.transport.segments import create_segment
     from ronde.transport.shm.protocol import HEADER_BYTES, SMALL_BYTES
 
     key = f"test{uuid.uuid4().hex[:8]}"  # (job_key() keeps it as it is)
-    seg = create_segment(os.path.join(shm_dir(), f"ronde-{key}-1"),
-                         HEADER_BYTES + (1 << 16) + 2 * SMALL_BYTES)
+    path_of = Names(key, b"secret").of("t")
+    seg = create_segment(path_of(1), HEADER_BYTES + (1 << 16) + 2 * SMALL_BYTES)
     t = time.monotonic()
     try:
         with pytest.raises(RendezvousError, match="rank 1.*failed during start-up"):
-            ShmCommunicator(0, [0, 1], key, 1 << 16, lambda: None, timeout_s=1.0,
+            ShmCommunicator(0, [0, 1], path_of, 1 << 16, lambda: None, timeout_s=1.0,
                             progress_timeout_s=0.0)
         assert time.monotonic() - t < 10
-        assert not os.path.exists(os.path.join(shm_dir(), f"ronde-{key}-0"))
+        assert not os.path.exists(path_of(0))
     finally:
         seg.close()
         remove_job_segments(key)

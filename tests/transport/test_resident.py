@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ronde.collectives.ops import ReduceOp, scale_inplace
-from ronde.transport.segments import remove_job_segments
+from ronde.transport.segments import Names, remove_job_segments
 from ronde.transport.shm import ShmCommunicator
 from ronde.transport.shm.protocol import RESIDENT_FLOOR
 
@@ -24,7 +24,7 @@ SEGMENT = 1 << 20
 def _pair(key: str) -> list[ShmCommunicator]:
     made: dict[int, ShmCommunicator] = {}
     threads = [threading.Thread(target=lambda r=r: made.setdefault(
-        r, ShmCommunicator(r, [0, 1], key, SEGMENT, lambda: None, timeout_s=5)))
+        r, ShmCommunicator(r, [0, 1], Names(key, b"secret").of("t"), SEGMENT, lambda: None, timeout_s=5)))
         for r in (0, 1)]
     for t in threads:
         t.start()

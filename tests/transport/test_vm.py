@@ -75,13 +75,15 @@ def test_a_refused_prctl_is_reported(scope, monkeypatch):
 
 
 def test_a_shared_memory_communicator_allows_its_peers_only_with_single_copy(monkeypatch):
+    from ronde.transport.segments import Names
     from ronde.transport.shm import ShmCommunicator
 
     calls = []
     monkeypatch.setattr(vm, "allow_peers", lambda: calls.append(1) or True)
     for cma, want in ((True, [1]), (False, [])):
         calls.clear()
-        comm = ShmCommunicator(0, [0], f"vmtest{int(cma)}", 1 << 16, lambda: None, cma=cma)
+        comm = ShmCommunicator(0, [0], Names(f"vmtest{int(cma)}", b"").of("t"), 1 << 16,
+                               lambda: None, cma=cma)
         try:
             assert calls == want
         finally:

@@ -5,7 +5,9 @@ worker the job's secret. Workers started by ``torchrun``, ``mpirun`` or ``srun``
 here (:func:`meet`, by ``WorkerEnv.rendezvous_mode``):
 
 * ``"file"``, every rank on one host: rank 0 serves on 127.0.0.1 with a random secret
-  and publishes both in a file only this user can read (``0600``);
+  and publishes both in a ``0600`` file in this user's private directory
+  (``_private_files.py``: no other user can plant, swap or read it); the other ranks
+  read it only once ``fstat`` showed it is this user's;
 * ``"rank0"``, ranks on several hosts: rank 0 serves where the ranks are told
   (``MASTER_ADDR``, ``RONDE_RENDEZVOUS_ADDR``), bound to that address. The secret is the
   user's (``RONDE_SECRET``/``RONDE_SECRET_FILE``), else rank 0's random one broadcast over
@@ -22,11 +24,10 @@ import json
 import logging
 import os
 import secrets
-import tempfile
 import time
 from typing import Any
 
-from .. import _config
+from .. import _config, _private_files
 from .._errors import ConfigError, RendezvousError
 from . import rendezvous
 from .env import WorkerEnv
@@ -39,9 +40,36 @@ _rank0_file: str | None = None
 _open_secret: bytes | None = None
 
 
-def _file_path(job_id: str) -> str:
+def _file_name(job_id: str) -> str:
+    """The rendezvous file's name in the private directory (its parts are public: the
+    directory is what keeps other users out)."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job_id)
-    return os.path.join(tempfile.gettempdir(), f"ronde-rdv-{os.getuid()}-{safe}.json")
+    return f"rdv-{safe}.json"
+
+
+def _publish(path: str, data: dict[str, Any]) -> None:
+    """Write ``data`` whole under ``path``: a new file of random name (``O_EXCL``, 0600),
+    renamed into place, so a reader never sees half of it."""
+    fd, tmp = _private_files.create_file(os.path.dirname(path), ".rdv-", ".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _read_published(path: str) -> dict[str, Any]:
+    """Rank 0's file, opened only once it proved to be this user's (``open_checked``)."""
+    with os.fdopen(_private_files.open_checked(path), "r") as fh:
+        data = json.load(fh)
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    return data
 
 
 def meet(wenv: WorkerEnv, cfg: _config.Config, info: dict[str, Any]
@@ -60,30 +88,26 @@ def meet(wenv: WorkerEnv, cfg: _config.Config, info: dict[str, Any]
             wenv.secret
     if mode == "rank0":
         return _rank0_rendezvous(wenv, cfg, info)
-    # "file": ranks of one host meet through a 0600 file naming rank 0's service
-    path = _file_path(wenv.job_id)
+    # "file": ranks of one host meet through a 0600 file naming rank 0's service, in
+    # this user's private directory
+    path = os.path.join(_private_files.private_dir(), _file_name(wenv.job_id))
     if wenv.rank == 0:
         if _rank0_server is None:
             secret = secrets.token_bytes(32)
             _rank0_server = rendezvous.RendezvousServer(
                 wenv.size, secret, host="127.0.0.1", start_timeout_s=cfg.start_timeout_s).start()
-            tmp = f"{path}.{os.getpid()}.tmp"
-            fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                json.dump({"port": _rank0_server.port, "secret": secret.hex()}, fh)
-            os.replace(tmp, path)
+            _publish(path, {"port": _rank0_server.port, "secret": secret.hex()})
             _rank0_file = path
         secret = _rank0_server.secret
         return rendezvous.register(_rank0_server.address, secret, info, cfg.start_timeout_s), secret
     deadline = time.monotonic() + cfg.start_timeout_s
     while True:
         try:
-            with open(path) as fh:
-                data = json.load(fh)
+            data = _read_published(path)
             secret = bytes.fromhex(data["secret"])
             return rendezvous.register(("127.0.0.1", int(data["port"])), secret, info,
                                        min(2.0, max(0.1, deadline - time.monotonic()))), secret
-        except (FileNotFoundError, ValueError, KeyError, RendezvousError):
+        except (FileNotFoundError, ValueError, KeyError, TypeError, RendezvousError):
             if time.monotonic() > deadline:
                 raise RendezvousError(
                     f"rank {wenv.rank}: rank 0 of this {wenv.source} job did not publish its "

@@ -26,6 +26,7 @@ from typing import Any, Callable
 from .._config import Config
 from .._errors import ConfigError
 from .base import Communicator, P2PCommunicator, SelfCommunicator
+from .segments import Names
 
 #: the engine's failure, or None while it runs
 Aborted = Callable[[], "BaseException | None"]
@@ -39,7 +40,7 @@ class Context:
     rank: int
     size: int
     hosts: tuple[str, ...]   #: host key of every rank
-    key: str                 #: names this job's shared-memory segments
+    segments: Names          #: where this job's shared-memory segments are
     generation: int
     aborted: Aborted         #: the engine's failure, if any (waits check it)
     mesh: Any = None         #: the connected mesh (None for a job of one)
@@ -172,7 +173,7 @@ def _shm(ctx: Context, members: list[int], name: str, poll: bool = True) -> Comm
     from .shm import ShmCommunicator
 
     cfg = ctx.cfg
-    return ShmCommunicator(ctx.rank, members, f"{ctx.key}-g{ctx.generation}-{name}",
+    return ShmCommunicator(ctx.rank, members, ctx.segments.of(f"g{ctx.generation}-{name}"),
                            cfg.shm_segment_bytes, ctx.aborted, cfg.start_timeout_s,
                            cfg.stall_shutdown_time_s, cfg.cma, cfg.hugepages,
                            ctx.urgent if poll else _never,

@@ -8,7 +8,7 @@ carries those frames; the TCP control sockets stay for everything else (peer dea
 shows as EOF there, failure notices, frames too large for a slot) and for *doorbells*
 that wake a peer sleeping in ``select``.
 
-Layout: each rank owns one segment (``/dev/shm/ronde-KEY-RANK``), written only by
+Layout: each rank owns one segment (in ``/dev/shm``: ``segments.py``), written only by
 it and mapped read-only in spirit by its same-host peers: a header of int64 counters
 and two frame slots. Rounds are lock-step (every rank posts exactly one frame per
 round and reads one from each peer before it can post the next), so two slots
@@ -46,7 +46,7 @@ from typing import Callable
 import numpy as np
 
 from .._errors import ProtocolError
-from .segments import OwnedSegment, close_maps, create_segment, open_segment
+from .segments import OwnedSegment, close_maps, create_segment
 
 SEQ, SLEEPING, ATTACHED, LEN0, LEN1, WANT = 0, 1, 2, 3, 4, 5
 _HEADER_BYTES = 4096
@@ -80,7 +80,7 @@ class Mailboxes(OwnedSegment):
         self._my_hdr = np.frombuffer(self._mine, dtype=np.int64, count=8)
         deadline = time.monotonic() + timeout_s
         for r in self.peers:
-            mm = open_segment(path_of(r), total, deadline)
+            mm = self._open_peer(path_of(r), total, deadline)
             self._maps[r] = mm
             self._hdr[r] = np.frombuffer(mm, dtype=np.int64, count=8)
         self._my_hdr[ATTACHED] = 1

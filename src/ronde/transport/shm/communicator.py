@@ -50,7 +50,7 @@ from ..balance import BlockSplit
 from .. import strategies
 from ..base import Communicator
 from ..hugepages import HugePages
-from ..segments import OwnedSegment, close_maps, create_segment, open_segment, shm_dir
+from ..segments import OwnedSegment, close_maps, create_segment, shm_dir
 from . import single_copy
 from .counters import Counters
 from .protocol import (ATTACHED, CMA_MIN_BYTES, CMA_OK, DONE, HEADER_BYTES, MEET, MEET_AT,
@@ -62,16 +62,17 @@ _MADV_POPULATE_WRITE = 23
 
 
 class ShmCommunicator(Communicator, OwnedSegment):
-    """Collectives among the members of one process set that share a host."""
+    """Collectives among the members of one process set that share a host (member
+    ``r``'s segment at ``path_of(r)``: ``segments.Names.of``)."""
 
     name = "shm"
     allreduce_strategies = strategies.SHARED_MEMORY
     alltoall_takes_max_count = True
     reducescatter_keeps_input = True
 
-    def __init__(self, rank: int, members: list[int], key: str, segment_bytes: int,
-                 aborted: Callable[[], BaseException | None], timeout_s: float = 30.0,
-                 progress_timeout_s: float = 0.0, cma: bool = True,
+    def __init__(self, rank: int, members: list[int], path_of: Callable[[int], str],
+                 segment_bytes: int, aborted: Callable[[], BaseException | None],
+                 timeout_s: float = 30.0, progress_timeout_s: float = 0.0, cma: bool = True,
                  hugepages: bool = True, urgent: Callable[[], bool] | None = None,
                  stall_warn_s: float = 60.0) -> None:
         self.members = members
@@ -82,7 +83,7 @@ class ShmCommunicator(Communicator, OwnedSegment):
         self._open = 0  # counter of a staged allreduce whose pieces are being read
         self._unlinked = False
         total = HEADER_BYTES + segment_bytes + 2 * SMALL_BYTES
-        self._path = os.path.join(shm_dir(), f"ronde-{key}-{rank}")
+        self._path = path_of(rank)
         self._mine = create_segment(self._path, total)
         self._maps: list[mmap.mmap] = []
         self._data: list[np.ndarray] = []
@@ -90,8 +91,7 @@ class ShmCommunicator(Communicator, OwnedSegment):
         self.tables: list[np.ndarray] = []
         deadline = time.monotonic() + timeout_s
         for g in members:
-            mm = self._mine if g == rank else open_segment(
-                os.path.join(shm_dir(), f"ronde-{key}-{g}"), total, deadline)
+            mm = self._mine if g == rank else self._open_peer(path_of(g), total, deadline)
             self._maps.append(mm)
             self.tables.append(np.frombuffer(mm, dtype=np.int64, count=2 * TABLE_ENTRIES,
                                              offset=TABLE_OFFSET))
