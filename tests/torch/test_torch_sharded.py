@@ -58,7 +58,8 @@ def test_a_checkpoint_saved_at_four_ranks_resumes_at_three_and_in_one_plain_opti
     assert all(r["same"] and r["diff"] <= 1e-12 for r in saved), saved
     _check_gathered(saved)
     files = sorted(os.listdir(ckpt))
-    assert files[:2] == ["meta.pt", "model.pt"] and len(files) == 6, files
+    # meta.pt, the model's and the four ranks' files of the one step, nothing else
+    assert files[0] == "meta.pt" and files[1].startswith("model.") and len(files) == 6, files
     # three ranks read the four ranks' slices where they overlap theirs
     resumed = run_ranks(3, workers.checkpoint, ckpt, "resume", timeout_s=60)
     for r in resumed:
@@ -68,7 +69,7 @@ def test_a_checkpoint_saved_at_four_ranks_resumes_at_three_and_in_one_plain_opti
     plain = run_ranks(1, workers.checkpoint, ckpt, "plain", timeout_s=60)
     assert plain[0]["diff"] <= 1e-12 and plain[0]["lr"] == 0.01, plain
     # which it saved with save_sharded (one file of whole parameters): into two ranks
-    assert sorted(os.listdir(ckpt + ".plain"))[:2] == ["meta.pt", "model.pt"]
+    assert [f[:5] for f in sorted(os.listdir(ckpt + ".plain"))] == ["meta.", "model", "optim"]
     again = run_ranks(2, workers.checkpoint, ckpt, "from_plain", timeout_s=60)
     for r in again:
         assert r["same"] and r["diff"] <= 1e-12 and r["lr"] == 0.01, again

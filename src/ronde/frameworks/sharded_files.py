@@ -4,16 +4,21 @@ arrays (Keras, JAX; torch's own :mod:`ronde.torch.sharded_io` keeps torch files)
 A *piece* is a range ``[a, b)`` of one parameter's flat elements, keyed by a string the
 binding makes stable across processes (JAX: the leaf's path; Keras: the variable's place
 and shape), with the optimizer's *slots* over it (``mu``, ``momentum``...: arrays of
-``b - a`` elements). Every rank calls :func:`save` with its pieces; the folder holds::
+``b - a`` elements). Every rank calls :func:`save` with its pieces; a step holds::
 
     optim.<id>.<r>-of-<N>.npz   each rank: "<piece>.<slot>" arrays
-    meta.json                   the first rank, last: N, every file's pieces
-                                (key, a, b, slots), the binding's scalars
+    <model file with <id>>      the first rank: the binding's model or parameters
+    meta.json                   the first rank, last: N, every file of the step and its
+                                size, every file's pieces (key, a, b, slots), the
+                                binding's scalars
 
-written atomically, ``meta.json`` after every rank's file, the previous save's files
-removed after it (:func:`ronde.checkpoint.commit_sharded_save`). :func:`load` reads
-only the files whose pieces overlap the wanted ones, at any N, and checks every wanted
-element arrived. Files are read with ``allow_pickle=False``: arrays only.
+``<id>`` is new at every save and ``meta.json`` is replaced atomically once every file
+of the step is complete (:class:`ronde.checkpoint.ShardedSave`): a save cut short
+leaves the previous step whole; the next save removes what it left. :func:`load`
+reads only the files whose pieces overlap the wanted ones, at any N, and checks every
+wanted element arrived. Files are read with ``allow_pickle=False`` (arrays only), and
+only the regular files of the folder that ``meta.json`` names, of the sizes it records
+(:func:`ronde.checkpoint.open_member`).
 
 :func:`gather` is the in-job export of the same pieces: every slot of every key whole on
 one rank of the running job, nothing held twice (one alltoall per key and slot in which
@@ -23,15 +28,18 @@ only that rank receives).
 from __future__ import annotations
 
 import json
+import logging
 import os
-from typing import Any, Callable, Sequence
+from typing import IO, Any, Callable, Sequence
 
 import numpy as np
 
 from .. import _api, _objects
 from .._errors import RondeError
-from ..checkpoint import atomic_save, begin_sharded_save, commit_sharded_save, sharded_meta
+from ..checkpoint import ShardedSave, begin_sharded_save, open_member, read_index
 from ..process_sets import ProcessSet, global_process_set
+
+log = logging.getLogger(__name__)
 
 META = "meta.json"
 
@@ -39,45 +47,97 @@ META = "meta.json"
 Piece = tuple[str, int, int, dict[str, np.ndarray]]
 
 
+#: a step's model file: its name (``{id}`` stands for the step's id) and how it is
+#: written: ``{"write": fn(open file)}`` or ``{"write_path": fn(path)}``
+ModelFile = tuple[str, dict[str, Callable[..., Any]]]
+
+
 def save(directory: str | os.PathLike[str], pieces: Sequence[Piece], scalars: dict[str, Any],
          fmt: str, rank: int, size: int, process_set: ProcessSet = global_process_set,
-         first_files: Callable[[str], None] | None = None) -> None:
-    """Write this rank's ``pieces``; the set's first rank writes ``meta.json`` (with
-    ``scalars`` and ``fmt``), after ``first_files(directory)`` (a model's weights).
-    Every rank of the job calls it (``size`` 1: only the job's rank 0 writes)."""
+         model: ModelFile | None = None) -> None:
+    """Write this rank's ``pieces`` as one step; the set's first rank writes ``model``
+    (a model's weights) and ``meta.json`` (with ``scalars`` and ``fmt``, a format name
+    ending in ``/<version>``). Every rank of the job calls it (``size`` 1: only the
+    job's rank 0 writes)."""
     directory = os.fspath(directory)
     ps = process_set
     many = size > 1
-    token, writer, together = begin_sharded_save(directory, many, ps)
-    if writer:
+
+    def names(token: str) -> list[str]:
+        return [*_files(token, size), *([model[0].format(id=token)] if model else [])]
+
+    step: ShardedSave = begin_sharded_save(directory, META, many, rank == 0, ps, names,
+                                           lambda: _current(directory))
+    nbytes = 0
+    if step.writer:
         arrays = {f"{i}.{slot}": np.ascontiguousarray(v)
                   for i, (_, _, _, slots) in enumerate(pieces) for slot, v in slots.items()}
-        atomic_save(os.path.join(directory, f"optim.{token}.{rank}-of-{size}.npz"),
-                    lambda fh: np.savez(fh, **arrays))
-    index = [[(key, a, b, sorted(slots)) for key, a, b, slots in pieces]]
+        nbytes = step.write(_files(step.token, size)[rank], lambda fh: np.savez(fh, **arrays))
+    index = [([(key, a, b, sorted(slots)) for key, a, b, slots in pieces], nbytes)]
     if many:
         index = _objects.allgather_object(index[0], "ronde.save_sharded.index", ps)
-    if rank == 0 and writer:
-        if first_files is not None:
-            first_files(directory)
-        meta = {"format": fmt, "id": token, "world_size": size,
-                "files": [f"optim.{token}.{r}-of-{size}.npz" for r in range(size)],
-                "pieces": index, **scalars}
-        commit_sharded_save(directory, META, lambda fh: fh.write(json.dumps(meta).encode()),
-                            token, ".npz")
-    if together:
+    if step.committer:
+        meta = {"format": fmt, "id": step.token, "world_size": size,
+                "files": _files(step.token, size), "sizes": [n for _, n in index],
+                "pieces": [e for e, _ in index], "model": None, "model_size": None,
+                **scalars}
+        if model is not None:
+            meta["model"] = model[0].format(id=step.token)
+            meta["model_size"] = step.write(meta["model"], **model[1])
+        step.commit(lambda fh: fh.write(json.dumps(meta).encode()), names(step.token))
+    if step.together:
         _api.barrier(process_set=ps)
 
 
-def read_meta(directory: str | os.PathLike[str], fmt: str) -> tuple[str, dict[str, Any]]:
-    """The folder and its ``meta.json``, checked to be of format ``fmt``."""
-    directory, meta_path = sharded_meta(directory, META)
-    with open(meta_path, "rb") as fh:
-        meta = json.loads(fh.read())
-    if meta.get("format") != fmt:
-        raise RondeError(f"{meta_path}: unknown format {meta.get('format')!r} (expected "
-                         f"{fmt!r})")
+def _files(token: str, size: int) -> list[str]:
+    return [f"optim.{token}.{r}-of-{size}.npz" for r in range(size)]
+
+
+def _current(directory: str) -> tuple[str, list[str]] | None:
+    """The id and files of the step ``directory``'s index names now (None: none)."""
+    if not os.path.lexists(os.path.join(directory, META)):
+        return None
+    try:
+        meta = json.loads(read_index(directory, META))
+        files = [str(f) for f in meta["files"]]
+        return str(meta.get("id")), [*files, *([str(meta["model"])] if meta.get("model")
+                                               else [])]
+    except Exception as exc:  # noqa: BLE001 - a damaged index: its files stay, unnamed
+        log.warning("%s: cannot read the previous index (%s); its files stay", directory, exc)
+        return None
+
+
+def read_meta(directory: str | os.PathLike[str], fmt: str, legacy_model: str
+              ) -> tuple[str, dict[str, Any]]:
+    """The folder and its ``meta.json``, checked to be of format ``fmt`` (or the same
+    name's version 1, whose model file was ``legacy_model``) and to name one file per
+    rank."""
+    directory = os.fspath(directory)
+    where = os.path.join(directory, META)
+    try:
+        meta = json.loads(read_index(directory, META))
+    except ValueError as exc:
+        raise RondeError(f"{where} is not JSON ({exc}); the index is damaged") from None
+    legacy = fmt.rsplit("/", 1)[0] + "/1"
+    found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+    if found not in (fmt, legacy):
+        raise RondeError(f"{where}: unknown format {found!r} (expected {fmt!r})")
+    files, pieces = meta.get("files"), meta.get("pieces")
+    if not (isinstance(files, list) and isinstance(pieces, list)
+            and len(files) == len(pieces) == meta.get("world_size")):
+        raise RondeError(f"{where}: its files and pieces do not match its world size; "
+                         "the index is damaged")
+    if found == legacy:  # before each step's files carried its id
+        meta.update(sizes=[None] * len(files), model=legacy_model, model_size=None)
     return directory, meta
+
+
+def open_model(directory: str, meta: dict[str, Any]) -> IO[bytes]:
+    """The step's model file, opened (:func:`ronde.checkpoint.open_member`)."""
+    where = os.path.join(directory, META)
+    if not meta.get("model"):
+        raise RondeError(f"{where}: saved without a model")
+    return open_member(directory, meta["model"], meta.get("model_size"), where)
 
 
 def load(directory: str, meta: dict[str, Any], wanted: Sequence[tuple[str, int, int]],
@@ -89,11 +149,13 @@ def load(directory: str, meta: dict[str, Any], wanted: Sequence[tuple[str, int, 
         by_key.setdefault(key, []).append((a, b, k))
     out: list[dict[str, np.ndarray]] = [{} for _ in wanted]
     covered = [0] * len(wanted)
-    for f, entries in zip(meta["files"], meta["pieces"]):
+    where = os.path.join(directory, META)
+    for f, nbytes, entries in zip(meta["files"], meta["sizes"], meta["pieces"]):
         if not any(key in by_key and any(a < e and s < b for a, b, _ in by_key[key])
                    for key, s, e, _ in entries):
             continue  # nothing wanted in that file
-        with np.load(os.path.join(directory, f), allow_pickle=False) as saved:
+        with open_member(directory, f, nbytes, where) as fh, \
+                np.load(fh, allow_pickle=False) as saved:
             for j, (key, s, e, slots) in enumerate(entries):
                 for a, b, k in by_key.get(key, ()):
                     lo, hi = max(a, s), min(b, e)

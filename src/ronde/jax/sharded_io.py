@@ -4,8 +4,9 @@ parameters' leaf paths.
 
 ``save_sharded(dir, params, opt_state)`` (every rank calls it) writes this rank's pieces
 of the inner state (a range [a, b) of one parameter leaf's flat elements, with each slot
-of the inner transformation over it: ``[0].mu``, ``[0].nu``...), rank 0 ``params.npz``
-(the parameters, by leaf path) and ``meta.json`` last, with the scalars (``[0].count``).
+of the inner transformation over it: ``[0].mu``, ``[0].nu``...), rank 0
+``params.<id>.npz`` (the parameters, by leaf path) and ``meta.json`` last, with the
+scalars (``[0].count``): one step, whole or not at all (``<id>`` new at every save).
 ``load_sharded(dir, params, opt_state)`` returns ``(params, opt_state)`` read back into
 the structures given (a fresh ``tx.init(params)``): for a ``ShardedState`` this rank's
 slices at the current size, for a plain optax state the whole state (the export); a plain
@@ -29,13 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._errors import RondeError
-from ..checkpoint import atomic_save
 from ..frameworks import sharded_files
 from ..process_sets import ProcessSet, global_process_set, shard_position
 from .sharded import ShardedState, _groups
 
-FORMAT = "ronde.jax.sharded/1"
-PARAMS = "params.npz"
+FORMAT = "ronde.jax.sharded/2"
+#: the parameters' file of a step (``{id}``: the step's id); ``params.npz`` in format 1
+PARAMS = "params.{id}.npz"
 
 
 def _paths(tree: Any) -> tuple[list[str], list[Any], Any]:
@@ -98,26 +99,26 @@ def save_sharded(directory: str | os.PathLike[str], params: Any, opt_state: Any,
                          for sp, (j, at, _) in slots.items()}) for n, a, b, slots in pieces]
     names, leaves, _ = _paths(params)
 
-    def write_params(folder: str) -> None:
-        values = {f"p{i}": np.asarray(x) for i, x in enumerate(leaves)}
-        atomic_save(os.path.join(folder, PARAMS), lambda fh: np.savez(fh, **values))
+    def write_params(fh: Any) -> None:
+        np.savez(fh, **{f"p{i}": np.asarray(x) for i, x in enumerate(leaves)})
 
     sharded_files.save(directory, arrays,
                        {"scalars": {p: np.asarray(v).item() for p, v in scalars.items()},
                         "params": names},
-                       FORMAT, rank, size, process_set, write_params)
+                       FORMAT, rank, size, process_set, (PARAMS, {"write": write_params}))
 
 
 def load_sharded(directory: str | os.PathLike[str], params: Any, opt_state: Any,
                  process_set: ProcessSet = global_process_set) -> tuple[Any, Any]:
     """``(params, opt_state)`` from a folder :func:`save_sharded` wrote, at any world
     size: ``params`` and ``opt_state`` give the structures (``tx.init(params)``)."""
-    directory, meta = sharded_files.read_meta(directory, FORMAT)
+    directory, meta = sharded_files.read_meta(directory, FORMAT, "params.npz")
     names, leaves, treedef = _paths(params)
     if meta["params"] != names:
         raise RondeError(f"{directory}: saved for parameters {meta['params']}, these are "
                          f"{names}")
-    with np.load(os.path.join(directory, PARAMS), allow_pickle=False) as saved:
+    with sharded_files.open_model(directory, meta) as fh, \
+            np.load(fh, allow_pickle=False) as saved:
         new_params = jax.tree_util.tree_unflatten(
             treedef, [jnp.asarray(saved[f"p{i}"], dtype=jnp.result_type(x))
                       for i, x in enumerate(leaves)])

@@ -105,9 +105,15 @@ def broadcast_variables(variables: Any, root_rank: int = 0,
 def save_checkpoint(tree: Any, path: str | os.PathLike[str], root_rank: int = 0) -> bool:
     """Save a pytree (parameters, an optax state, a step count...) on ``root_rank``,
     atomically (see ronde/checkpoint.py), as a pickle of its leaves fetched to numpy
-    (``jax.device_get``): ``pickle.load`` gives it back, ``jax.numpy.asarray`` or
-    :func:`broadcast_parameters` puts it on the devices. No collective. Returns True
-    where it wrote."""
+    (``jax.device_get``). No collective. Returns True where it wrote.
+
+    The file is a pickle: reading it back (``pickle.load``) runs whatever code the file
+    names, so read only a file this job wrote, from a folder no other user can write
+    (the file's mode follows the umask, as ``open()``'s would). Then
+    ``jax.numpy.asarray`` or :func:`broadcast_parameters` puts the leaves on the
+    devices. For a checkpoint read with no pickle, keep the state in arrays:
+    :func:`ronde.jax.save_sharded` writes numpy files read with
+    ``allow_pickle=False``, at any world size."""
     import pickle
 
     from ..checkpoint import atomic_save, on_root

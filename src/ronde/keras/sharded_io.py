@@ -4,8 +4,9 @@ conversion: the files of :mod:`ronde.frameworks.sharded_files` plus the model's 
 ``save_sharded(dir, model, optimizer)`` (every rank calls it) writes each rank's pieces
 (a range [a, b) of one variable's flat elements that its shard covers, keyed
 ``"<index>:<shape>"`` by the variable's place among the trainable variables) with the
-optimizer's slots over them, ``dir/model.weights.h5`` (rank 0, ``model.save_weights``, if
-a model is given) and ``dir/meta.json`` last, with the step count. A slot is named by
+optimizer's slots over them, ``dir/model.<id>.weights.h5`` (rank 0, ``model.save_weights``,
+if a model is given) and ``dir/meta.json`` last, with the step count: one step, whole
+or not at all (``<id>`` new at every save). A slot is named by
 what the optimizer calls it (``momentum``, ``velocity``...): Keras names a slot variable
 ``<variable path>_<slot>``.
 
@@ -27,14 +28,14 @@ from typing import Any
 import numpy as np
 
 from .._errors import RondeError
-from ..checkpoint import atomic_save
 from ..frameworks import sharded_files
 from ..process_sets import global_process_set, shard_position
 from ._bridge import sync_jax_state, to_numpy
 from .sharded import is_sharded, variable_key
 
-MODEL = "model.weights.h5"
-FORMAT = "ronde.keras.sharded/1"
+#: the model's file of a step (``{id}``: the step's id); ``model.weights.h5`` in format 1
+MODEL = "model.{id}.weights.h5"
+FORMAT = "ronde.keras.sharded/2"
 
 #: (variable key, a, b, the slots' arrays over [a, b) as (slot, variable, offset))
 _Piece = tuple[str, int, int, list[tuple[str, Any, int]]]
@@ -123,22 +124,20 @@ def save_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) 
     pieces, counter = _pieces(optimizer, model)
     arrays = slices(pieces)
 
-    def weights(folder: str) -> None:
-        if model is not None:
-            atomic_save(os.path.join(folder, MODEL), write_path=model.save_weights)
-
     sharded_files.save(directory, arrays, {"iterations": int(to_numpy(counter.iterations)),
                                            "optimizer": type(optimizer).__name__},
-                       FORMAT, rank, size, ps, weights)
+                       FORMAT, rank, size, ps,
+                       None if model is None else (MODEL, {"write_path": model.save_weights}))
 
 
 def load_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) -> None:
     """Load ``model``'s weights (if given) and this rank's part of ``optimizer`` (built
     here over ``model.trainable_variables`` if it was not) from a folder that
     :func:`save_sharded` wrote, whatever the world size it was written at."""
-    directory, meta = sharded_files.read_meta(directory, FORMAT)
+    directory, meta = sharded_files.read_meta(directory, FORMAT, "model.weights.h5")
     if model is not None:
-        model.load_weights(os.path.join(directory, MODEL))
+        with sharded_files.open_model(directory, meta):  # a regular file of the folder
+            model.load_weights(os.path.join(directory, meta["model"]))
         if not getattr(optimizer, "built", False):
             optimizer.build(model.trainable_variables)
     mine, counter = _pieces(optimizer, model)

@@ -1,27 +1,33 @@
 """Checkpoints of a ``ShardedOptimizer`` that load at any world size, with no conversion.
 
-``save_sharded(dir, model, optimizer)`` (every rank calls it) writes::
+``save_sharded(dir, model, optimizer)`` (every rank calls it) writes one *step*::
 
     dir/optim.<id>.<r>-of-<N>.pt   each rank: its pieces, (parameter name, start, end),
                                    and each piece's optimizer state (tensor slices)
-    dir/model.pt                   rank 0: model.state_dict() (if a model is given)
-    dir/meta.pt                    rank 0, last: N, the parameters' shapes and dtypes,
+    dir/model.<id>.pt              rank 0: model.state_dict() (if a model is given)
+    dir/meta.pt                    rank 0, last: N, every file of the step and its size,
                                    every file's pieces, the param groups' hyperparameters
 
-Every file is written atomically (:func:`ronde.checkpoint.atomic_save`) and ``meta.pt``
-only after every rank's file is complete; the files of the previous save (another
-``<id>``) are removed after it. A save cut short leaves the previous checkpoint whole.
+``<id>`` is new at every save: the step's files never replace the previous step's, and
+``meta.pt``, replaced atomically once every file is complete, is what makes the step
+the folder's checkpoint (:class:`ronde.checkpoint.ShardedSave`): a save cut short at
+any point (Ctrl-C, a crash) leaves the previous step whole, model and optimizer
+together, and the next save removes what it left.
 
 ``load_sharded(dir, model, optimizer)`` reads ``meta.pt`` and, for each of this rank's
 pieces, only the files whose pieces overlap it: at any N, including a plain optimizer in
 one process (which then holds the whole state, as ``optimizer.state_dict()`` would: the
 export). A plain optimizer's checkpoint saved with ``save_sharded`` is one file of whole
 parameters and loads into a ``ShardedOptimizer`` the same way. Files are read with
-``torch.load(weights_only=True)``: tensors and plain values, never arbitrary objects.
+``torch.load(weights_only=True)``: tensors and plain values, never arbitrary objects;
+only files of the folder that ``meta.pt`` names, regular files of the size it recorded
+(:func:`ronde.checkpoint.open_member`).
 """
 
 from __future__ import annotations
 
+import io
+import logging
 import os
 from typing import Any
 
@@ -29,12 +35,17 @@ import torch
 
 from .. import _api, _objects
 from .._errors import RondeError, UnsupportedError
-from ..checkpoint import atomic_save, begin_sharded_save, commit_sharded_save, sharded_meta
+from ..checkpoint import begin_sharded_save, open_member, read_index
 from ..process_sets import global_process_set
 from .sharded import is_sharded
 
+log = logging.getLogger(__name__)
+
 META = "meta.pt"
-MODEL = "model.pt"
+#: the model's file in a folder of format 1 (before each step's files had its id)
+LEGACY_MODEL = "model.pt"
+FORMAT = "ronde.sharded/2"
+FORMATS = ("ronde.sharded/1", FORMAT)
 
 
 def _pieces(optimizer: Any, model: Any) -> list[tuple[str, int, int, torch.Tensor, int]]:
@@ -62,59 +73,111 @@ def _hyper(optimizer: Any) -> list[dict[str, Any]]:
 
 def save_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) -> None:
     """Write this rank's part of ``optimizer`` (and, on rank 0, ``model``) to
-    ``directory`` (a folder every rank can reach). Every rank must call it."""
+    ``directory`` (a folder every rank can reach) as one step: loaded whole, or not at
+    all, never beside another step's files. Every rank must call it."""
     directory = os.fspath(directory)
     sharded = is_sharded(optimizer)
     ps = optimizer._ronde_ps if sharded else global_process_set
     many = sharded and not optimizer._ronde_solo
     rank, size = (optimizer._ronde_rank, optimizer._ronde_size) if sharded else (0, 1)
-    token, writer, together = begin_sharded_save(directory, many, ps)
+
+    def names(token: str) -> list[str]:
+        return [*_files(token, size), *([f"model.{token}.pt"] if model is not None else [])]
+
+    step = begin_sharded_save(directory, META, many, not many or rank == 0, ps, names,
+                              lambda: _current(directory))
     pieces = _pieces(optimizer, model)
-    if writer:
+    entries = [(name, a, b) for name, a, b, _, _ in pieces]
+    nbytes = 0
+    if step.writer:
         state = optimizer.state
-        entries = [(name, a, b) for name, a, b, _, _ in pieces]
         states = [{k: (v.detach().reshape(-1).clone() if torch.is_tensor(v) and v.dim() > 0
                        else v) for k, v in state.get(t, {}).items()}
                   for _, _, _, t, _ in pieces]
-        own = f"optim.{token}.{rank}-of-{size}.pt"
-        atomic_save(os.path.join(directory, own),
-                    lambda fh: torch.save({"pieces": entries, "state": states}, fh))
-    index = [[(name, a, b) for name, a, b, _, _ in pieces]]
+        nbytes = step.write(_files(step.token, size)[rank],
+                            lambda fh: torch.save({"pieces": entries, "state": states}, fh))
+    index = [(entries, nbytes)]
     if many:
         index = _objects.allgather_object(index[0], "ronde.save_sharded.index", ps)
-    first = not many or rank == 0
-    if first and writer:
+    if step.committer:
+        meta = {"format": FORMAT, "id": step.token, "world_size": size,
+                "files": _files(step.token, size), "sizes": [n for _, n in index],
+                "pieces": [e for e, _ in index], "param_groups": _hyper(optimizer),
+                "optimizer": type(optimizer).__name__, "model": None, "model_size": None}
         if model is not None:
-            atomic_save(os.path.join(directory, MODEL), lambda fh: torch.save(model.state_dict(), fh))
-        meta = {"format": "ronde.sharded/1", "id": token, "world_size": size,
-                "files": [f"optim.{token}.{r}-of-{size}.pt" for r in range(size)],
-                "pieces": index, "param_groups": _hyper(optimizer),
-                "optimizer": type(optimizer).__name__}
-        commit_sharded_save(directory, META, lambda fh: torch.save(meta, fh), token, ".pt")
-    if together:
+            meta["model"] = f"model.{step.token}.pt"
+            meta["model_size"] = step.write(meta["model"],
+                                            lambda fh: torch.save(model.state_dict(), fh))
+        step.commit(lambda fh: torch.save(meta, fh), names(step.token))
+    if step.together:
         _api.barrier(process_set=ps)
+
+
+def _files(token: str, size: int) -> list[str]:
+    return [f"optim.{token}.{r}-of-{size}.pt" for r in range(size)]
+
+
+def _read_meta(directory: str) -> dict[str, Any]:
+    """``directory``'s ``meta.pt``, checked to be a sharded save's index that names
+    only files of the folder."""
+    meta = torch.load(io.BytesIO(read_index(directory, META)), weights_only=True)
+    where = os.path.join(directory, META)
+    if not isinstance(meta, dict) or meta.get("format") not in FORMATS:
+        raise RondeError(f"{where}: unknown format "
+                         f"{meta.get('format') if isinstance(meta, dict) else type(meta)!r}"
+                         " (not a save_sharded() index)")
+    files, pieces = meta.get("files"), meta.get("pieces")
+    if not (isinstance(files, list) and isinstance(pieces, list)
+            and len(files) == len(pieces) == meta.get("world_size")):
+        raise RondeError(f"{where}: its files and pieces do not match its world size; "
+                         "the index is damaged")
+    if meta["format"] == FORMATS[0]:  # before each step's files carried its id
+        meta.update(sizes=[None] * len(files), model=LEGACY_MODEL, model_size=None)
+    return meta
+
+
+def _current(directory: str) -> tuple[str, list[str]] | None:
+    """The id and files of the step ``directory``'s index names now (None: none)."""
+    if not os.path.lexists(os.path.join(directory, META)):
+        return None
+    try:
+        meta = _read_meta(directory)
+    except Exception as exc:  # noqa: BLE001 - a damaged index: its files stay, unnamed
+        log.warning("%s: cannot read the previous index (%s); its files stay", directory, exc)
+        return None
+    return str(meta.get("id")), [*meta["files"], *([meta["model"]] if meta["model"] else [])]
 
 
 def load_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) -> None:
     """Load ``model`` (if given) and this rank's part of ``optimizer`` from a folder that
-    :func:`save_sharded` wrote, whatever the world size it was written at."""
-    directory, meta_path = sharded_meta(directory, META)
-    meta = torch.load(meta_path, weights_only=True)
-    if meta.get("format") != "ronde.sharded/1":
-        raise RondeError(f"{meta_path}: unknown format {meta.get('format')!r}")
+    :func:`save_sharded` wrote, whatever the world size it was written at: the step its
+    ``meta.pt`` names, model and optimizer together.
+
+    Raises:
+        FileNotFoundError: no ``meta.pt``, or a file it names is missing.
+        RondeError: a file it names is not a regular file of the folder or not of the
+            recorded size, or the state does not cover this rank's pieces.
+    """
+    directory = os.fspath(directory)
+    meta = _read_meta(directory)
+    where = os.path.join(directory, META)
     if model is not None:
-        model.load_state_dict(torch.load(os.path.join(directory, MODEL), weights_only=True))
+        if not meta["model"]:
+            raise RondeError(f"{where}: saved without a model; pass model=None")
+        with open_member(directory, meta["model"], meta["model_size"], where) as fh:
+            model.load_state_dict(torch.load(fh, weights_only=True))
     mine = _pieces(optimizer, model)
     wanted: dict[str, list[tuple[int, int, int]]] = {}
     for k, (name, a, b, _, _) in enumerate(mine):
         wanted.setdefault(name, []).append((a, b, k))
     got: list[dict[str, Any]] = [{} for _ in mine]
     covered = [0] * len(mine)
-    for f, entries in zip(meta["files"], meta["pieces"]):
+    for f, nbytes, entries in zip(meta["files"], meta["sizes"], meta["pieces"]):
         if not any(n in wanted and any(a < e and s < b for a, b, _ in wanted[n])
                    for n, s, e in entries):
             continue  # nothing of this rank's in that file
-        saved = torch.load(os.path.join(directory, f), weights_only=True)
+        with open_member(directory, f, nbytes, where) as fh:
+            saved = torch.load(fh, weights_only=True)
         for (name, s, e), state in zip(saved["pieces"], saved["state"]):
             for a, b, k in wanted.get(name, ()):
                 lo, hi = max(a, s), min(b, e)
