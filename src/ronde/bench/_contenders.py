@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from .._private_files import private_dir
 from ._gloo import launch_gloo, torch_available
 from ._mpi import MPI_PEERS, default_cache_dir, ensure_venv, launch_mpi
 from ._timing import Settings
@@ -73,7 +74,7 @@ class Contender:
         if self.transport == "mpi":
             how = ["--mpi"]
         elif self.transport == "shm+timeline":
-            tl = Path(tempfile.gettempdir()) / "ronde-bench-timeline-{rank}.json"
+            tl = Path(private_dir()) / "bench-timeline-{rank}.json"
             how = ["--transport", "shm", "--timeline-filename", str(tl)]
         return [*ronderun_command(), "-np", str(np_), *how,
                 "--timeout", str(int(timeout_s)), sys.executable, "-m", "ronde.bench._worker",
@@ -98,7 +99,7 @@ class Contender:
                 raise JobFailedError(f"{self.impl} job failed (exit code {rc}):\n{log}")
             doc: dict[str, Any] = json.loads(out.read_text())
             if self.transport == "shm+timeline":
-                for leftover in Path(tempfile.gettempdir()).glob("ronde-bench-timeline-*.json"):
+                for leftover in Path(private_dir()).glob("bench-timeline-*.json"):
                     leftover.unlink()
         expected = "ronde-shm" if self.transport == "shm+timeline" else self.impl
         if self.kind == "ronde" and doc.get("impl") != expected:
