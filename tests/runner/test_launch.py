@@ -459,6 +459,65 @@ def test_the_summary_names_a_rank_that_left_early_with_exit_code_0() -> None:
     assert "while the other ranks still needed it" in r.stderr
 
 
+STOPPED = """
+import os, signal, numpy as np, ronde as hvd
+hvd.init()
+hvd.allreduce(np.ones(4), name="warm")
+if hvd.rank() == int(os.environ["STOP_RANK"]):
+    os.kill(os.getpid(), signal.SIGSTOP)  # alive, silent: its peers lose it
+for i in range(100000):
+    hvd.allreduce(np.ones(4), name="step")
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("np_, stopped", [(3, 1), (4, 2)])
+def test_the_summary_leads_with_a_stopped_rank_not_a_survivor(np_: int, stopped: int) -> None:
+    """Issue #50: the peers of a SIGSTOPped rank fail with PeerLostError naming it; the
+    summary blamed the first survivor to exit, since ronderun then stopped the silent
+    rank itself. A stopped rank also takes ronderun's SIGTERM at once (SIGCONT)."""
+    r = ronderun("-np", str(np_), PY, "-c", STOPPED, timeout=80,
+                 env={"STOP_RANK": str(stopped), "RONDE_STALL_SHUTDOWN_TIME": "2"})
+    assert r.returncode == 1, r.stderr
+    summary = [line for line in r.stderr.splitlines() if line.startswith("ronderun:")]
+    assert summary[0] == (f"ronderun: rank {stopped} (host localhost) failed first: it stopped "
+                          "answering while it still ran (its peers lost it; stopped or hung?), "
+                          "then ronderun had to stop it (killed by signal SIGTERM)"), r.stderr
+    assert f"PeerLostError: rank {stopped} (host localhost) stopped responding" in r.stderr
+
+
+ELASTIC_EARLY_EXIT = """
+import sys, numpy as np, ronde as hvd
+from ronde.elastic import ObjectState, run
+
+hvd.init()
+
+@run
+def train(state):
+    while state.step < 1000:
+        hvd.allreduce(np.ones(3), name="x")
+        if state.step == 3 and hvd.rank() == 1:
+            sys.exit(0)  # leaves the elastic job early
+        state.step += 1
+        state.commit()
+
+train(ObjectState(step=0))
+"""
+
+
+@pytest.mark.timeout(90)
+def test_the_elastic_summary_leads_with_a_rank_that_left_early_with_exit_code_0() -> None:
+    """Issue #50: the elastic launcher blamed a survivor (the first to exit non-zero)."""
+    r = ronderun("-np", "3", "--min-np", "2", "-H", "127.0.0.1:1,127.0.0.2:1,127.0.0.3:1",
+                 PY, "-c", ELASTIC_EARLY_EXIT, timeout=80)
+    assert r.returncode == 1, r.stderr
+    summary = [line for line in r.stderr.splitlines() if line.startswith("ronderun:")
+               and not line.startswith("ronderun: elastic: ")]
+    assert summary[0].startswith("ronderun: rank 1 (host 127.0.0.2) left first: it ended "
+                                 "(with exit code 0) while the other ranks still needed it"), \
+        r.stderr
+
+
 @pytest.mark.timeout(60)
 def test_torchrun_variables_can_be_turned_off() -> None:
     """RONDE_TORCHRUN_ENV=0: neither ronderun nor init() sets them (ronde's optimizer

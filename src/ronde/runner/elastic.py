@@ -49,7 +49,7 @@ from .elastic_rendezvous import ElasticRendezvous, Slot
 from .hosts import RankSlot, is_local, resolve_hosts
 from .launch import SETTLE_S, LaunchResult, _Job
 from .workers import Worker as _Worker, remote_worker
-from .summary import failure_lines
+from .summary import failure_lines, reported_cause
 
 __all__ = ["ElasticJob", "parse_cooldown", "run_elastic"]
 
@@ -105,17 +105,35 @@ class ElasticJob(_Job):
         codes = [w.returncode for w in self.workers]
         failed = [w for w in self.workers if w.returncode not in (None, 0)
                   and not w.signalled] or self.failed_workers
-        if failed:
+        first, message = self._cause()
+        reported = first is not None  # then its line leads: the driver's follows from it
+        if first is None and failed:
             first = min(failed, key=lambda w: w.exit_time or 0.0)
-            code, cause, lines = failure_lines(first, "", self.workers)
+        if first is not None:
+            code, cause, lines = failure_lines(first, message, self.workers)
         else:
             first, code, cause, lines = None, 1, "", []
         fatal = self.driver.fatal if self.driver else ""
         if fatal:
-            cause = fatal if not cause else f"{fatal}; {cause}"
-            lines = [f"ronderun: {fatal}", *lines]
+            cause = fatal if not cause else f"{cause}; {fatal}" if reported else \
+                f"{fatal}; {cause}"
+            at = 1 if reported else 0
+            lines = [*lines[:at], f"ronderun: {fatal}", *lines[at:]]
         return self._finish(LaunchResult(code, first.slot.rank if first else None, codes,
                                          cause), lines)
+
+    def _cause(self) -> tuple[Any | None, str]:
+        """The worker that ended the newest generation by its ranks' reports (a primary
+        failure, or the rank their errors name: one that left early or stopped
+        answering), as :func:`~ronde.runner.summary.reported_cause` decides for a
+        fixed job; ``(None, "")`` when no report decides."""
+        assert self.driver is not None
+        server = self.driver.server
+        ranked = [self.driver.by_slot.get(s) for s in server.formed()]
+        if not ranked or None in ranked:
+            return None, ""
+        reports = [f for f in list(server.failures) if f.get("time", 0.0) >= server.formed_at]
+        return reported_cause(ranked, reports)
 
 
 def run_elastic(command: Sequence[str], np: int | None, min_np: int, max_np: int | None,

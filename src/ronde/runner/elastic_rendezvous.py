@@ -34,6 +34,9 @@ class ElasticRendezvous(RendezvousServer):
         self._formed: list[Slot] = []
         self._is_formed = True
         self.generation = 0
+        #: when the newest generation formed (``time.monotonic()``): the failure reports
+        #: since then name its ranks
+        self.formed_at = 0.0
         self._removed: set[Slot] = set()
         #: (sequence number, update bits) of the latest host notice: a counter, not a
         #: clock, so two changes within a second are two notices
@@ -139,6 +142,7 @@ class ElasticRendezvous(RendezvousServer):
                         "generation": self.generation, "notice": self.notice[0]}))
                 self._is_formed = True
                 self._formed = list(target)
+                self.formed_at = time.monotonic()
         for conn, obj in replies:
             self._reply(conn, obj)
             conn.close()

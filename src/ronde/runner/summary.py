@@ -25,6 +25,9 @@ class Failed(Protocol):
 
 #: ``first_failure``'s message for a rank that shut down on its own while others needed it
 LEFT = "\0left"
+#: ``first_failure``'s message for a rank its peers lost while it still ran (stopped by
+#: SIGSTOP, hung), which ronderun then had to stop
+SILENT = "\0silent"
 
 
 def describe_status(code: int | None) -> str:
@@ -51,6 +54,28 @@ def primary_reports(failures: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 def first_failure(workers: Sequence[Failed], failures: Sequence[dict[str, Any]]
                   ) -> tuple[Any | None, str]:
     """The worker that failed first and its reported message ("" if none)."""
+    first, message = reported_cause(workers, failures)
+    if first is not None:
+        return first, message
+    # A rank whose error says another rank caused it is not the cause while another
+    # failed rank made no such claim, e.g. one that called sys.exit(3).
+    secondary = {f.get("rank") for f in failures if f.get("secondary")}
+    failed = [w for r, w in enumerate(workers) if w.returncode not in (None, 0)
+              and not w.signalled and r not in secondary]
+    if not failed:
+        failed = [w for w in workers if w.returncode not in (None, 0) and not w.signalled]
+    if not failed:
+        failed = [w for w in workers if w.returncode not in (None, 0)]
+    if not failed:
+        return None, ""
+    return min(failed, key=lambda w: (w.exit_time or 0.0, w.slot.rank)), ""
+
+
+def reported_cause(workers: Sequence[Failed], failures: Sequence[dict[str, Any]]
+                   ) -> tuple[Any | None, str]:
+    """The worker that failed first by the ranks' own reports (``workers`` in rank
+    order): the earliest primary failure, else the rank whose loss the others report
+    and that caused it (:func:`_caused`); ``(None, "")`` when no report decides."""
     primary = [f for f in primary_reports(failures) if 0 <= f["rank"] < len(workers)]
     if primary:
         first = min(primary, key=lambda f: f.get("time", 0.0))
@@ -62,25 +87,29 @@ def first_failure(workers: Sequence[Failed], failures: Sequence[dict[str, Any]]
     # (an early sys.exit(0)) left first, and the ranks that lost it failed after it.
     # A rank that shut down on its own while the others still needed it (they report
     # ``left``) is the cause even when ronderun then had to stop it mid-shutdown.
+    # So is a rank that stopped answering (SIGSTOP, a hung process) and that ronderun
+    # had to stop: the loss was reported before ronderun signalled it.
     lost = [f for f in failures if isinstance(f.get("lost"), int)
-            and 0 <= f["lost"] < len(workers)
-            and (f.get("left") or (workers[f["lost"]].returncode is not None
-                                   and not workers[f["lost"]].signalled))]
+            and 0 <= f["lost"] < len(workers) and _caused(workers[f["lost"]], f)]
     if lost:
         cause = min(lost, key=lambda f: f.get("time", 0.0))
-        return workers[cause["lost"]], LEFT if cause.get("left") else ""
-    # A rank whose error says another rank caused it is not the cause while another
-    # failed rank made no such claim, e.g. one that called sys.exit(3).
-    secondary = {f.get("rank") for f in failures if f.get("secondary")}
-    failed = [w for w in workers if w.returncode not in (None, 0) and not w.signalled
-              and w.slot.rank not in secondary]
-    if not failed:
-        failed = [w for w in workers if w.returncode not in (None, 0) and not w.signalled]
-    if not failed:
-        failed = [w for w in workers if w.returncode not in (None, 0)]
-    if not failed:
-        return None, ""
-    return min(failed, key=lambda w: (w.exit_time or 0.0, w.slot.rank)), ""
+        w = workers[cause["lost"]]
+        return w, LEFT if cause.get("left") else SILENT if w.signalled else ""
+    return None, ""
+
+
+def _caused(w: Failed, report: dict[str, Any]) -> bool:
+    """Whether ``w``, whose loss ``report`` names, ended the job: it shut down while
+    needed, ended without ronderun's signal, or was still there, silent, when the loss
+    was reported (ronderun signalled it only after)."""
+    if report.get("left"):
+        return True
+    if w.returncode is None:
+        return False
+    if not w.signalled:
+        return True
+    at = getattr(w, "signalled_at", None)
+    return at is not None and isinstance(report.get("time"), float) and report["time"] < at
 
 
 def failure_lines(first: Failed, message: str, workers: Sequence[Failed]
@@ -90,9 +119,15 @@ def failure_lines(first: Failed, message: str, workers: Sequence[Failed]
     code = shell_code(raw) or 1
     where = f"rank {first.slot.rank} (host {first.slot.host})"
     left = raw == 0 or (message == LEFT and first.signalled)  # not its own failure
-    if message == LEFT:
+    silent = message == SILENT and not left
+    if message in (LEFT, SILENT):
         message = ""
-    if left:
+    if silent:
+        code = 1
+        cause = (f"{where} failed first: it stopped answering while it still ran (its peers "
+                 f"lost it; stopped or hung?), then ronderun had to stop it "
+                 f"({describe_status(raw)[4:]})")
+    elif left:
         code = 1
         cause = (f"{where} left first: it ended (with {describe_status(raw)}) while the other "
                  "ranks still needed it; end every rank alike (hvd.shutdown() on all, or "

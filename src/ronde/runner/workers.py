@@ -13,8 +13,10 @@ from __future__ import annotations
 import collections
 import os
 import shlex
+import signal
 import subprocess
 import threading
+import time
 from typing import Mapping, Sequence
 
 from .hosts import RankSlot
@@ -43,6 +45,8 @@ class Worker:
         self.returncode: int | None = None
         self.exit_time: float | None = None
         self.signalled = False  # the launcher asked it to stop
+        #: when the launcher first signalled it (``time.monotonic()``), or None
+        self.signalled_at: float | None = None
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.threads: list[threading.Thread] = []
 
@@ -51,10 +55,17 @@ class Worker:
         return self.proc is not None and self.returncode is None
 
     def killpg(self, sig: int) -> None:
+        """Send ``sig`` to the worker's process group; a SIGTERM is followed by SIGCONT,
+        so that a stopped worker (SIGSTOP, a debugger's ^Z) takes it now, not at the
+        SIGKILL a grace period later."""
         if self.proc is None:
             return
+        if self.signalled and self.signalled_at is None:
+            self.signalled_at = time.monotonic()
         try:
             os.killpg(self.proc.pid, sig)
+            if sig == signal.SIGTERM:
+                os.killpg(self.proc.pid, signal.SIGCONT)
         except (ProcessLookupError, PermissionError):
             pass
 
