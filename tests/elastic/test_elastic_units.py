@@ -12,7 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from ronde import HorovodInternalError, HostsUpdatedInterrupt, PeerLostError, TensorMismatchError
+from ronde import (ConfigError, HorovodInternalError, HostsUpdatedInterrupt, PeerLostError,
+                   TensorMismatchError)
 from ronde.elastic import ObjectState, notify
 from ronde.elastic.loop import resettable, run_fn
 from ronde.elastic.sampler import ElasticShards
@@ -104,6 +105,79 @@ def test_a_hanging_discovery_script_never_holds_the_driver(tmp_path):
             open(f"/proc/{pid}/stat").read().split(") ")[-1][:1] == "Z"
     finally:
         d.close()
+
+
+def _script(tmp_path, name, body):
+    script = tmp_path / name
+    script.write_text("#!/bin/sh\n" + body)
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return str(script)
+
+
+def test_discovery_takes_only_host_names_and_addresses(tmp_path, caplog):
+    """Issue #50: a garbage line was taken as a host (and a 1 MiB one crashed the
+    launcher later, resolving it)."""
+    lines = ["a:2", "garbage!!", "a..b", "-rf", "1.2.3.999", "x" * 300, "Usage: ronde",
+             "$(reboot)", "[::1]:3", "10.0.0.7", "svc_1.cluster.local:4", "fe80::1%eth0",
+             "d:1  # a comment"]
+    script = _script(tmp_path, "hosts.sh", "".join(f"echo '{line}'\n" for line in lines))
+    d = Discovery(script=script, slots_per_host=2)
+    try:
+        assert d.find() == [HostSpec("a", 2), HostSpec("::1", 3), HostSpec("10.0.0.7", 2),
+                            HostSpec("svc_1.cluster.local", 4), HostSpec("fe80::1%eth0", 2),
+                            HostSpec("d", 1)]
+    finally:
+        d.close()
+    skipped = [r.getMessage() for r in caplog.records if "skipping line" in r.getMessage()]
+    assert [m.split(" of the output")[0] for m in skipped] == \
+        [f"elastic: skipping line {n}" for n in (2, 3, 4, 5, 6, 7, 8)], skipped
+    assert "is not a valid host name" in skipped[0]
+
+
+def test_discovery_output_is_bounded_and_its_script_killed(tmp_path):
+    """Issue #50: a 1 MiB line crashed the launcher, 200 MB of output ended the job as
+    "no answer"; now the run fails at once with the limit, its script killed."""
+    long_line = _script(tmp_path, "long.sh", "head -c 1048576 /dev/zero | tr '\\0' a; "
+                        "echo; echo b\n")
+    endless = _script(tmp_path, "endless.sh", "echo a:1; yes b\n")
+    for script, message in ((long_line, "line 1 of its output is longer than 4096 bytes"),
+                            (endless, "printed more than 1048576 bytes")):
+        d = Discovery(script=script, timeout_s=60)
+        try:
+            with pytest.raises(ConfigError, match=message):
+                d.find()
+        finally:
+            d.close()
+
+
+def test_a_hung_discovery_script_is_killed_and_reaped_when_the_job_ends(tmp_path):
+    """Issue #50: a hung script outlived the job (its run's timeout is 30 s; the job
+    ended first)."""
+    child, started = tmp_path / "child.pid", tmp_path / "script.pid"
+    script = _script(tmp_path, "hang.sh", f"echo $$ > {started}; sleep 300 & "
+                     f"echo $! > {child}; wait\n")
+    d = Discovery(script=script, timeout_s=300)
+    errors = []
+    finder = threading.Thread(target=lambda: errors.append(_error_of(d.find)))
+    finder.start()
+    deadline = time.monotonic() + 20
+    while not (child.exists() and child.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = [int(started.read_text()), int(child.read_text())]
+    d.close()  # what run_elastic does at the job's end
+    finder.join(timeout=20)
+    assert errors and "the job ended" in errors[0], errors
+    for pid in pids:  # the script reaped (no zombie: its parent waited), its child killed
+        assert not os.path.exists(f"/proc/{pid}") or \
+            open(f"/proc/{pid}/stat").read().split(") ")[-1][:1] == "Z" and pid != pids[0]
+
+
+def _error_of(call):
+    try:
+        call()
+    except ConfigError as exc:
+        return str(exc)
+    return "no error"
 
 
 def _simulate(shards_by_rank, batch, steps, commit_every, first=0):

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import random
+import selectors
 import shlex
 import signal
 import subprocess
@@ -23,12 +24,18 @@ from typing import Any, Callable, Sequence
 from .._errors import ConfigError
 from .elastic_rendezvous import ElasticRendezvous, Slot
 from .env import worker_env_vars
-from .hosts import HostSpec, RankSlot, parse_hostfile_lines, places
+from .hosts import HostSpec, RankSlot, parse_host_item, places
 
 log = logging.getLogger(__name__)
 
 #: how often the discovery script runs
 DISCOVER_EVERY_S = 1.0
+#: the most bytes one line of the discovery script's output may have
+DISCOVERY_LINE_LIMIT_BYTES = 4096
+#: the most bytes of output (standard output) one run of the script may print
+DISCOVERY_OUTPUT_LIMIT_BYTES = 1 << 20
+#: the bytes of its standard error kept for the message of a run that failed
+_STDERR_KEPT_BYTES = 4096
 
 
 # -- discovery ---------------------------------------------------------------------------
@@ -37,9 +44,14 @@ class Discovery:
 
     The script runs on a thread of its own (about once a second), never in the driver's
     loop: a script that hangs or fails cannot delay failure handling. Each run has
-    ``timeout_s`` (``DISCOVERY_TIMEOUT_S``); on expiry its whole process group is
-    killed. Its output is read as bytes: a line that is not UTF-8 or not a host is
-    logged and skipped, the others are used.
+    ``timeout_s`` (``DISCOVERY_TIMEOUT_S``); on expiry, or when its output passes
+    :data:`DISCOVERY_OUTPUT_LIMIT_BYTES` or a line passes
+    :data:`DISCOVERY_LINE_LIMIT_BYTES`, its whole process group is killed and reaped and
+    the run fails with a message saying why. :meth:`close` (the job's end) does the
+    same to a run in progress and waits for the thread. Each output line is ``host`` or
+    ``host:slots`` (``[v6addr]:slots``); a line that is not UTF-8 or not a valid host
+    name or address (:func:`~ronde.runner.hosts.valid_host_name`) is logged, naming it,
+    and skipped; the others are used.
     """
 
     def __init__(self, fixed: list[HostSpec] | None = None, script: str | None = None,
@@ -52,6 +64,7 @@ class Discovery:
         self._error: str | None = None  # of the newest run, when it failed, until told
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._proc: subprocess.Popen[bytes] | None = None  # the run in progress
 
     @property
     def dynamic(self) -> bool:
@@ -80,7 +93,15 @@ class Discovery:
         return list(hosts)
 
     def close(self) -> None:
-        self._stop.set()
+        """Stop running the script: a run in progress is killed (its process group) and
+        reaped before this returns."""
+        with self._lock:
+            self._stop.set()
+            proc = self._proc
+        if proc is not None:
+            _kill_group(proc)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10.0)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -104,16 +125,17 @@ class Discovery:
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         except OSError as exc:
             raise ConfigError(f"--host-discovery-script {self.script}: {exc}") from None
+        with self._lock:
+            self._proc = proc
+            stopping = self._stop.is_set()
         try:
-            out, err = proc.communicate(timeout=self.timeout_s)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # and whatever it started
-            except OSError:
-                pass
-            proc.communicate()
-            raise ConfigError(f"--host-discovery-script {self.script} did not finish within "
-                              f"{self.timeout_s:g}s; killed it and its children") from None
+            if stopping:
+                raise ConfigError(f"--host-discovery-script {self.script}: the job ended")
+            out, err = self._read(proc)
+        finally:
+            _kill_group(proc)
+            with self._lock:
+                self._proc = None
         if proc.returncode != 0:
             tail = err.decode("utf-8", "replace").strip()[-500:]
             raise ConfigError(f"--host-discovery-script {self.script} exited with "
@@ -122,18 +144,81 @@ class Discovery:
         for number, raw in enumerate(out.splitlines(), 1):
             where = f"line {number} of the output of {self.script}"
             try:
-                line = raw.decode("utf-8").strip()
-                if not line or line.startswith("#"):
+                line = raw.decode("utf-8").split("#", 1)[0].strip()
+                if not line:
                     continue
-                host, sep, slots = line.rpartition(":")
-                if not sep or not slots.isdigit():  # "host" (or an IPv6 address)
-                    line = f"{line} slots={self.slots_per_host}"
-                else:
-                    line = f"{host} slots={slots}"
-                hosts.extend(parse_hostfile_lines([line], where))
+                if " " in line or "\t" in line:
+                    raise ConfigError(f"{where}: {line[:80]!r} is not 'host' or 'host:slots'")
+                hosts.append(parse_host_item(line, where, self.slots_per_host))
             except (UnicodeDecodeError, ConfigError) as exc:
                 log.warning("elastic: skipping %s (%r): %s", where, raw[:80], exc)
         return hosts
+
+    def _read(self, proc: subprocess.Popen[bytes]) -> tuple[bytes, bytes]:
+        """The run's standard output and the tail of its standard error, read until
+        both close and the script exits; ConfigError past the timeout or the limits."""
+        assert proc.stdout is not None and proc.stderr is not None
+        deadline = time.monotonic() + self.timeout_s
+        out, err = bytearray(), bytearray()
+        line_start = 0
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ, out)
+            sel.register(proc.stderr, selectors.EVENT_READ, err)
+            while sel.get_map():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._timed_out()
+                if self._stop.is_set():
+                    raise ConfigError(f"--host-discovery-script {self.script}: the job ended")
+                for key, _ in sel.select(min(left, 0.5)):
+                    chunk = os.read(key.fd, 65536)
+                    if not chunk:
+                        sel.unregister(key.fileobj)
+                        continue
+                    key.data.extend(chunk)
+                    if key.data is err:
+                        del err[:-_STDERR_KEPT_BYTES]
+                        continue
+                    if len(out) > DISCOVERY_OUTPUT_LIMIT_BYTES:
+                        raise ConfigError(
+                            f"--host-discovery-script {self.script} printed more than "
+                            f"{DISCOVERY_OUTPUT_LIMIT_BYTES} bytes; killed it (print one "
+                            "'host' or 'host:slots' a line)")
+                    newline = out.rfind(b"\n", len(out) - len(chunk))
+                    if newline >= 0:
+                        line_start = newline + 1
+                    if len(out) - line_start > DISCOVERY_LINE_LIMIT_BYTES:
+                        number = out.count(b"\n", 0, line_start) + 1
+                        raise ConfigError(
+                            f"--host-discovery-script {self.script}: line {number} of "
+                            "its output is longer "
+                            f"than {DISCOVERY_LINE_LIMIT_BYTES} bytes; killed it (print one "
+                            "'host' or 'host:slots' a line)")
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise self._timed_out() from None
+        return bytes(out), bytes(err)
+
+    def _timed_out(self) -> ConfigError:
+        return ConfigError(f"--host-discovery-script {self.script} did not finish within "
+                           f"{self.timeout_s:g}s; killed it and its children")
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """Kill a discovery run's whole process group (what it started too, even once the
+    script itself ended), reap the script, and close its pipes."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    proc.wait()
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe is not None:
+            try:
+                pipe.close()
+            except OSError:
+                pass
 
 
 @dataclasses.dataclass

@@ -32,7 +32,9 @@ from typing import Iterable
 
 from .._errors import ConfigError
 
-_NAME_RE = re.compile(r"[A-Za-z0-9_.\-:%]+")
+#: one label of a host name: letters, digits, '-' (not first or last) and '_' (used by
+#: container networks' service names), 1 to 63 characters
+_LABEL_RE = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_\-]{0,61}[A-Za-z0-9_])?")
 _LOCAL_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"}
 
 #: the most ranks ``ronderun`` starts on one host (a slot count above it is refused)
@@ -97,9 +99,46 @@ def _split_host(item: str, where: str) -> HostSpec:
         slots = _parse_slots(count, where, name)
     else:
         name, slots = item, 1  # a bare name, or a bare IPv6 address (several colons)
-    if not name or not _NAME_RE.fullmatch(name):
-        raise ConfigError(f"{where}: {name!r} is not a valid host name")
+    if not valid_host_name(name):
+        shown = repr(name) if len(name) <= 80 else f"{name[:60]!r}... ({len(name)} characters)"
+        raise ConfigError(f"{where}: {shown} is not a valid host name (a name of labels of "
+                          "letters, digits, '-' and '_', at most 253 characters, or an IP "
+                          "address)")
     return HostSpec(name, slots)
+
+
+def valid_host_name(name: str) -> bool:
+    """Whether ``name`` is an IP address (IPv6 without brackets, with an optional
+    ``%scope``) or a host name: dot-separated labels (``_LABEL_RE``), at most 253
+    characters, an optional final dot."""
+    if not name or len(name) > 253:
+        return False
+    if ":" in name:
+        addr, _, scope = name.partition("%")
+        try:
+            ipaddress.IPv6Address(addr)
+        except ValueError:
+            return False
+        return "%" not in name or bool(_LABEL_RE.fullmatch(scope))
+    if re.fullmatch(r"[0-9.]+", name):  # digits and dots: an IPv4 address or nothing
+        try:
+            ipaddress.IPv4Address(name)
+        except ValueError:
+            return False
+        return True
+    labels = name[:-1].split(".") if name.endswith(".") else name.split(".")
+    return all(_LABEL_RE.fullmatch(label) for label in labels)
+
+
+def parse_host_item(item: str, where: str, default_slots: int) -> HostSpec:
+    """Parse one ``host``, ``host:N``, ``[v6addr]`` or ``[v6addr]:N`` entry (a line of
+    a discovery script's output); ``default_slots`` when it gives no count.
+
+    Raises:
+        ConfigError: naming ``where`` and what is wrong.
+    """
+    spec = _split_host(item, where)
+    return spec if _has_slot_suffix(item.strip()) else HostSpec(spec.name, default_slots)
 
 
 def _has_slot_suffix(item: str) -> bool:
