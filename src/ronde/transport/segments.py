@@ -77,6 +77,10 @@ def create_segment(path: str, total: int) -> mmap.mmap:
             break
         except FileExistsError:
             _remove_own_leftover(path, planted=attempt == 2)
+    else:  # (a name that someone keeps filling between two tries)
+        raise SecurityError(f"shared-memory segment {path}: something else is made at this "
+                            "name again and again; run without shared memory "
+                            "(RONDE_TRANSPORT=tcp) and find who makes it")
     try:
         os.ftruncate(fd, total)
         _reserve(fd, path, total)
