@@ -166,13 +166,67 @@ def adasum_delta() -> dict:
     return out
 
 
+def float64_fit() -> dict:
+    """A float64 model (``floatx`` and the dtype policy float64) with DistributedOptimizer against one process
+    on the global batch: ``same``, every rank given the whole global batch (the averaged
+    gradient is the one process's, bit for bit, if the reduction keeps float64);
+    ``split``, each rank its shard (as in training); ``split_one_process``, the same
+    split's average computed in one process without ronde (what the backend's own
+    arithmetic gives: Keras 3.15's torch backend multiplies float64 matrices in float32,
+    ``keras.src.backend.common.dtypes.result_type``, so a split batch differs there by
+    1e-8 whatever averages it)."""
+    import keras
+
+    import ronde.keras as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    before = keras.config.floatx(), keras.config.dtype_policy()
+    if keras.backend.backend() == "jax":  # JAX holds float64 only with x64 on
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    try:
+        x, y = _data(n)
+        x = x.astype(np.float64)
+        y1 = np.eye(C)[y]  # mse on one-hot rows: a float64 loss on every backend
+        out: dict = {"backend": keras.backend.backend()}
+
+        def train(distributed: bool, rows: "list[np.ndarray]") -> list[np.ndarray]:
+            model = _model(3)
+            opt = keras.optimizers.SGD(0.1, momentum=0.5)
+            model.compile(hvd.DistributedOptimizer(opt) if distributed else opt, "mse")
+            for xb, yb in rows:
+                model.train_on_batch(xb, yb)
+            return _weights(model)
+
+        glob = [(x[t * n * B:(t + 1) * n * B], y1[t * n * B:(t + 1) * n * B]) for t in range(S)]
+        mine = [(xb[r * B:(r + 1) * B], yb[r * B:(r + 1) * B]) for xb, yb in glob]
+        one = train(False, glob)
+        out["dtype"] = str(one[0].dtype)
+        out["same"] = _maxdiff(train(True, glob), one)
+        split = train(True, mine)
+        out["split"] = _maxdiff(split, one)
+        out["ranks_equal"] = _maxdiff(split, hvd.broadcast_object(split, 0))
+    finally:
+        keras.config.set_floatx(before[0])
+        keras.config.set_dtype_policy(before[1])
+        if keras.backend.backend() == "jax":
+            jax.config.update("jax_enable_x64", False)
+    hvd.shutdown()
+    return out
+
+
 def fit_scenarios(path: str) -> dict:
     """One launch per backend (importing the framework is most of a launch's cost):
-    :func:`fit_equivalence`, :func:`load_model_roundtrip` into ``path``, then
-    :func:`sharded_scenarios`, then :func:`adasum_delta` (which shuts ronde down), each
-    result under its name."""
-    return {"fit": fit_equivalence(), "load": load_model_roundtrip(path),
-            "sharded": sharded_scenarios(), "adasum": adasum_delta()}
+    :func:`fit_equivalence`, :func:`float64_fit`, :func:`load_model_roundtrip` into
+    ``path``, then :func:`sharded_scenarios`, then :func:`adasum_delta` (which shuts
+    ronde down), each result under its name."""
+    return {"fit": fit_equivalence(), "float64": float64_fit(),
+            "load": load_model_roundtrip(path), "sharded": sharded_scenarios(),
+            "adasum": adasum_delta()}
 
 
 def _sharded_model(seed: int):

@@ -36,6 +36,13 @@ def test_fit_load_model_and_adasum(backend, tmp_path):
         assert res["diff2"] < 1e-5, res      # 2 passes of 8 per rank == batch 32
         assert res["metric1"] < 1e-6 and res["metric2"] < 1e-6, res
         assert res["warmup"] < 1e-6, res
+        res = both["float64"]  # issue #51 item 5: float64 stays float64 through ronde
+        assert res["dtype"] == "float64", res
+        assert res["same"] == 0.0, res  # the whole global batch on every rank: bitwise
+        assert res["ranks_equal"] == 0.0, res
+        # each rank its shard: the mean of the shards' gradients in float64 on TF and
+        # JAX; Keras's torch backend multiplies float64 in float32 (docs/keras.md)
+        assert res["split"] < (1e-6 if backend == "torch" else 1e-13), res
         # a saved model comes back (hvd.load_model) with a DistributedOptimizer
         assert both["load"] == "ok"
         _check_sharded(both["sharded"], backend, 2)
