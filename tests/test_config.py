@@ -115,3 +115,17 @@ def test_setting_reads_one_knob_as_load_does():
     assert setting("start_timeout_s", {"HOROVOD_START_TIMEOUT": "5"}) == 5.0
     with pytest.raises(ConfigError, match=r"^HOROVOD_START_TIMEOUT='nan' is not a finite"):
         setting("start_timeout_s", {"HOROVOD_START_TIMEOUT": "nan"})
+
+
+def test_bind_addr_is_an_address_or_a_name_that_resolves():
+    """Issue #50: RONDE_BIND_ADDR was taken as it was, and a bad one ended a rank's
+    start with a raw socket.gaierror; it is checked where every knob is."""
+    assert load({"RONDE_BIND_ADDR": "[::1]"}).bind_addr == "::1"
+    assert load({"RONDE_BIND_ADDR": " 10.0.0.5 "}).bind_addr == "10.0.0.5"
+    assert load({"RONDE_BIND_ADDR": "localhost"}).bind_addr == "localhost"
+    for bad in ("no.such.host.invalid", "a b", "x" * 2000):
+        for read in (lambda env: load(env), lambda env: setting("bind_addr", env)):
+            with pytest.raises(ConfigError, match=r"^RONDE_BIND_ADDR: '.*'.* is neither an IP "
+                               r"address nor a host name that resolves \(.*\); set it to an "
+                               r"address of this machine that the peers reach"):
+                read({"RONDE_BIND_ADDR": bad})

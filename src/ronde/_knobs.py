@@ -21,8 +21,8 @@ import re
 from typing import Callable
 
 from ._errors import ConfigError
-from ._values import (Range, parse_auto_bytes, parse_bool, parse_bytes, parse_hierarchical,
-                      parse_timeline_path)
+from ._values import (Range, parse_auto_bytes, parse_bind_addr, parse_bool, parse_bytes,
+                      parse_hierarchical, parse_timeline_path)
 
 _GIB = 1 << 30
 _YEAR_S = 365 * 24 * 3600
@@ -288,8 +288,8 @@ KNOBS: tuple[Knob, ...] = (
              "launcher (see [launcher.md](launcher.md)), so trainers that read them "
              "(Lightning, Hugging Face) run distributed. `0`: neither does, e.g. for "
              "ronde's `DistributedOptimizer` inside a one-process Trainer loop."),
-    Knob("bind_addr", "RONDE_BIND_ADDR", str,
-         default='empty', unit='IP address',
+    Knob("bind_addr", "RONDE_BIND_ADDR", parse_bind_addr,
+         default='empty', unit='IP address or host name',
          flag='--bind-addr ADDR',
          flag_note="also where the launcher's rendezvous service listens",
          doc="Address the worker's listening socket (peer connections) binds to, and "
@@ -297,7 +297,8 @@ KNOBS: tuple[Knob, ...] = (
              'host, else all interfaces (`0.0.0.0`) advertising the address that '
              'routes to the rendezvous host. Under `torchrun` it is also where rank 0 '
              "serves the rendezvous. `ronderun --bind-addr` also binds the launcher's "
-             'rendezvous service there.'),
+             'rendezvous service there. A value that is neither an IP address nor a '
+             'name that resolves is refused at start, naming it.'),
     Knob("shm_segment_bytes", "RONDE_SHM_SEGMENT", parse_bytes,
          accepted=Range(64 << 10, 64 * _GIB, size=True),
          default='`64MiB`', unit='bytes ([size syntax](#sizes))',

@@ -8,8 +8,10 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import re
+import socket
 
 from ._errors import ConfigError
 
@@ -103,3 +105,31 @@ class Range:
     def __str__(self) -> str:
         show = _size if self.size else _number
         return f"{'>' if self.above else '>='} {show(self.low)} and <= {show(self.high)}"
+
+
+def parse_bind_addr(text: str) -> str:
+    """An address to listen on (``RONDE_BIND_ADDR``): empty (ronde chooses), an IP
+    address (IPv6 with or without brackets), or a host name that resolves now.
+
+    Raises:
+        ConfigError: naming the value and the fix, never the resolver's raw error.
+    """
+    value = text.strip()
+    addr = value[1:-1] if value.startswith("[") and value.endswith("]") else value
+    if not addr:
+        return ""
+    try:
+        ipaddress.ip_address(addr.split("%", 1)[0])
+        return addr
+    except ValueError:
+        pass
+    shown = repr(addr) if len(addr) <= 80 else f"{addr[:60]!r}... ({len(addr)} characters)"
+    try:
+        socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        why = getattr(exc, "strerror", None) or str(exc)
+        raise ConfigError(f"{shown} is neither an IP address nor a host name that resolves "
+                          f"({why}); set it to an address of this machine that the peers "
+                          "reach (e.g. 10.0.0.5, or 0.0.0.0 for every interface), or unset "
+                          "it") from None
+    return addr

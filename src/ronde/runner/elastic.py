@@ -41,6 +41,7 @@ import sys
 import time
 from typing import IO, Any, Mapping, Sequence
 
+from .._config import setting
 from .._errors import ConfigError
 from ..transport.net import bind_for, route_address
 from .elastic_driver import (Blacklist, Discovery, ElasticDriver, elastic_worker_vars,
@@ -160,7 +161,7 @@ def run_elastic(command: Sequence[str], np: int | None, min_np: int, max_np: int
                           discovery_script, slots_per_host)
     local_only = discovery_script is None and all(is_local(h.name)
                                                   for h in discovery.fixed or [])
-    bind_env = os.environ.get("RONDE_BIND_ADDR", "")
+    bind_env = str(setting("bind_addr") or "")  # checked: an address or a name that resolves
     remote = [h.name for h in discovery.fixed or [] if not is_local(h.name)]
     # the address the workers are told; with a discovery script the hosts are not known
     # yet: every interface (set RONDE_BIND_ADDR to narrow it)

@@ -390,7 +390,7 @@ def run(command: Sequence[str], np: int | None, hosts: str | None = None,
     slots = layout(np, hosts, hostfile)
     local = {s.host: is_local(s.host) for s in slots}
     all_local = all(local.values())
-    bind_env = os.environ.get("RONDE_BIND_ADDR", "")
+    bind_env = str(setting("bind_addr") or "")  # checked: an address or a name that resolves
     if all_local:
         advertise = "127.0.0.1"
     elif bind_env and bind_env not in ("0.0.0.0", "::"):

@@ -7,8 +7,9 @@ advertises to its peers) and the bindings that start a torch.distributed store.
 from __future__ import annotations
 
 import logging
-import os
 import socket
+
+from .._config import setting
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def bind_for(told: str) -> str:
     when this machine has it, never every interface unless asked (docs/security.md). A
     name that does not resolve to one of this machine's addresses falls back to every
     interface, with a warning naming the fix."""
-    asked = os.environ.get("RONDE_BIND_ADDR", "")
+    asked = str(setting("bind_addr") or "")  # checked: an address or a name that resolves
     if asked:
         return asked
     try:
