@@ -52,7 +52,7 @@ def test_a_flood_costs_no_thread_and_a_real_peer_gets_in() -> None:
         s.sendall(b"rd")  # half a hello, then silence
     time.sleep(0.3)
     assert threading.active_count() <= threads  # was one thread per connection
-    # over the cap: closed at once; the rest: closed at their deadline
+    # over the cap: the oldest make room at once; the rest: closed at their deadline
     deadline = time.monotonic() + 10
     while rejections.count < 200 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -60,6 +60,38 @@ def test_a_flood_costs_no_thread_and_a_real_peer_gets_in() -> None:
     assert hello(port, secret) == b"welcome"
     assert got == [(4, b'{"x":1}', True)]
     for s in flood:
+        s.close()
+    adm.close()
+    adm.join(2)
+    listener.close()
+
+
+def test_a_real_peer_gets_in_past_a_full_table_of_stalled_hellos() -> None:
+    """Every handshake slot held by a connection that sent a valid hello and stalled
+    (issue #50): the newcomer was closed, hello unread, so a real peer got a reset. Now
+    the oldest unproven connection makes room, and one that proved the secret keeps its
+    slot whatever arrives after it."""
+    secret = os.urandom(32)
+    listener, adm, got, rejections = serve(secret, max_pending=8, deadline_s=30.0)
+    port = listener.getsockname()[1]
+    flood = []
+    for _ in range(8):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(wire.MAGIC + os.urandom(wire.NONCE_BYTES))
+        flood.append(s)
+    # a peer that proved the secret and has yet to send its frame: never the one evicted
+    proven = socket.create_connection(("127.0.0.1", port))
+    wire.authenticate_client(proven, secret, time.monotonic() + 5)
+    for _ in range(3):
+        assert hello(port, secret) == b"welcome"  # was ConnectionResetError
+    for _ in range(20):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(wire.MAGIC + os.urandom(wire.NONCE_BYTES))
+        flood.append(s)
+    wire.send_frame(proven, 4, b'{"late":1}')
+    assert wire.recv_frame(proven, time.monotonic() + 5)[1] == b"welcome"
+    assert got.count((4, b'{"x":1}', True)) == 3 and (4, b'{"late":1}', True) in got
+    for s in [*flood, proven]:
         s.close()
     adm.close()
     adm.join(2)

@@ -215,17 +215,21 @@ class Mesh:
 
     def _connect_one(self, peer: int, chan: str, deadline: float,
                      aborted: Callable[[], BaseException | None] | None = None) -> None:
-        """Connect to lower rank ``peer``: at start-up, retried while it may not listen
-        yet; during the job (``aborted`` given), a refusal is final."""
+        """Connect to lower rank ``peer``, retrying a connection its listener dropped
+        before the verdict (``wire.HandshakeDropped``: it made room during a flood) or
+        that timed out. At start-up every failure is retried (the peer may not listen
+        yet) until ``deadline``, then named; during the job (``aborted`` given) a refusal
+        is final: the peer's listener, open to its ``shutdown()``, is gone."""
         info = self._peers[peer]
         addr, port = str(info["addr"]), int(info["port"])
+        last: OSError | None = None
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RendezvousError(
                     f"rank {self.rank} cannot connect to rank {peer} at {addr}:{port} "
-                    f"(host {info.get('host')}); check that this address is reachable "
-                    "(RONDE_BIND_ADDR / interfaces)")
+                    f"(host {info.get('host')}; last: {last}); check that this address is "
+                    "reachable (RONDE_BIND_ADDR / interfaces)")
             if aborted is not None:
                 err = aborted()
                 if err is not None:
@@ -234,12 +238,20 @@ class Mesh:
                 sock = wire.connect(addr, port, self._secret, min(remaining, 5.0),
                                     buffer_bytes=_SOCK_BUF_BYTES if chan == "data" else 0)
                 break
-            except ConnectionRefusedError:
+            except ConnectionRefusedError as exc:
                 if aborted is not None:
                     raise
-                time.sleep(0.05)
-            except (socket.timeout, TimeoutError):
-                time.sleep(0.05)
+                last = exc
+            except (wire.HandshakeDropped, socket.timeout, TimeoutError) as exc:
+                last = exc
+                log.debug("rank %d: %s link to rank %d again: %s", self.rank, chan, peer, exc)
+            except AuthenticationError:
+                raise
+            except OSError as exc:
+                if aborted is not None:
+                    raise
+                last = exc
+            time.sleep(0.05)
         try:
             _tune(sock)
             wire.send_frame(sock, KIND_HELLO, wire.dumps(

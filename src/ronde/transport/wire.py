@@ -106,6 +106,12 @@ def mac(secret: bytes, role: bytes, a: bytes, b: bytes) -> bytes:
 OPEN_KEY = b"ronde: open rendezvous, no job secret"
 
 
+class HandshakeDropped(ConnectionError):
+    """The server closed a connection before it judged the client's proof: not a
+    refusal of the secret (that is an explicit ``no``, :class:`AuthenticationError`) but
+    a listener that made room for other connections or is closing: a client retries."""
+
+
 def authenticate_client(sock: socket.socket, secret: bytes, deadline: float) -> None:
     """Client side of the mutual challenge; raises ``AuthenticationError``.
 
@@ -114,13 +120,15 @@ def authenticate_client(sock: socket.socket, secret: bytes, deadline: float) -> 
     guesses of the secret offline. Then the server proves it holds the secret too.
     """
     nonce_c = os.urandom(NONCE_BYTES)
-    sock.sendall(MAGIC + nonce_c)
-    nonce_s = recv_exact(sock, NONCE_BYTES, deadline)
-    sock.sendall(mac(secret, b"client", nonce_c, nonce_s))
     try:
+        sock.sendall(MAGIC + nonce_c)
+        nonce_s = recv_exact(sock, NONCE_BYTES, deadline)
+        sock.sendall(mac(secret, b"client", nonce_c, nonce_s))
         verdict = recv_exact(sock, 2, deadline)
-    except ConnectionError:
-        verdict = b""
+    except ConnectionError as exc:
+        raise HandshakeDropped(
+            f"the peer closed the connection before its verdict ({exc}): its listener "
+            "dropped it (busy with other connections, or closing); try again") from None
     if verdict != b"ok":
         raise AuthenticationError(
             "peer rejected our credentials: this process does not hold this job's secret "
