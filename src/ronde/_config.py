@@ -50,6 +50,7 @@ class Config:
     timeline_mark_cycles: bool = False
     torchrun_env: bool = True
     bind_addr: str = ""
+    open_startup: bool = False
     shm_segment_bytes: int = 64 * 1024 * 1024
     small_allreduce_bytes: int = 64 * 1024
     inline_bytes: int = 4096

@@ -299,6 +299,15 @@ KNOBS: tuple[Knob, ...] = (
              "serves the rendezvous. `ronderun --bind-addr` also binds the launcher's "
              'rendezvous service there. A value that is neither an IP address nor a '
              'name that resolves is refused at start, naming it.'),
+    Knob("open_startup", "RONDE_OPEN_STARTUP", parse_bool,
+         default='`0` (off)', unit='boolean',
+         doc='A job whose ranks span hosts, started by `torchrun` or `srun` (or '
+             '`mpirun` without mpi4py) and given no secret (`RONDE_SECRET`, '
+             '`RONDE_SECRET_FILE`), refuses to start on every rank unless this is '
+             "`1`: then rank 0's rendezvous lets the first process to register each "
+             'rank take it during start-up, and hands it the random secret made for '
+             "the job: torch.distributed's own level of trust, see "
+             '[security.md](security.md#open-start-up).'),
     Knob("shm_segment_bytes", "RONDE_SHM_SEGMENT", parse_bytes,
          accepted=Range(64 << 10, 64 * _GIB, size=True),
          default='`64MiB`', unit='bytes ([size syntax](#sizes))',

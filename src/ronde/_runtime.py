@@ -106,6 +106,7 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
     factory = _communicators(cfg, topo, wenv, mesh, secret, gen, engine_box)
     engine = _start_engine(cfg, topo, wenv, ctl, factory, gen)
     engine_box.append(engine)
+    meeting.watch(engine.fail)  # rank 0 of an open start-up: a rank found taken ends it
     rt = Runtime(cfg, topo, engine, wenv, mesh, gen, factory.kinds[0])
     if wenv.rank == 0:
         log.info("ronde initialised: size=%d hosts=%d transport=%s source=%s; %s", topo.size,

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from ronde import AuthenticationError, ProtocolError
+from ronde import AuthenticationError, ProtocolError, RendezvousError
 from ronde.runner.rendezvous import RendezvousServer, register
 from ronde.transport import wire
 
@@ -151,15 +151,16 @@ def test_the_first_registration_of_a_rank_wins_and_a_second_fails_the_start_up()
 
 def test_an_open_start_up_admits_the_public_key_once_and_hands_out_the_secret():
     secret = os.urandom(32)
-    srv = RendezvousServer(2, secret, open_start=True).start()
+    srv = RendezvousServer(2, secret, open_generation=1).start()
     try:
         infos = [{"rank": r, "size": 2, "generation": 1, "host": "h"} for r in range(2)]
         got = _register_all(srv.address, [(secret, infos[0]), (None, infos[1])])
         assert [p["rank"] for p in got[0]] == [0, 1]
         peers, learnt = got[1]
         assert learnt == secret and [p["rank"] for p in peers] == [0, 1]
-        # formed: the public key opens nothing any more, not even a new generation
-        with pytest.raises(AuthenticationError):
+        # formed: the public key registers nothing more, not even a new generation
+        with pytest.raises(RendezvousError, match="admits a process without the job's secret "
+                           "only to register one of the ranks its start-up is forming"):
             register(srv.address, wire.OPEN_KEY, dict(infos[1], generation=2), 5)
         # a late claimant of a formed generation's rank is told who holds it
         with pytest.raises(Exception, match="rank 1 registered twice"):
@@ -168,10 +169,73 @@ def test_an_open_start_up_admits_the_public_key_once_and_hands_out_the_secret():
         srv.close()
 
 
+def test_an_open_start_up_hands_nothing_to_another_generation():
+    """Registering every rank of a made-up generation 99 with the public key (issue #50)
+    gets no secret and no size, and the real generation still forms."""
+    from ronde.runner.rendezvous import register_open
+
+    secret = os.urandom(32)
+    srv = RendezvousServer(3, secret, open_generation=1).start()
+    try:
+        for r in range(3):
+            with pytest.raises(RendezvousError) as info:
+                register_open(srv.address, {"rank": r, "size": 3, "generation": 99,
+                                            "host": "x"}, 5)
+            assert "3" not in str(info.value) and secret.hex() not in str(info.value)
+        for size in (2, 4):  # a wrong size is not told the right one
+            with pytest.raises(RendezvousError, match="only to register one of the ranks"):
+                register_open(srv.address, {"rank": 1, "size": size, "generation": 1,
+                                            "host": "x"}, 5)
+        with pytest.raises(RendezvousError, match="only to register one of the ranks"):
+            register_open(srv.address, {"rank": 0, "size": 3, "generation": 1, "host": "x"}, 5)
+        infos = [{"rank": r, "size": 3, "generation": 1, "host": "h"} for r in range(3)]
+        got = _register_all(srv.address, [(secret, infos[0]), (None, infos[1]),
+                                          (None, infos[2])])
+        assert [p["rank"] for p in got[0]] == [0, 1, 2], got
+        assert got[1][1] == got[2][1] == secret
+    finally:
+        srv.close()
+
+
+def test_a_rank_whose_place_was_taken_is_told_by_whom_and_the_job_ends():
+    """The open start-up formed with another process as rank 1 (it registered first);
+    the real rank 1, late, is told that process's address (it was told "RONDE_SECRET
+    differs"), and rank 0's job is ended naming it (issue #50)."""
+    from ronde.runner.rendezvous import register_open
+
+    secret = os.urandom(32)
+    taken: list[tuple[str, int]] = []
+    srv = RendezvousServer(2, secret, open_generation=1,
+                           on_taken=lambda m, r: taken.append((m, r))).start()
+    try:
+        infos = [{"rank": r, "size": 2, "generation": 1, "host": "h"} for r in range(2)]
+        got = _register_all(srv.address, [(secret, infos[0]), (None, infos[1])])
+        assert got[1][1] == secret  # the intruder, first, got rank 1
+        with pytest.raises(RendezvousError, match=r"rank 1's place in this job was taken by "
+                           r"127\.0\.0\.1:\d+"):
+            register_open(srv.address, infos[1], 5)
+        assert len(taken) == 1 and taken[0][1] == 1
+        assert taken[0][0].startswith("rank 1 was claimed by 127.0.0.1:")
+    finally:
+        srv.close()
+
+
+def test_the_open_window_closes_after_the_start_timeout():
+    srv = RendezvousServer(2, os.urandom(32), start_timeout_s=0.5, open_generation=1).start()
+    try:
+        time.sleep(1.0)  # past the window (orchestration: the test waits for it to close)
+        from ronde.runner.rendezvous import register_open
+        with pytest.raises(RendezvousError, match="no longer admits a rank without"):
+            register_open(srv.address, {"rank": 1, "size": 2, "generation": 1, "host": "x"},
+                          5)
+    finally:
+        srv.close()
+
+
 def test_the_public_key_only_registers():
     from ronde.runner.rendezvous import query
 
-    srv = RendezvousServer(2, os.urandom(32), open_start=True).start()
+    srv = RendezvousServer(2, os.urandom(32), open_generation=1).start()
     try:
         assert query(srv.address, wire.OPEN_KEY, {"what": "hosts"}) is None
         assert srv.rejections.count == 1

@@ -11,8 +11,9 @@ here (:func:`meet`, by ``WorkerEnv.rendezvous_mode``):
 * ``"rank0"``, ranks on several hosts: rank 0 serves where the ranks are told
   (``MASTER_ADDR``, ``RONDE_RENDEZVOUS_ADDR``), bound to that address. The secret is the
   user's (``RONDE_SECRET``/``RONDE_SECRET_FILE``), else rank 0's random one broadcast over
-  MPI (mpi4py), else rank 0's random one handed out by an *open* start-up, with a
-  warning (see runner/rendezvous.py and docs/security.md);
+  MPI (mpi4py); without one no rank starts (a ``ConfigError`` whose first line is the
+  fix), unless ``RONDE_OPEN_STARTUP=1`` asks for an *open* start-up that hands rank 0's
+  random one out (see runner/rendezvous.py and docs/security.md);
 * ``"server"``: someone else serves (``RONDE_RENDEZVOUS_ADDR`` with its secret).
 
 The server lives for the process (re-initialisations register with it again).
@@ -24,11 +25,12 @@ import json
 import logging
 import os
 import secrets
+import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from .. import _config, _private_files
-from .._errors import ConfigError, RendezvousError
+from .._errors import ConfigError, PeerLostError, RendezvousError
 from . import rendezvous
 from .env import WorkerEnv
 
@@ -121,27 +123,30 @@ def _rank0_rendezvous(wenv: WorkerEnv, cfg: _config.Config, info: dict[str, Any]
     """Rank 0 serves the rendezvous (torchrun, or MPI/Slurm given an address), bound to
     the address the other ranks are told (``MASTER_ADDR``...), never every interface
     unless ``RONDE_BIND_ADDR`` asks. The secret is the user's (``RONDE_SECRET``), else
-    rank 0's random one sent over MPI where the job has it, else rank 0's random one
-    handed out by an *open* first start-up (see runner/rendezvous.py), with a warning."""
+    rank 0's random one sent over MPI where the job has it; without either every rank
+    refuses to start (:func:`no_secret`), unless ``RONDE_OPEN_STARTUP=1`` asks for an
+    *open* first start-up that hands rank 0's random one out (see runner/rendezvous.py)."""
     global _rank0_server, _open_secret
     assert wenv.rendezvous is not None
     secret = wenv.secret or _open_secret or _secret_over_mpi(wenv)
+    if secret is None and not cfg.open_startup:
+        raise ConfigError(no_secret(wenv))
     if wenv.rank == 0:
         if _rank0_server is None:
-            open_start = secret is None
-            if open_start:
+            open_gen = int(info["generation"]) if secret is None else None
+            if open_gen is not None:
                 log.warning(
-                    "ronde: this %s job was given no secret (RONDE_SECRET or "
-                    "RONDE_SECRET_FILE): until every rank has joined, any process that "
-                    "reaches %s:%d can join it in a rank's place, as with torch.distributed's "
-                    "own store. Give every rank the same RONDE_SECRET to authenticate them "
-                    "(docs/security.md)", wenv.source, *wenv.rendezvous)
+                    "ronde: this %s job has no secret and RONDE_OPEN_STARTUP=1: until every "
+                    "rank has joined, any process that reaches %s:%d can join it in a rank's "
+                    "place, as with torch.distributed's own store. Give every rank the same "
+                    "RONDE_SECRET to authenticate them (docs/security.md)",
+                    wenv.source, *wenv.rendezvous)
             bind = cfg.bind_addr or wenv.rendezvous[0]
             try:
                 _rank0_server = rendezvous.RendezvousServer(
                     wenv.size, secret or secrets.token_bytes(32), host=bind,
                     port=wenv.rendezvous[1], start_timeout_s=cfg.start_timeout_s,
-                    open_start=open_start).start()
+                    open_generation=open_gen, on_taken=_taken).start()
             except OSError as exc:
                 raise ConfigError(
                     f"rank 0 cannot serve the rendezvous on {bind}:{wenv.rendezvous[1]} "
@@ -154,6 +159,53 @@ def _rank0_rendezvous(wenv: WorkerEnv, cfg: _config.Config, info: dict[str, Any]
         _open_secret = secret  # a later init() proves it
         return peers, secret
     return rendezvous.register(wenv.rendezvous, secret, info, cfg.start_timeout_s), secret
+
+
+def no_secret(wenv: WorkerEnv) -> str:
+    """Why a job across hosts with no secret does not start; the first line is the fix."""
+    assert wenv.rendezvous is not None
+    mpi = " (or install mpi4py: rank 0 then sends one over MPI)" \
+        if wenv.source in ("openmpi", "mpich") else ""
+    return (
+        "export one RONDE_SECRET to every rank of this job on every host: "
+        "export RONDE_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))') "
+        "once where the job is launched, the same value on each host (srun and mpirun -x "
+        "pass it on), or RONDE_SECRET_FILE naming a 0600 file every host reads" + mpi + "\n"
+        f"This {wenv.source} job's ranks span hosts and it was given no secret: any process "
+        f"that reaches rank 0's rendezvous ({wenv.rendezvous[0]}:{wenv.rendezvous[1]}) "
+        "during start-up could take a rank's place and run code in the job, so no rank "
+        "starts. RONDE_OPEN_STARTUP=1 starts it anyway, trusting that network as "
+        "torch.distributed does (docs/security.md).")
+
+
+#: rank 0 of an open start-up: how to end the running job (``watch``), and why it ended
+_fail: Callable[[BaseException], None] | None = None
+_taken_error: PeerLostError | None = None
+_taken_lock = threading.Lock()
+
+
+def _taken(message: str, rank: int) -> None:
+    """Rank 0's rendezvous saw a rank of its formed open start-up claimed again: end the
+    job (on a thread of its own: ``Engine.fail`` tells every rank, which may wait)."""
+    global _taken_error
+    with _taken_lock:
+        if _taken_error is None:
+            _taken_error = PeerLostError(message, rank=rank)
+        fail, error = _fail, _taken_error
+    if fail is not None:
+        threading.Thread(target=fail, args=(error,), name="ronde-rendezvous-taken",
+                         daemon=True).start()
+
+
+def watch(fail: Callable[[BaseException], None]) -> None:
+    """The runtime of a new generation: ``fail(error)`` ends it (every rank, told by
+    ``Engine.fail``) when a rank of this rank's open start-up turns out to have been
+    taken, now or later (only rank 0 of an open start-up ever sees one)."""
+    global _fail
+    with _taken_lock:
+        _fail, error = fail, _taken_error
+    if error is not None:
+        fail(error)
 
 
 def _secret_over_mpi(wenv: WorkerEnv) -> bytes | None:

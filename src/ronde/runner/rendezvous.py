@@ -15,11 +15,18 @@ The first registration of a rank wins: a second one for the same rank and genera
 (a second job on the same address, or an intruder) fails that generation on every
 rank, naming both addresses; it never replaces the first.
 
-An *open* server (``open_start``: rank 0 of a torchrun or Slurm job that was given no
-``RONDE_SECRET``) also admits clients holding the public :data:`wire.OPEN_KEY`, only to
-register for the job's first start-up; their table carries the job's random secret,
-which every later connection (the mesh, re-initialisations) must prove. Until that
-start-up completes such a job is as open as torch.distributed's own store is
+An *open* server (``open_generation``: rank 0 of a torchrun or Slurm job that was
+given no ``RONDE_SECRET`` and runs with ``RONDE_OPEN_STARTUP=1``) also admits clients
+holding the public :data:`wire.OPEN_KEY`, only to register ranks 1 and up of that one
+generation (its first start-up), and only for ``start_timeout_s`` after it began: the
+first to register a rank is that rank, and their table carries the job's random secret,
+which every later connection (the mesh, re-initialisations) must prove. A public-key
+registration for anything else (another generation, rank 0, another size, a query) gets
+an error that says nothing of the job: no secret, no size, and nothing formed or
+locked. A public-key registration for a rank of the formed generation (the real rank,
+late, whose place another process took) is told the address that took it, and
+``on_taken`` ends the job on rank 0 (runner/meeting.py), which tells every rank. Until
+the start-up completes such a job is as open as torch.distributed's own store is
 (docs/security.md).
 """
 
@@ -29,7 +36,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from .._errors import AuthenticationError, ProtocolError, RendezvousError
 from ..transport import wire
@@ -39,18 +46,29 @@ log = logging.getLogger(__name__)
 
 KIND_JSON = 1
 _MAX_REGISTER_BYTES = 1 << 16
+#: what a public-key client gets for anything but a registration the open start-up takes
+_NOT_OPEN = ("this rendezvous admits a process without the job's secret only to register "
+             "one of the ranks its start-up is forming, while it forms: give every rank "
+             "the same RONDE_SECRET (docs/security.md)")
 
 
 class RendezvousServer:
     """Collects worker registrations and hands back the peer table."""
 
     def __init__(self, size: int, secret: bytes, host: str = "127.0.0.1", port: int = 0,
-                 start_timeout_s: float = 30.0, open_start: bool = False) -> None:
+                 start_timeout_s: float = 30.0, open_generation: int | None = None,
+                 on_taken: Callable[[str, int], None] | None = None) -> None:
         self.size = size
         self.secret = secret
         self.start_timeout_s = start_timeout_s
-        #: admit clients of the public key to the first start-up (see the module doc)
-        self._open = open_start
+        #: the one generation the public key may register for (see the module doc)
+        self._open_gen = open_generation
+        #: until when it may: ``start_timeout_s`` after that generation began
+        self._open_until = time.monotonic() + start_timeout_s
+        self._open_began = False
+        #: called (message, rank) when a rank of the formed open generation is claimed
+        #: again; on the acceptor's thread: it must not block
+        self._on_taken = on_taken
         self._lock = threading.Lock()
         # generation -> rank -> (socket, registration)
         self._waiting: dict[int, dict[int, tuple[socket.socket, dict[str, Any]]]] = {}
@@ -70,7 +88,7 @@ class RendezvousServer:
         self._acceptor = Admission(
             self._sock, secret, self._admitted, rejections=self.rejections,
             max_frame_bytes=_MAX_REGISTER_BYTES, name="ronde-rendezvous",
-            open_key=lambda: wire.OPEN_KEY if self._open else None)
+            open_key=self._open_key)
 
     def start(self) -> "RendezvousServer":
         self._acceptor.start()
@@ -96,6 +114,12 @@ class RendezvousServer:
             self._waiting.clear()
 
     # -- internals ---------------------------------------------------------------
+    def _open_key(self) -> bytes | None:
+        """The public key while the open start-up's window lasts, else None."""
+        if self._open_gen is None or time.monotonic() > self._open_until:
+            return None
+        return wire.OPEN_KEY
+
     def _admitted(self, conn: socket.socket, peer: Any, kind: int, payload: bytes,
                   proven: bool) -> None:
         """A connection past the handshake (transport/admission.py) sent its message."""
@@ -103,8 +127,11 @@ class RendezvousServer:
             msg = wire.loads(payload)
             if kind != KIND_JSON or not isinstance(msg, dict):
                 raise ProtocolError("expected a JSON object")
-            if not proven and (msg.get("kind") != "register" or not self._open):
-                raise AuthenticationError("the public key admits only a first registration")
+            if not proven and not self._open_registration(msg):
+                if msg.get("kind") == "register":  # a rank may be misconfigured: say why
+                    self._reply(conn, {"kind": "error", "message": _NOT_OPEN})
+                raise AuthenticationError("the public key admits only a registration of "
+                                          "the open start-up's ranks")
         except (AuthenticationError, ProtocolError) as exc:
             self.rejections.note(peer, exc)
             conn.close()
@@ -121,6 +148,17 @@ class RendezvousServer:
             conn.close()
             return
         self._register(conn, msg, _address(peer), not proven)
+
+    def _open_registration(self, msg: dict[str, Any]) -> bool:
+        """Whether a client of the public key may send ``msg``: a registration of a rank
+        other than rank 0 (whose process serves), of the job's size, for the open
+        generation."""
+        try:
+            return (msg.get("kind") == "register" and self._open_key() is not None
+                    and int(msg["generation"]) == self._open_gen
+                    and int(msg["size"]) == self.size and 0 < int(msg["rank"]) < self.size)
+        except (KeyError, TypeError, ValueError):
+            return False
 
     def answer(self, msg: dict[str, Any]) -> dict[str, Any]:
         """The reply to a worker's query (``{"kind": "query", "what": ...}``); an elastic
@@ -145,12 +183,27 @@ class RendezvousServer:
             conn.close()
             return
         refused: list[socket.socket] = []
+        taken = ""
         with self._lock:
             failed = self._failed.get(generation)
             formed = self._formed.get(generation, {})
             members = self._waiting.setdefault(generation, {})
             origin = self._origin.setdefault(generation, {})
-            if failed is None and (rank in members or rank in formed):
+            if failed is None and admitted_open and rank in formed:
+                # the open start-up formed with another process in this rank's place
+                failed = (
+                    f"rank {rank}'s place in this job was taken by {formed[rank]}: the job "
+                    f"started with that process as rank {rank} (without a secret, the first "
+                    "to register a rank is that rank); if this process is the real rank "
+                    f"{rank}, {formed[rank]} is not part of the job. The job stops on every "
+                    "rank. Give every rank the same RONDE_SECRET (docs/security.md)")
+                taken = (
+                    f"rank {rank} was claimed by {peer} after the job had started with "
+                    f"{formed[rank]} as rank {rank} (an open start-up: no RONDE_SECRET); one "
+                    "of them is not part of this job, and what the job exchanged may have "
+                    "gone to it: the job stops. Give every rank the same RONDE_SECRET "
+                    "(docs/security.md)")
+            elif failed is None and (rank in members or rank in formed):
                 first = origin[rank][0] if rank in members else formed[rank]
                 failed = (
                     f"rank {rank} registered twice, from {first} and then from {peer}: two "
@@ -166,7 +219,10 @@ class RendezvousServer:
                     self._first_seen.pop(generation, None)
             complete = False
             if failed is None:
-                self._first_seen.setdefault(generation, time.monotonic())
+                first_seen = self._first_seen.setdefault(generation, time.monotonic())
+                if generation == self._open_gen and not self._open_began:
+                    self._open_began = True
+                    self._open_until = first_seen + self.start_timeout_s
                 members[rank] = (conn, msg)
                 origin[rank] = (peer, admitted_open)
                 complete = len(members) == self.size
@@ -176,12 +232,16 @@ class RendezvousServer:
                     self._formed[generation] = {r: o[0] for r, o in origin.items()}
                     openers = {r for r, o in origin.items() if o[1]}
                     self._origin.pop(generation, None)
-                    self._open = False  # from now on every connection proves the secret
             else:
                 refused.insert(0, conn)
                 if not members:
                     self._waiting.pop(generation, None)
                     self._origin.pop(generation, None)
+        if taken:  # the job ends before the claimant hears why
+            if self._on_taken is not None:
+                self._on_taken(taken, rank)  # it must not block (this is the acceptor)
+            else:
+                log.error("ronde: %s", taken)
         for s in refused:
             self._reply(s, {"kind": "error", "message": failed})
             s.close()
@@ -248,7 +308,14 @@ def register_open(address: tuple[str, int], info: dict[str, Any], timeout_s: flo
                   ) -> tuple[list[dict[str, Any]], bytes]:
     """Register with an open server (a job given no secret) by its public key; returns
     the peer table and the job's secret, which the server makes and hands out."""
-    reply = exchange(address, wire.OPEN_KEY, info, timeout_s)
+    try:
+        reply = exchange(address, wire.OPEN_KEY, info, timeout_s)
+    except AuthenticationError:
+        raise RendezvousError(
+            f"rank {info.get('rank')}: rank 0's rendezvous at {address[0]}:{address[1]} no "
+            "longer admits a rank without the job's secret: its start-up has completed or "
+            "timed out (RONDE_START_TIMEOUT) without this rank, or it was given a "
+            "RONDE_SECRET this rank was not") from None
     peers = reply.get("peers")
     try:
         secret = bytes.fromhex(str(reply["secret"]))
