@@ -56,3 +56,9 @@ def set_thread_runtime(rt: "Runtime | None") -> None:
 def thread_runtime() -> "Runtime | None":
     """The calling thread's own runtime, if it has one."""
     return getattr(_thread, "rt", None)
+
+
+def launcher() -> str:
+    """What started this process, as ``init()`` found it: ``ronderun``, ``torchrun``,
+    ``openmpi``, ``mpich``, ``slurm``, or ``single`` (no launcher: a plain ``python``)."""
+    return str(require().wenv.source)

@@ -1,5 +1,5 @@
 """Lightning's fit under elastic ``ronderun`` (``test_lightning.py``): the "object" case
-of ``lightning_job.py`` (plain SGD) trained by ``ronde.lightning.elastic_fit``.
+of ``lightning_job.py`` (SGD and a per-step LR scheduler) trained by ``ronde.lightning.elastic_fit``.
 
 * ``LIGHTNING_DIE=host:epoch:batch``: the worker on that host, on its first life, is
   SIGKILLed at the start of that batch (after the commit at the previous epoch's end);
@@ -52,7 +52,11 @@ class Module(pl.LightningModule):
         return F.mse_loss(self.net(x).squeeze(-1), y)
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=job.CASES["object"]["lr"])
+        # the "object" case's: SGD and a per-step scheduler, whose state the commit carries
+        case = job.CASES["object"]
+        opt = torch.optim.SGD(self.parameters(), lr=case["lr"])
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": job.make_scheduler(case, opt),
+                                                   "interval": "step"}}
 
 
 class Sizes(pl.Callback):

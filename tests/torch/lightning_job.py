@@ -25,19 +25,37 @@ import torch.nn.functional as F
 from torch import nn
 
 SAMPLES, VAL_SAMPLES, BATCH, EPOCHS, SEED = 64, 16, 4, 2, 0
-#: scenario -> how it trains (the reference reads the same table)
+#: scenario -> how it trains (the reference reads the same table). Every scenario has an
+#: LR scheduler (``scheduler``: "step" a StepLR stepped every optimizer step, "epoch"
+#: one stepped every epoch, "lists" returned as ``([opt], [sched])``, "plateau" a
+#: ReduceLROnPlateau monitoring the synced epoch loss)
 CASES: dict[str, dict[str, Any]] = {
-    # RondeStrategy(), plain SGD, logging with sync_dist, checkpoints, validate() after fit
+    # RondeStrategy(), plain SGD, logging with sync_dist, checkpoints; validate(), test()
+    # and a second fit after the first
     "object": dict(strategy="object", optimizer="sgd", lr=0.1, accumulate=1, clip=None,
-                   wrap=False, scheduler=False),
+                   wrap=False, scheduler="step"),
     # strategy="ronde", Adam (rank 1 asks for another lr), a partial last window (8 = 3+3+2
-    # batches an epoch)
+    # batches an epoch), a per-epoch scheduler
     "string": dict(strategy="ronde", optimizer="adam", lr=0.01, accumulate=3, clip=None,
-                   wrap=False, scheduler=False),
+                   wrap=False, scheduler="epoch"),
     # the user's own DistributedOptimizer (momentum SGD), accumulation 2, gradient clipping
     # by norm (of the averaged gradient), a per-step LR scheduler; ronde started by the user
     "wrapped": dict(strategy="ronde", optimizer="momentum", lr=0.1, accumulate=2, clip=0.05,
-                    wrap=True, scheduler=True),
+                    wrap=True, scheduler="step"),
+    # configure_optimizers returns lists; momentum SGD, clipping, the strategy's wrapper
+    "lists": dict(strategy="ronde", optimizer="momentum", lr=0.1, accumulate=1, clip=0.05,
+                  wrap=False, scheduler="lists"),
+    # ReduceLROnPlateau on the epoch loss synced over ranks (mode="max" on a falling loss:
+    # it halves the lr after every epoch but the first); three epochs
+    "plateau": dict(strategy="ronde", optimizer="sgd", lr=0.1, accumulate=1, clip=None,
+                    wrap=False, scheduler="plateau", epochs=3),
+    # manual optimization: self.optimizers(), manual_backward, self.clip_gradients, step,
+    # self.lr_schedulers().step() every step
+    "manual": dict(strategy="ronde", optimizer="momentum", lr=0.1, accumulate=1, clip=0.05,
+                   wrap=False, scheduler="step", manual=True),
+    # Lightning's own DDP strategy (Gloo) on the same run as "object": ronde's equals it
+    "ddp": dict(strategy="ddp", optimizer="sgd", lr=0.1, accumulate=1, clip=None,
+                wrap=False, scheduler="step"),
 }
 
 
@@ -59,8 +77,13 @@ def make_optimizer(case: dict[str, Any], params: Any, lr: float) -> torch.optim.
     return torch.optim.SGD(params, lr=lr, momentum=0.9 if case["optimizer"] == "momentum" else 0)
 
 
-def make_scheduler(opt: torch.optim.Optimizer) -> Any:
-    return torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+def make_scheduler(case: dict[str, Any], opt: torch.optim.Optimizer) -> Any:
+    if case["scheduler"] == "plateau":
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="max", factor=0.5,
+                                                          patience=0)
+    if case["scheduler"] == "step":
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)  # per epoch
 
 
 def flat(module: nn.Module) -> list[float]:
@@ -73,7 +96,7 @@ def epoch_order(epoch: int) -> list[int]:
     return torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(epoch)).tolist()
 
 
-def reference(name: str, size: int, epochs: int = EPOCHS,
+def reference(name: str, size: int, epochs: int | None = None,
               sizes: list[int] | None = None) -> dict[str, Any]:
     """One process on the global batch: the final weights, the last epoch's mean loss
     and the validation loss at the end; ``sizes``: the job's size in each epoch, where
@@ -82,9 +105,11 @@ def reference(name: str, size: int, epochs: int = EPOCHS,
     x, y = data()
     net = make_net(SEED)
     opt = make_optimizer(case, net.parameters(), case["lr"])
-    sched = make_scheduler(opt) if case["scheduler"] else None
+    sched = make_scheduler(case, opt) if case["scheduler"] else None
     n, step = case["accumulate"], BATCH * size
     losses: list[float] = []
+    if epochs is None:
+        epochs = case.get("epochs", EPOCHS)
     for epoch in range(epochs):
         order, losses = epoch_order(epoch), []
         if sizes is not None:
@@ -100,8 +125,12 @@ def reference(name: str, size: int, epochs: int = EPOCHS,
                     torch.nn.utils.clip_grad_norm_(net.parameters(), case["clip"])
                 opt.step()
                 opt.zero_grad()
-                if sched is not None:
+                if case["scheduler"] == "step":
                     sched.step()
+        if case["scheduler"] == "plateau":
+            sched.step(sum(losses) / len(losses))
+        elif case["scheduler"] in ("epoch", "lists"):
+            sched.step()
     vx, vy = data(VAL_SAMPLES, seed=99)
     with torch.no_grad():
         val = float(F.mse_loss(net(vx).squeeze(-1), vy))
@@ -145,13 +174,26 @@ def run(name: str, out: str) -> dict[str, Any]:
             super().__init__()
             self.net = make_net(SEED + rank)
             self.samples: list[int] = []
+            self.automatic_optimization = not case.get("manual", False)
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y, idx = batch
             self.samples.extend(int(i) for i in idx)
             loss = F.mse_loss(self.net(x).squeeze(-1), y)
             self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+            if not self.automatic_optimization:
+                opt = self.optimizers()
+                opt.zero_grad()
+                self.manual_backward(loss)
+                self.clip_gradients(opt, gradient_clip_val=case["clip"],
+                                    gradient_clip_algorithm="norm")
+                opt.step()
+                self.lr_schedulers().step()
             return loss
+
+        def test_step(self, batch: Any, batch_idx: int) -> None:
+            x, y, _ = batch
+            self.log("test_loss", F.mse_loss(self.net(x).squeeze(-1), y), sync_dist=True)
 
         def validation_step(self, batch: Any, batch_idx: int) -> None:
             x, y, _ = batch
@@ -162,10 +204,15 @@ def run(name: str, out: str) -> dict[str, Any]:
             opt = make_optimizer(case, self.parameters(), lr)
             if case["wrap"]:
                 opt = hvd.DistributedOptimizer(opt, named_parameters=self.named_parameters())
-            if case["scheduler"]:
-                return {"optimizer": opt, "lr_scheduler": {"scheduler": make_scheduler(opt),
-                                                           "interval": "step"}}
-            return opt
+            sched = make_scheduler(case, opt)
+            if case["scheduler"] == "lists":
+                return [opt], [sched]
+            if case["scheduler"] == "plateau":
+                return {"optimizer": opt, "lr_scheduler": {"scheduler": sched,
+                                                           "monitor": "train_loss"}}
+            interval = "epoch" if case["scheduler"] == "epoch" else "step"
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched,
+                                                       "interval": interval}}
 
         def on_train_start(self) -> None:
             st = self.trainer.strategy
@@ -174,7 +221,8 @@ def run(name: str, out: str) -> dict[str, Any]:
             r = torch.tensor(float(self.global_rank))
             mine = torch.tensor([self.global_rank + 1.0], requires_grad=True)
             # DDP's rule: this rank's row of every rank's gradient, summed
-            (self.all_gather(mine, sync_grads=True) * torch.tensor([[1.0], [2.0]])).sum().backward()
+            weights = torch.arange(1.0, self.trainer.world_size + 1).reshape(-1, 1)
+            (self.all_gather(mine, sync_grads=True) * weights).sum().backward()
             seen.update(
                 strategy=type(st).__name__, environment=type(st.cluster_environment).__name__,
                 world_size=self.trainer.world_size, global_rank=self.global_rank,
@@ -182,12 +230,13 @@ def run(name: str, out: str) -> dict[str, Any]:
                 is_global_zero=self.trainer.is_global_zero,
                 sampler=[type(sampler).__name__, sampler.num_replicas, sampler.rank],
                 distributed_optimizer=callable(getattr(opt, "synchronize", None)),
-                passes=opt.backward_passes_per_step, lr=opt.param_groups[0]["lr"],
+                passes=getattr(opt, "backward_passes_per_step", None),
+                lr=opt.param_groups[0]["lr"],
                 reduce_mean=float(st.reduce(r)), reduce_sum=float(st.reduce(r, reduce_op="sum")),
                 reduce_max=float(st.reduce(r, reduce_op="max")),
                 all_gather=self.all_gather(torch.tensor([self.global_rank, 7])).tolist(),
                 all_gather_scalar=self.all_gather(r).tolist(), all_gather_grad=mine.grad.tolist(),
-                broadcast=st.broadcast(f"from {self.global_rank}", src=1),
+                broadcast=st.broadcast(f"from {self.global_rank}", src=self.trainer.world_size - 1),
                 any_rank_one=st.reduce_boolean_decision(self.global_rank == 1, all=False),
                 all_rank_one=st.reduce_boolean_decision(self.global_rank == 1),
             )
@@ -202,13 +251,16 @@ def run(name: str, out: str) -> dict[str, Any]:
     def trainer(epochs: int) -> Any:
         strategy: Any = RondeStrategy() if case["strategy"] == "object" else case["strategy"]
         return pl.Trainer(
-            strategy=strategy, accelerator="cpu", devices=1, max_epochs=epochs,
-            accumulate_grad_batches=case["accumulate"], gradient_clip_val=case["clip"],
+            # Lightning's DDP takes this host's processes as its devices
+            strategy=strategy, accelerator="cpu", max_epochs=epochs,
+            devices=int(os.environ["RONDE_LOCAL_SIZE"]) if strategy == "ddp" else 1,
+            accumulate_grad_batches=case["accumulate"],
+            gradient_clip_val=None if case.get("manual") else case["clip"],
             default_root_dir=root, logger=CSVLogger(root, name=name), callbacks=[checkpoint],
             plugins=[io], enable_progress_bar=False, enable_model_summary=False,
             num_sanity_val_steps=0)
 
-    first = trainer(EPOCHS)
+    first = trainer(case.get("epochs", EPOCHS))
     model = Module()
     train = DataLoader(Samples(SAMPLES, 1234), batch_size=BATCH)
     val = DataLoader(Samples(VAL_SAMPLES, 99), batch_size=BATCH)
@@ -219,6 +271,7 @@ def run(name: str, out: str) -> dict[str, Any]:
     if name == "object":  # more stages: ronde again after the first one's shutdown
         report["validate"] = first.validate(model, val, verbose=False)[0]["val_loss"]
         report["params_after_validate"] = flat(model.net)
+        report["test"] = first.test(model, val, verbose=False)[0]["test_loss"]
         resumed = Module()  # rank 0's last checkpoint, one epoch more
         trainer(EPOCHS + 1).fit(resumed, train, val, ckpt_path=checkpoint.last_model_path)
         report["resumed_params"] = flat(resumed.net)

@@ -1,10 +1,12 @@
 """PyTorch Lightning's ``Trainer`` on ``ronde.lightning.RondeStrategy`` under ``ronderun``.
 
-One ``ronderun -np 2`` job runs the three scenarios of ``lightning_job.py`` in turn
-(``RondeStrategy()`` with SGD; ``strategy="ronde"`` with Adam and accumulation over a
-partial last window; the user's own ``DistributedOptimizer`` with accumulation, gradient
-clipping and an LR scheduler); each is compared with one plain process (no ronde, no
-Lightning) on the global batch in the ranks' joint sample order. About 7 s on two cores.
+One ``ronderun`` job at np=1 and one at np=2 each run every scenario of ``lightning_job.py``
+in turn (every one with an LR scheduler: per step, per epoch, returned as lists, a
+ReduceLROnPlateau on a synced metric; ``RondeStrategy()`` and ``strategy="ronde"``; Adam
+with accumulation over a partial last window; the user's own ``DistributedOptimizer``;
+clipping; manual optimization; and Lightning's own DDP strategy on the same run as a
+witness); each is compared with one plain process (no ronde, no Lightning) on the global
+batch in the ranks' joint sample order.
 """
 
 from __future__ import annotations
@@ -26,26 +28,30 @@ skip_unless_installed("lightning")  # without importing it (ronde.testing.instal
 import lightning_job as job  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-NP = 2
 #: float32 sums in another order (two batches of 4 averaged vs one of 8); seen: 4e-7
 ATOL = 2e-6
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                       "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR",
                       "MASTER_PORT", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED")
 Reports = dict[str, dict[int, dict[str, Any]]]  # scenario -> rank -> its report
+#: the scenarios on ronde's strategy (the others are witnesses)
+RONDE_CASES = [name for name, case in job.CASES.items() if case["strategy"] != "ddp"]
 
 
-@pytest.fixture(scope="module")
-def ran(tmp_path_factory: pytest.TempPathFactory) -> tuple[Reports, str]:
-    """The job's reports by scenario and rank, and its output folder."""
-    out = str(tmp_path_factory.mktemp("lightning"))
+@pytest.fixture(scope="module", params=[1, 2], ids=["np1", "np2"])
+def ran(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+        ) -> tuple[Reports, str, int]:
+    """The job's reports by scenario and rank, its output folder and its size."""
+    np_ = request.param
+    out = str(tmp_path_factory.mktemp(f"lightning{np_}"))
     env = {k: v for k, v in os.environ.items()
            if k not in TORCHRUN_VARIABLES and not k.startswith(("RONDE_", "HOROVOD_"))}
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "ronde.run", "-np", str(NP), "--timeout", "150",
+    cmd = [sys.executable, "-m", "ronde.run", "-np", str(np_), "--timeout", "200",
            sys.executable, os.path.join(HERE, "lightning_job.py"), out]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=HERE)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=230, env=env, cwd=HERE)
     assert proc.returncode == 0, f"job exited {proc.returncode}:\n{proc.stderr[-4000:]}"
+    assert "trains alone" not in proc.stdout + proc.stderr  # ronderun started it
     reports: Reports = {}
     for line in proc.stdout.splitlines():
         if line.startswith("[") and ']<stdout>:{"scenario"' in line:
@@ -54,14 +60,15 @@ def ran(tmp_path_factory: pytest.TempPathFactory) -> tuple[Reports, str]:
             reports.setdefault(report["scenario"], {})[int(head)] = report
     assert sorted(reports) == sorted(job.CASES), proc.stdout[-2000:]
     for name, by_rank in reports.items():
-        assert sorted(by_rank) == list(range(NP)), f"{name}: reports from ranks {sorted(by_rank)}"
-    return reports, out
+        assert sorted(by_rank) == list(range(np_)), f"{name}: reports from ranks {sorted(by_rank)}"
+    return reports, out, np_
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", list(job.CASES))
-def test_weights_equal_one_process_on_the_global_batch(name: str, ran: tuple[Reports, str]) -> None:
-    reports = ran[0][name]
+def test_weights_equal_one_process_on_the_global_batch(name: str,
+                                                       ran: tuple[Reports, str, int]) -> None:
+    reports, NP = ran[0][name], ran[2]
     ref = job.reference(name, NP)
     want = torch.tensor(ref["params"])
     for rank in range(NP):
@@ -79,9 +86,20 @@ def test_weights_equal_one_process_on_the_global_batch(name: str, ran: tuple[Rep
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("name", list(job.CASES))
-def test_the_module_sees_ronde_ranks_and_collectives(name: str, ran: tuple[Reports, str]) -> None:
-    case = job.CASES[name]
+def test_ronde_equals_lightnings_own_ddp_strategy(ran: tuple[Reports, str, int]) -> None:
+    # the same run ("object": SGD, a per-step scheduler) on RondeStrategy and DDPStrategy
+    for rank in range(ran[2]):
+        ours = torch.tensor(ran[0]["object"][rank]["params"])
+        ddp = torch.tensor(ran[0]["ddp"][rank]["params"])
+        assert ran[0]["ddp"][rank]["strategy"] == "DDPStrategy"
+        assert torch.allclose(ours, ddp, rtol=0, atol=ATOL), float((ours - ddp).abs().max())
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", RONDE_CASES)
+def test_the_module_sees_ronde_ranks_and_collectives(name: str,
+                                                     ran: tuple[Reports, str, int]) -> None:
+    case, NP = job.CASES[name], ran[2]
     for rank in range(NP):
         rep = ran[0][name][rank]
         assert (rep["strategy"], rep["environment"]) == ("RondeStrategy", "RondeEnvironment")
@@ -92,51 +110,86 @@ def test_the_module_sees_ronde_ranks_and_collectives(name: str, ran: tuple[Repor
         assert rep["distributed_optimizer"] is True
         assert rep["passes"] == case["accumulate"]  # backward_passes_per_step follows Lightning
         assert rep["lr"] == case["lr"]  # rank 1's own Adam lr was replaced by rank 0's
-        assert (rep["reduce_mean"], rep["reduce_sum"], rep["reduce_max"]) == (0.5, 1.0, 1.0)
-        assert rep["all_gather"] == [[r, 7] for r in range(NP)]
-        assert rep["all_gather_scalar"] == [float(r) for r in range(NP)]
+        ranks = list(range(NP))
+        assert (rep["reduce_mean"], rep["reduce_sum"], rep["reduce_max"]) == \
+            (sum(ranks) / NP, sum(ranks), NP - 1)
+        assert rep["all_gather"] == [[r, 7] for r in ranks]
+        assert rep["all_gather_scalar"] == [float(r) for r in ranks]
         assert rep["all_gather_grad"] == [NP * (rank + 1.0)]  # sum over ranks of row `rank`
-        assert rep["broadcast"] == "from 1"
-        assert (rep["any_rank_one"], rep["all_rank_one"]) == (True, False)
+        assert rep["broadcast"] == f"from {NP - 1}"
+        assert (rep["any_rank_one"], rep["all_rank_one"]) == (NP > 1, False)
 
 
 @pytest.mark.timeout(240)
-def test_only_rank_zero_writes_checkpoints_and_logs(ran: tuple[Reports, str]) -> None:
-    reports, out = ran
+def test_only_rank_zero_writes_checkpoints_and_logs(ran: tuple[Reports, str, int]) -> None:
+    reports, out, NP = ran
     for name in job.CASES:
-        zero, one = reports[name][0], reports[name][1]
-        assert zero["saves"] > 0 and one["saves"] == 0, (zero["saves"], one["saves"])
-        # ModelCheckpoint broadcasts its folder: rank 1 names rank 0's
-        assert zero["ckpt_dir"] == one["ckpt_dir"] == os.path.join(out, "rank0", name)
+        zero = reports[name][0]
+        assert zero["saves"] > 0, zero["saves"]
+        assert zero["ckpt_dir"] == os.path.join(out, "rank0", name)
+        for rank in range(1, NP):  # ModelCheckpoint broadcasts its folder: rank 0's
+            assert reports[name][rank]["saves"] == 0
+            assert reports[name][rank]["ckpt_dir"] == zero["ckpt_dir"]
         files = os.listdir(zero["ckpt_dir"])
         assert any(f.endswith(".ckpt") for f in files), files
         assert os.path.exists(os.path.join(out, "rank0", name, "version_0", "metrics.csv"))
-    written = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(out, "rank1")) for f in fs]
+    written = [os.path.join(d, f) for rank in range(1, NP)
+               for d, _, fs in os.walk(os.path.join(out, f"rank{rank}")) for f in fs]
     assert written == []
 
 
 @pytest.mark.timeout(240)
-def test_teardown_shuts_down_what_it_started_and_a_second_stage_restarts(
-        ran: tuple[Reports, str]) -> None:
-    reports = ran[0]
-    # strategy-started ronde is shut down at the end of fit(); the user's own init stays
-    assert [reports[n][0]["initialized_after_fit"] for n in job.CASES] == [False, False, True]
+def test_ronde_stays_up_after_fit_and_validate_test_fit_follow(
+        ran: tuple[Reports, str, int]) -> None:
+    reports, _, NP = ran
+    # as under DDP (its process group stays): hvd.rank() works after fit(), whoever
+    # started ronde (issue #51 item 2: it was shut down when the strategy started it)
+    assert all(reports[n][r]["initialized_after_fit"] for n in job.CASES for r in range(NP))
     ref = job.reference("object", NP)
     for rank in range(NP):
         rep = reports["object"][rank]
         assert rep["validate"] == pytest.approx(ref["val_loss"], abs=1e-5)
+        assert rep["test"] == pytest.approx(ref["val_loss"], abs=1e-5)  # the same data
         assert rep["params_after_validate"] == rep["params"]
 
 
 @pytest.mark.timeout(240)
-def test_resuming_from_rank_zeros_checkpoint_continues_the_run(ran: tuple[Reports, str]) -> None:
-    reports = ran[0]["object"]
+def test_resuming_from_rank_zeros_checkpoint_continues_the_run(
+        ran: tuple[Reports, str, int]) -> None:
+    reports, NP = ran[0]["object"], ran[2]
     want = torch.tensor(job.reference("object", NP, epochs=job.EPOCHS + 1)["params"])
     for rank in range(NP):
         got = torch.tensor(reports[rank]["resumed_params"])
         assert torch.equal(got, torch.tensor(reports[0]["resumed_params"]))
         assert torch.allclose(got, want, rtol=0, atol=ATOL), float((got - want).abs().max())
         assert len(reports[rank]["resumed_samples"]) == job.SAMPLES // NP  # the third epoch only
+
+
+def test_a_strategy_alone_outside_any_launcher_warns_naming_ronderun(tmp_path) -> None:
+    # issue #51 item 3: `python train.py` with strategy="ronde" trains one copy on all the
+    # data; rank 0 says so, naming ronderun. Under a launcher (the jobs above) it does not.
+    code = (
+        "import torch, lightning.pytorch as pl, ronde.lightning, ronde.torch as hvd\n"
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "class M(pl.LightningModule):\n"
+        "    def __init__(s): super().__init__(); s.l = torch.nn.Linear(2, 1)\n"
+        "    def training_step(s, b, i): return s.l(b[0]).pow(2).mean()\n"
+        "    def configure_optimizers(s):\n"
+        "        o = torch.optim.SGD(s.parameters(), lr=0.1)\n"
+        "        return [o], [torch.optim.lr_scheduler.StepLR(o, 1)]\n"
+        "t = pl.Trainer(strategy='ronde', accelerator='cpu', devices=1, max_epochs=1,\n"
+        "               logger=False, enable_checkpointing=False, enable_progress_bar=False)\n"
+        "t.fit(M(), DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=4))\n"
+        "print('RANK-AFTER-FIT', hvd.rank(), hvd.size())\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in TORCHRUN_VARIABLES and not k.startswith(("RONDE_", "HOROVOD_", "OMPI_",
+                                                                "PMI_", "SLURM_"))}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RANK-AFTER-FIT 0 1" in proc.stdout
+    assert proc.stderr.count("trains alone on all the data") == 1, proc.stderr[-3000:]
+    assert "ronderun -np N" in proc.stderr
 
 
 def test_importing_ronde_does_not_import_lightning() -> None:

@@ -37,8 +37,12 @@ details and what differs from ``DDPStrategy``):
   (mean by default, ``"sum"``, ``"max"``, ``"min"``, ``"product"``), ``all_gather`` an
   allgather (shape ``(world_size, *shape)``), ``broadcast`` ``broadcast_object``,
   ``barrier`` ronde's barrier.
-* **Teardown.** A barrier, then ``hvd.shutdown()`` if the strategy started ronde (a
-  script that called ``hvd.init()`` itself keeps it running); nothing after a failure.
+* **Teardown.** A barrier (nothing after a failure); ronde keeps running, as DDP's
+  process group and Horovod's strategy did: after ``fit`` the script may use
+  ``hvd.rank()``, save on rank 0, ``trainer.test(...)`` or ``fit`` again; ronde shuts
+  down when the process exits or the script calls ``hvd.shutdown()``.
+* **Alone.** A strategy that finds itself the only process, started by no launcher,
+  warns on rank 0 naming ``ronderun -np N`` (it would train one copy on the whole data).
 
 Importing ``ronde`` never imports this module (nor Lightning).
 """
@@ -57,7 +61,7 @@ try:
     from lightning.pytorch.plugins.precision import Precision
     from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
     from lightning.pytorch.trainer.states import TrainerFn
-    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("ronde.lightning needs PyTorch Lightning 2.x (the `lightning` package): "
                       "pip install 'ronde[lightning]'") from exc
@@ -66,6 +70,7 @@ import torch
 from torch import Tensor
 
 from .. import torch as hvd
+from .._state import launcher
 from ..process_sets import ProcessSet
 
 __all__ = ["RondeEnvironment", "RondeStrategy", "COMMITTED"]
@@ -87,30 +92,32 @@ class RondeEnvironment(ClusterEnvironment):
     """Lightning's view of a ronde job: the ranks are ronde's.
 
     :meth:`start` runs ``hvd.init()`` (once per job: a no-op while ronde runs) and
-    remembers the topology, which the rank methods return from then on, even after
-    :meth:`stop` (Lightning asks for ranks during its own teardown).
+    remembers the topology, which the rank methods return from then on (Lightning asks
+    for ranks during its own teardown too).
     """
 
     def __init__(self) -> None:
         #: rank, size, local rank, local size, cross rank, cross size
         self._topology: tuple[int, int, int, int, int, int] | None = None
-        #: True while ronde runs because :meth:`start` started it
-        self.started_ronde = False
 
     def start(self) -> None:
         """Initialise ronde if it is not running, and read the topology."""
         if not hvd.is_initialized():
             hvd.init()
-            self.started_ronde = True
         self._topology = (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(),
                           hvd.cross_rank(), hvd.cross_size())
 
     def stop(self) -> None:
-        """Barrier, then shut ronde down if :meth:`start` started it."""
-        if self.started_ronde and hvd.is_initialized():
-            hvd.barrier()  # no rank leaves while another still reduces or saves
-            hvd.shutdown()
-        self.started_ronde = False
+        """A barrier: no rank leaves a stage while another still reduces or saves. ronde
+        keeps running (the process's exit, or ``hvd.shutdown()``, ends it)."""
+        if hvd.is_initialized():
+            hvd.barrier()
+
+    @staticmethod
+    def started_alone() -> bool:
+        """True where ronde runs as one process that no launcher started (a plain
+        ``python train.py``): the job is one copy on the whole data."""
+        return hvd.is_initialized() and hvd.size() == 1 and launcher() == "single"
 
     def _topo(self) -> tuple[int, int, int, int, int, int]:
         if self._topology is None:
@@ -216,6 +223,8 @@ class RondeStrategy(ParallelStrategy):
     """
 
     strategy_name = "ronde"
+    #: the warning of a job that runs alone is given once per process
+    _warned_alone = False
 
     def __init__(self, accelerator: Optional["pl.accelerators.Accelerator"] = None,
                  parallel_devices: Optional[list[torch.device]] = None,
@@ -226,6 +235,8 @@ class RondeStrategy(ParallelStrategy):
                          precision_plugin=precision_plugin)
         self._failed = False
         self._committed: dict[str, Any] | None = None
+        #: ids of the optimizers whose gradients manual_backward averaged since their step
+        self._averaged: set[int] = set()
 
     def resume_from(self, checkpoint: dict[str, Any] | None) -> None:
         """What ``fit(ckpt_path=COMMITTED)`` loads: a checkpoint held in memory (a
@@ -295,6 +306,13 @@ class RondeStrategy(ParallelStrategy):
         Lightning's rank-zero-only functions follow ronde's rank 0."""
         self._environment.start()
         rank_zero_only.rank = self.global_rank
+        if self._environment.started_alone() and not RondeStrategy._warned_alone:
+            RondeStrategy._warned_alone = True
+            rank_zero_warn(
+                "RondeStrategy: this process is the whole job (world size 1, started by no "
+                "launcher), so it trains alone on all the data. Start N processes with "
+                "`ronderun -np N python <your script>` (or mpirun, srun, torchrun) to "
+                "train data-parallel.")
         try:  # lightning_utilities keeps its own copy
             from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
@@ -372,18 +390,38 @@ class RondeStrategy(ParallelStrategy):
         """Follow a ``GradientAccumulationScheduler`` (it changes the window per epoch)."""
         self._match_accumulation()
 
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """Under manual optimization, wait for the averaged gradients at the end of every
+        ``manual_backward``, as DDP's backward does: the module may read or clip them
+        (``self.clip_gradients``) before ``opt.step()``. Automatic optimization waits in
+        :meth:`optimizer_step` instead (after the closure), which lets accumulated
+        passes reduce once per window."""
+        module = self.lightning_module
+        if module is None or module.automatic_optimization:
+            return
+        for optimizer in self.optimizers:
+            opt = _unwrap(optimizer)
+            if callable(getattr(opt, "skip_synchronize", None)) and any(
+                    p.grad is not None for g in opt.param_groups for p in g["params"]):
+                opt.synchronize()
+                self._averaged.add(id(opt))
+
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any],
                        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
                        **kwargs: Any) -> Any:
-        """Run the closure, wait for the averaged gradients, then let Lightning's
-        precision plugin clip (if asked) and step without reducing again."""
+        """Run the closure, wait for the averaged gradients (unless ``manual_backward``
+        waited for them already), then let Lightning's precision plugin clip (if asked)
+        and step without reducing again."""
         opt = _unwrap(optimizer)
         if not callable(getattr(opt, "skip_synchronize", None)):  # plain, or Adasum's
             return super().optimizer_step(optimizer, closure, model, **kwargs)
+        averaged = id(opt) in self._averaged
+        self._averaged.discard(id(opt))
 
         def closure_then_average() -> Any:
             loss = closure()
-            opt.synchronize()
+            if not averaged:
+                opt.synchronize()
             return loss
 
         with opt.skip_synchronize():
@@ -442,9 +480,9 @@ class RondeStrategy(ParallelStrategy):
 
     def teardown(self) -> None:
         """The optimizers' gradient hooks off the model (a later fit wraps it anew: an
-        elastic retry, or ``fit`` again), Lightning's teardown, then a barrier and
-        ``hvd.shutdown()`` if this strategy started ronde (not after a failure: the
-        launcher, or the elastic loop, decides what follows)."""
+        elastic retry, or ``fit`` again), Lightning's teardown, then a barrier (not after
+        a failure: the other ranks may never come; the launcher, or the elastic loop,
+        decides what follows). ronde keeps running."""
         for opt in self.optimizers:
             remove = getattr(_unwrap(opt), "remove_hooks", None)
             if callable(remove):

@@ -16,6 +16,12 @@ the wrapper's *inner* call instead (:func:`inner`, where ``super()`` would be), 
 instance attribute is replaced by the wrapper's method carrying the patch's attributes
 (the scheduler's ``_wrapped_by_lr_sched`` mark): the original and the wrapper then both
 run the wrapper's method, and the patch still sees every call.
+
+The original object lives as long as the wrapper (the new class holds it): such a
+patch reaches the optimizer through a weak reference to the *original* (torch's LR
+scheduler sets ``_opt_called`` on it), and a caller that keeps only the wrapper
+(Lightning's strategy points ``scheduler.optimizer`` at it) would otherwise free the
+original and the scheduler's first step would fail on a dead reference.
 """
 
 from __future__ import annotations
@@ -50,7 +56,10 @@ def wrap(optimizer: Any, mixin: type, init: Callable[[Any], None], what: str) ->
         raise ValueError(f"{what}: this {type(optimizer).__name__} is wrapped already; wrap "
                          "an optimizer once and use the object the first call returned")
     base = optimizer.__class__
-    cls = type(base.__name__, (mixin, base), {"__module__": base.__module__})
+    # the class holds the original (no cycle through the shared dictionary): patches
+    # that reach it by a weak reference keep working while the wrapper lives
+    cls = type(base.__name__, (mixin, base), {"__module__": base.__module__,
+                                              "_ronde_original": optimizer})
     wrapped = cls.__new__(cls)
     wrapped.__dict__ = shared
     before = set(shared)
