@@ -177,6 +177,19 @@ def test_differing_parameters_fail_every_rank_within_seconds():
 
 
 @pytest.mark.timeout(60)
+def test_parameters_in_another_order_fail_every_rank_naming_the_order():
+    # the same names and shapes, registered in another order on rank 1: the check of the
+    # tables passed and the buckets deadlocked 12.6 s later (DeadlockError naming bucket
+    # collectives); now the first step names the order on every rank
+    out = run_ranks(2, workers.extra_parameter, True, timeout_s=50)
+    for msg, _elapsed in out:
+        assert "the same parameters come in another order: position 0 is '0.weight' on " \
+               "rank 0; " in msg, msg
+        assert "build the same model on every rank" in msg
+    assert out[0][0] == out[1][0]
+
+
+@pytest.mark.timeout(60)
 def test_the_steady_steps_lean_hooks_still_count_passes_and_follow_a_change_of_them():
     out = run_ranks(2, workers.steady_passes, timeout_s=50)
     for res in out:

@@ -26,7 +26,7 @@ def test_sharded_training_equals_one_process_on_the_global_batch(np_, transport)
     out = run_ranks(np_, workers.equivalence, timeout_s=110,
                     env={"RONDE_BUCKET_BYTES": "200", "RONDE_TRANSPORT": transport})
     for rank, res in enumerate(out):
-        assert len(res) == 11
+        assert len(res) == 13
         for case, r in res.items():
             assert r["same"] and r["diff"] <= (1e-3 if "fp16" in case else 1e-12), (rank, case, r)
             assert not r["unused_moved"], (rank, case, r)  # no gradient anywhere: not moved
@@ -38,7 +38,7 @@ def test_sharded_training_equals_one_process_on_the_global_batch(np_, transport)
             used = r["total"] - 3 * 3 - 3 - 2 * 2 - 2  # "unused" and "d" never step
             assert r["held"] <= per_tensor * (-(-used // np_) + 8), (rank, case, r)
     held = [sum(r["held"] for r in res.values()) for res in out]
-    assert max(held) - min(held) <= 11 * 8, held  # balanced by elements
+    assert max(held) - min(held) <= 13 * 8, held  # balanced by elements
 
 
 def _check_gathered(out: list) -> None:

@@ -378,13 +378,17 @@ def broadcast_state() -> str:
 
 
 # -- misuse -------------------------------------------------------------------------------
-def extra_parameter() -> tuple:
-    """Rank 1 has a parameter rank 0 lacks: a clear error on every rank, quickly."""
+def extra_parameter(reorder: bool = False) -> tuple:
+    """Rank 1 has a parameter rank 0 lacks (or, ``reorder``, the same parameters in
+    another order): a clear error on every rank, quickly."""
     torch, hvd = _setup()
     r = hvd.rank()
-    model = _model(torch, 1, extra=(r == 1))
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())
+    model = _model(torch, 1, extra=(r == 1 and not reorder))
+    named = list(model.named_parameters())
+    if reorder and r == 1:
+        named.reverse()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.1),
+                                   named_parameters=named)
     t0 = time.monotonic()
     model(torch.ones(2, 6, dtype=torch.float64)).sum().backward()
     try:

@@ -98,9 +98,26 @@ def parameter_differences(tables: Sequence[Mapping[str, Signature]],
             problems.append(f"{name!r} is " + "; ".join(
                 f"{_fmt(s)} on {_ranks(rs)}" for s, rs in sigs.items()))
     if not problems:
-        return None
+        return _order_difference(tables, ranks)
     more = f" (and {len(problems) - limit} more)" if len(problems) > limit else ""
     return "; ".join(problems[:limit]) + more
+
+
+def _order_difference(tables: Sequence[Mapping[str, Signature]], ranks: Sequence[int]
+                      ) -> str | None:
+    """Where the same parameters come in another order on some ranks (positions pair
+    the ranks' gradients: the presence counts, the buckets), the first position that
+    differs and what each rank has there; None if every rank's order is rank 0's."""
+    orders = [list(t) for t in tables]
+    for i, names in enumerate(zip(*orders)):
+        if len(set(names)) > 1:
+            by_name: dict[str, list[int]] = {}
+            for r, n in zip(ranks, names):
+                by_name.setdefault(n, []).append(r)
+            return (f"the same parameters come in another order: position {i} is "
+                    + "; ".join(f"{n!r} on {_ranks(rs)}" for n, rs in by_name.items())
+                    + " (the order must be the same on every rank)")
+    return None
 
 
 def _ranks(rs: Sequence[int]) -> str:

@@ -407,8 +407,10 @@ class _ShardedMixin(SkipSynchronize):
                 if p.grad is not None:
                     if set_to_none:
                         p.grad = None
-                    else:
+                    elif p.grad.grad_fn is not None:
                         p.grad.detach_().zero_()
+                    else:  # a view of the bucket (stage 1): zeroed where it lies
+                        p.grad.requires_grad_(False).zero_()
         for b in self._ronde_buckets:
             for piece in b.pieces:
                 piece.tensor.grad = None
