@@ -1,9 +1,9 @@
 """A bounded connection flood against the listeners of given processes, for the tests.
 
 ``python flooder.py --pids 123,456 --rate 1500 --seconds 6`` opens connections to every
-TCP port that those processes listen on at 127.0.0.1 (found in ``/proc``, re-read every
-50 ms, so listeners that appear later are flooded too), in turn, at most ``--rate`` a
-second. Each connection sends a valid-looking ronde hello (the magic and a random nonce)
+TCP port that those processes (``--tree``: and every process below them) listen on at
+127.0.0.1 (found in ``/proc``, re-read every 50 ms, so listeners that appear later are
+flooded too), in turn, at most ``--rate`` a second. Each connection sends a valid-looking ronde hello (the magic and a random nonce)
 and then stalls; at most ``--max-open`` stay open (the oldest is closed first, with an
 RST so that no port lingers in TIME_WAIT). ``--ready PATH`` is created once ``--rate``
 connections went out (the flood is on). The flood stops by itself after ``--seconds``,
@@ -60,6 +60,26 @@ def listening_ports(pids: list[int]) -> set[int]:
     return ports
 
 
+def with_descendants(roots: list[int]) -> list[int]:
+    """``roots`` and every process below them (from ``/proc/*/stat``)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(name))
+    found, todo = [], list(roots)
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pids", required=True)
@@ -68,8 +88,11 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=20000)
     ap.add_argument("--max-open", type=int, default=800)
     ap.add_argument("--ready", default="")
+    ap.add_argument("--tree", action="store_true",
+                    help="flood the processes below --pids too (found again every 0.2 s)")
     args = ap.parse_args()
-    pids = [int(p) for p in args.pids.split(",") if p]
+    roots = pids = [int(p) for p in args.pids.split(",") if p]
+    next_tree = 0.0
     parent = os.getppid()
     linger = struct.pack("ii", 1, 0)
     open_socks: collections.deque[socket.socket] = collections.deque()
@@ -85,8 +108,10 @@ def main() -> None:
         if now - start > args.seconds or sent >= args.count or os.getppid() != parent:
             break
         if now >= next_scan:
-            if not any(os.path.exists(f"/proc/{pid}") for pid in pids):
+            if not any(os.path.exists(f"/proc/{pid}") for pid in roots):
                 break
+            if args.tree and now >= next_tree:
+                pids, next_tree = with_descendants(roots), now + 0.2
             found = listening_ports(pids)
             targets = sorted(found)
             seen |= found

@@ -97,3 +97,73 @@ def test_a_hello_and_stall_flood_against_every_listener_ends_no_tcp_job(tmp_path
         # every rank's listener and the rendezvous were flooded, and overflowed
         assert len(report["targets"]) == size + 1, report
         assert "made room for a newer connection" in outs[0], outs[0][-3000:]
+
+
+#: an elastic worker: steps (an allreduce checked against the size) until it has run 5
+#: steps at 3 ranks; rank 0 lists a third host once the flood is on
+ELASTIC_WORKER = r"""
+import os, time, numpy as np, ronde as hvd
+from ronde.elastic import ObjectState, run
+hvd.init()
+
+@run
+def train(state):
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        n = hvd.size()
+        got = hvd.allreduce(np.full(1 << 16, hvd.rank() + 1.0, np.float32), op=hvd.Sum,
+                            name="x")
+        assert np.all(got == n * (n + 1) / 2), (n, got[:3])
+        if n == 3:
+            state.at3 += 1
+            if state.at3 >= 5:
+                return n
+        elif hvd.rank() == 0 and os.path.exists(os.environ["READY"]):
+            with open(os.environ["HOSTS"], "a+") as f:
+                f.seek(0)
+                if "127.0.0.3" not in f.read().split():
+                    f.write("127.0.0.3\n")
+        state.commit()
+        time.sleep(0.05)
+    return n
+
+print("DONE", hvd.rank(), train(ObjectState(at3=0)), flush=True)
+"""
+
+
+def test_an_elastic_job_admits_a_joining_host_under_the_flood(tmp_path) -> None:
+    """The same flood against the elastic launcher's rendezvous and every worker's
+    listener, of each generation (``--tree``): a host found by discovery joins, the mesh
+    re-forms, every step's allreduce is right (before: the start-up died of a reset)."""
+    (tmp_path / "worker.py").write_text(ELASTIC_WORKER)
+    hosts, ready = tmp_path / "hosts", tmp_path / "ready"
+    hosts.write_text("127.0.0.1\n127.0.0.2\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RONDE_", "HOROVOD_"))}
+    env.update(RONDE_TRANSPORT="tcp", RONDE_ELASTIC_POLL="0.2", READY=str(ready),
+               HOSTS=str(hosts))
+    job = subprocess.Popen(
+        [sys.executable, "-m", "ronde.run", "-np", "2", "--min-np", "2", "--max-np", "3",
+         "--host-discovery-script", str(discover), "--start-timeout", "30",
+         sys.executable, str(tmp_path / "worker.py")],
+        env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    flood = subprocess.Popen(
+        [sys.executable, FLOODER, "--pids", str(job.pid), "--tree", "--rate", "1500",
+         "--seconds", "60", "--count", "45000", "--ready", str(ready)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        out, _ = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+        report = json.loads(flood.communicate(timeout=30)[0])
+    assert job.returncode == 0, out[-4000:]
+    assert "generation 2: 127.0.0.1[0], 127.0.0.2[0], 127.0.0.3[0]" in out, out[-4000:]
+    for r in range(3):
+        assert f"DONE {r} 3" in out, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    # the rendezvous and the listeners of both generations' workers
+    assert len(report["targets"]) >= 4, report
