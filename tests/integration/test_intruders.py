@@ -191,7 +191,7 @@ def test_an_intruder_on_a_third_host_in_a_ranks_place_ends_the_job(tmp_path) -> 
         time.sleep(3.0)  # the intruder registers (orchestration only: nothing is timed)
         rank1 = start(env(1), on=h1)
         time.sleep(2.0)
-        rank2 = start(env(2), on=h1)
+        rank2 = start(env(2, RONDE_START_TIMEOUT="5"), on=h1)  # rank 0 may be gone
         outs = finish([rank0, intruder, rank1, rank2])
         assert not (tmp_path / "pwned").exists(), outs
         for out in outs[:3]:
@@ -231,7 +231,8 @@ def test_a_second_process_claiming_a_rank_fails_the_job_and_runs_nothing(tmp_pat
     time.sleep(3.0)  # rank 1 registers (orchestration only: nothing is timed)
     intruder = start(torchrun_env(1, 3, port, tmp_path, INTRUDER="1", **OPEN))
     time.sleep(2.0)
-    rank2 = start(torchrun_env(2, 3, port, tmp_path, **OPEN))
+    rank2 = start(torchrun_env(2, 3, port, tmp_path, **{**OPEN,  # rank 0 may be gone
+                                                        "RONDE_START_TIMEOUT": "5"}))
     outs = finish([rank0, rank1, intruder, rank2])
     assert not (tmp_path / "pwned").exists(), outs
     for out in outs[:3]:  # the two ranks that waited, and the claimant

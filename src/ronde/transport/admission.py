@@ -166,15 +166,18 @@ class Admission:
 
     def _evict(self, sel: selectors.BaseSelector) -> bool:
         """Make room for a new connection: drop the oldest one that has not proved the
-        job's secret (False when every one has). A peer holding the secret finishes the
-        handshake within a round trip of its hello; a connection still unproven when
-        ``max_pending`` newer ones have arrived is the oldest of a flood."""
-        for p in self._pending.values():  # insertion order: the oldest first
-            if not p.proven:
-                self._drop(sel, p, ProtocolError(
-                    f"made room for a newer connection: {self.max_pending} were in the "
-                    "handshake, this one the oldest that had not proved the secret"))
-                return True
+        job's secret (False when every one has), one that proved no key at all first (an
+        open rendezvous's public-key client sends its frame right after the verdict). A
+        peer holding the secret finishes the handshake within a round trip of its hello;
+        a connection still unproven when ``max_pending`` newer ones have arrived is the
+        oldest of a flood."""
+        for keyless in (True, False):
+            for p in self._pending.values():  # insertion order: the oldest first
+                if not p.proven and (not keyless or p.step in ("hello", "proof")):
+                    self._drop(sel, p, ProtocolError(
+                        f"made room for a newer connection: {self.max_pending} were in the "
+                        "handshake, this one the oldest that had not proved the secret"))
+                    return True
         return False
 
     def _advance(self, sel: selectors.BaseSelector, p: _Pending) -> None:
