@@ -247,6 +247,11 @@ class Mesh:
                 log.debug("rank %d: %s link to rank %d again: %s", self.rank, chan, peer, exc)
             except AuthenticationError:
                 raise
+            except socket.gaierror as exc:
+                raise RendezvousError(
+                    f"rank {self.rank} cannot resolve the address {addr!r} that rank {peer} "
+                    f"(host {info.get('host')}) advertised: {exc}; set RONDE_BIND_ADDR to an "
+                    "address the peers reach") from None
             except OSError as exc:
                 if aborted is not None:
                     raise
