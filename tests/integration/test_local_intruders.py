@@ -31,6 +31,8 @@ from typing import Any, Callable
 
 import pytest
 
+from .test_intruders import finish
+
 NOBODY = 65534
 pytestmark = [
     pytest.mark.timeout(120),
@@ -151,18 +153,6 @@ def start(rank: int, port: int, shared: str) -> subprocess.Popen[str]:
                 "RONDE_TRANSPORT": "shm", "TMPDIR": shared})
     return subprocess.Popen([sys.executable, "-c", WORKER], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-
-
-def finish(procs: list[subprocess.Popen[str]]) -> list[str]:
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
-        outs.append(out)
-    return outs
 
 
 def assert_right(outs: list[str]) -> None:
