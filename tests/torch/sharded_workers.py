@@ -307,3 +307,214 @@ def process_set(steps: int = 4) -> dict:
     out = {"diff": _diff(torch, model, ref), "held": held}
     hvd.shutdown()
     return out
+
+
+def _train(torch, hvd, model, opt, ref, ref_opt, steps: int, between=None, ref_between=None,
+           step=None, ref_step=None, stage: int = 1, seed: int = 3) -> None:
+    """``steps`` steps of the sharded ``model`` on this rank's quarter-batch and of ``ref``
+    on the global batch; ``between(step)``/``ref_between(step)`` run after backward,
+    ``step``/``ref_step`` replace ``opt.step()``/``ref_opt.step()``."""
+    F = torch.nn.functional
+    r, n = hvd.rank(), hvd.size()
+    for k, (x, y) in enumerate(_batches(torch, n, steps, seed)):
+        ref_opt.zero_grad()
+        F.mse_loss(_forward(ref, x), y).backward()
+        if ref_between:
+            ref_between(k)
+        (ref_step or ref_opt.step)()
+        opt.zero_grad()
+        F.mse_loss(_forward(model, x[4 * r:4 * r + 4]), y[4 * r:4 * r + 4]).backward()
+        if between:
+            between(k)
+        (step or opt.step)()
+
+
+def _outcome(torch, hvd, model, ref, case: str, **extra) -> dict:
+    return {"diff": _diff(torch, model, ref),
+            "same": _same_on_every_rank(torch, hvd, model, f"recipes.{case}"), **extra}
+
+
+def recipes(steps: int = 5) -> dict:
+    """What users write around an optimizer, with ShardedOptimizer at stages 1 and 2
+    (issue #52), each against one process on the global batch: torch's own
+    clip_grad_norm_ / clip_grad_value_ on model.parameters(), docs/pytorch.md's
+    synchronize() recipe, a clip_grad_norm_ taken before ronde patched it (refused),
+    broadcast_optimizer_state at the start and after steps (each rank's slices kept,
+    rank 0's hyperparameters), and torch's GradScaler recipes with an overflow on one
+    rank's slice only (every rank skips the same steps)."""
+    torch, hvd = _setup()
+    r = hvd.rank()
+    F = torch.nn.functional
+    # a reference to torch's function as a script that imported it before ronde holds it
+    captured = torch.nn.utils.clip_grad_norm_
+    captured = getattr(captured, "__wrapped__", captured)
+    out: dict = {}
+    for stage in (1, 2):
+        def make(opt_name="adam", seed=5, **kw):
+            model, ref = _net(torch, seed), _net(torch, seed)
+            opt = hvd.ShardedOptimizer(OPTS[opt_name](torch, model.parameters()), stage=stage,
+                                       named_parameters=model.named_parameters(), **kw)
+            return model, opt, ref, OPTS[opt_name](torch, ref.parameters())
+
+        # torch.nn.utils.clip_grad_norm_(model.parameters(), c): the global norm
+        model, opt, ref, ref_opt = make()
+        norms: list = []
+        _train(torch, hvd, model, opt, ref, ref_opt, steps,
+               lambda k: norms.append(float(torch.nn.utils.clip_grad_norm_(
+                   model.parameters(), 0.05))),
+               lambda k: norms.append(-float(torch.nn.utils.clip_grad_norm_(
+                   ref.parameters(), 0.05))))
+        out[f"stage{stage}.clip_norm"] = _outcome(
+            torch, hvd, model, ref, "norm",
+            norm_diff=max(abs(a + b) for a, b in zip(norms[1::2], norms[0::2])))
+        # clip_grad_value_ and the inf norm
+        model, opt, ref, ref_opt = make("sgd")
+        _train(torch, hvd, model, opt, ref, ref_opt, steps,
+               lambda k: (torch.nn.utils.clip_grad_value_(model.parameters(), 0.02),
+                          torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01, "inf")),
+               lambda k: (torch.nn.utils.clip_grad_value_(ref.parameters(), 0.02),
+                          torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01, "inf")))
+        out[f"stage{stage}.clip_value"] = _outcome(torch, hvd, model, ref, "value")
+        # docs/pytorch.md's recipe: synchronize(), torch's clip, step in skip_synchronize()
+        model, opt, ref, ref_opt = make("adamw")
+
+        def synced_step(opt=opt):
+            with opt.skip_synchronize():
+                opt.step()
+
+        _train(torch, hvd, model, opt, ref, ref_opt, steps,
+               lambda k: (opt.synchronize(),
+                          torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)),
+               lambda k: torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05),
+               step=synced_step)
+        out[f"stage{stage}.synchronize_recipe"] = _outcome(torch, hvd, model, ref, "sync")
+        # torch's function held from before ronde's patch: refused before any step
+        model, opt, ref, ref_opt = make()
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            _train(torch, hvd, model, opt, ref, ref_opt, 1,
+                   lambda k: captured(model.parameters(), 0.05))
+            out[f"stage{stage}.captured"] = "accepted"
+        except hvd.RondeError as exc:
+            out[f"stage{stage}.captured"] = str(exc)
+        out[f"stage{stage}.captured_moved"] = any(
+            not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        opt.zero_grad()
+        # broadcast_optimizer_state at the start (rank 1's lr differs: rank 0's wins) and
+        # after steps: each rank's slices stay its own
+        model, opt, ref, ref_opt = make()
+        if r:
+            opt.param_groups[0]["lr"] = 0.5
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        _train(torch, hvd, model, opt, ref, ref_opt, steps)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        _train(torch, hvd, model, opt, ref, ref_opt, steps, seed=4)
+        out[f"stage{stage}.broadcast"] = _outcome(torch, hvd, model, ref, "bcast",
+                                                  lr=opt.param_groups[0]["lr"])
+        # GradScaler: torch's recipe, and unscale_ + clip; an inf in c.bias's gradient on
+        # rank 0 at steps 1 and 3 (c.bias sits in one rank's slice only)
+        for recipe in ("plain", "unscale_clip"):
+            model, opt, ref, ref_opt = make()
+            scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2)
+                       for _ in range(2)]
+            skipped = [[], []]
+
+            def scaled(which, m, o, k, scaler):
+                def run():
+                    if recipe == "unscale_clip":
+                        scaler.unscale_(o)
+                        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+                    before = scaler.get_scale()
+                    scaler.step(o)
+                    scaler.update()
+                    skipped[which].append(scaler.get_scale() < before)
+                return run
+
+            for k, (x, y) in enumerate(_batches(torch, hvd.size(), steps)):
+                for which, (m, o, xs, ys) in enumerate(
+                        ((ref, ref_opt, x, y),
+                         (model, opt, x[4 * r:4 * r + 4], y[4 * r:4 * r + 4]))):
+                    o.zero_grad()
+                    hook = m["c"].bias.register_hook(lambda g: g * float("inf")) \
+                        if k in (1, 3) and (which == 0 or r == 0) else None
+                    scalers[which].scale(F.mse_loss(_forward(m, xs), ys)).backward()
+                    if hook is not None:
+                        hook.remove()
+                    scaled(which, m, o, k, scalers[which])()
+            out[f"stage{stage}.amp_{recipe}"] = _outcome(
+                torch, hvd, model, ref, f"amp.{recipe}", skipped=skipped[1],
+                ref_skipped=skipped[0], scale=scalers[1].get_scale(),
+                ref_scale=scalers[0].get_scale())
+    hvd.shutdown()
+    return out
+
+
+def ddp_around_the_model() -> dict:
+    """torch's DistributedDataParallel around the model (as Hugging Face Trainer does
+    under ronderun) with a ShardedOptimizer: refused on every rank at the first step,
+    the weights not moved."""
+    torch, hvd = _setup()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=hvd.rank(), world_size=hvd.size())
+    F = torch.nn.functional
+    out = {}
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.d = _net(torch, 5)
+
+        def forward(self, x):
+            return _forward(self.d, x)
+
+    for stage in (1, 2):
+        model = torch.nn.parallel.DistributedDataParallel(Net(), find_unused_parameters=True)
+        opt = hvd.ShardedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), stage=stage,
+                                   named_parameters=model.named_parameters())
+        before = [p.detach().clone() for p in model.parameters()]
+        x, y = _batches(torch, 1, 1)[0]
+        F.mse_loss(model(x), y).backward()
+        try:
+            opt.step()
+            out[stage] = {"error": "accepted"}
+        except hvd.RondeError as exc:
+            out[stage] = {"error": f"{type(exc).__name__}: {exc}"}
+        out[stage]["moved"] = any(not torch.equal(a, b)
+                                  for a, b in zip(before, model.parameters()))
+        opt.zero_grad()
+    dist.destroy_process_group()
+    hvd.shutdown()
+    return out
+
+
+def changed_model(directory: str) -> dict:
+    """load_sharded into a model that is not the saved one: a renamed layer, a changed
+    shape, a changed dtype; each refused naming the parameter, nothing loaded."""
+    torch, hvd = _setup()
+    F = torch.nn.functional
+    nn = torch.nn
+    model = _net(torch, 2)
+    opt = hvd.ShardedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), stage=2,
+                               named_parameters=model.named_parameters())
+    x, y = _batches(torch, hvd.size(), 1)[0]
+    F.mse_loss(_forward(model, x), y).backward()
+    opt.step()
+    hvd.save_sharded(directory, model, opt)
+    out = {}
+    for change in ("renamed", "shape", "dtype", "same"):
+        m = _net(torch, 2)
+        if change == "renamed":
+            m["z"] = m.pop("c")
+        elif change == "shape":
+            m["c"] = nn.Linear(5, 4).double()
+        elif change == "dtype":
+            m["b"] = m["b"].float()
+        o = hvd.ShardedOptimizer(torch.optim.Adam(m.parameters(), lr=0.01), stage=2,
+                                 named_parameters=m.named_parameters())
+        try:
+            hvd.load_sharded(directory, None, o)
+            out[change] = ("loaded", sum(len(s) for s in o.state.values()))
+        except hvd.RondeError as exc:
+            out[change] = (str(exc), sum(len(s) for s in o.state.values()))
+    hvd.shutdown()
+    return out

@@ -129,3 +129,49 @@ def _check_versus_distributed(out: list, np_: int) -> None:
         for case, r in res.items():
             assert r["loss"] <= bound, (np_, case, r)
             assert r["weights"] <= max(bound, 1e-5), (np_, case, r)
+
+
+def _check_recipes(out: list, np_: int) -> None:
+    """issue #52: each recipe at stages 1 and 2 equals one process on the global batch
+    (float64) with every rank's weights equal, or is refused on every rank before a step."""
+    for rank, res in enumerate(out):
+        for stage in (1, 2):
+            for recipe in ("clip_norm", "clip_value", "synchronize_recipe", "broadcast",
+                           "amp_plain", "amp_unscale_clip"):
+                r = res[f"stage{stage}.{recipe}"]
+                assert r["same"] and r["diff"] <= 1e-12, (np_, rank, stage, recipe, r)
+            # the norm torch's clip_grad_norm_ returns is the one process's
+            assert res[f"stage{stage}.clip_norm"]["norm_diff"] <= 1e-12
+            assert res[f"stage{stage}.broadcast"]["lr"] == 0.01  # rank 0's
+            for recipe in ("amp_plain", "amp_unscale_clip"):
+                r = res[f"stage{stage}.{recipe}"]
+                # an overflow in one rank's slice only: every rank skips steps 1 and 3
+                assert r["skipped"] == r["ref_skipped"] == [False, True, False, True, False]
+                assert r["scale"] == r["ref_scale"]
+            captured = res[f"stage{stage}.captured"]
+            assert "clip_grad_norm_" in captured and "opt.clip_grad_norm_(max_norm)" in captured
+            assert not res[f"stage{stage}.captured_moved"]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_the_recipes_users_run_are_right_or_refused(np_, tmp_path):
+    # 200-byte buckets: tensors split across ranks, so the overflow in c.bias lies in one
+    # rank's slice only
+    recipes, changed, ddp = run_ranks_many(
+        np_, [workers.recipes, (workers.changed_model, str(tmp_path / "ckpt")),
+              workers.ddp_around_the_model],
+        timeout_s=180, env={"RONDE_BUCKET_BYTES": "200"})
+    _check_recipes(recipes, np_)
+    for res in changed:  # load_sharded into another model: refused naming the parameter
+        assert "'z.weight' is not in the checkpoint" in res["renamed"][0], res
+        assert "'c.weight' is in the checkpoint but not in this optimizer" in res["renamed"][0]
+        assert "'c.weight' was saved as float64[3, 5], is float64[4, 5] now" in res["shape"][0]
+        assert "'b.weight' was saved as float64[5, 7], is float32[5, 7] now" in res["dtype"][0]
+        assert all(res[k][1] == 0 for k in ("renamed", "shape", "dtype")), res  # nothing loaded
+        assert res["same"][0] == "loaded"
+    for res in ddp:  # DDP around the model: refused at the first step, nothing moved
+        for stage in (1, 2):
+            assert res[stage]["error"].startswith("ModifiedGradientsError") \
+                and "DistributedDataParallel" in res[stage]["error"], res
+            assert not res[stage]["moved"], res

@@ -59,6 +59,7 @@ class Bucket:
         self.summed = False  # whether ``slice`` holds a reduction of this window
         self.last_pass = -1  # the backward pass (of this window) it was last started in
         self.gathering: Any = None  # the allgather of the updated slices
+        self.version = -1  # ``buf._version`` when its reduce-scatter started
 
     def put(self, i: int, grad: torch.Tensor) -> torch.Tensor:
         """Member ``i``'s gradient into its slot (added for a second pass before this

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import os
 from typing import Any, Iterable
 
@@ -50,6 +51,7 @@ from ._wrap import SkipSynchronize, inner, wrap
 from .compression import Compression
 from ._elementwise import check_elementwise, slice_state
 from ._shards import Bucket, Piece
+from . import _sharded_patches
 
 
 def _reducescatter(tensor: torch.Tensor, out: Any, name: str, op: int, pre: float, post: float,
@@ -108,7 +110,11 @@ class _ShardedMixin(SkipSynchronize):
         self._ronde_synced = False
         self._ronde_should_sync = True
         self._ronde_hooks: dict[torch.Tensor, Any] = {}
+        #: set by GradScaler.unscale_ (ronde's patch): agree on non-finite slices
+        self._ronde_check_finite = False
+        self._ronde_ddp_checked = False
         self._ronde_rehook()
+        _sharded_patches.install(self)
 
     def _ronde_layout(self) -> dict[int, Piece]:
         """Build the buckets and this rank's pieces for the job as it is now (at wrapping,
@@ -185,6 +191,8 @@ class _ShardedMixin(SkipSynchronize):
             b.unhooked = [self._ronde_params[i] for i in b.members if i not in b.hooked]
 
     def _ronde_hook(self, p: torch.Tensor) -> None:
+        if self._ronde_synced:  # a window synchronized but never stepped (GradScaler
+            self._ronde_new_window()  # skipped it): this backward starts the next one
         if not self._ronde_queued:  # the end of this backward pass closes it (see _ronde_pass_end)
             if self._ronde_pass >= self._ronde_passes:
                 raise TooManyPassesError(
@@ -254,9 +262,13 @@ class _ShardedMixin(SkipSynchronize):
         b.last_pass = self._ronde_pass
         if self._ronde_solo:
             b.started = (None, b.buf)
-            return
-        b.started = (self._ronde_reduction.start(b.buf, b.name, _reducescatter), None)
-        self._ronde_moving.append(b)
+        else:
+            b.started = (self._ronde_reduction.start(b.buf, b.name, _reducescatter), None)
+            self._ronde_moving.append(b)
+        # stage 1's p.grad are views of the buffer: an in-place change from now on (torch's
+        # clip_grad_norm_ through a reference taken before ronde's patch, DDP's average)
+        # races the reduce-scatter; synchronize() compares the version
+        b.version = b.buf._version
 
     def _ronde_finish(self, b: Bucket) -> None:
         started, solo = b.started
@@ -297,30 +309,121 @@ class _ShardedMixin(SkipSynchronize):
                              "loss.backward() before optimizer.step()")
         if self._ronde_stage == 1 or self._ronde_pass == 0:
             self._ronde_start_rest()  # a window cut short (fewer passes), or no hook ran
-        flags = torch.zeros(len(self._ronde_params), dtype=torch.int32)
-        flags[list(self._ronde_had)] = 1
-        presence = flags if self._ronde_solo else C.allreduce_async(
-            flags, None, f"{self._ronde_buckets[0].name}.presence", ReduceOp.SUM, 1.0, 1.0,
-            self._ronde_ps)
         for b in self._ronde_buckets:
             if b.started is not None:
                 self._ronde_finish(b)
-        counts = presence if self._ronde_solo else presence.wait()
-        counts = counts.tolist()
+        changed = self._ronde_wrapped_in_ddp() + self._ronde_changed()
+        bad = self._ronde_check_finite and not all(
+            bool(torch.isfinite(b.slice).all()) for b in self._ronde_buckets)
+        # one count per parameter (had a gradient), then: ranks whose gradients changed
+        # behind ronde's back, ranks with a non-finite averaged slice
+        flags = torch.zeros(len(self._ronde_params) + 2, dtype=torch.int32)
+        flags[list(self._ronde_had)] = 1
+        flags[-2], flags[-1] = int(bool(changed)), int(bad)
+        counts = (flags if self._ronde_solo else C.allreduce_async(
+            flags, None, f"{self._ronde_buckets[0].name}.presence", ReduceOp.SUM, 1.0, 1.0,
+            self._ronde_ps).wait()).tolist()
+        if counts[-2]:
+            raise ModifiedGradientsError(
+                f"ShardedOptimizer: on {counts[-2]} rank(s) (here: "
+                f"{', '.join(changed[:4]) or 'not this rank'}) the gradients were changed "
+                "after backward() handed them to ronde and before step(), while they were "
+                "being averaged: the result would be wrong. Causes: the model wrapped in "
+                "torch DistributedDataParallel (ronde averages the gradients: remove DDP, "
+                "e.g. ronderun -x RONDE_TORCHRUN_ENV=0 for Hugging Face Trainer), or "
+                "torch.nn.utils.clip_grad_norm_/clip_grad_value_ called through a reference "
+                "taken before ronde.torch was imported (call opt.clip_grad_norm_(max_norm) "
+                "or torch.nn.utils.clip_grad_norm_(...) by its module path), or p.grad "
+                "changed in place (change the averaged slices after opt.synchronize())")
         for b in self._ronde_buckets:
             for piece in b.pieces:
                 piece.tensor.grad = b.slice[piece.at:piece.at + piece.b - piece.a] \
                     if counts[piece.index] else None
+        if counts[-1] and not bad:  # another rank's slice is not finite: so is one of ours,
+            self._ronde_poison()    # as every rank's whole gradient would be under DDP
         self._ronde_synced = True
 
+    def _ronde_wrapped_in_ddp(self) -> list[str]:
+        """Once, at the first step: whether torch's DistributedDataParallel wraps these
+        parameters (it would average them too, writing into ronde's buckets or dropping
+        its result: refused however it would turn out). Looked for only where a torch
+        process group exists."""
+        dist = torch.distributed
+        if self._ronde_ddp_checked or not (dist.is_available() and dist.is_initialized()):
+            return []
+        import gc
+
+        mine = {id(p) for p in self._ronde_params}
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.nn.parallel.DistributedDataParallel) and any(
+                    id(p) in mine for p in obj.module.parameters()):
+                return ["every parameter: torch DistributedDataParallel wraps the model"]
+        self._ronde_ddp_checked = True  # until a step found none (refused again after)
+        return []
+
+    def _ronde_changed(self) -> list[str]:
+        """The parameters whose gradient changed after ronde took it in this window:
+        stage 1, a bucket written in place since its reduce-scatter started (its
+        parameters named); stage 2, a ``p.grad`` that is back after ronde freed it."""
+        names, params = self._ronde_names, self._ronde_params
+        if self._ronde_stage == 1:
+            return [names[i] for b in self._ronde_buckets
+                    if b.buf is not None and b.version >= 0 and b.buf._version != b.version
+                    for i in b.members if i in self._ronde_had]
+        return [names[i] for b in self._ronde_buckets for i in b.hooked
+                if i in self._ronde_had and params[i].grad is not None]
+
+    def _ronde_agree_finite(self) -> None:
+        """Make every rank's slices non-finite where any rank's are (one allreduce)."""
+        bad = not all(bool(torch.isfinite(b.slice).all()) for b in self._ronde_buckets)
+        if self._ronde_solo:
+            return
+        total = C.allreduce_async(torch.tensor([int(bad)], dtype=torch.int32), None,
+                                  f"{self._ronde_buckets[0].name}.finite", ReduceOp.SUM,
+                                  1.0, 1.0, self._ronde_ps).wait()
+        if int(total[0]) and not bad:
+            self._ronde_poison()
+
+    def _ronde_poison(self) -> None:
+        for b in self._ronde_buckets:
+            for piece in b.pieces:
+                if piece.tensor.grad is not None:
+                    with torch.no_grad():
+                        piece.tensor.grad[0] = float("nan")
+                    return
+
+    def _ronde_grads(self, parameters: Iterable[torch.Tensor] | None) -> list[torch.Tensor]:
+        """The averaged slices (after :meth:`synchronize`) of ``parameters`` (the
+        optimizer's parameters or their pieces; None: all)."""
+        self.synchronize()
+        wanted: set[int] | None = None
+        if parameters is not None:
+            pieces = {id(pc.tensor): pc.index for b in self._ronde_buckets for pc in b.pieces}
+            wanted = set()
+            for t in parameters:
+                i = self._ronde_index.get(id(t), pieces.get(id(t)))
+                if i is None:
+                    raise UnsupportedError("ShardedOptimizer: a tensor to clip is not one of "
+                                           "this optimizer's parameters")
+                wanted.add(i)
+        return [pc.tensor.grad for b in self._ronde_buckets for pc in b.pieces
+                if pc.tensor.grad is not None and (wanted is None or pc.index in wanted)]
+
     @eager
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False,
+                        parameters: Iterable[torch.Tensor] | None = None) -> torch.Tensor:
         """Clip the averaged gradients by their global norm (over every rank's slices:
         one allreduce of a number); returns the norm before clipping, as
-        ``torch.nn.utils.clip_grad_norm_`` does for one process."""
-        self.synchronize()
-        grads = [p.tensor.grad for b in self._ronde_buckets for p in b.pieces
-                 if p.tensor.grad is not None]
+        ``torch.nn.utils.clip_grad_norm_`` does for one process. Every rank calls it.
+
+        Args:
+            max_norm: the largest norm kept.
+            norm_type: the p of the p-norm (``float("inf")``: the largest magnitude).
+            error_if_nonfinite: raise where the norm is nan or inf (as torch's).
+            parameters: clip these parameters (or pieces) only, by their norm; None: all.
+        """
+        grads = self._ronde_grads(parameters)
         p_ = float(norm_type)
         inf = p_ == float("inf")
         local = torch.tensor([max((float(g.abs().max()) for g in grads), default=0.0) if inf
@@ -330,12 +433,50 @@ class _ShardedMixin(SkipSynchronize):
             local, None, "ShardedOptimizer.clip", ReduceOp.MAX if inf else ReduceOp.SUM,
             1.0, 1.0, self._ronde_ps).wait()
         norm = float(total[0]) if inf else float(total[0]) ** (1.0 / p_)
+        if error_if_nonfinite and not torch.isfinite(torch.tensor(norm)):
+            raise RuntimeError(f"The total norm of order {norm_type} for gradients from "
+                               "`parameters` is non-finite, so it cannot be clipped. To "
+                               "disable this error and scale the gradients by the non-finite "
+                               "norm anyway, set `error_if_nonfinite=False`")
         scale = float(max_norm) / (norm + 1e-6)
         if scale < 1.0:
             with torch.no_grad():
                 for g in grads:
                     g.mul_(scale)
-        return torch.as_tensor(float(norm))
+        dtype = grads[0].dtype if grads else self._ronde_params[0].dtype
+        return torch.tensor(norm, dtype=dtype)
+
+    @eager
+    def clip_grad_value_(self, clip_value: float,
+                         parameters: Iterable[torch.Tensor] | None = None) -> None:
+        """Clamp the averaged gradients to ``[-clip_value, clip_value]`` (elementwise:
+        each rank its slices), as ``torch.nn.utils.clip_grad_value_`` does for one
+        process."""
+        with torch.no_grad():
+            for g in self._ronde_grads(parameters):
+                g.clamp_(-float(clip_value), float(clip_value))
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is one of this optimizer's parameters or of its pieces."""
+        return id(tensor) in self._ronde_index or any(
+            pc.tensor is tensor for b in self._ronde_buckets for pc in b.pieces)
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        """Backward passes per ``step()`` (see ``ShardedOptimizer``)."""
+        return self._ronde_passes
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change ``backward_passes_per_step`` between steps (Lightning's strategy
+        follows ``accumulate_grad_batches`` with it)."""
+        if int(passes) < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+        if self._ronde_pass or self._ronde_moving:
+            raise RondeError("ShardedOptimizer.set_backward_passes_per_step() between a "
+                             "backward pass and its step(); call it after step()")
+        self._ronde_passes = int(passes)
+        self._ronde_reduction = dataclasses.replace(self._ronde_reduction,
+                                                    passes_per_step=int(passes))
 
     @eager
     def step(self, closure: Any = None) -> Any:
@@ -426,6 +567,11 @@ class _ShardedMixin(SkipSynchronize):
     @property
     def stage(self) -> int:
         return self._ronde_stage
+
+
+class ModifiedGradientsError(RondeError):
+    """A ``ShardedOptimizer``'s gradients were changed behind its back between backward
+    and ``step()`` (raised on every rank, before the step)."""
 
 
 def ShardedOptimizer(optimizer: torch.optim.Optimizer,

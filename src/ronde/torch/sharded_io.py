@@ -6,7 +6,8 @@
                                    and each piece's optimizer state (tensor slices)
     dir/model.<id>.pt              rank 0: model.state_dict() (if a model is given)
     dir/meta.pt                    rank 0, last: N, every file of the step and its size,
-                                   every file's pieces, the param groups' hyperparameters
+                                   every file's pieces, the param groups' hyperparameters,
+                                   every parameter's shape and dtype by name
 
 ``<id>`` is new at every save: the step's files never replace the previous step's, and
 ``meta.pt``, replaced atomically once every file is complete, is what makes the step
@@ -67,6 +68,53 @@ def _pieces(optimizer: Any, model: Any) -> list[tuple[str, int, int, torch.Tenso
     return out
 
 
+def _table(optimizer: Any, model: Any) -> dict[str, tuple[list[int], str]]:
+    """Every parameter of the optimizer (not only this rank's pieces), by name: its
+    shape and dtype, the same on every rank."""
+    if is_sharded(optimizer):
+        pairs = list(zip(optimizer._ronde_names, optimizer._ronde_params))
+    else:
+        names = {id(p): n for n, p in model.named_parameters()}
+        pairs = [(names[id(p)], p) for g in optimizer.param_groups for p in g["params"]
+                 if id(p) in names]
+    return {n: (list(p.shape), str(p.dtype).replace("torch.", "")) for n, p in pairs}
+
+
+def _check_table(directory: str, meta: dict[str, Any], mine: dict[str, tuple[list[int], str]]
+                 ) -> None:
+    """Refuse a checkpoint whose parameters are not this optimizer's (renamed, another
+    shape or dtype, missing, extra), naming them, before anything is loaded; a folder
+    saved before shapes were stored is checked by names and element counts."""
+    saved = meta.get("params")
+    if not isinstance(saved, dict):  # format 1 and early 2: the pieces give the sizes
+        saved = {}
+        for entries in meta["pieces"]:
+            for name, _, end in entries:
+                saved[name] = max(saved.get(name, 0), end)
+        have = {n: int(torch.Size(shape).numel()) for n, (shape, _) in mine.items()}
+    else:
+        saved = {n: (list(shape), dtype) for n, (shape, dtype) in saved.items()}
+        have = {n: (list(shape), dtype) for n, (shape, dtype) in mine.items()}
+    problems = [f"{n!r} is not in the checkpoint" for n in have if n not in saved]
+    problems += [f"{n!r} is in the checkpoint but not in this optimizer" for n in saved
+                 if n not in have]
+    problems += [f"{n!r} was saved as {_describe(saved[n])}, is {_describe(have[n])} now"
+                 for n in have if n in saved and saved[n] != have[n]]
+    if problems:
+        raise RondeError(
+            f"{directory}: the checkpoint's parameters are not this optimizer's: "
+            f"{'; '.join(problems[:6])}{' ...' if len(problems) > 6 else ''}. Build the "
+            "model as it was saved (the same names, shapes and dtypes) and load into it; "
+            "to change the model, start its optimizer afresh")
+
+
+def _describe(entry: Any) -> str:
+    if isinstance(entry, int):
+        return f"{entry} elements"
+    shape, dtype = entry
+    return f"{dtype}{list(shape)}"
+
+
 def _hyper(optimizer: Any) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
@@ -103,7 +151,8 @@ def save_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) 
         meta = {"format": FORMAT, "id": step.token, "world_size": size,
                 "files": _files(step.token, size), "sizes": [n for _, n in index],
                 "pieces": [e for e, _ in index], "param_groups": _hyper(optimizer),
-                "optimizer": type(optimizer).__name__, "model": None, "model_size": None}
+                "optimizer": type(optimizer).__name__, "model": None, "model_size": None,
+                "params": _table(optimizer, model)}
         if model is not None:
             meta["model"] = f"model.{step.token}.pt"
             meta["model_size"] = step.write(meta["model"],
@@ -156,11 +205,17 @@ def load_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) 
     Raises:
         FileNotFoundError: no ``meta.pt``, or a file it names is missing.
         RondeError: a file it names is not a regular file of the folder or not of the
-            recorded size, or the state does not cover this rank's pieces.
+            recorded size, the saved parameters differ from the optimizer's (a name, a
+            shape or a dtype; named, before anything is loaded), or the state does not
+            cover this rank's pieces.
     """
     directory = os.fspath(directory)
     meta = _read_meta(directory)
     where = os.path.join(directory, META)
+    if not is_sharded(optimizer) and model is None:
+        raise ValueError("load_sharded with a plain optimizer needs the model, whose "
+                         "named_parameters() name its parameters")
+    _check_table(directory, meta, _table(optimizer, model))
     if model is not None:
         if not meta["model"]:
             raise RondeError(f"{where}: saved without a model; pass model=None")

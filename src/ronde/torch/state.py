@@ -117,6 +117,25 @@ def _create_state(optimizer: torch.optim.Optimizer, model: Any) -> None:
             p.copy_(k)
 
 
+def _broadcast_hyperparameters(optimizer: Any, root_rank: int,
+                               process_set: ProcessSet) -> None:
+    """A ``ShardedOptimizer``: each rank's state is its own slice (the moments of the
+    elements it owns), so only what is replicated is sent: the param groups'
+    hyperparameters (``lr``, ``betas``, ``weight_decay``...). The step counts are equal
+    on every rank already (every rank steps together, and ``load_sharded`` reads them
+    from the same files); no state is created before the first step (it would count
+    one step too many)."""
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    got = _objects.broadcast_object(hyper, root_rank, "broadcast_optimizer_state.sharded",
+                                    process_set)
+    if len(got) != len(optimizer.param_groups):
+        raise ValueError(f"broadcast_optimizer_state: rank {root_rank} has {len(got)} param "
+                         f"groups, this rank {len(optimizer.param_groups)}; make the same "
+                         "optimizer on every rank")
+    for group, values in zip(optimizer.param_groups, got):
+        group.update(values)
+
+
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
                               model: Any = None,
                               process_set: ProcessSet = global_process_set) -> None:
@@ -125,7 +144,10 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     Before the first step the state is created first, as Horovod does: every trainable
     parameter gets a zero gradient and the wrapped optimizer steps once (momentum
     buffers, Adam moments and ``step`` counts then exist on every rank). Accepts a plain
-    optimizer or a ``DistributedOptimizer``.
+    optimizer or a ``DistributedOptimizer``. A ``ShardedOptimizer`` keeps its own
+    slices (each rank's state is a different part): only the param groups'
+    hyperparameters come from ``root_rank``, at the start, after steps or after
+    ``load_sharded``.
 
     Args:
         optimizer: the optimizer whose ``state_dict()`` is sent.
@@ -138,6 +160,11 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         raise ValueError("broadcast_optimizer_state does not support LBFGS")
     if isinstance(model, ProcessSet):  # ronde's earlier order: process_set third
         model, process_set = None, model
+    from .sharded import is_sharded
+
+    if is_sharded(optimizer):
+        _broadcast_hyperparameters(optimizer, root_rank, process_set)
+        return
     if not optimizer.state_dict()["state"]:
         _create_state(optimizer, model)
     sd = optimizer.state_dict() if _api.rank() == root_rank else None
