@@ -311,14 +311,21 @@ KNOBS: tuple[Knob, ...] = (
     Knob("shm_segment_bytes", "RONDE_SHM_SEGMENT", parse_bytes,
          accepted=Range(64 << 10, 64 * _GIB, size=True),
          default='`64MiB`', unit='bytes ([size syntax](#sizes))',
-         doc="Data region of each rank's shared-memory segment (plus a 4 KiB header), "
-             'per process set on the shm transport. Collectives larger than the '
-             'segment run in pieces; a fused allreduce that fits is packed straight '
-             "into it. Each rank maps every member's segment,"
+         doc="Data region of each rank's shared-memory segment (plus 192 KiB of header "
+             'and small-message regions), per process set on the shm transport. '
+             'Collectives larger than the segment run in pieces; a fused allreduce that '
+             "fits is packed straight into it. Each rank maps every member's segment,"
              ' so a host uses about `local ranks x this` of `/dev/shm` memory per shm '
              "process set. The steady lane's own segment also holds torch's gradient "
              'buckets (those that fit, keeping 256 KiB for staging), reduced there in '
-             'place: their gradients then live in `/dev/shm`.'),
+             'place: their gradients then live in `/dev/shm`. The memory is reserved '
+             'when `init()` makes the segments (`posix_fallocate`: a full `/dev/shm` is '
+             'never a SIGBUS later), about `local ranks x 2 x this` in a one-host job '
+             '(the global set and the steady lane) plus 1 MiB a rank of negotiation '
+             "mailboxes. Where a host's `/dev/shm` has less free, `init()` shrinks that "
+             "host's segments to fit in half of its free space (down to 1 MiB), else "
+             'runs the process sets with a rank there over tcp, and warns on its ranks '
+             '([troubleshooting](troubleshooting.md#a-small-devshm)).'),
     Knob("small_allreduce_bytes", "RONDE_SMALL_ALLREDUCE", parse_bytes,
          accepted=_BYTES,
          default='`64KiB`', unit='bytes ([size syntax](#sizes))',

@@ -29,6 +29,7 @@ from .runner import lifeline, meeting, rendezvous
 from .transport import mesh as mesh_mod
 from .transport.net import free_port, route_address
 from .transport import factory as factory_mod
+from .transport import shm_room
 
 log = logging.getLogger("ronde")
 
@@ -94,16 +95,18 @@ def init(process_sets: list[Any] | None = None) -> Runtime:
     wenv = worker_env.detect()
     _generation += 1
     gen = _generation
-    wenv, gen, hosts, ctl, mesh, secret = _meet_peers(wenv, cfg, gen)
+    wenv, gen, hosts, ctl, mesh, secret, room = _meet_peers(wenv, cfg, gen)
     _generation = gen
     topo = Topology.build(wenv.rank, hosts)
+    cfg = room.config(cfg, hosts[wenv.rank])  # what this host's /dev/shm can hold
+    room.warn(hosts[wenv.rank])
     if cfg.torchrun_env:
         _export_torchrun(wenv, topo)
     _tune_heap(cfg, topo)
     cfg = dataclasses.replace(cfg, first_bucket_bytes=cores_mod.first_bucket(
         cfg, topo, wenv.host_cores))
     engine_box: list[Engine] = []
-    factory = _communicators(cfg, topo, wenv, mesh, secret, gen, engine_box)
+    factory = _communicators(cfg, topo, wenv, mesh, secret, gen, engine_box, room)
     engine = _start_engine(cfg, topo, wenv, ctl, factory, gen)
     engine_box.append(engine)
     meeting.watch(engine.fail)  # rank 0 of an open start-up: a rank found taken ends it
@@ -145,18 +148,21 @@ def _tune_heap(cfg: _config.Config, topo: Topology) -> None:
                  2 * hugepages.MMAP_THRESHOLD >> 20)
 
 
-def _meet_peers(wenv: worker_env.WorkerEnv, cfg: _config.Config, gen: int
-                ) -> tuple[worker_env.WorkerEnv, int, list[str], dict[int, socket.socket],
-                           mesh_mod.Mesh | None, bytes]:
+Met = tuple[worker_env.WorkerEnv, int, list[str], dict[int, socket.socket],
+            mesh_mod.Mesh | None, bytes, shm_room.Room]
+
+
+def _meet_peers(wenv: worker_env.WorkerEnv, cfg: _config.Config, gen: int) -> Met:
     """Step 2: rendezvous and connect to every peer; returns the worker's place (an
     elastic job's rendezvous hands out rank, size and generation), every rank's host,
-    the control sockets, the mesh (none of either for a job of one) and the job's
-    secret (empty for a job of one)."""
+    the control sockets, the mesh (none of either for a job of one), the job's secret
+    (empty for a job of one) and what each host's ``/dev/shm`` holds (every rank sends
+    its free bytes: ``transport/shm_room.py``)."""
     if wenv.elastic:
         return _meet_elastic(wenv, cfg)
     rank, size = wenv.rank, wenv.size
     if size == 1:
-        return wenv, gen, [wenv.host], {}, None, b""
+        return wenv, gen, [wenv.host], {}, None, b"", shm_room.Room()
     rdv_host = wenv.rendezvous[0] if wenv.rendezvous else "127.0.0.1"
     local_job = wenv.rendezvous_mode == "file" or _is_loopback(rdv_host)
     bind = cfg.bind_addr or ("127.0.0.1" if local_job else route_address(rdv_host))
@@ -164,7 +170,8 @@ def _meet_peers(wenv: worker_env.WorkerEnv, cfg: _config.Config, gen: int
     advertised = bind if bind not in ("0.0.0.0", "::", "") else route_address(rdv_host)
     info = {"rank": rank, "size": size, "generation": gen, "host": wenv.host,
             "addr": advertised, "port": listener.getsockname()[1], "cpus": cores_mod.my_cpus(),
-            "torch_port": free_port(bind) if rank == 0 else 0}
+            "torch_port": free_port(bind) if rank == 0 else 0,
+            "shm_free": shm_room.free_bytes()}
     store = None
     if cfg.transport == "gloo" and rank == 0:
         from .transport import torch_dist
@@ -179,20 +186,27 @@ def _meet_peers(wenv: worker_env.WorkerEnv, cfg: _config.Config, gen: int
     wenv = dataclasses.replace(wenv, host_cores=cores_mod.cores_by_rank(peers),
                                master=_master(peers))
     hosts = [str(p.get("host")) for p in peers]
+    room = _room(cfg, rank, hosts, peers, wenv.host_cores)
     mesh = mesh_mod.Mesh(rank, size, gen, secret, listener, peers, cfg.start_timeout_s,
-                         _ctl_peers(cfg, rank, hosts, wenv.host_cores))
+                         _ctl_peers(room.config(cfg, hosts[rank]), rank, hosts,
+                                    wenv.host_cores))
     mesh.connect()
     if cfg.transport == "gloo":
         from .transport import torch_dist
 
         torch_dist.init_world(rank, size, str(peers[0]["addr"]), int(peers[0]["store_port"]),
                               cfg.start_timeout_s, store)
-    return wenv, gen, hosts, mesh.ctl, mesh, secret
+    return wenv, gen, hosts, mesh.ctl, mesh, secret, room
 
 
-def _meet_elastic(wenv: worker_env.WorkerEnv, cfg: _config.Config
-                  ) -> tuple[worker_env.WorkerEnv, int, list[str], dict[int, socket.socket],
-                             mesh_mod.Mesh | None, bytes]:
+def _room(cfg: _config.Config, rank: int, hosts: list[str], peers: list[dict[str, Any]],
+          host_cores: tuple[int, ...]) -> shm_room.Room:
+    """What each host's ``/dev/shm`` can hold, from the table (the same on every rank)."""
+    mailboxes = cores_mod.mailbox_hosts(cfg, Topology.build(rank, hosts), host_cores)
+    return shm_room.plan(cfg, hosts, [p.get("shm_free") for p in peers], mailboxes)
+
+
+def _meet_elastic(wenv: worker_env.WorkerEnv, cfg: _config.Config) -> Met:
     """Step 2 in an elastic job: register this worker's slot and wait (up to
     ``RONDE_ELASTIC_TIMEOUT``) until the driver has formed the next generation."""
     from ._errors import WorkerRemovedError
@@ -207,7 +221,8 @@ def _meet_elastic(wenv: worker_env.WorkerEnv, cfg: _config.Config
     advertised = bind if bind not in ("0.0.0.0", "::", "") else route_address(rdv_host)
     info = {"elastic": True, "host": wenv.host, "slot": wenv.slot, "addr": advertised,
             "port": listener.getsockname()[1], "pid": os.getpid(), "node": wenv.node,
-            "cpus": cores_mod.my_cpus(), "torch_port": free_port(bind)}
+            "cpus": cores_mod.my_cpus(), "torch_port": free_port(bind),
+            "shm_free": shm_room.free_bytes()}
     wait_s = cfg.elastic_timeout_s + cfg.start_timeout_s
     try:
         reply = rendezvous.exchange(wenv.rendezvous, wenv.secret, info, wait_s)
@@ -237,11 +252,13 @@ def _meet_elastic(wenv: worker_env.WorkerEnv, cfg: _config.Config
                                master=_master(peers))
     if size == 1:
         listener.close()
-        return wenv, gen, hosts, {}, None, b""
+        return wenv, gen, hosts, {}, None, b"", shm_room.Room()
+    room = _room(cfg, rank, hosts, peers, wenv.host_cores)
     mesh = mesh_mod.Mesh(rank, size, gen, wenv.secret, listener, peers, cfg.start_timeout_s,
-                         _ctl_peers(cfg, rank, hosts, wenv.host_cores))
+                         _ctl_peers(room.config(cfg, hosts[rank]), rank, hosts,
+                                    wenv.host_cores))
     mesh.connect()
-    return wenv, gen, hosts, mesh.ctl, mesh, wenv.secret
+    return wenv, gen, hosts, mesh.ctl, mesh, wenv.secret, room
 
 
 def _master(peers: list[dict[str, Any]]) -> tuple[str, int] | None:
@@ -283,10 +300,11 @@ def _ctl_peers(cfg: _config.Config, rank: int, hosts: list[str],
 
 def _communicators(cfg: _config.Config, topo: Topology, wenv: worker_env.WorkerEnv,
                    mesh: mesh_mod.Mesh | None, secret: bytes, gen: int,
-                   engine_box: list[Engine]) -> factory_mod.Factory:
+                   engine_box: list[Engine], room: shm_room.Room) -> factory_mod.Factory:
     """Step 3: the factory of every process set's communicator (see transport/factory.py);
     its shared-memory segments are named from the job's ``secret`` (transport/segments.py:
-    no other user can tell their names)."""
+    no other user can tell their names), and made only on hosts with room for them
+    (``room``: tcp for the sets with a member elsewhere)."""
     mpi_world = None
     if cfg.transport == "mpi":
         from .transport import mpi as mpi_mod
@@ -307,7 +325,7 @@ def _communicators(cfg: _config.Config, topo: Topology, wenv: worker_env.WorkerE
 
     names = Names(wenv.job_id or f"pid{os.getppid()}", secret)
     ctx = factory_mod.Context(cfg, wenv.rank, wenv.size, topo.hosts, names, gen, aborted, mesh,
-                              mpi_world, urgent)
+                              mpi_world, urgent, room.no_shm)
     return factory_mod.Factory(ctx)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import platform
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from .._config import Config
 from .._errors import ConfigError
@@ -48,6 +48,9 @@ class Context:
     #: whether a thread of this process waits for a collective's result now: shm waits
     #: poll only then (``shm/counters.py``); None: always
     urgent: Callable[[], bool] | None = None
+    #: hosts whose ``/dev/shm`` cannot hold shm segments, and why (``shm_room.py``): the
+    #: process sets with a member there run over tcp
+    no_shm: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def describe(self, r: int) -> str:
         return f"{r} (host {self.hosts[r]})"
@@ -70,7 +73,8 @@ def _x86() -> bool:
 
 
 def choose(ctx: Context, members: list[int]) -> str:
-    """The transport of a process set with these members (the same on every rank).
+    """The transport of a process set with these members (the same on every rank); tcp
+    where a member's host has no room for shm segments (``ctx.no_shm``).
 
     Raises:
         ConfigError: ``RONDE_TRANSPORT=shm`` where it cannot work.
@@ -83,6 +87,8 @@ def choose(ctx: Context, members: list[int]) -> str:
     if len(members) == 1:
         return "self"
     same_host = len({ctx.hosts[r] for r in members}) == 1
+    cramped = [ctx.no_shm[h] for h in dict.fromkeys(ctx.hosts[r] for r in members)
+               if h in ctx.no_shm]
     if cfg.transport == "shm":
         if not same_host:
             raise ConfigError(
@@ -92,8 +98,12 @@ def choose(ctx: Context, members: list[int]) -> str:
             raise ConfigError(
                 "RONDE_TRANSPORT=shm relies on x86-64 memory ordering and is not available on "
                 f"{platform.machine()}; use RONDE_TRANSPORT=tcp")
+        if cramped:
+            raise ConfigError(
+                f"RONDE_TRANSPORT=shm: {cramped[0]}; enlarge it (in Docker, --shm-size=1g), "
+                "or use RONDE_TRANSPORT=tcp (or auto, which falls back to tcp)")
         return "shm"
-    if cfg.transport == "tcp" or not _x86():
+    if cfg.transport == "tcp" or not _x86() or cramped:
         return "tcp"
     if same_host:
         return "shm"

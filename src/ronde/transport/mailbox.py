@@ -53,6 +53,8 @@ _HEADER_BYTES = 4096
 #: frame slot size; larger frames (rare: a first round announcing thousands of new
 #: tensors, or a stall report) go over the socket
 SLOT_BYTES = 512 * 1024
+#: the size of a rank's mailbox segment (what ``/dev/shm`` gives it: ``shm_room.py``)
+SEGMENT_BYTES = _HEADER_BYTES + 2 * SLOT_BYTES
 #: the length recorded for "this round's frame is on the socket"
 ON_SOCKET = -1
 
@@ -72,7 +74,7 @@ class Mailboxes(OwnedSegment):
                  timeout_s: float) -> None:
         self.rank = rank
         self.peers = list(peers)
-        total = _HEADER_BYTES + 2 * SLOT_BYTES
+        total = SEGMENT_BYTES
         self._path = path_of(rank)
         self._mine = create_segment(self._path, total)
         self._maps: dict[int, mmap.mmap] = {}

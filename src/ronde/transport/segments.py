@@ -12,8 +12,10 @@ no other user can interfere (see ``_private_files.py``, and docs/security.md):
 * **Made new.** ``O_CREAT|O_EXCL|O_NOFOLLOW``, mode ``0600``: a file already at the
   name is never reused or truncated (:class:`~ronde.SecurityError`, unless it is this
   user's own leftover, which is removed first); the memory is reserved at once
-  (``posix_fallocate``), so a full ``/dev/shm`` is an error at start-up naming the
-  remedy, not a SIGBUS in the middle of a collective.
+  (``posix_fallocate``), so a full ``/dev/shm`` is never a SIGBUS in the middle of a
+  collective. ``init()`` sizes the segments to what each host's ``/dev/shm`` holds
+  (``shm_room.py``: smaller segments, else tcp, with a warning); a reservation that still
+  fails (something else took the space meanwhile) is an error naming the remedy.
 * **Checked before mapping.** A peer's segment is opened with ``O_NOFOLLOW`` and
   ``fstat`` ed (this user's regular file, ``0600``) before it is mapped; a mismatch
   fails the start-up with a ``SecurityError`` naming the file.
@@ -127,8 +129,10 @@ def _reserve(fd: int, path: str, total: int) -> None:
         free = os.statvfs(where)
         raise ConfigError(
             f"{where} has no room for this rank's shared-memory segment: {total} bytes "
-            f"needed, {free.f_bavail * free.f_frsize} free (about RONDE_SHM_SEGMENT per rank "
-            f"of this host and per shm process set). Run over sockets "
+            f"needed, {free.f_bavail * free.f_frsize} free (init() sized the segments to "
+            f"what it found free: something else took it since, or a process set added "
+            f"later needs more; about RONDE_SHM_SEGMENT per rank of this host and per shm "
+            f"process set). Run over sockets "
             f"(RONDE_TRANSPORT=tcp), give each segment less (RONDE_SHM_SEGMENT=16MiB), or "
             f"enlarge {where} (`mount -o remount,size=8G {where}`; in Docker, "
             f"`--shm-size=8g`)") from None

@@ -55,7 +55,7 @@ from . import single_copy
 from .counters import Counters
 from .protocol import (ATTACHED, CMA_MIN_BYTES, CMA_OK, DONE, HEADER_BYTES, MEET, MEET_AT,
                        MEET_TAG, PID, PROBE, PROBE_VALUE, REDUCED, RESIDENT_FLOOR, SMALL_BYTES,
-                       TABLE_ENTRIES, TABLE_OFFSET, WRITTEN, blocks)
+                       TABLE_ENTRIES, TABLE_OFFSET, WRITTEN, blocks, segment_total)
 
 #: madvise(2)'s MADV_POPULATE_WRITE (Linux 5.14), which Python's mmap does not name
 _MADV_POPULATE_WRITE = 23
@@ -82,7 +82,7 @@ class ShmCommunicator(Communicator, OwnedSegment):
         self._t = 0
         self._open = 0  # counter of a staged allreduce whose pieces are being read
         self._unlinked = False
-        total = HEADER_BYTES + segment_bytes + 2 * SMALL_BYTES
+        total = segment_total(segment_bytes)
         self._path = path_of(rank)
         self._mine = create_segment(self._path, total)
         self._maps: list[mmap.mmap] = []

@@ -45,5 +45,13 @@ MEET, MEET_TAG = 10, 11
 MEET_AT = 12
 #: data-region bytes kept for staging below the resident vectors (``resident``)
 RESIDENT_FLOOR = 256 * 1024
+
+
+def segment_total(segment_bytes: int) -> int:
+    """The size of a segment file whose data region is ``segment_bytes``: header, data
+    region, the two small regions (what ``/dev/shm`` gives it: ``shm_room.py``)."""
+    return HEADER_BYTES + segment_bytes + 2 * SMALL_BYTES
+
+
 #: what every member's probe word holds (peers read it, and write it back, to test)
 PROBE_VALUE = 0x726F6E6465
