@@ -216,6 +216,36 @@ def trainer_run(batch: int, indices: list[int] | None = None, sequential: bool =
     return trainer, model
 
 
+def sharded_trainer_run(batch: int, indices: list[int] | None, stage: int,
+                        accumulation: int = 1) -> tuple[Any, Tiny]:
+    """A plain ``Trainer`` given ``optimizers=(hvd.ShardedOptimizer(SGD), None)`` (no
+    subclass: Trainer's clipping to norm 1 reaches the optimizer's global-norm clip through
+    torch.nn.utils.clip_grad_norm_), in order over ``indices`` (issue #52)."""
+    from transformers import Trainer, TrainingArguments
+
+    import ronde.torch as hvd
+
+    class OrderedTrainer(Trainer):
+        def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+            return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
+
+    model = Tiny()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), stage=stage,
+                               named_parameters=model.named_parameters(),
+                               backward_passes_per_step=accumulation)
+    args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix="ronde-hf-"), per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulation, num_train_epochs=EPOCHS, learning_rate=LR,
+        max_grad_norm=1.0, use_cpu=True, report_to=[], save_strategy="no",
+        logging_strategy="no", disable_tqdm=True, seed=0, dataloader_drop_last=True,
+        ddp_find_unused_parameters=False)
+    trainer = OrderedTrainer(model=model, args=args, train_dataset=Samples(indices),
+                             optimizers=(opt, None))
+    trainer.train()
+    return trainer, model
+
+
 # -- the three modes ---------------------------------------------------------------------
 def run_torchrun() -> None:
     from accelerate.utils import DistributedType
@@ -247,6 +277,16 @@ def run_torchrun() -> None:
     assert (hvd.rank(), hvd.size()) == (dist.get_rank(), dist.get_world_size())
     sums = hvd.allgather_object(sum(params(model)))
     assert len(set(sums)) == 1, sums
+    # a ShardedOptimizer given to Trainer, which wraps the model in DDP here: refused on
+    # every rank at the first step (DDP would average into ronde's buckets)
+    for stage in (1, 2):
+        try:
+            sharded_trainer_run(BATCH, None, stage)
+            error = "accepted"
+        except hvd.RondeError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        print(json.dumps({"scenario": f"trainer+sharded/ddp/stage{stage}", "error": error}),
+              flush=True)
     dist.destroy_process_group()
     hvd.shutdown()
 
@@ -272,6 +312,11 @@ def run_ronde() -> None:
         assert trainer.args.world_size == 1, trainer.args.world_size
         report(f"trainer+ronde/accumulate{accumulation}", model, rank=r, size=n,
                steps=trainer.state.global_step)
+    for stage in (1, 2):  # Trainer given a ShardedOptimizer, no subclass (issue #52)
+        for accumulation in (1, 2):
+            trainer, model = sharded_trainer_run(BATCH, shard(r, n), stage, accumulation)
+            report(f"trainer+sharded/stage{stage}/accumulate{accumulation}", model, rank=r,
+                   size=n, steps=trainer.state.global_step)
     hvd.shutdown()
 
 

@@ -53,6 +53,11 @@ CASES: dict[str, dict[str, Any]] = {
     # self.lr_schedulers().step() every step
     "manual": dict(strategy="ronde", optimizer="momentum", lr=0.1, accumulate=1, clip=0.05,
                    wrap=False, scheduler="step", manual=True),
+    # the user's own ShardedOptimizer (stage 2, Adam; rank 1 asks for another lr): Lightning's
+    # gradient_clip_val clips by the global norm, accumulate_grad_batches is its
+    # backward_passes_per_step (issue #52: the rank's slice norm, and a refusal naming Adasum)
+    "sharded": dict(strategy="ronde", optimizer="adam", lr=0.01, accumulate=2, clip=0.05,
+                    wrap="sharded", scheduler="step"),
     # Lightning's own DDP strategy (Gloo) on the same run as "object": ronde's equals it
     "ddp": dict(strategy="ddp", optimizer="sgd", lr=0.1, accumulate=1, clip=None,
                 wrap=False, scheduler="step"),
@@ -202,7 +207,10 @@ def run(name: str, out: str) -> dict[str, Any]:
         def configure_optimizers(self) -> Any:
             lr = case["lr"] * (10 if rank == 1 and case["optimizer"] == "adam" else 1)
             opt = make_optimizer(case, self.parameters(), lr)
-            if case["wrap"]:
+            if case["wrap"] == "sharded":
+                opt = hvd.ShardedOptimizer(opt, named_parameters=self.named_parameters(),
+                                           stage=2)
+            elif case["wrap"]:
                 opt = hvd.DistributedOptimizer(opt, named_parameters=self.named_parameters())
             sched = make_scheduler(case, opt)
             if case["scheduler"] == "lists":

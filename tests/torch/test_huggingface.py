@@ -156,3 +156,27 @@ def test_ronde_optimizer_in_single_process_trainer(accumulation: int, ronde_job:
     _check(ronde_job, f"trainer+ronde/accumulate{accumulation}",
            reference[f"trainer/sequential/accumulate{accumulation}"][0],
            EPOCHS * SAMPLES // (BATCH * NP * accumulation))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_plain_trainer_given_a_sharded_optimizer(stage: int, accumulation: int,
+                                                   ronde_job: Scenarios,
+                                                   reference: Scenarios) -> None:
+    # issue #52: Trainer(optimizers=(hvd.ShardedOptimizer(...), None)), one process per
+    # rank: its clipping (max_grad_norm=1) is the global norm's, as in one process
+    _check(ronde_job, f"trainer+sharded/stage{stage}/accumulate{accumulation}",
+           reference[f"trainer/sequential/accumulate{accumulation}"][0],
+           EPOCHS * SAMPLES // (BATCH * NP * accumulation))
+
+
+@pytest.mark.timeout(300)
+def test_a_sharded_optimizer_under_trainers_ddp_is_refused(torchrun_job: Scenarios) -> None:
+    # under ronderun as under torchrun, Trainer wraps the model in DDP: refused on every
+    # rank at the first step, naming the cause and the fix
+    for stage in (1, 2):
+        for rank in range(NP):
+            error = torchrun_job[f"trainer+sharded/ddp/stage{stage}"][rank]["error"]
+            assert error.startswith("ModifiedGradientsError") \
+                and "DistributedDataParallel" in error and "RONDE_TORCHRUN_ENV=0" in error, error

@@ -32,7 +32,12 @@ details and what differs from ``DDPStrategy``):
 * **Step.** Gradients are averaged while backward runs; in ``optimizer_step`` the
   averaging is waited for right after Lightning's closure (forward and backward), so
   ``on_before_optimizer_step`` hooks and gradient clipping see the averaged gradients,
-  as under DDP; the optimizer then steps without reducing again.
+  as under DDP; the optimizer then steps without reducing again. The user's own
+  ``ShardedOptimizer`` is kept as it is: ``gradient_clip_val`` reaches its global-norm
+  clip (Lightning's precision plugin calls ``torch.nn.utils.clip_grad_norm_``, which
+  ronde routes to it: ``ronde.torch._sharded_patches``), ``accumulate_grad_batches`` its
+  ``backward_passes_per_step``, and only rank 0's hyperparameters are sent (each rank's
+  state is its own slice).
 * **Collectives.** ``reduce`` (``self.log(..., sync_dist=True)``) is an allreduce
   (mean by default, ``"sum"``, ``"max"``, ``"min"``, ``"product"``), ``all_gather`` an
   allgather (shape ``(world_size, *shape)``), ``broadcast`` ``broadcast_object``,
@@ -380,8 +385,10 @@ class RondeStrategy(ParallelStrategy):
             if getattr(opt, "backward_passes_per_step", 1) == passes:
                 continue
             if not callable(getattr(opt, "set_backward_passes_per_step", None)):
-                raise ValueError(f"RondeStrategy: {type(opt).__name__} (op=Adasum) cannot "
-                                 f"accumulate gradients; use accumulate_grad_batches=1")
+                raise ValueError(f"RondeStrategy: {type(opt).__name__} cannot change its "
+                                 "backward_passes_per_step (a DistributedOptimizer with "
+                                 f"op=Adasum); make it with backward_passes_per_step="
+                                 f"{passes}, or use accumulate_grad_batches=1")
             logger.info("RondeStrategy: backward_passes_per_step %d -> %d, as "
                         "accumulate_grad_batches", opt.backward_passes_per_step, passes)
             opt.set_backward_passes_per_step(passes)
