@@ -224,8 +224,12 @@ def fit_scenarios(path: str) -> dict:
     :func:`fit_equivalence`, :func:`float64_fit`, :func:`load_model_roundtrip` into
     ``path``, then :func:`sharded_scenarios`, then :func:`adasum_delta` (which shuts
     ronde down), each result under its name."""
+    import os
+
     return {"fit": fit_equivalence(), "float64": float64_fit(),
             "load": load_model_roundtrip(path), "sharded": sharded_scenarios(),
+            "sharded_broadcasts": sharded_broadcasts(os.path.join(os.path.dirname(path),
+                                                                  "bcast")),
             "adasum": adasum_delta()}
 
 
@@ -368,6 +372,69 @@ def sharded_scenarios() -> dict:
     out["fp16_limit"] = host._reduce_scatter(
         [np.full(6 * n, 40000.0, np.float32)], group, n, "fp16_limit.grads",
         hvd.global_process_set, "float16", 1.0, _state.require().generation).tolist()
+    return out
+
+
+def sharded_broadcasts(directory: str) -> dict:
+    """Issue #52 item 1, float64: ``ShardedOptimizer(Adam)`` with
+    ``BroadcastGlobalVariablesCallback(0)`` (docs' recipe) in three fits of 2 steps, each
+    with its callback (the second and third broadcast a built optimizer: a resumed run),
+    ``hvd.broadcast_variables(opt.variables)`` between them, and a ``save_sharded`` /
+    ``load_sharded`` into a new model and optimizer before the third: every broadcast
+    must leave each rank's slice of the moments alone. Compared with one process on the
+    global batches (``vs_one_process``); ``ranks_equal``: the ranks' weights."""
+    import keras
+
+    import ronde.keras as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    before = keras.config.floatx(), keras.config.dtype_policy()
+    backend = keras.backend.backend()
+    if backend == "jax":  # JAX holds float64 only with x64 on
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    try:
+        x, y = _data(n, seed=11)
+        x, y1 = x.astype(np.float64), np.eye(C)[y]  # mse on one-hot rows: float64 everywhere
+        xs, ys = _shard(x, r, n, B), _shard(y1, r, n, B)
+
+        def fit(model, t0: int, t1: int, callback: bool = True) -> None:
+            model.fit(xs[t0 * B:t1 * B], ys[t0 * B:t1 * B], batch_size=B, epochs=1,
+                      shuffle=False, verbose=0,
+                      callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)]
+                      if callback else [])
+
+        model = _sharded_model(0)
+        opt = hvd.ShardedOptimizer(keras.optimizers.Adam(0.01), name="bcast")
+        model.compile(optimizer=opt, loss="mse")
+        fit(model, 0, 2)
+        hvd.broadcast_variables(opt.variables, root_rank=0)
+        fit(model, 2, 4)
+        hvd.save_sharded(directory, model, opt)
+        model = _sharded_model(5)  # other weights: the load and the callback replace them
+        opt = hvd.ShardedOptimizer(keras.optimizers.Adam(0.01), name="bcast2")
+        model.compile(optimizer=opt, loss="mse")
+        hvd.load_sharded(directory, model, opt)
+        hvd.broadcast_variables(opt.variables, root_rank=0)
+        fit(model, 4, 6)
+        mine = _weights(model)
+        ref = _sharded_model(0)
+        ref.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        ref.fit(x, y1, batch_size=n * B, epochs=1, shuffle=False, verbose=0)
+        out = {"dtype": str(mine[0].dtype), "vs_one_process": _maxdiff(mine, _weights(ref)),
+               "ranks_equal": _maxdiff(mine, hvd.broadcast_object(mine, 0)),
+               "iterations": int(np.asarray(opt.iterations)),
+               "slots_differ": len(set(hvd.allgather_object(
+                   np.asarray(opt.inner_optimizer.variables[-1]).tobytes()))) > 1}
+    finally:
+        keras.config.set_floatx(before[0])
+        keras.config.set_dtype_policy(before[1])
+        if backend == "jax":
+            jax.config.update("jax_enable_x64", False)
     return out
 
 

@@ -93,12 +93,16 @@ def allgather_object(obj: Any, name: str | None = None,
 
 def broadcast_variables(variables: Any, root_rank: int = 0,
                         process_set: ProcessSet = global_process_set) -> None:
-    """Assign the root rank's values to Keras variables on every rank (eager)."""
+    """Assign the root rank's values to Keras variables on every rank (eager). Variables
+    of a ``ShardedOptimizer`` that hold this rank's slice (its shards and slots) keep
+    their values: pass ``optimizer.variables`` whole, the replicated ones (step counts,
+    learning rate) are broadcast."""
     from .callbacks import _broadcast_arrays
+    from .sharded import replicated
 
     if callable(variables) and not isinstance(variables, (list, tuple)):
         variables = variables()
-    variables = list(variables)
+    variables = replicated(variables)
     values = _broadcast_arrays([to_numpy(v) for v in variables], root_rank,
                                f"broadcast_variables.{len(variables)}", process_set)
     for v, value in zip(variables, values):

@@ -2,7 +2,8 @@
 
 * :class:`BroadcastGlobalVariablesCallback`: every rank starts from the root's
   weights (at ``on_train_begin``) and optimizer state (after the first batch,
-  once the optimizer has built its variables).
+  once the optimizer has built its variables); what holds one rank's own part (a
+  ``ShardedOptimizer``'s slices, gradient accumulators) is left alone.
 * :class:`MetricAverageCallback`: epoch metrics averaged over the ranks; put it
   before callbacks that read metrics (checkpoints, ``ReduceLROnPlateau``).
 * :class:`LearningRateScheduleCallback` / :class:`LearningRateWarmupCallback`:
@@ -35,6 +36,7 @@ from ._bridge import backend_name, mark_variables_changed, sync_jax_state, to_nu
 from ._choice import keras_module, uses_tf_keras
 from .optimizer import is_distributed
 from .saving import write_atomically
+from .sharded import replicated
 
 logger = logging.getLogger(__name__)
 keras = keras_module()
@@ -61,9 +63,10 @@ def broadcast_model(model: Any, root_rank: int, optimizer: bool,
     keep = {id(v) for v in local_variables or ()}
     variables = [v for v in model.variables if id(v) not in keep]
     if optimizer and getattr(model, "optimizer", None) is not None:
-        # Gradient accumulators hold this rank's partial window: never overwrite them.
+        # Gradient accumulators hold this rank's partial window, a ShardedOptimizer's
+        # shards and slots this rank's slice: never overwrite them.
         local = {id(v) for v in getattr(model.optimizer, "_accumulated_gradients", None) or ()}
-        variables += [v for v in optimizer_variables(model.optimizer)
+        variables += [v for v in replicated(optimizer_variables(model.optimizer))
                       if id(v) not in local and id(v) not in keep]
     values = _broadcast_arrays([to_numpy(v) for v in variables], root_rank,
                               f"broadcast_model.{len(variables)}", process_set)
@@ -88,6 +91,9 @@ def _broadcast_arrays(arrays: list[np.ndarray], root_rank: int, prefix: str,
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """Start every rank from the root rank's weights and optimizer state.
+
+    A ``ShardedOptimizer``'s shards and slots hold each rank's own slice and are not
+    sent (its step counts and learning rate are); nor are gradient accumulators.
 
     Args:
         root_rank: the rank whose variables everyone takes.

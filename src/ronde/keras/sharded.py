@@ -49,7 +49,8 @@ written for ``ronde.torch``'s stage 2 runs unchanged.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+import weakref
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -65,6 +66,11 @@ from ..process_sets import ProcessSet, global_process_set, shard_position
 from ._bridge import host_map
 from ._choice import keras_module
 from .optimizer import is_keras2, mixed_class, optimizer_name
+
+#: the variables that hold this rank's slice (the shards and the inner optimizer's slots),
+#: by id: every broadcast of optimizer variables leaves them alone (rank 0's slice would
+#: replace this rank's); weak, so a dropped layout's variables leave with it
+_SLICES: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 
 #: Keras optimizers whose update treats every element on its own: any split is exact
 ELEMENTWISE = frozenset({"SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad",
@@ -164,6 +170,10 @@ class _ShardedMixin:
         for v in inner.variables:
             if id(v) not in own:
                 self._track_variable(v)
+        # this rank's own: the shards and every slot (a slot is a vector of S elements;
+        # the step counts and the learning rate are scalars, the same on every rank)
+        for v in list(self._ronde_shards) + [v for v in inner.variables if len(v.shape)]:
+            _SLICES[id(v)] = v
 
     def _ronde_relayout(self) -> None:
         """Lay the shards out again for the job as it is now (after an elastic reset that
@@ -267,6 +277,19 @@ class _ShardedMixin:
     def inner_optimizer(self) -> Any:
         """The optimizer over this rank's shards (None before the first build)."""
         return self._ronde_inner
+
+
+def holds_slice(variable: Any) -> bool:
+    """True for a variable of a ``ShardedOptimizer`` that holds this rank's slice (a shard,
+    a slot of the inner optimizer): a broadcast must leave it alone."""
+    return _SLICES.get(id(variable)) is variable
+
+
+def replicated(variables: Iterable[Any]) -> list[Any]:
+    """``variables`` less those holding a rank's slice (:func:`holds_slice`): what a
+    broadcast from one rank may assign (the model's weights, step counts, learning
+    rates)."""
+    return [v for v in variables if not holds_slice(v)]
 
 
 def _step_count(optimizer: Any) -> Any:
