@@ -17,7 +17,7 @@ Both would be silently wrong, so from the first ``ShardedOptimizer`` on, ronde r
 * ``torch.nn.utils.clip_grads_with_norm_`` and the ``_clip_grads_with_norm_`` that
   torch's ``clip_grad_norm_`` calls: refused for a sharded optimizer's parameters (the
   norm handed in was computed from ``p.grad``), which catches a ``clip_grad_norm_``
-  imported by name before this patch existed, before it writes anything;
+  taken by name before this patch existed, before it writes anything;
 * ``torch.amp.GradScaler.unscale_`` (which ``scaler.step`` calls): a sharded optimizer
   synchronizes first, so the scaler unscales and checks the averaged slices, and the
   ranks agree on non-finite slices (:meth:`synchronize`), so every rank skips the same
@@ -26,8 +26,8 @@ Both would be silently wrong, so from the first ``ShardedOptimizer`` on, ronde r
 Patching was chosen over refusing because refusing would break every Trainer,
 accelerate and Lightning script that clips, and over fake gradients (a ``p.grad`` whose
 norm is right) because torch gives a gradient no hook to compute a norm across ranks.
-What a patch cannot see (a reference to torch's function taken before ronde was
-imported, DDP around the model, ``p.grad`` changed in place) ``synchronize()`` detects
+What a patch cannot see (a reference to torch's function taken before the first
+``ShardedOptimizer``, DDP around the model, ``p.grad`` changed in place) ``synchronize()`` detects
 on every rank, before the step (``ModifiedGradientsError``).
 """
 
@@ -127,8 +127,9 @@ def _clip_with_norm(original: Callable[..., Any], parameters: Any, max_norm: flo
     if _live and _owner(params, "clip_grads_with_norm_")[0] is not None:
         raise UnsupportedError(
             "ShardedOptimizer: gradients clipped with a norm computed from p.grad (torch's "
-            "clip_grad_norm_ imported by name before ronde.torch, or get_total_norm + "
-            "clip_grads_with_norm_): p.grad is not the averaged gradient, so the norm is "
+            "clip_grad_norm_ taken by name before the first ShardedOptimizer, or "
+            "get_total_norm + clip_grads_with_norm_): p.grad is not the averaged gradient, "
+            "so the norm is "
             "wrong; call opt.clip_grad_norm_(max_norm) (the global norm), or "
             "torch.nn.utils.clip_grad_norm_(...) by its module path")
     return original(params, max_norm, total_norm, foreach)

@@ -332,7 +332,7 @@ class _ShardedMixin(SkipSynchronize):
                 "torch DistributedDataParallel (ronde averages the gradients: remove DDP, "
                 "e.g. ronderun -x RONDE_TORCHRUN_ENV=0 for Hugging Face Trainer), or "
                 "torch.nn.utils.clip_grad_norm_/clip_grad_value_ called through a reference "
-                "taken before ronde.torch was imported (call opt.clip_grad_norm_(max_norm) "
+                "taken before the first ShardedOptimizer was made (call opt.clip_grad_norm_(max_norm) "
                 "or torch.nn.utils.clip_grad_norm_(...) by its module path), or p.grad "
                 "changed in place (change the averaged slices after opt.synchronize())")
         for b in self._ronde_buckets:
