@@ -444,3 +444,92 @@ def elastic_sharded_state() -> dict:
         np.asarray(state.opt_state.inner[0][0].mu), mine))
     hvd.shutdown()
     return out
+
+
+def sharded_recipes(directory: str, steps: int = 30, batch: int = 4) -> dict:
+    """Issue #52 items 5 and 6 (JAX), float64, each against one process on the global
+    batches, every rank's parameters compared: ``optax.chain(clip_by_global_norm,
+    adamw)`` with ronde's clip (``clip``; ``clip_mattered``: the clip changed the run),
+    optax's own clip and ``adamw(mask=...)`` by shape refused at ``init``, the mask as
+    ``multi_transform`` over two ShardedOptimizers (``labels``); and
+    ``broadcast_optimizer_state`` at the start, after steps and after a
+    ``load_sharded`` (``broadcast``), each rank's slices left alone."""
+    jax, hvd = _setup(x64=True)
+    import optax
+
+    jnp = jax.numpy
+    r, n = hvd.rank(), hvd.size()
+    grad = jax.grad(lambda p, a, b: _loss(jax, p, a, b))
+    x, y = _data(31, steps * n * batch)
+
+    def run(tx, params, state, t0, t1, rank=r, size=n):
+        update = jax.jit(tx.update)
+        per = n * batch // size
+        for t in range(t0, t1):
+            lo = t * n * batch + rank * per
+            g = grad(params, jnp.asarray(x[lo:lo + per]), jnp.asarray(y[lo:lo + per]))
+            u, state = update(g, state, params)
+            params = optax.apply_updates(params, u)
+        return params, state
+
+    def one_process(tx, t1):
+        return run(tx, _init(jax), tx.init(_init(jax)), 0, t1, 0, 1)[0]
+
+    def diff(a, b):
+        return max(float(jnp.max(jnp.abs(p - q))) for p, q in
+                   zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+    def spread(params):
+        mine = [np.asarray(p) for p in jax.tree_util.tree_leaves(params)]
+        return max(float(np.max(np.abs(a - b))) for theirs in hvd.allgather_object(mine)
+                   for a, b in zip(mine, theirs))
+
+    def refusal(tx):
+        try:
+            tx.init(_init(jax))
+            return "accepted"
+        except hvd.UnsupportedError as exc:
+            return str(exc)
+
+    out: dict = {}
+    clip, adamw = 0.05, lambda: optax.adamw(0.01, weight_decay=0.1)
+    tx = hvd.ShardedOptimizer(optax.chain(hvd.clip_by_global_norm(clip), adamw()), name="clip")
+    params = run(tx, _init(jax), tx.init(_init(jax)), 0, steps)[0]
+    ref = one_process(optax.chain(optax.clip_by_global_norm(clip), adamw()), steps)
+    out["clip"], out["clip_spread"] = diff(params, ref), spread(params)
+    out["clip_mattered"] = diff(ref, one_process(adamw(), steps))
+    by_ndim = lambda p: jax.tree_util.tree_map(lambda x: x.ndim > 1, p)  # noqa: E731
+    out["optax_clip"] = refusal(hvd.ShardedOptimizer(
+        optax.chain(optax.clip_by_global_norm(clip), adamw()), name="optax_clip"))
+    out["mask"] = refusal(hvd.ShardedOptimizer(
+        optax.adamw(0.01, weight_decay=0.1, mask=by_ndim), name="mask"))
+    # the fix the refusal names: the choice outside, one ShardedOptimizer per label
+    labels = jax.tree_util.tree_map(lambda x: "decay" if x.ndim > 1 else "plain", _init(jax))
+    tx = optax.multi_transform({"decay": hvd.ShardedOptimizer(adamw(), name="decay"),
+                                "plain": hvd.ShardedOptimizer(optax.adam(0.01), name="plain")},
+                               labels)
+    params = run(tx, _init(jax), tx.init(_init(jax)), 0, 10)[0]
+    out["labels"] = diff(params, one_process(optax.adamw(0.01, weight_decay=0.1,
+                                                         mask=by_ndim), 10))
+    out["labels_spread"] = spread(params)
+    # broadcast_optimizer_state at the start, after 3 steps, and after a load
+    tx = hvd.ShardedOptimizer(optax.adam(0.01), name="bcast")
+    params = hvd.broadcast_parameters(_init(jax, seed=r), root_rank=0)
+    state = hvd.broadcast_optimizer_state(tx.init(params), root_rank=0)
+    params, state = run(tx, params, state, 0, 3)
+    state = hvd.broadcast_optimizer_state(state, root_rank=0)
+    params, state = run(tx, params, state, 3, 6)
+    hvd.save_sharded(directory, params, state)
+    other = _init(jax, seed=5)
+    tx = hvd.ShardedOptimizer(optax.adam(0.01), name="bcast2")
+    params, state = hvd.load_sharded(directory, other, tx.init(other))
+    params = hvd.broadcast_parameters(params, root_rank=0)
+    state = hvd.broadcast_optimizer_state(state, root_rank=0)
+    mine = np.asarray(state.inner[0][0].mu)
+    out["slices_differ"] = len(set(hvd.allgather_object(mine.tobytes()))) > 1
+    params, state = run(tx, params, state, 6, 9)
+    out["broadcast"] = diff(params, one_process(optax.adam(0.01), 9))
+    out["broadcast_spread"] = spread(params)
+    out["count"] = int(state.inner[0][0].count)
+    hvd.shutdown()
+    return out

@@ -38,12 +38,14 @@ def test_collectives_eager_and_under_jit_in_one_process():
 
 
 @pytest.mark.timeout(240)
-def test_at_two_ranks_gradients_equivalence_and_the_sharded_optimizer():
-    # one launch for three scenarios (importing JAX is most of a launch's cost)
+def test_at_two_ranks_gradients_equivalence_and_the_sharded_optimizer(tmp_path):
+    # one launch for the scenarios (importing JAX is most of a launch's cost)
     configs = list(CONFIGS)
-    grads, per_rank, sharded, elastic = run_ranks_many(
+    grads, per_rank, sharded, elastic, recipes = run_ranks_many(
         2, [workers.gradients, (workers.equivalence, configs), workers.sharded,
-            workers.elastic_sharded_state], timeout_s=220)
+            workers.elastic_sharded_state, (workers.sharded_recipes, str(tmp_path / "ck"))],
+        timeout_s=220)
+    _check_recipes(recipes)
     assert grads == ["ok", "ok"]  # gradients flow through the collectives
     for diffs in per_rank:  # np=2 on batch b equals one process on batch 2b
         for cfg, diff in zip(configs, diffs):
@@ -59,9 +61,11 @@ def test_at_two_ranks_gradients_equivalence_and_the_sharded_optimizer():
 
 @pytest.mark.timeout(200)
 def test_at_three_ranks_collectives_and_the_sharded_optimizer(tmp_path):
-    collectives, sharded, checkpoint = run_ranks_many(
+    collectives, sharded, checkpoint, recipes = run_ranks_many(
         3, [workers.collectives, workers.sharded,
-            (workers.sharded_checkpoint, str(tmp_path / "ck"))], timeout_s=180)
+            (workers.sharded_checkpoint, str(tmp_path / "ck")),
+            (workers.sharded_recipes, str(tmp_path / "recipes"))], timeout_s=180)
+    _check_recipes(recipes)
     assert collectives == ["ok"] * 3  # eager and under jit
     _check_sharded(sharded, 3)
     for r, ck in enumerate(checkpoint):
@@ -117,3 +121,24 @@ def _check_sharded(out: list[dict], np_: int) -> None:
             want_acc = {"x2": params, "x2.stage2": per_rank}.get(
                 case.split(".", 1)[1].removeprefix("jit.") if "." in case else "", 0)
             assert r["acc"] == want_acc, (case, r)
+
+
+def _check_recipes(out: list[dict]) -> None:
+    """Issue #52 items 5 and 6 (jax_workers.sharded_recipes, float64): right against one
+    process on the global batches, or refused at init naming the fix."""
+    for res in out:
+        # chain(clip_by_global_norm, adamw) with ronde's clip: the global norm over every
+        # rank's slice (optax's on a slice was 1.6e-3 off after 30 steps), and it clipped
+        assert res["clip"] < 1e-12 and res["clip_spread"] == 0.0, res
+        assert res["clip_mattered"] > 1e-3, res
+        # optax's own clip and a mask by shape: refused at init, naming the fix
+        assert "not elementwise: clip_by_global_norm" in res["optax_clip"], res
+        assert "use ronde.jax.clip_by_global_norm(max_norm)" in res["optax_clip"], res
+        assert "treats parameter ['l1']['w'] (shape (6, 8)) otherwise" in res["mask"], res
+        assert "optax.multi_transform" in res["mask"], res
+        # the fix it names: labels computed on the parameters, one ShardedOptimizer each
+        assert res["labels"] < 1e-12 and res["labels_spread"] == 0.0, res
+        # broadcast_optimizer_state at the start, after steps, after a load: each rank's
+        # slices kept (rank 0's replaced them: 0.06 off), the step count broadcast
+        assert res["slices_differ"] and res["count"] == 9, res
+        assert res["broadcast"] < 1e-12 and res["broadcast_spread"] == 0.0, res

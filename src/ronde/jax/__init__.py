@@ -39,6 +39,7 @@ from ._collectives import (allgather_async, allreduce_async, alltoall_async, bro
 from .optimizer import (DistributedOptimizer, DistributedState, allreduce_gradients,
                         reduce_gradients)
 from .sharded import ShardedOptimizer, ShardedState
+from .slicewise import clip_by_global_norm
 from .sharded_io import gather_sharded, load_sharded, save_sharded
 from .state import (broadcast_optimizer_state, broadcast_parameters, broadcast_variables,
                     save_checkpoint)

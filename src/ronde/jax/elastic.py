@@ -258,10 +258,9 @@ def _params_for(state: "JaxState", key: str, check: bool = True) -> str | None:
 
 
 def _broadcast_but_shards(tree: Any, key: str, generation: int) -> Any:
-    """Rank 0's ``tree``, except the ``ShardedState`` parts in it: each rank's slice of an
-    optimizer state is its own (rank 0's would replace it). After a reset (another
-    generation than the state's) a ``ShardedState`` is refused: its slices follow no
-    resize yet."""
+    """Rank 0's ``tree``, except each rank's slices of a ``ShardedState`` in it
+    (``broadcast_tree`` keeps them). After a reset (another generation than the state's)
+    a ``ShardedState`` is refused: its slices follow no resize yet."""
     from .. import _state
     from .._errors import UnsupportedError
     from .sharded import ShardedState
@@ -270,17 +269,14 @@ def _broadcast_but_shards(tree: Any, key: str, generation: int) -> Any:
     def is_shards(x: Any) -> bool:
         return isinstance(x, ShardedState)
 
-    parts, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_shards)
+    parts = jax.tree_util.tree_leaves(tree, is_leaf=is_shards)
     if any(is_shards(x) for x in parts) and _state.require().generation != generation:
         raise UnsupportedError(
             f"JaxState: {key!r} holds a ShardedOptimizer state, and the job was re-formed "
             "(an elastic reset): JAX's shards follow no resize yet; save_sharded() before "
             "and load_sharded() after, or use DistributedOptimizer (ronde.torch's "
             "ShardedOptimizer reshards in memory)")
-    plain = [x for x in parts if not is_shards(x)]
-    synced = iter(broadcast_tree(plain, 0, f"ronde.elastic.{key}") if plain else [])
-    return jax.tree_util.tree_unflatten(
-        treedef, [x if is_shards(x) else next(synced) for x in parts])
+    return broadcast_tree(tree, 0, f"ronde.elastic.{key}")
 
 
 def _copy(value: Any) -> Any:

@@ -7,10 +7,11 @@ elements, ``S = ceil(L / N)``), reduce-scatters it (Average: each rank gets the 
 elements ``[r*S, (r+1)*S)``), runs the inner transformation on that slice and the same
 slice of the parameters, and allgathers the updated slices back into an update pytree:
 the traffic of one allreduce. Eager or inside ``jax.jit`` (host callbacks, as the
-other collectives). The inner transformation must be elementwise (``optax.sgd``,
-``adam``, ``adamw`` without a ``mask``, ``rmsprop``, ``adagrad``...): one that looks at
-whole leaves or at all of them (``clip_by_global_norm``, ``lamb``, masks by leaf) sees a
-flat slice instead and would compute something else.
+other collectives). The inner transformation must compute on the slice what it computes
+on the whole: ``init`` proves it from the transformation's program (elementwise, every
+parameter treated alike: :mod:`.slicewise`) and refuses what it cannot prove, naming the
+operation (``optax.clip_by_global_norm``, ``lamb``, masks by shape...);
+``ronde.jax.clip_by_global_norm`` is the global-norm clip that is right on slices.
 
 Stage 2: JAX computes a step's gradients all at once (``jax.grad``), so there is no
 backward pass to reduce-scatter from, and without accumulation stage 2 is stage 1. What
@@ -36,6 +37,7 @@ from ..frameworks.gradients import Reduction
 from ..process_sets import ProcessSet, global_process_set, shard_position
 from . import _collectives as C
 from ._arrays import any_traced
+from .slicewise import on_slices, prove
 from .optimizer import windowed
 from .state import check_same_tree, leaf_table
 
@@ -56,6 +58,22 @@ class SliceSums(NamedTuple):
     its name)."""
 
     slices: tuple
+
+
+def rank_local_leaves(tree: Any) -> list[bool]:
+    """Per leaf of ``tree`` (``jax.tree_util.tree_leaves`` order), whether it holds this
+    rank's own part of a ``ShardedState`` in it: the inner states' slices (every leaf
+    that is not a scalar) and the accumulated gradients. A broadcast leaves them alone;
+    the scalars (step counts, the window's passes) are the same on every rank."""
+    def mark(x: Any) -> Any:
+        if not isinstance(x, ShardedState):
+            return jax.tree_util.tree_map(lambda _: False, x)
+        return ShardedState(jax.tree_util.tree_map(lambda a: bool(jnp.ndim(a)), x.inner),
+                            jax.tree_util.tree_map(lambda _: True, x.acc),
+                            jax.tree_util.tree_map(lambda _: False, x.passes))
+
+    marks = jax.tree_util.tree_map(mark, tree, is_leaf=lambda x: isinstance(x, ShardedState))
+    return jax.tree_util.tree_leaves(marks)
 
 
 def _groups(leaves: list[Any]) -> dict[Any, list[int]]:
@@ -101,7 +119,7 @@ def ShardedOptimizer(optimizer: optax.GradientTransformation,
                      name: str = "ShardedOptimizer", backward_passes_per_step: int = 1,
                      average_aggregated_gradients: bool = False,
                      compression: Compresses | None = None, stage: int = 1,
-                     ) -> optax.GradientTransformation:
+                     elementwise: bool | None = None) -> optax.GradientTransformation:
     """Wrap an elementwise optax transformation: gradients averaged over the ranks, the
     inner state and update computed on this rank's ``1/N`` of the parameters.
 
@@ -121,8 +139,17 @@ def ShardedOptimizer(optimizer: optax.GradientTransformation,
         stage: 1 (the inner state sharded) or 2 (also the accumulated gradients of
             ``backward_passes_per_step``: a reduce-scatter every pass, this rank's slice
             summed; the same as stage 1 without accumulation; module docstring).
+        elementwise: None (default): ``init`` proves that the inner transformation
+            computes on a flat slice what it computes on the whole parameters
+            (:mod:`.slicewise`) and refuses it otherwise; True skips the proof (you vouch
+            for it); False refuses.
 
     ``update`` needs ``params`` when the inner transformation does (``adamw``).
+
+    Raises:
+        UnsupportedError: at ``init``, an inner transformation that is not elementwise
+            (``optax.clip_by_global_norm``: use ``ronde.jax.clip_by_global_norm``) or that
+            treats parameters differently (a mask, labels, a choice by shape or name).
     """
     def init(params: Any) -> ShardedState:
         names, leaves, _ = leaf_table(params)
@@ -132,6 +159,9 @@ def ShardedOptimizer(optimizer: optax.GradientTransformation,
             # are elsewhere (the reshard at the next sync compares the layouts instead)
             check_same_tree(names, leaves, "ShardedOptimizer", f"{name}.parameters",
                             process_set)
+        if elementwise is None:
+            prove(optimizer, params, [(dt, ids, -(-sum(int(jnp.size(leaves[i])) for i in ids)
+                                                // n)) for dt, ids in _groups(leaves).items()])
         states, sums = [], []
         for ids in _groups(leaves).values():
             flat, _, per = _flat(leaves, ids, n)
@@ -197,8 +227,9 @@ def ShardedOptimizer(optimizer: optax.GradientTransformation,
             p_mine = None
             if p_leaves is not None:
                 p_mine = _flat(p_leaves, ids, n)[0][r * per:(r + 1) * per]
-            upd, new_inner = optimizer.update(mine, inner, p_mine)
             tag = f"{name}.{k}.{jnp.dtype(dt).name}"
+            with on_slices(process_set if n > 1 else None, tag):  # (clip_by_global_norm)
+                upd, new_inner = optimizer.update(mine, inner, p_mine)
             full = upd if n == 1 else C.allgather_array(upd, f"{tag}.updates", process_set)
             at = 0
             for i in ids:
@@ -211,6 +242,9 @@ def ShardedOptimizer(optimizer: optax.GradientTransformation,
     if stage not in (1, 2):
         raise ValueError(f"ShardedOptimizer: stage={stage!r}; 1 (the optimizer's state "
                          "sharded) or 2 (the accumulated gradients too)")
+    if elementwise is False:
+        raise UnsupportedError("ShardedOptimizer: the inner transformation was declared not "
+                               "elementwise; use DistributedOptimizer")
 
     red = Reduction.configure(ReduceOp.AVERAGE, 1.0, compression, process_set,
                               backward_passes_per_step, on_host=True)

@@ -7,7 +7,10 @@ root's pytree instead of overwriting in place::
     opt_state = hvd.broadcast_optimizer_state(opt_state, root_rank=0)
 
 Every rank must pass a pytree of the same structure, shapes and dtypes (its values
-are ignored off the root). Before any data moves the ranks compare their leaf
+are ignored off the root), except for what holds one rank's own part: in a
+``ShardedOptimizer``'s state (a ``ShardedState`` anywhere in the tree), each rank's
+slices of the inner state and its accumulated gradients are kept, and only the
+replicated scalars (step counts, the window's passes) come from the root. Before any data moves the ranks compare their leaf
 tables (one ``allgather_object``) so that a differing model fails at once on every
 rank with a ``TensorMismatchError`` naming the leaves that differ. Leaf ``p`` (a
 ``jax.tree_util.keystr`` path) is broadcast as ``<prefix>.<p>``; all leaves are
@@ -64,11 +67,16 @@ def broadcast_tree(tree: Any, root_rank: int = 0, prefix: str = "broadcast_tree"
         raise TypeError(f"{prefix}: cannot run inside jax.jit; call it eagerly (usually once, "
                         "before training), or use ronde.jax.broadcast inside jit")
     check_same_tree(names, leaves, prefix, f"{prefix}.structure", process_set)
-    hosts = [to_host(x, f"{prefix} {n}") for n, x in zip(names, leaves)]
-    handles = [_api.broadcast_async(h, root_rank, f"{prefix}.{n}", process_set)
-               for n, h in zip(names, hosts)]
-    out = [to_device(np.asarray(h.wait()), x if isinstance(x, jax.Array) else None)
-           for h, x in zip(handles, leaves)]
+    from .sharded import rank_local_leaves
+
+    local = rank_local_leaves(tree)
+    sent = [i for i, own in enumerate(local) if not own]
+    handles = [_api.broadcast_async(to_host(leaves[i], f"{prefix} {names[i]}"), root_rank,
+                                    f"{prefix}.{names[i]}", process_set) for i in sent]
+    out = list(leaves)
+    for i, h in zip(sent, handles):
+        x = leaves[i]
+        out[i] = to_device(np.asarray(h.wait()), x if isinstance(x, jax.Array) else None)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -92,7 +100,8 @@ def broadcast_parameters(params: Any, root_rank: int = 0,
 
 def broadcast_optimizer_state(opt_state: Any, root_rank: int = 0,
                               process_set: ProcessSet = global_process_set) -> Any:
-    """Return the root's optax state (any pytree of arrays) on every rank."""
+    """Return the root's optax state (any pytree of arrays) on every rank; a
+    ``ShardedOptimizer``'s slices stay each rank's own (the module doc)."""
     return broadcast_tree(opt_state, root_rank, "broadcast_optimizer_state", process_set)
 
 
