@@ -400,6 +400,15 @@ def recipes(steps: int = 5) -> dict:
         out[f"stage{stage}.captured_moved"] = any(
             not torch.equal(a, b) for a, b in zip(before, model.parameters()))
         opt.zero_grad()
+        if stage == 1:  # p.grad (a view of the bucket in flight) changed in place: refused
+            model, opt, ref, ref_opt = make()
+            try:
+                _train(torch, hvd, model, opt, ref, ref_opt, 1,
+                       lambda k: model["a"].weight.grad.mul_(2.0))
+                out["stage1.inplace"] = "accepted"
+            except hvd.RondeError as exc:
+                out["stage1.inplace"] = f"{type(exc).__name__}: {exc}"
+            opt.zero_grad()
         # broadcast_optimizer_state at the start (rank 1's lr differs: rank 0's wins) and
         # after steps: each rank's slices stay its own
         model, opt, ref, ref_opt = make()
@@ -513,6 +522,11 @@ def changed_model(directory: str) -> dict:
                                  named_parameters=m.named_parameters())
         try:
             hvd.load_sharded(directory, None, o)
+            if change == "same":  # a resume script's broadcast after the load: kept
+                mine = [v.clone() for st in o.state.values() for v in st.values()]
+                hvd.broadcast_optimizer_state(o, root_rank=0)
+                out["kept"] = all(torch.equal(a, b) for a, b in zip(
+                    mine, [v for st in o.state.values() for v in st.values()]))
             out[change] = ("loaded", sum(len(s) for s in o.state.values()))
         except hvd.RondeError as exc:
             out[change] = (str(exc), sum(len(s) for s in o.state.values()))

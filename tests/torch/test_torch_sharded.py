@@ -151,6 +151,8 @@ def _check_recipes(out: list, np_: int) -> None:
             captured = res[f"stage{stage}.captured"]
             assert "clip_grad_norm_" in captured and "opt.clip_grad_norm_(max_norm)" in captured
             assert not res[f"stage{stage}.captured_moved"]
+        assert res["stage1.inplace"].startswith("ModifiedGradientsError") \
+            and "a.weight" in res["stage1.inplace"], res["stage1.inplace"]
 
 
 @pytest.mark.timeout(200)
@@ -169,7 +171,7 @@ def test_the_recipes_users_run_are_right_or_refused(np_, tmp_path):
         assert "'c.weight' was saved as float64[3, 5], is float64[4, 5] now" in res["shape"][0]
         assert "'b.weight' was saved as float64[5, 7], is float32[5, 7] now" in res["dtype"][0]
         assert all(res[k][1] == 0 for k in ("renamed", "shape", "dtype")), res  # nothing loaded
-        assert res["same"][0] == "loaded"
+        assert res["same"][0] == "loaded" and res["kept"], res  # broadcast after: slices kept
     for res in ddp:  # DDP around the model: refused at the first step, nothing moved
         for stage in (1, 2):
             assert res[stage]["error"].startswith("ModifiedGradientsError") \
