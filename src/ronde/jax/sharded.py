@@ -39,17 +39,7 @@ from . import _collectives as C
 from ._arrays import any_traced
 from .slicewise import on_slices, prove
 from .optimizer import windowed
-from .state import check_same_tree, leaf_table
-
-
-class ShardedState(NamedTuple):
-    """The state of :func:`ShardedOptimizer`: one inner state per dtype of the
-    parameters, over this rank's slice of them; the gradients accumulated in the
-    current window (``()`` without accumulation) and the passes in it."""
-
-    inner: tuple
-    acc: Any = ()
-    passes: Any = 0
+from .state import ShardedState, check_same_tree, leaf_table
 
 
 class SliceSums(NamedTuple):
@@ -58,22 +48,6 @@ class SliceSums(NamedTuple):
     its name)."""
 
     slices: tuple
-
-
-def rank_local_leaves(tree: Any) -> list[bool]:
-    """Per leaf of ``tree`` (``jax.tree_util.tree_leaves`` order), whether it holds this
-    rank's own part of a ``ShardedState`` in it: the inner states' slices (every leaf
-    that is not a scalar) and the accumulated gradients. A broadcast leaves them alone;
-    the scalars (step counts, the window's passes) are the same on every rank."""
-    def mark(x: Any) -> Any:
-        if not isinstance(x, ShardedState):
-            return jax.tree_util.tree_map(lambda _: False, x)
-        return ShardedState(jax.tree_util.tree_map(lambda a: bool(jnp.ndim(a)), x.inner),
-                            jax.tree_util.tree_map(lambda _: True, x.acc),
-                            jax.tree_util.tree_map(lambda _: False, x.passes))
-
-    marks = jax.tree_util.tree_map(mark, tree, is_leaf=lambda x: isinstance(x, ShardedState))
-    return jax.tree_util.tree_leaves(marks)
 
 
 def _groups(leaves: list[Any]) -> dict[Any, list[int]]:

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .. import _api
@@ -59,6 +60,32 @@ def check_same_tree(names: list[str], leaves: list[Any], what: str, name: str,
         "every rank must pass a pytree of the same structure, shapes and dtypes")
 
 
+class ShardedState(NamedTuple):
+    """The state of :func:`ShardedOptimizer`: one inner state per dtype of the
+    parameters, over this rank's slice of them; the gradients accumulated in the
+    current window (``()`` without accumulation) and the passes in it."""
+
+    inner: tuple
+    acc: Any = ()
+    passes: Any = 0
+
+
+def rank_local_leaves(tree: Any) -> list[bool]:
+    """Per leaf of ``tree`` (``jax.tree_util.tree_leaves`` order), whether it holds this
+    rank's own part of a ``ShardedState`` in it: the inner states' slices (every leaf
+    that is not a scalar) and the accumulated gradients. A broadcast leaves them alone;
+    the scalars (step counts, the window's passes) are the same on every rank."""
+    def mark(x: Any) -> Any:
+        if not isinstance(x, ShardedState):
+            return jax.tree_util.tree_map(lambda _: False, x)
+        return ShardedState(jax.tree_util.tree_map(lambda a: bool(jnp.ndim(a)), x.inner),
+                            jax.tree_util.tree_map(lambda _: True, x.acc),
+                            jax.tree_util.tree_map(lambda _: False, x.passes))
+
+    marks = jax.tree_util.tree_map(mark, tree, is_leaf=lambda x: isinstance(x, ShardedState))
+    return jax.tree_util.tree_leaves(marks)
+
+
 def broadcast_tree(tree: Any, root_rank: int = 0, prefix: str = "broadcast_tree",
                    process_set: ProcessSet = global_process_set) -> Any:
     """Return ``root_rank``'s pytree on every rank (see the module doc)."""
@@ -67,8 +94,6 @@ def broadcast_tree(tree: Any, root_rank: int = 0, prefix: str = "broadcast_tree"
         raise TypeError(f"{prefix}: cannot run inside jax.jit; call it eagerly (usually once, "
                         "before training), or use ronde.jax.broadcast inside jit")
     check_same_tree(names, leaves, prefix, f"{prefix}.structure", process_set)
-    from .sharded import rank_local_leaves
-
     local = rank_local_leaves(tree)
     sent = [i for i, own in enumerate(local) if not own]
     handles = [_api.broadcast_async(to_host(leaves[i], f"{prefix} {names[i]}"), root_rank,

@@ -118,12 +118,6 @@ class RondeEnvironment(ClusterEnvironment):
         if hvd.is_initialized():
             hvd.barrier()
 
-    @staticmethod
-    def started_alone() -> bool:
-        """True where ronde runs as one process that no launcher started (a plain
-        ``python train.py``): the job is one copy on the whole data."""
-        return hvd.is_initialized() and hvd.size() == 1 and launcher() == "single"
-
     def _topo(self) -> tuple[int, int, int, int, int, int]:
         if self._topology is None:
             self.start()
@@ -311,7 +305,8 @@ class RondeStrategy(ParallelStrategy):
         Lightning's rank-zero-only functions follow ronde's rank 0."""
         self._environment.start()
         rank_zero_only.rank = self.global_rank
-        if self._environment.started_alone() and not RondeStrategy._warned_alone:
+        # one process that no launcher started (a plain `python train.py`): one copy
+        if hvd.size() == 1 and launcher() == "single" and not RondeStrategy._warned_alone:
             RondeStrategy._warned_alone = True
             rank_zero_warn(
                 "RondeStrategy: this process is the whole job (world size 1, started by no "

@@ -1,5 +1,5 @@
 """torch's own gradient functions taught about ``ShardedOptimizer`` (docs/sharding.md,
-"Recipes").
+"Recipes"), and the global-norm clip and the DDP check they rely on.
 
 A sharded optimizer's ``p.grad`` is not the averaged gradient: after backward, stage 1
 leaves this rank's own gradient there (a view of a bucket being reduce-scattered),
@@ -11,7 +11,7 @@ Both would be silently wrong, so from the first ``ShardedOptimizer`` on, ronde r
 
 * ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` (in ``torch.nn.utils``
   and ``torch.nn.utils.clip_grad``): parameters (or pieces) of a live sharded optimizer
-  go to its :meth:`~ronde.torch.sharded._ShardedMixin.clip_grad_norm_` (the global norm
+  go to its :meth:`~ronde.torch._sharded_mixin._ShardedMixin.clip_grad_norm_` (the global norm
   of the averaged gradient, one allreduce of a number) or ``clip_grad_value_``; any
   other tensors to torch's own function, unchanged;
 * ``torch.nn.utils.clip_grads_with_norm_`` and the ``_clip_grads_with_norm_`` that
@@ -81,17 +81,11 @@ def _owner(parameters: Any, what: str) -> tuple[Any, list[torch.Tensor]]:
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     if not _live:
         return None, params
-    by_id: dict[int, Any] = {}
-    for opt in list(_live):
-        for p in opt._ronde_params:
-            by_id[id(p)] = opt
-        for b in opt._ronde_buckets:
-            for pc in b.pieces:
-                by_id[id(pc.tensor)] = opt
-    owners = {id(by_id[id(p)]): by_id[id(p)] for p in params if id(p) in by_id}
+    owner_of = [next((opt for opt in list(_live) if opt.owns(p)), None) for p in params]
+    owners = {id(o): o for o in owner_of if o is not None}
     if not owners:
         return None, params
-    if len(owners) > 1 or any(id(p) not in by_id for p in params):
+    if len(owners) > 1 or any(o is None for o in owner_of):
         raise UnsupportedError(
             f"torch.nn.utils.{what} over the parameters of a ShardedOptimizer together with "
             "other tensors (or another ShardedOptimizer's): the global norm of a sharded "
@@ -136,14 +130,49 @@ def _clip_with_norm(original: Callable[..., Any], parameters: Any, max_norm: flo
 
 
 def _unscale(original: Callable[..., Any], scaler: Any, optimizer: Any) -> None:
-    from .sharded import is_sharded
-
-    if is_sharded(optimizer) and scaler.is_enabled():
-        # the slices are what the scaler must unscale and check; non-finite anywhere is
-        # non-finite on every rank (synchronize), so every rank skips the same steps
-        if optimizer._ronde_synced and not optimizer._ronde_check_finite:
-            optimizer._ronde_check_finite = True  # synchronized by hand before the first
-            optimizer._ronde_agree_finite()       # unscale_: agree now
-        optimizer._ronde_check_finite = True
-        optimizer.synchronize()
+    if optimizer in _live and scaler.is_enabled():
+        optimizer.before_unscale()  # the averaged slices, agreed finite or not
     return original(scaler, optimizer)
+
+
+def clip_by_total_norm(grads: list[torch.Tensor], max_norm: float, norm_type: float,
+                       error_if_nonfinite: bool,
+                       total: Callable[[torch.Tensor, bool], torch.Tensor] | None,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """Scale ``grads`` (this rank's averaged slices) so that the norm of every rank's
+    together is at most ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` does for one
+    process; returns that norm. ``total(local, is_max)`` sums (or, for the inf norm,
+    takes the largest of) a one-element float64 tensor over the ranks; None: one rank."""
+    p_ = float(norm_type)
+    inf = p_ == float("inf")
+    local = torch.tensor([max((float(g.abs().max()) for g in grads), default=0.0) if inf
+                          else sum(float(g.double().abs().pow(p_).sum()) for g in grads)],
+                         dtype=torch.float64)
+    summed = local if total is None else total(local, inf)
+    norm = float(summed[0]) if inf else float(summed[0]) ** (1.0 / p_)
+    if error_if_nonfinite and not torch.isfinite(torch.tensor(norm)):
+        raise RuntimeError(f"The total norm of order {norm_type} for gradients from "
+                           "`parameters` is non-finite, so it cannot be clipped. To "
+                           "disable this error and scale the gradients by the non-finite "
+                           "norm anyway, set `error_if_nonfinite=False`")
+    scale = float(max_norm) / (norm + 1e-6)
+    if scale < 1.0:
+        with torch.no_grad():
+            for g in grads:
+                g.mul_(scale)
+    return torch.tensor(norm, dtype=dtype)
+
+
+def ddp_wraps(params: list[torch.Tensor]) -> bool:
+    """Whether a torch ``DistributedDataParallel`` wraps any of ``params`` (it would
+    average them too, writing into ronde's buckets or dropping its result). Looked for
+    only where a torch process group exists (a scan of the live objects, once)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    import gc
+
+    mine = {id(p) for p in params}
+    return any(isinstance(obj, torch.nn.parallel.DistributedDataParallel)
+               and any(id(p) in mine for p in obj.module.parameters())
+               for obj in gc.get_objects())

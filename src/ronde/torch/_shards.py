@@ -13,6 +13,10 @@ from typing import Any
 
 import torch
 
+from ..frameworks.gradients import Reduction
+from ..process_sets import ProcessSet
+from . import _collectives as C
+
 
 class Piece:
     """The part ``[a, b)`` of flattened parameter ``index`` that this rank owns, at
@@ -89,3 +93,68 @@ class Bucket:
         return self.started is None and self.due(cur, stage) \
             and len(self.filled) >= len(self.hooked) and self.filled >= self.hooked \
             and not any(p.requires_grad for p in self.unhooked)
+
+    def start(self, params: list[torch.Tensor], cur: int, reduction: Reduction | None
+              ) -> None:
+        """Start this pass's reduce-scatter of the buffer (zeros where this rank has no
+        gradient); ``reduction`` None: one rank, whose gradients are the average."""
+        if self.buf is None:
+            self.buf = torch.zeros(self.padded, dtype=self.dtype)
+        else:
+            for i in self.members:
+                if i not in self.filled:
+                    o = self.offset[i]
+                    self.buf[o:o + params[i].numel()].zero_()
+        self.last_pass = cur
+        self.started = (None, self.buf) if reduction is None else \
+            (reduction.start(self.buf, self.name, _reducescatter), None)
+        # stage 1's p.grad are views of the buffer: an in-place change from now on (torch's
+        # clip_grad_norm_ through a reference taken before ronde's patch, DDP's average)
+        # races the reduce-scatter; the optimizer's synchronize() compares the version
+        self.version = self.buf._version
+
+    def finish(self, reduction: Reduction, stage: int) -> bool:
+        """Take the averaged slice into :attr:`slice` (added to what this window holds);
+        stage 2 frees the buffer. Returns whether a reduction was in flight."""
+        started, solo = self.started
+        # one rank: the gradients are the average; else this rank's slice, averaged
+        # (decompressed: fp16 travels as a predivided Sum)
+        out = solo[:self.per] if started is None else reduction.result(started)
+        with torch.no_grad():
+            if self.summed:
+                self.slice.add_(out)
+            else:
+                self.slice.copy_(out)
+        self.summed = True
+        self.started, self.filled = None, set()
+        if stage == 2:
+            self.buf = None
+        return started is not None
+
+    def new_window(self, stage: int) -> None:
+        """Nothing reduced or filled yet (stage 2 holds no buffer between passes)."""
+        self.summed, self.last_pass, self.filled = False, -1, set()
+        if stage == 2:
+            self.buf = None
+
+    def updated_slice(self) -> torch.Tensor:
+        """This rank's slice of the parameters after the step (the allgather's input)."""
+        send = torch.zeros(self.per, dtype=self.dtype)
+        for piece in self.pieces:
+            send[piece.at:piece.at + piece.b - piece.a].copy_(piece.tensor)
+        return send
+
+    def unpack(self, full: torch.Tensor, params: list[torch.Tensor]) -> None:
+        """Every rank's updated slices (the allgather's output) into the parameters."""
+        self.gathering = None
+        with torch.no_grad():
+            for i in self.members:
+                o, p = self.offset[i], params[i]
+                p.view(-1).copy_(full[o:o + p.numel()])
+
+
+def _reducescatter(tensor: torch.Tensor, out: Any, name: str, op: int, pre: float, post: float,
+                   process_set: ProcessSet) -> Any:
+    """The reduce-scatter in the shape of the binding's allreduce (what
+    :meth:`~ronde.frameworks.gradients.Reduction.start` calls)."""
+    return C.reducescatter_async(tensor, name, op, process_set, pre, post)

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from ...elastic import ObjectState
-from ..sharded import _ShardedMixin
+from .._sharded_mixin import _ShardedMixin
 from .handler import StateHandler
 from .sharded import ShardedOptimizerHandler
 from ..state import broadcast_optimizer_state, broadcast_parameters
