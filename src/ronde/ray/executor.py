@@ -101,6 +101,8 @@ class RayExecutor:
         self.workers: list[Any] = []  # actors in rank order
         self._pg: Any = None
         self._server: Any = None
+        #: the job's id, for its shared-memory segments left by killed workers
+        self._job_id: str | None = None
 
     @staticmethod
     def create_settings(timeout_s: int = 30, ssh_identity_file: str | None = None,
@@ -170,7 +172,7 @@ class RayExecutor:
         driver_ip = ray.util.get_node_ip_address()
         self._server = RendezvousServer(self.num_workers, secret, host=bind_for(driver_ip),
                                         start_timeout_s=float(self.settings.timeout_s)).start()
-        job_id = f"ronde-ray-{secrets.token_hex(4)}"
+        job_id = self._job_id = f"ronde-ray-{secrets.token_hex(4)}"
         calls = []
         for actor, where in zip(self.workers, places(placed)):
             variables = worker_env_vars(
@@ -207,6 +209,11 @@ class RayExecutor:
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self._job_id is not None:  # what killed workers of this host left in /dev/shm
+            from ..transport.segments import remove_job_segments
+
+            remove_job_segments(self._job_id)
+            self._job_id = None
 
     # -- running ---------------------------------------------------------------------------
     def run_remote(self, fn: Callable[..., Any], args: Sequence[Any] | None = None,
