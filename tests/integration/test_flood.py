@@ -20,6 +20,8 @@ import time
 
 import pytest
 
+from .test_intruders import finish
+
 pytestmark = pytest.mark.timeout(150)
 
 FLOODER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flooder.py")
@@ -67,18 +69,12 @@ def _flooded_job(size: int, tmp_path) -> tuple[list[str], dict]:
         [sys.executable, FLOODER, "--pids", ",".join(str(p.pid) for p in procs),
          "--rate", "1500", "--seconds", "40", "--count", "45000", "--ready", str(ready)],
         stdout=subprocess.PIPE, text=True)
-    outs = []
+    outs: list[str] = []
     try:
         while not ready.exists() and flood.poll() is None and procs[0].poll() is None:
             time.sleep(0.02)  # until rank 0's listeners are flooded
         go.touch()
-        for p in procs:
-            try:
-                out, _ = p.communicate(timeout=100)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                out, _ = p.communicate()
-            outs.append(out)
+        outs = finish(procs, timeout_s=100)
     finally:
         for p in procs:
             if p.poll() is None:

@@ -82,11 +82,12 @@ def start(env: dict[str, str], on: str = "") -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-def finish(procs: list[subprocess.Popen[str]]) -> list[str]:
+def finish(procs: list[subprocess.Popen[str]], timeout_s: float = 60) -> list[str]:
+    """Every process's output, in order; one still running after ``timeout_s`` is killed."""
     outs = []
     for p in procs:
         try:
-            out, _ = p.communicate(timeout=60)
+            out, _ = p.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             p.kill()
             out, _ = p.communicate()
