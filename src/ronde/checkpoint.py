@@ -286,6 +286,50 @@ class ShardedSave:
             os.unlink(os.path.join(self.directory, f"{RECORD_PREFIX}{self.token}.json"))
 
 
+def sharded_file_names(token: str, size: int, ext: str) -> list[str]:
+    """Every rank's file of step ``token`` of a sharded save (``save_sharded`` of every
+    binding): ``optim.<token>.<rank>-of-<size><ext>``."""
+    return [f"optim.{token}.{r}-of-{size}{ext}" for r in range(size)]
+
+
+def check_sharded_index(decoded: Any, where: str, fmt: str, legacy_model: str) -> dict[str, Any]:
+    """``decoded`` (a sharded save's index, read from ``where``) checked to be of
+    format ``fmt`` (or the same name's version 1, whose model file was ``legacy_model``)
+    and to name one file per rank; version 1 gains the fields it lacked."""
+    from ._errors import RondeError
+
+    meta: dict[str, Any] = decoded if isinstance(decoded, dict) else {}
+    legacy = fmt.rsplit("/", 1)[0] + "/1"
+    found = decoded.get("format") if isinstance(decoded, dict) else type(decoded).__name__
+    if found not in (fmt, legacy):
+        raise RondeError(f"{where}: unknown format {found!r} (expected {fmt!r}; not a "
+                         "save_sharded() index)")
+    files, pieces = meta.get("files"), meta.get("pieces")
+    if not (isinstance(files, list) and isinstance(pieces, list)
+            and len(files) == len(pieces) == meta.get("world_size")):
+        raise RondeError(f"{where}: its files and pieces do not match its world size; "
+                         "the index is damaged")
+    if found == legacy:  # before each step's files carried its id
+        meta.update(sizes=[None] * len(files), model=legacy_model, model_size=None)
+    return meta
+
+
+def previous_step(directory: str, index: str, read: Callable[[], dict[str, Any]]
+                  ) -> tuple[str, list[str]] | None:
+    """The id and files of the step that ``directory``'s index names now (read and
+    checked by ``read``), for the next save to remove; None where there is none or it
+    cannot be read (a damaged index: its files stay, unnamed)."""
+    if not os.path.lexists(os.path.join(directory, index)):
+        return None
+    try:
+        meta = read()
+    except Exception as exc:  # noqa: BLE001 - logged; the files stay
+        log.warning("%s: cannot read the previous index (%s); its files stay", directory, exc)
+        return None
+    return str(meta.get("id")), [*(str(f) for f in meta["files"]),
+                                 *([str(meta["model"])] if meta.get("model") else [])]
+
+
 def _index_tmp(index: str, token: str) -> str:
     return f".{index}.{token}.tmp"
 

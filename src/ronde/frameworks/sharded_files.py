@@ -28,7 +28,6 @@ only that rank receives).
 from __future__ import annotations
 
 import json
-import logging
 import os
 from typing import IO, Any, Callable, Sequence
 
@@ -36,10 +35,10 @@ import numpy as np
 
 from .. import _api, _objects
 from .._errors import RondeError
-from ..checkpoint import ShardedSave, begin_sharded_save, open_member, read_index
+from ..checkpoint import (ShardedSave, begin_sharded_save, check_sharded_index, open_member,
+                          previous_step, read_index, sharded_file_names)
 from ..process_sets import ProcessSet, global_process_set
 
-log = logging.getLogger(__name__)
 
 META = "meta.json"
 
@@ -64,21 +63,26 @@ def save(directory: str | os.PathLike[str], pieces: Sequence[Piece], scalars: di
     many = size > 1
 
     def names(token: str) -> list[str]:
-        return [*_files(token, size), *([model[0].format(id=token)] if model else [])]
+        return [*sharded_file_names(token, size, ".npz"),
+                *([model[0].format(id=token)] if model else [])]
 
-    step: ShardedSave = begin_sharded_save(directory, META, many, rank == 0, ps, names,
-                                           lambda: _current(directory))
+    step: ShardedSave = begin_sharded_save(
+        directory, META, many, rank == 0, ps, names,
+        lambda: previous_step(directory, META,
+                              lambda: read_meta(directory, fmt, "")[1]))
     nbytes = 0
     if step.writer:
         arrays = {f"{i}.{slot}": np.ascontiguousarray(v)
                   for i, (_, _, _, slots) in enumerate(pieces) for slot, v in slots.items()}
-        nbytes = step.write(_files(step.token, size)[rank], lambda fh: np.savez(fh, **arrays))
+        nbytes = step.write(sharded_file_names(step.token, size, ".npz")[rank],
+                            lambda fh: np.savez(fh, **arrays))
     index = [([(key, a, b, sorted(slots)) for key, a, b, slots in pieces], nbytes)]
     if many:
         index = _objects.allgather_object(index[0], "ronde.save_sharded.index", ps)
     if step.committer:
         meta = {"format": fmt, "id": step.token, "world_size": size,
-                "files": _files(step.token, size), "sizes": [n for _, n in index],
+                "files": sharded_file_names(step.token, size, ".npz"),
+                "sizes": [n for _, n in index],
                 "pieces": [e for e, _ in index], "model": None, "model_size": None,
                 **scalars}
         if model is not None:
@@ -89,47 +93,16 @@ def save(directory: str | os.PathLike[str], pieces: Sequence[Piece], scalars: di
         _api.barrier(process_set=ps)
 
 
-def _files(token: str, size: int) -> list[str]:
-    return [f"optim.{token}.{r}-of-{size}.npz" for r in range(size)]
-
-
-def _current(directory: str) -> tuple[str, list[str]] | None:
-    """The id and files of the step ``directory``'s index names now (None: none)."""
-    if not os.path.lexists(os.path.join(directory, META)):
-        return None
-    try:
-        meta = json.loads(read_index(directory, META))
-        files = [str(f) for f in meta["files"]]
-        return str(meta.get("id")), [*files, *([str(meta["model"])] if meta.get("model")
-                                               else [])]
-    except Exception as exc:  # noqa: BLE001 - a damaged index: its files stay, unnamed
-        log.warning("%s: cannot read the previous index (%s); its files stay", directory, exc)
-        return None
-
-
 def read_meta(directory: str | os.PathLike[str], fmt: str, legacy_model: str
               ) -> tuple[str, dict[str, Any]]:
-    """The folder and its ``meta.json``, checked to be of format ``fmt`` (or the same
-    name's version 1, whose model file was ``legacy_model``) and to name one file per
-    rank."""
+    """The folder and its ``meta.json``, checked (:func:`~ronde.checkpoint.check_sharded_index`)."""
     directory = os.fspath(directory)
     where = os.path.join(directory, META)
     try:
         meta = json.loads(read_index(directory, META))
     except ValueError as exc:
         raise RondeError(f"{where} is not JSON ({exc}); the index is damaged") from None
-    legacy = fmt.rsplit("/", 1)[0] + "/1"
-    found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-    if found not in (fmt, legacy):
-        raise RondeError(f"{where}: unknown format {found!r} (expected {fmt!r})")
-    files, pieces = meta.get("files"), meta.get("pieces")
-    if not (isinstance(files, list) and isinstance(pieces, list)
-            and len(files) == len(pieces) == meta.get("world_size")):
-        raise RondeError(f"{where}: its files and pieces do not match its world size; "
-                         "the index is damaged")
-    if found == legacy:  # before each step's files carried its id
-        meta.update(sizes=[None] * len(files), model=legacy_model, model_size=None)
-    return directory, meta
+    return directory, check_sharded_index(meta, where, fmt, legacy_model)
 
 
 def open_model(directory: str, meta: dict[str, Any]) -> IO[bytes]:

@@ -28,7 +28,6 @@ only files of the folder that ``meta.pt`` names, regular files of the size it re
 from __future__ import annotations
 
 import io
-import logging
 import os
 from typing import Any
 
@@ -36,17 +35,16 @@ import torch
 
 from .. import _api, _objects
 from .._errors import RondeError, UnsupportedError
-from ..checkpoint import begin_sharded_save, open_member, read_index
+from ..checkpoint import (begin_sharded_save, check_sharded_index, open_member, previous_step,
+                          read_index, sharded_file_names)
 from ..process_sets import global_process_set
 from .sharded import is_sharded
 
-log = logging.getLogger(__name__)
 
 META = "meta.pt"
 #: the model's file in a folder of format 1 (before each step's files had its id)
 LEGACY_MODEL = "model.pt"
 FORMAT = "ronde.sharded/2"
-FORMATS = ("ronde.sharded/1", FORMAT)
 
 
 def _pieces(optimizer: Any, model: Any) -> list[tuple[str, int, int, torch.Tensor, int]]:
@@ -130,10 +128,12 @@ def save_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) 
     rank, size = (optimizer._ronde_rank, optimizer._ronde_size) if sharded else (0, 1)
 
     def names(token: str) -> list[str]:
-        return [*_files(token, size), *([f"model.{token}.pt"] if model is not None else [])]
+        return [*sharded_file_names(token, size, ".pt"),
+                *([f"model.{token}.pt"] if model is not None else [])]
 
     step = begin_sharded_save(directory, META, many, not many or rank == 0, ps, names,
-                              lambda: _current(directory))
+                              lambda: previous_step(directory, META,
+                                                    lambda: _read_meta(directory)))
     pieces = _pieces(optimizer, model)
     entries = [(name, a, b) for name, a, b, _, _ in pieces]
     nbytes = 0
@@ -142,14 +142,15 @@ def save_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) 
         states = [{k: (v.detach().reshape(-1).clone() if torch.is_tensor(v) and v.dim() > 0
                        else v) for k, v in state.get(t, {}).items()}
                   for _, _, _, t, _ in pieces]
-        nbytes = step.write(_files(step.token, size)[rank],
+        nbytes = step.write(sharded_file_names(step.token, size, ".pt")[rank],
                             lambda fh: torch.save({"pieces": entries, "state": states}, fh))
     index = [(entries, nbytes)]
     if many:
         index = _objects.allgather_object(index[0], "ronde.save_sharded.index", ps)
     if step.committer:
         meta = {"format": FORMAT, "id": step.token, "world_size": size,
-                "files": _files(step.token, size), "sizes": [n for _, n in index],
+                "files": sharded_file_names(step.token, size, ".pt"),
+                "sizes": [n for _, n in index],
                 "pieces": [e for e, _ in index], "param_groups": _hyper(optimizer),
                 "optimizer": type(optimizer).__name__, "model": None, "model_size": None,
                 "params": _table(optimizer, model)}
@@ -162,39 +163,10 @@ def save_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) 
         _api.barrier(process_set=ps)
 
 
-def _files(token: str, size: int) -> list[str]:
-    return [f"optim.{token}.{r}-of-{size}.pt" for r in range(size)]
-
-
 def _read_meta(directory: str) -> dict[str, Any]:
-    """``directory``'s ``meta.pt``, checked to be a sharded save's index that names
-    only files of the folder."""
+    """``directory``'s ``meta.pt``, checked (:func:`~ronde.checkpoint.check_sharded_index`)."""
     meta = torch.load(io.BytesIO(read_index(directory, META)), weights_only=True)
-    where = os.path.join(directory, META)
-    if not isinstance(meta, dict) or meta.get("format") not in FORMATS:
-        raise RondeError(f"{where}: unknown format "
-                         f"{meta.get('format') if isinstance(meta, dict) else type(meta)!r}"
-                         " (not a save_sharded() index)")
-    files, pieces = meta.get("files"), meta.get("pieces")
-    if not (isinstance(files, list) and isinstance(pieces, list)
-            and len(files) == len(pieces) == meta.get("world_size")):
-        raise RondeError(f"{where}: its files and pieces do not match its world size; "
-                         "the index is damaged")
-    if meta["format"] == FORMATS[0]:  # before each step's files carried its id
-        meta.update(sizes=[None] * len(files), model=LEGACY_MODEL, model_size=None)
-    return meta
-
-
-def _current(directory: str) -> tuple[str, list[str]] | None:
-    """The id and files of the step ``directory``'s index names now (None: none)."""
-    if not os.path.lexists(os.path.join(directory, META)):
-        return None
-    try:
-        meta = _read_meta(directory)
-    except Exception as exc:  # noqa: BLE001 - a damaged index: its files stay, unnamed
-        log.warning("%s: cannot read the previous index (%s); its files stay", directory, exc)
-        return None
-    return str(meta.get("id")), [*meta["files"], *([meta["model"]] if meta["model"] else [])]
+    return check_sharded_index(meta, os.path.join(directory, META), FORMAT, LEGACY_MODEL)
 
 
 def load_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) -> None:
