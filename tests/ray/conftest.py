@@ -9,6 +9,13 @@ import sys
 
 import pytest
 
+# Ray runs its workers at nice 15 (RAY_worker_niceness), to keep its own daemons
+# responsive. Beside the suite's other tests (at nice 0) that starved them: importing
+# torch in a Ray worker took 129 s instead of 2 s with three busy processes beside it,
+# and CI's digits and Lightning runs on Ray passed their 180 s limit. The workers of the
+# tests' clusters compete as equals
+os.environ.setdefault("RAY_worker_niceness", "0")
+
 
 @pytest.fixture(scope="module")
 def ray_lock():
