@@ -15,14 +15,8 @@ workers; any other ``RONDE_*`` variable is a typo, and ``load()`` warns about it
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import re
-from typing import Callable
-
-from ._errors import ConfigError
-from ._values import (Range, parse_auto_bytes, parse_bind_addr, parse_bool, parse_bytes,
-                      parse_hierarchical, parse_timeline_path)
+from ._values import (Knob, Range, parse_auto_bytes, parse_bind_addr, parse_bool,
+                      parse_bytes, parse_hierarchical, parse_timeline_path)
 
 _GIB = 1 << 30
 _YEAR_S = 365 * 24 * 3600
@@ -30,57 +24,6 @@ _SECONDS = Range(0, _YEAR_S, above=True)  # timeouts and periods
 _SECONDS_OR_0 = Range(0, _YEAR_S)         # ... where 0 means never or off
 _BYTES = Range(0, 64 * _GIB, size=True)
 _RANKS = Range(0, 1 << 20)
-
-
-@dataclasses.dataclass(frozen=True)
-class Knob:
-    """One setting: its Config field, its variable, how it is parsed and documented."""
-
-    field: str
-    var: str
-    parse: Callable[[str], object]
-    default: str     #: as the docs show it; its first `value` parses to the field's default
-    unit: str
-    doc: str
-    horovod: tuple[str, ...] = ()  #: Horovod's variables, read when ``var`` is unset
-    horovod_shown: str = ""        #: the docs' Horovod column, when not just ``horovod``
-    flag: str = ""                 #: the ``ronderun`` flag that sets it (and its metavar)
-    flag_note: str = ""
-    accepted: Range | None = None  #: every numeric knob has one (a test checks)
-
-    def accepts(self) -> str:
-        """``" (accepted: > 0 and <= 60000 milliseconds)"``: the tail of an error message."""
-        if self.accepted is None:
-            return ""
-        unit = "" if self.accepted.size else re.sub(r"\s*\(.*", "", self.unit).replace("`", "")
-        return f" (accepted: {self.accepted}{' ' + unit if unit else ''})"
-
-    def check(self, value: object, shown: str) -> None:
-        """Raise :class:`ConfigError` unless ``value`` is in the accepted range.
-
-        ``shown`` is how the user wrote it, e.g. ``RONDE_CYCLE_TIME='nan'``.
-        """
-        if self.accepted is None or value in self.accepted:
-            return
-        finite = not isinstance(value, float) or math.isfinite(value)
-        raise ConfigError(f"{shown} {'is out of range' if finite else 'is not a finite number'}"
-                          f"{self.accepts()}")
-
-    def read(self, name: str, raw: str) -> object:
-        """``raw``, the value of variable ``name``, parsed and checked.
-
-        Raises:
-            ConfigError: naming ``name``, the value and the accepted range.
-        """
-        try:
-            value = self.parse(raw)
-        except ConfigError as exc:
-            raise ConfigError(f"{name}: {exc}{self.accepts()}") from None
-        except ValueError:
-            raise ConfigError(f"{name}={raw!r} is not a valid {self.parse.__name__}"
-                              f"{self.accepts()}") from None
-        self.check(value, f"{name}={raw!r}")
-        return value
 
 
 KNOBS: tuple[Knob, ...] = (
@@ -128,6 +71,15 @@ KNOBS: tuple[Knob, ...] = (
              "`ShardedOptimizer(stage=1)`'s buffers (its `p.grad` stays this rank's own "
              'gradient, one copy of it instead of two). `0`: gradients are copied in '
              'and out and stay tensors of their own.'),
+    Knob("sharded_in_flight", "RONDE_SHARDED_IN_FLIGHT", int,
+         accepted=Range(1, 1 << 10),
+         default='`2`', unit='buckets',
+         doc="`ShardedOptimizer` (torch): the most buckets whose reduce-scatter is in "
+             'flight at once; before it starts another, the optimizer waits for the oldest '
+             '(every rank starts them in the same order). At stage 2 each bucket in flight '
+             'holds a gradient buffer of `RONDE_BUCKET_BYTES`, so this bounds the memory '
+             'above the formula; more overlaps more communication with backward on a slow '
+             'network, at a bucket of memory each.'),
     Knob("steady_lane", "RONDE_STEADY_LANE", parse_bool,
          default='`1` (on)', unit='boolean',
          doc='From its third agreement on, a gradient bucket of the global set skips '

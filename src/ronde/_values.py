@@ -1,4 +1,5 @@
-"""What a setting's text may say: the parsers of the knobs' values and their accepted ranges.
+"""What a setting's text may say: the parsers of the knobs' values, their accepted ranges,
+and :class:`Knob`, one setting's declaration.
 
 :mod:`ronde._knobs` declares each knob with one of these parsers and, for a number, a
 :class:`Range`; a value outside it (NaN and the infinities always are) is a
@@ -12,6 +13,7 @@ import ipaddress
 import math
 import re
 import socket
+from typing import Callable
 
 from ._errors import ConfigError
 
@@ -133,3 +135,54 @@ def parse_bind_addr(text: str) -> str:
                           "reach (e.g. 10.0.0.5, or 0.0.0.0 for every interface), or unset "
                           "it") from None
     return addr
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """One setting: its Config field, its variable, how it is parsed and documented."""
+
+    field: str
+    var: str
+    parse: Callable[[str], object]
+    default: str     #: as the docs show it; its first `value` parses to the field's default
+    unit: str
+    doc: str
+    horovod: tuple[str, ...] = ()  #: Horovod's variables, read when ``var`` is unset
+    horovod_shown: str = ""        #: the docs' Horovod column, when not just ``horovod``
+    flag: str = ""                 #: the ``ronderun`` flag that sets it (and its metavar)
+    flag_note: str = ""
+    accepted: Range | None = None  #: every numeric knob has one (a test checks)
+
+    def accepts(self) -> str:
+        """``" (accepted: > 0 and <= 60000 milliseconds)"``: the tail of an error message."""
+        if self.accepted is None:
+            return ""
+        unit = "" if self.accepted.size else re.sub(r"\s*\(.*", "", self.unit).replace("`", "")
+        return f" (accepted: {self.accepted}{' ' + unit if unit else ''})"
+
+    def check(self, value: object, shown: str) -> None:
+        """Raise :class:`ConfigError` unless ``value`` is in the accepted range.
+
+        ``shown`` is how the user wrote it, e.g. ``RONDE_CYCLE_TIME='nan'``.
+        """
+        if self.accepted is None or value in self.accepted:
+            return
+        finite = not isinstance(value, float) or math.isfinite(value)
+        raise ConfigError(f"{shown} {'is out of range' if finite else 'is not a finite number'}"
+                          f"{self.accepts()}")
+
+    def read(self, name: str, raw: str) -> object:
+        """``raw``, the value of variable ``name``, parsed and checked.
+
+        Raises:
+            ConfigError: naming ``name``, the value and the accepted range.
+        """
+        try:
+            value = self.parse(raw)
+        except ConfigError as exc:
+            raise ConfigError(f"{name}: {exc}{self.accepts()}") from None
+        except ValueError:
+            raise ConfigError(f"{name}={raw!r} is not a valid {self.parse.__name__}"
+                              f"{self.accepts()}") from None
+        self.check(value, f"{name}={raw!r}")
+        return value

@@ -159,7 +159,8 @@ class Reduction:
         comp = self.compression
         return comp is None or (type(comp) is Compressor and comp.wire_dtype is None)
 
-    def start(self, tensor: Any, name: str, allreduce: Callable[..., Any]) -> Started:
+    def start(self, tensor: Any, name: str, allreduce: Callable[..., Any],
+              out: Any = None) -> Started:
         """Start the allreduce of one dense gradient (or a bucket's flat buffer).
 
         Args:
@@ -167,9 +168,12 @@ class Reduction:
             name: the collective's name (the same on every rank).
             allreduce: ``(tensor, output, name, op, prescale, postscale, process_set) ->
                 handle``: the binding's asynchronous allreduce (in place for torch).
+            out: where the result goes, if the binding's collective takes one (only
+                where the tensor travels as it is: a compressed one's result is in the
+                wire's dtype)
         """
         if self.as_sent:
-            handle = allreduce(tensor, None, name, self.op, self.prescale, self.postscale,
+            handle = allreduce(tensor, out, name, self.op, self.prescale, self.postscale,
                                self.process_set)
             return Started(handle, AS_SENT, name)
         sent, ctx = self.compression.compress(tensor)  # type: ignore[union-attr]

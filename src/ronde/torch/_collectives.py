@@ -178,10 +178,12 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: An
 
 # -- allgather, broadcast, alltoall, reducescatter ------------------------------------------
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> TorchHandle:
-    """Start an allgather (concatenation along the first dimension, in rank order)."""
+                    process_set: ProcessSet = global_process_set,
+                    out: torch.Tensor | None = None) -> TorchHandle:
+    """Start an allgather (concatenation along the first dimension, in rank order);
+    ``out``: a CPU tensor of the result's shape and dtype to receive it."""
     staged = host(tensor, "allgather")
-    alloc = Allocator(tensor)
+    alloc = Allocator(tensor, out)
     inner = _api.allgather_async(numpy_view(staged), name, process_set, alloc=alloc)
     return TorchHandle(inner, lambda raw: _result(alloc, raw, tensor))
 
@@ -246,10 +248,13 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = ReduceOp.AVERAGE,
                         process_set: ProcessSet = global_process_set,
                         prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0) -> TorchHandle:
-    """Start a reducescatter (rank r gets its block of the first dimension)."""
+                        postscale_factor: float = 1.0,
+                        out: torch.Tensor | None = None) -> TorchHandle:
+    """Start a reducescatter (rank r gets its block of the first dimension); ``out``:
+    a CPU tensor of the block's shape and dtype to receive it (not a view of
+    ``tensor``: the transports read the input while they write the output)."""
     staged = host(tensor, "reducescatter")
-    alloc = Allocator(tensor)
+    alloc = Allocator(tensor, out)
     inner = _api.reducescatter_async(numpy_view(staged), op, name, process_set,
                                      prescale_factor, postscale_factor, alloc=alloc)
     return TorchHandle(inner, lambda raw: _result(alloc, raw, tensor))

@@ -8,7 +8,6 @@ and the elastic handler read.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import os
 from typing import Any, Iterable
@@ -28,7 +27,7 @@ from . import _collectives as C
 from . import _sharded_patches
 from ._compile import eager
 from ._elementwise import slice_state
-from ._shards import Bucket, Piece
+from ._shards import Bucket, Piece, Pools
 from ._tensors import dtype_name
 from ._wrap import SkipSynchronize, inner
 
@@ -36,7 +35,6 @@ from ._wrap import SkipSynchronize, inner
 class ModifiedGradientsError(RondeError):
     """A ``ShardedOptimizer``'s gradients were changed behind its back between backward
     and ``step()`` (raised on every rank, before the step)."""
-
 
 
 class _ShardedMixin(SkipSynchronize):
@@ -106,13 +104,16 @@ class _ShardedMixin(SkipSynchronize):
         self._ronde_rank, self._ronde_size = rank, size
         self._ronde_generation = _state.require().generation
         self._ronde_views = _state.require().cfg.bucket_views
+        self._ronde_limit = _state.require().cfg.sharded_in_flight
         order = list(range(len(params)))[::-1]
         base = f"ShardedOptimizer.{self._ronde_names[0]}" if params else "ShardedOptimizer"
         layout = _buckets.layout(order, params, lambda i: True, _state.require().cfg.bucket_bytes
                                  or _buckets.FIRST_BUCKET_BYTES)
         self._ronde_buckets = [Bucket(f"{base}.shard{k}.{len(ids)}", ids, params,
-                                       self._ronde_names, rank, size)
+                                       self._ronde_names, rank, size, self._ronde_stage)
                                for k, ids in enumerate(layout)]
+        self._ronde_pools = Pools(self._ronde_buckets)
+        self._ronde_next = 0  # the next bucket to start in this pass (layout order)
         self._ronde_bucket_of = {i: b for b in self._ronde_buckets for i in b.members}
         pieces = {p.index: p for b in self._ronde_buckets for p in b.pieces}
         #: a piece's tensor -> its parameter's index (clipping by pieces: Lightning's)
@@ -127,10 +128,7 @@ class _ShardedMixin(SkipSynchronize):
         """Lay the shards out again for the job as it is now (after an elastic reset
         changed the ranks): new pieces, no optimizer state (the elastic state handler
         fills it, :mod:`ronde.torch.elastic.sharded`), nothing in flight."""
-        for b in self._ronde_moving:
-            with contextlib.suppress(Exception):
-                b.started[0].handle.wait()
-        self._ronde_moving = []
+        self._ronde_drop()
         self._ronde_layout()
         self._ronde_new_window()
         self._ronde_rehook()
@@ -188,15 +186,17 @@ class _ShardedMixin(SkipSynchronize):
         b = self._ronde_bucket_of[i]
         if self._ronde_stage == 2:
             self._ronde_reap(b)
-        slot = b.put(i, p.grad)
+        slot = b.put(i, p.grad, self._ronde_pools)
         if self._ronde_stage == 2:
             p.grad = None
         elif self._ronde_views and p.grad.data_ptr() != slot.data_ptr():
             # stage 1 keeps its buffers: the gradient lives in its slot from now on
             # (RONDE_GRADIENT_AS_BUCKET_VIEW), one copy of the gradients instead of two
             p.grad = slot.view(p.shape)
-        if b.complete(self._ronde_pass, self._ronde_stage):
-            self._ronde_start(b)
+        buckets, cur = self._ronde_buckets, self._ronde_pass
+        while self._ronde_next < len(buckets) and buckets[self._ronde_next].complete(cur):
+            self._ronde_start(buckets[self._ronde_next])  # in layout order, on every rank
+            self._ronde_next += 1
 
     def _ronde_pass_end(self) -> None:
         """The end of a backward pass: on the window's last pass (every pass in stage
@@ -206,17 +206,17 @@ class _ShardedMixin(SkipSynchronize):
             self._ronde_start_rest()
             self._ronde_reap(None)
         self._ronde_pass += 1
+        self._ronde_next = 0
 
     def _ronde_reap(self, wanted: Bucket | None) -> None:
-        """Stage 2: take the slices that arrived (their buffers freed), and ``wanted``'s
-        whether or not it did (its buffer is about to take the next pass)."""
+        """Stage 2: finish the reduce-scatters that are done, and ``wanted``'s (waited)."""
         for b in [b for b in self._ronde_moving if b is wanted or b.started[0].handle.poll()]:
             self._ronde_finish(b)
 
     def _ronde_start_rest(self) -> None:
-        params, cur, stage = self._ronde_params, self._ronde_pass, self._ronde_stage
+        params, cur = self._ronde_params, self._ronde_pass
         for b in self._ronde_buckets:
-            if not b.due(cur, stage):
+            if not b.due(cur):
                 continue
             if b.started is not None:  # stage 2: the previous pass's reduction
                 self._ronde_finish(b)
@@ -224,21 +224,32 @@ class _ShardedMixin(SkipSynchronize):
                 i = self._ronde_index[id(q)]
                 if q.requires_grad and q.grad is not None and i not in b.filled:
                     self._ronde_had.add(i)
-                    b.put(i, q.grad)
+                    b.put(i, q.grad, self._ronde_pools)
             if self._ronde_stage == 1:  # a partial window: what torch accumulated so far
                 for i in b.hooked - b.filled:
                     if params[i].grad is not None:
-                        b.put(i, params[i].grad)
+                        b.put(i, params[i].grad, self._ronde_pools)
             self._ronde_start(b)
+        self._ronde_next = len(self._ronde_buckets)
 
     def _ronde_start(self, b: Bucket) -> None:
+        """Start ``b``'s reduce-scatter, after the oldest where RONDE_SHARDED_IN_FLIGHT
+        are in flight (every rank starts them in layout order: none waits for ever)."""
+        while self._ronde_moving and len(self._ronde_moving) >= self._ronde_limit:
+            self._ronde_finish(self._ronde_moving[0])
         b.start(self._ronde_params, self._ronde_pass, None if self._ronde_solo
-                else self._ronde_reduction)
+                else self._ronde_reduction, self._ronde_pools)
         if b.started[0] is not None:
             self._ronde_moving.append(b)
 
+    def _ronde_drop(self) -> None:
+        """Wait for the reduce-scatters in flight and forget them (their results unused)."""
+        for b in self._ronde_moving:
+            b.drop(self._ronde_pools)
+        self._ronde_moving = []
+
     def _ronde_finish(self, b: Bucket) -> None:
-        if b.finish(self._ronde_reduction, self._ronde_stage):
+        if b.finish(self._ronde_reduction, self._ronde_pools):
             self._ronde_moving.remove(b)
 
     # -- the step --------------------------------------------------------------------------
@@ -313,7 +324,8 @@ class _ShardedMixin(SkipSynchronize):
         names, params = self._ronde_names, self._ronde_params
         if self._ronde_stage == 1:
             return [names[i] for b in self._ronde_buckets
-                    if b.buf is not None and b.version >= 0 and b.buf._version != b.version
+                    if b.buf is not None and b.version >= 0
+                    and (b.modified or b.buf._version != b.version)
                     for i in b.members if i in self._ronde_had]
         return [names[i] for b in self._ronde_buckets for i in b.hooked
                 if i in self._ronde_had and params[i].grad is not None]
@@ -440,22 +452,18 @@ class _ShardedMixin(SkipSynchronize):
         """Every rank's updated slices into the parameters: one allgather a bucket, two
         in flight (a third bucket's full buffer is not needed before one is unpacked)."""
         moving: list[Bucket] = []
-        for k, b in enumerate(self._ronde_buckets + [None]):  # type: ignore[operator]
+        for b in self._ronde_buckets + [None]:  # type: ignore[operator]
             if b is not None:
-                send = b.updated_slice()
-                b.gathering = send if self._ronde_solo else C.allgather_async(
-                    send, f"{b.name}.params", self._ronde_ps)
+                b.start_gather(self._ronde_pools, self._ronde_solo, self._ronde_ps)
                 moving.append(b)
             while moving and (len(moving) > 2 or b is None):
-                done = moving.pop(0)
-                done.unpack(done.gathering if self._ronde_solo else done.gathering.wait(),
-                            self._ronde_params)
+                moving.pop(0).unpack(self._ronde_params, self._ronde_pools, self._ronde_solo)
 
     def _ronde_new_window(self) -> None:
         for b in self._ronde_buckets:
-            b.new_window(self._ronde_stage)
+            b.new_window(self._ronde_pools)
         self._ronde_had = set()
-        self._ronde_pass = 0
+        self._ronde_pass = self._ronde_next = 0
         self._ronde_synced = False
         if any(p.requires_grad != (p in self._ronde_hooks) for p in self._ronde_params):
             self._ronde_rehook()
@@ -464,12 +472,7 @@ class _ShardedMixin(SkipSynchronize):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients and the pieces'. Called between a backward and
         its step, it drops that window (waiting for what it started)."""
-        for b in self._ronde_moving:
-            with contextlib.suppress(Exception):
-                b.started[0].handle.wait()
-        for b in self._ronde_buckets:
-            b.started = None
-        self._ronde_moving = []
+        self._ronde_drop()
         self._ronde_new_window()
         for group in self._ronde_full_groups:
             for p in group:

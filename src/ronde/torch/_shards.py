@@ -1,10 +1,28 @@
 """The layout of ``ShardedOptimizer`` (:mod:`.sharded`): buckets of one dtype padded to
-``N * S`` elements, and the *pieces* of the parameters a rank owns in them.
+``N * S`` elements, and the *pieces* of the parameters a rank owns in them; and the
+memory a step moves through, made once (:class:`Pool`).
 
 A bucket of ``L`` elements is padded to ``N * S`` (``S = ceil(L / N)``) and rank ``r``
 owns elements ``[r*S, (r+1)*S)``; a piece is the part of one parameter that falls in a
 rank's range, a flat view of the parameter's storage. A bucket also keeps what one step
 needs: the gradient buffer of this pass, the averaged slice, the reduction in flight.
+
+Memory, per rank (``P`` parameters of 4 bytes, Adam's 8 bytes of state a parameter):
+
+* stage 1: each bucket's buffer is its own and kept (the ``p.grad`` are views of it,
+  ``RONDE_GRADIENT_AS_BUCKET_VIEW``), and the averaged slice is written back into this
+  rank's range of it: ``4P`` parameters + ``4P`` gradients + ``8P/N`` state;
+* stage 2: a bucket takes a buffer from the pool while its gradients come in and gives
+  it back when its reduce-scatter is done, and the reduce-scatter writes straight into
+  the kept slice: ``4P + 4P/N + 8P/N``, plus the pool;
+* both: the reduce-scatters' and allgathers' other buffers come from the pools too,
+  and at most ``RONDE_SHARDED_IN_FLIGHT`` reduce-scatters are in flight (the optimizer
+  waits for the oldest before it starts another), so the pools stay a few buckets.
+
+Made once and reused, these buffers are not handed back to the C allocator each step:
+glibc keeps freed blocks of this size in its heap (its mmap threshold rises to the
+largest block freed), so a step that allocates and frees its buckets grew the process
+by hundreds of MB over its first steps.
 """
 
 from __future__ import annotations
@@ -16,6 +34,48 @@ import torch
 from ..frameworks.gradients import Reduction
 from ..process_sets import ProcessSet
 from . import _collectives as C
+
+
+class Pool:
+    """Flat buffers of one size per dtype (the largest a caller asked for at layout),
+    made when first needed and reused: :meth:`take` a view of ``n`` elements,
+    :meth:`give` it back."""
+
+    def __init__(self, capacity: dict[torch.dtype, int]) -> None:
+        self.capacity = capacity
+        self.free: dict[torch.dtype, list[torch.Tensor]] = {d: [] for d in capacity}
+        self.made = 0  # buffers made (what the pool holds, in use or free)
+
+    def take(self, dtype: torch.dtype, n: int) -> torch.Tensor:
+        free = self.free[dtype]
+        base = free.pop() if free else None
+        if base is None:
+            base = torch.empty(self.capacity[dtype], dtype=dtype)
+            self.made += 1
+        return base[:n]
+
+    def give(self, view: torch.Tensor) -> None:
+        base = view._base if view._base is not None else view
+        self.free[base.dtype].append(base)
+
+    def nbytes(self) -> int:
+        """What the pool holds now (free buffers; those in use are counted by their
+        users)."""
+        return sum(t.numel() * t.element_size() for ts in self.free.values() for t in ts)
+
+
+class Pools:
+    """A job layout's two pools: whole buckets (stage 2's gradients, the allgathers'
+    results) and slices (the reduce-scatters' results where they cannot land in place,
+    the allgathers' inputs)."""
+
+    def __init__(self, buckets: list[Bucket]) -> None:
+        whole: dict[torch.dtype, int] = {}
+        part: dict[torch.dtype, int] = {}
+        for b in buckets:
+            whole[b.dtype] = max(whole.get(b.dtype, 0), b.padded)
+            part[b.dtype] = max(part.get(b.dtype, 0), b.per)
+        self.whole, self.part = Pool(whole), Pool(part)
 
 
 class Piece:
@@ -33,9 +93,10 @@ class Bucket:
     """Consecutive parameters of one dtype, reduce-scattered as one flat buffer."""
 
     def __init__(self, name: str, members: list[int], params: list[torch.Tensor],
-                 names: list[str], rank: int, size: int) -> None:
+                 names: list[str], rank: int, size: int, stage: int) -> None:
         self.name = name
         self.members = members
+        self.stage = stage
         self.dtype = params[members[0]].dtype
         self.offset: dict[int, int] = {}
         at = 0
@@ -45,7 +106,8 @@ class Bucket:
         self.length = at
         self.per = -(-at // size)  # S: each rank's slice, the bucket padded to size * S
         self.padded = self.per * size
-        lo, hi = rank * self.per, min((rank + 1) * self.per, at)
+        self.lo = rank * self.per  # this rank's range of the padded bucket
+        lo, hi = self.lo, min(self.lo + self.per, at)
         self.pieces: list[Piece] = []
         for i in members:
             o, m = self.offset[i], params[i].numel()
@@ -59,19 +121,35 @@ class Bucket:
         self.filled: set[int] = set()
         self.started: Any = None  # (its reduce-scatter: a gradients.Started, or None; the
         # buffer itself on a single rank)
-        self.slice = torch.zeros(self.per, dtype=self.dtype)  # the averaged slice
+        self.scratch: torch.Tensor | None = None  # the reduce-scatter's result (pooled)
+        #: the averaged slice: stage 1, this rank's range of the kept buffer (made with
+        #: it); stage 2, a tensor of its own, the reduce-scatter's output
+        self.slice: torch.Tensor = torch.zeros(self.per, dtype=self.dtype) \
+            if stage == 2 else torch.zeros(0, dtype=self.dtype)
         self.summed = False  # whether ``slice`` holds a reduction of this window
         self.last_pass = -1  # the backward pass (of this window) it was last started in
         self.gathering: Any = None  # the allgather of the updated slices
-        self.version = -1  # ``buf._version`` when its reduce-scatter started
+        self.gather_bufs: tuple[torch.Tensor, torch.Tensor] | None = None  # (in, out)
+        self.version = -1  # ``buf._version`` when its reduce-scatter started (or ended)
+        self.modified = False  # stage 1: the buffer changed while it was being reduced
 
-    def put(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+    def _new_buf(self, pools: Pools) -> torch.Tensor:
+        """Stage 1: the bucket's own buffer, kept (its range is the slice); stage 2: one
+        from the pool until the reduce-scatter is done. The padding zeroed."""
+        if self.stage == 1:
+            buf = torch.empty(self.padded, dtype=self.dtype)
+            self.slice = buf[self.lo:self.lo + self.per]
+        else:
+            buf = pools.whole.take(self.dtype, self.padded)
+        buf[self.length:].zero_()
+        return buf
+
+    def put(self, i: int, grad: torch.Tensor, pools: Pools) -> torch.Tensor:
         """Member ``i``'s gradient into its slot (added for a second pass before this
         bucket was reduced; nothing to do when ``grad`` is the slot: a view of it);
         returns the slot."""
         if self.buf is None:  # every slot is copied into or zeroed before it moves
-            self.buf = torch.empty(self.padded, dtype=self.dtype)
-            self.buf[self.length:].zero_()
+            self.buf = self._new_buf(pools)
         o = self.offset[i]
         dst = self.buf[o:o + grad.numel()]
         if grad.data_ptr() != dst.data_ptr():
@@ -83,78 +161,116 @@ class Bucket:
         self.filled.add(i)
         return dst
 
-    def due(self, cur: int, stage: int) -> bool:
+    def due(self, cur: int) -> bool:
         """Whether this bucket is still to be reduced in backward pass ``cur`` (stage 2:
         once a pass; stage 1: once a window)."""
-        return self.last_pass != cur and (stage == 2 or self.last_pass < 0)
+        return self.last_pass != cur and (self.stage == 2 or self.last_pass < 0)
 
-    def complete(self, cur: int, stage: int) -> bool:
+    def complete(self, cur: int) -> bool:
         """Every hooked member's gradient is in, and no member without a hook wants in."""
-        return self.started is None and self.due(cur, stage) \
+        return self.started is None and self.due(cur) \
             and len(self.filled) >= len(self.hooked) and self.filled >= self.hooked \
             and not any(p.requires_grad for p in self.unhooked)
 
-    def start(self, params: list[torch.Tensor], cur: int, reduction: Reduction | None
-              ) -> None:
+    def start(self, params: list[torch.Tensor], cur: int, reduction: Reduction | None,
+              pools: Pools) -> None:
         """Start this pass's reduce-scatter of the buffer (zeros where this rank has no
         gradient); ``reduction`` None: one rank, whose gradients are the average."""
         if self.buf is None:
-            self.buf = torch.zeros(self.padded, dtype=self.dtype)
+            self.buf = self._new_buf(pools)
+            self.buf[:self.length].zero_()
         else:
             for i in self.members:
                 if i not in self.filled:
                     o = self.offset[i]
                     self.buf[o:o + params[i].numel()].zero_()
         self.last_pass = cur
-        self.started = (None, self.buf) if reduction is None else \
-            (reduction.start(self.buf, self.name, _reducescatter), None)
+        if reduction is None:
+            self.started = (None, self.buf)
+        else:
+            # the result's memory: the kept slice itself (stage 2, first pass of the
+            # window), else a pooled one (stage 1's range of the buffer is still input)
+            into = self.slice if self.stage == 2 and not self.summed else None
+            if into is None:
+                into = self.scratch = pools.part.take(self.dtype, self.per)
+            self.started = (reduction.start(self.buf, self.name, _reducescatter, into), None)
         # stage 1's p.grad are views of the buffer: an in-place change from now on (torch's
         # clip_grad_norm_ through a reference taken before ronde's patch, DDP's average)
         # races the reduce-scatter; the optimizer's synchronize() compares the version
         self.version = self.buf._version
 
-    def finish(self, reduction: Reduction, stage: int) -> bool:
+    def finish(self, reduction: Reduction, pools: Pools) -> bool:
         """Take the averaged slice into :attr:`slice` (added to what this window holds);
-        stage 2 frees the buffer. Returns whether a reduction was in flight."""
+        stage 2 gives its buffer back. Returns whether a reduction was in flight."""
         started, solo = self.started
         # one rank: the gradients are the average; else this rank's slice, averaged
         # (decompressed: fp16 travels as a predivided Sum)
         out = solo[:self.per] if started is None else reduction.result(started)
+        if self.stage == 1:  # a change since the start is the user's (before ronde's own)
+            self.modified = self.buf._version != self.version  # type: ignore[union-attr]
         with torch.no_grad():
             if self.summed:
                 self.slice.add_(out)
-            else:
+            elif out.data_ptr() != self.slice.data_ptr():
                 self.slice.copy_(out)
+        if self.scratch is not None:
+            pools.part.give(self.scratch)
+            self.scratch = None
         self.summed = True
         self.started, self.filled = None, set()
-        if stage == 2:
+        if self.stage == 2:
+            pools.whole.give(self.buf)
             self.buf = None
+        else:  # the slice written into the buffer is ronde's own change
+            self.version = self.buf._version  # type: ignore[union-attr]
         return started is not None
 
-    def new_window(self, stage: int) -> None:
+    def drop(self, pools: Pools) -> None:
+        """Wait for the reduce-scatter in flight (a failed one too) and forget it."""
+        try:
+            self.started[0].handle.wait()
+        except Exception:  # noqa: BLE001 - dropped: its error is the window's, not ours
+            pass
+        if self.scratch is not None:
+            pools.part.give(self.scratch)
+        self.started = self.scratch = None
+
+    def new_window(self, pools: Pools) -> None:
         """Nothing reduced or filled yet (stage 2 holds no buffer between passes)."""
-        self.summed, self.last_pass, self.filled = False, -1, set()
-        if stage == 2:
+        self.summed, self.last_pass, self.filled, self.modified = False, -1, set(), False
+        if self.stage == 2 and self.buf is not None:
+            pools.whole.give(self.buf)
             self.buf = None
 
-    def updated_slice(self) -> torch.Tensor:
-        """This rank's slice of the parameters after the step (the allgather's input)."""
-        send = torch.zeros(self.per, dtype=self.dtype)
+    def start_gather(self, pools: Pools, solo: bool, process_set: ProcessSet) -> None:
+        """Start the allgather of this rank's updated slice (pooled in and out)."""
+        send = pools.part.take(self.dtype, self.per)
+        send.zero_()
         for piece in self.pieces:
             send[piece.at:piece.at + piece.b - piece.a].copy_(piece.tensor)
-        return send
+        if solo:
+            self.gather_bufs, self.gathering = (send, send), send
+            return
+        full = pools.whole.take(self.dtype, self.padded)
+        self.gather_bufs = (send, full)
+        self.gathering = C.allgather_async(send, f"{self.name}.params", process_set, out=full)
 
-    def unpack(self, full: torch.Tensor, params: list[torch.Tensor]) -> None:
+    def unpack(self, params: list[torch.Tensor], pools: Pools, solo: bool) -> None:
         """Every rank's updated slices (the allgather's output) into the parameters."""
-        self.gathering = None
+        full = self.gathering if solo else self.gathering.wait()
         with torch.no_grad():
             for i in self.members:
                 o, p = self.offset[i], params[i]
                 p.view(-1).copy_(full[o:o + p.numel()])
+        send, out = self.gather_bufs  # type: ignore[misc]
+        pools.part.give(send)
+        if out is not send:
+            pools.whole.give(out)
+        self.gathering = self.gather_bufs = None
 
 
 def _reducescatter(tensor: torch.Tensor, out: Any, name: str, op: int, pre: float, post: float,
                    process_set: ProcessSet) -> Any:
     """The reduce-scatter in the shape of the binding's allreduce (what
-    :meth:`~ronde.frameworks.gradients.Reduction.start` calls)."""
-    return C.reducescatter_async(tensor, name, op, process_set, pre, post)
+    :meth:`~ronde.frameworks.gradients.Reduction.start` calls), into ``out``."""
+    return C.reducescatter_async(tensor, name, op, process_set, pre, post, out=out)

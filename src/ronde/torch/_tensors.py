@@ -99,17 +99,25 @@ def host(t: torch.Tensor, what: str) -> torch.Tensor:
 
 
 class Allocator:
-    """The ``alloc=`` callable: allocates the output as a torch tensor, keeps it."""
+    """The ``alloc=`` callable: allocates the output as a torch tensor, keeps it; or
+    hands out ``into`` (a contiguous CPU tensor) where its shape and dtype are the
+    output's, so that the result lands in memory the caller already holds."""
 
-    __slots__ = ("tensor", "pin")
+    __slots__ = ("tensor", "pin", "into")
 
-    def __init__(self, like: torch.Tensor | None = None) -> None:
+    def __init__(self, like: torch.Tensor | None = None,
+                 into: torch.Tensor | None = None) -> None:
         self.tensor: torch.Tensor | None = None
         #: results that go on to a GPU are received in page-locked memory
         self.pin = like is not None and like.is_cuda
+        self.into = into
 
     def __call__(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        self.tensor = torch.empty(tuple(shape), dtype=torch_dtype(dtype), pin_memory=self.pin)
+        into, want = self.into, torch_dtype(dtype)
+        if into is not None and into.dtype == want and tuple(into.shape) == tuple(shape):
+            self.tensor = into
+        else:
+            self.tensor = torch.empty(tuple(shape), dtype=want, pin_memory=self.pin)
         return numpy_view(self.tensor)
 
 
