@@ -52,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
                                 "throughput vs DDP), multihost (simulated hosts, root), "
                                 "scale (costs against N, beside Gloo), control (one "
                                 "negotiation round's work against N), memory (bytes per rank of "
-                                "sharded optimizers, ZeRO, FSDP2), recommend (the "
+                                "sharded optimizers, ZeRO, FSDP2; with --capacity the largest "
+                                "model each trains in a budget per rank), recommend (the "
                                 "fusion threshold and cycle time to use here)")
     p.add_argument("--np", type=int, default=2, help="ranks per job (default 2)")
     p.add_argument("--sizes", default=None,
@@ -133,6 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .train import main as train_main
 
         return train_main(raw[1:])
+    if raw[:1] == ["memory"] and "--capacity" in raw:  # the largest model in a budget
+        from .capacity import main as capacity_main
+
+        return capacity_main(raw[1:])
     if raw[:1] == ["memory"]:  # memory per rank: sharded optimizers, ZeRO, FSDP2
         from .memory import main as memory_main
 

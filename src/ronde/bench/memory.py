@@ -6,6 +6,8 @@ head: 19.9 M) trains with Adam, one thread per rank, for each contender:
 * ``distributed``: ``ronde.torch.DistributedOptimizer`` (every rank holds everything);
 * ``stage1``, ``stage2``: ``ronde.torch.ShardedOptimizer(stage=1 | 2)``;
 * ``zero``: torch's ``ZeroRedundancyOptimizer`` inside ``DistributedDataParallel`` (Gloo);
+  ``zero-views`` (not in the default list) the same with DDP's
+  ``gradient_as_bucket_view=True``;
 * ``fsdp2``: torch's ``fully_shard`` (FSDP2) on Gloo, where it runs;
 * ``torch``: plain ``torch.optim.Adam`` in one process (N=1 only): what torch itself
   grows by beyond the formula (Adam's ``foreach`` temporaries, the allocator).
@@ -24,6 +26,10 @@ same for every contender and nothing a training step allocates: a small model of
 same layers takes one step before the baseline is read (:func:`_page_in`), so that the
 growth is the step's memory. One process with plain Adam (``foreach=False``) then grows
 260 MB against the 239 MB of ZeRO's formula (gradients and state), 383 MB without it.
+
+``--capacity`` is another measurement, the largest model each contender trains under a
+memory cap per rank: :mod:`ronde.bench.capacity` (it builds its contenders with
+:func:`build`).
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ from ._gloo import free_port
 
 RONDE = ("distributed", "stage1", "stage2")
 TORCH = ("zero", "fsdp2")
+#: ZeroRedundancyOptimizer inside DDP: gradients copied into DDP's buckets, or views of them
+ZERO = ("zero", "zero-views")
 #: one process, no distribution: the reference for the peak RSS (N=1 only)
 ALONE = "torch"
 
@@ -88,32 +96,7 @@ def measure(contender: str, rank: int, world: int, steps: int, warmup: int) -> d
     rss0 = _rss()
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     params = sum(p.numel() for p in model.parameters())
-    opt: Any
-    if contender in RONDE:
-        import ronde.torch as hvd
-
-        adam = torch.optim.Adam(model.parameters(), lr=1e-4)
-        opt = hvd.DistributedOptimizer(adam, named_parameters=model.named_parameters()) \
-            if contender == "distributed" else hvd.ShardedOptimizer(
-                adam, named_parameters=model.named_parameters(), stage=int(contender[-1]))
-    elif contender == ALONE:
-        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    elif contender == "zero":
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        model = torch.nn.parallel.DistributedDataParallel(model)
-        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
-                                      lr=1e-4)
-    elif contender == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for m in model:
-            if isinstance(m, torch.nn.Linear):
-                fully_shard(m)
-        fully_shard(model)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    else:
-        raise ValueError(contender)
+    model, opt = build(torch, contender, model, torch.optim.Adam)
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(8, 1024, generator=gen)
     times, grad_bytes = [], 0
@@ -127,13 +110,53 @@ def measure(contender: str, rank: int, world: int, steps: int, warmup: int) -> d
         opt.step()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    state = opt.optim.state if contender == "zero" else opt.state
+    state = opt.optim.state if contender in ZERO else opt.state
     state_bytes = sum(_bytes(v) for st in state.values() for v in st.values()
                       if torch.is_tensor(v))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"params": params, "state_bytes": state_bytes, "grad_bytes": grad_bytes,
             "peak_rss_growth": max(0, peak - max(base, rss0)),
             "step_ms": 1e3 * statistics.median(times)}
+
+
+def build(torch: Any, contender: str, model: Any, optimizer_class: Any,
+          lr: float = 1e-4) -> tuple[Any, Any]:
+    """The model as ``contender`` trains it and its optimizer (``optimizer_class``, its
+    defaults but ``lr``), in a process where ronde or torch.distributed is set up.
+
+    Returns:
+        ``(model, optimizer)``: the model wrapped in DDP for ``zero`` and ``zero-views``,
+        its ``Linear`` layers and itself sharded in place for ``fsdp2``. The state is
+        ``optimizer.state`` (``optimizer.optim.state`` for ZeRO).
+    """
+    if contender in RONDE:
+        import ronde.torch as hvd
+
+        inner = optimizer_class(model.parameters(), lr=lr)
+        if contender == "distributed":
+            return model, hvd.DistributedOptimizer(
+                inner, named_parameters=model.named_parameters())
+        return model, hvd.ShardedOptimizer(inner, named_parameters=model.named_parameters(),
+                                           stage=int(contender[-1]))
+    if contender == ALONE:
+        return model, optimizer_class(model.parameters(), lr=lr)
+    if contender in ZERO:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, gradient_as_bucket_view=contender == "zero-views")
+        return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=optimizer_class,
+                                            lr=lr)
+    if contender == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for m in model:
+            if isinstance(m, torch.nn.Linear):
+                fully_shard(m)
+        fully_shard(model)
+        return model, optimizer_class(model.parameters(), lr=lr)
+    raise ValueError(f"unknown contender {contender!r}; choose from "
+                     f"{', '.join((ALONE,) + RONDE + ZERO + ('fsdp2',))}")
 
 
 def _library_grads(opt: Any) -> list[Any]:
