@@ -217,6 +217,8 @@ FOREIGN = {
     ("ronde.mxnet.optimizer", "update", "state"),  # MXNet's optimizer state
     ("ronde.mxnet.optimizer", "update_multi_precision", "state"),
     ("ronde.jax.optimizer", "update", "state"),  # an optax optimizer state
+    ("ronde.torch.huggingface", "on_step_end", "state"),  # transformers' TrainerState
+    ("ronde.torch.huggingface", "on_epoch_end", "state"),
 }
 
 

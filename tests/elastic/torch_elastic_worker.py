@@ -66,7 +66,7 @@ def full_state():
     """The sharded optimizer's state assembled whole (a collective): {name: {key: list}}."""
     local = [(name, a, b, {k: (v.tolist() if v.dim() else float(v)) for k, v in
                            opt.state.get(t, {}).items()})
-             for name, a, b, t, _ in opt.shard_pieces()]
+             for name, a, b, t, _ in opt.shard_layout.shard_pieces()]
     whole = {}
     for part in hvd.allgather_object(local, name="full_state"):
         for name, a, b, st in part:

@@ -217,10 +217,13 @@ def trainer_run(batch: int, indices: list[int] | None = None, sequential: bool =
 
 
 def sharded_trainer_run(batch: int, indices: list[int] | None, stage: int,
-                        accumulation: int = 1) -> tuple[Any, Tiny]:
+                        accumulation: int = 1, momentum: float = 0.0,
+                        save_steps: int | None = None, resume: str | None = None
+                        ) -> tuple[Any, Tiny]:
     """A plain ``Trainer`` given ``optimizers=(hvd.ShardedOptimizer(SGD), None)`` (no
     subclass: Trainer's clipping to norm 1 reaches the optimizer's global-norm clip through
-    torch.nn.utils.clip_grad_norm_), in order over ``indices`` (issue #52)."""
+    torch.nn.utils.clip_grad_norm_), in order over ``indices`` (issue #52). ``save_steps``:
+    Trainer's own checkpoints, with ronde's callback; ``resume``: from that checkpoint."""
     from transformers import Trainer, TrainingArguments
 
     import ronde.torch as hvd
@@ -231,18 +234,20 @@ def sharded_trainer_run(batch: int, indices: list[int] | None, stage: int,
 
     model = Tiny()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = hvd.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), stage=stage,
-                               named_parameters=model.named_parameters(),
+    opt = hvd.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum),
+                               stage=stage, named_parameters=model.named_parameters(),
                                backward_passes_per_step=accumulation)
     args = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="ronde-hf-"), per_device_train_batch_size=batch,
         gradient_accumulation_steps=accumulation, num_train_epochs=EPOCHS, learning_rate=LR,
-        max_grad_norm=1.0, use_cpu=True, report_to=[], save_strategy="no",
+        max_grad_norm=1.0, use_cpu=True, report_to=[],
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
         logging_strategy="no", disable_tqdm=True, seed=0, dataloader_drop_last=True,
         ddp_find_unused_parameters=False)
     trainer = OrderedTrainer(model=model, args=args, train_dataset=Samples(indices),
-                             optimizers=(opt, None))
-    trainer.train()
+                             optimizers=(opt, None),
+                             callbacks=[hvd.ConsolidateOptimizerState()])
+    trainer.train(resume_from_checkpoint=resume)
     return trainer, model
 
 
@@ -317,6 +322,15 @@ def run_ronde() -> None:
             trainer, model = sharded_trainer_run(BATCH, shard(r, n), stage, accumulation)
             report(f"trainer+sharded/stage{stage}/accumulate{accumulation}", model, rank=r,
                    size=n, steps=trainer.state.global_step)
+    # Trainer's own checkpoints of a ShardedOptimizer with momentum (state to save): saved
+    # at step 2 with ronde's callback, resumed from there by a new Trainer and optimizer;
+    # the test compares it with the uninterrupted run (issue #52)
+    trainer, model = sharded_trainer_run(BATCH, shard(r, n), 2, momentum=0.9, save_steps=2)
+    report("trainer+sharded/momentum", model, rank=r, size=n, steps=trainer.state.global_step)
+    ckpt = os.path.join(trainer.args.output_dir, "checkpoint-2")
+    trainer, model = sharded_trainer_run(BATCH, shard(r, n), 2, momentum=0.9, resume=ckpt)
+    report("trainer+sharded/momentum/resumed", model, rank=r, size=n,
+           steps=trainer.state.global_step)
     hvd.shutdown()
 
 

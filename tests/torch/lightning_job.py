@@ -280,7 +280,10 @@ def run(name: str, out: str) -> dict[str, Any]:
         report["validate"] = first.validate(model, val, verbose=False)[0]["val_loss"]
         report["params_after_validate"] = flat(model.net)
         report["test"] = first.test(model, val, verbose=False)[0]["test_loss"]
-        resumed = Module()  # rank 0's last checkpoint, one epoch more
+    if name in ("object", "sharded"):
+        # rank 0's last checkpoint, one epoch more (sharded: Lightning consolidated the
+        # whole optimizer state into it, and each rank loads its part)
+        resumed = Module()
         trainer(EPOCHS + 1).fit(resumed, train, val, ckpt_path=checkpoint.last_model_path)
         report["resumed_params"] = flat(resumed.net)
         report["resumed_samples"] = resumed.samples

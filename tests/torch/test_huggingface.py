@@ -180,3 +180,18 @@ def test_a_sharded_optimizer_under_trainers_ddp_is_refused(torchrun_job: Scenari
             error = torchrun_job[f"trainer+sharded/ddp/stage{stage}"][rank]["error"]
             assert error.startswith("ModifiedGradientsError") \
                 and "DistributedDataParallel" in error and "RONDE_TORCHRUN_ENV=0" in error, error
+
+
+def test_trainers_own_checkpoint_of_a_sharded_optimizer_resumes_the_run(
+        ronde_job: Scenarios) -> None:
+    # issue #52: Trainer saves optimizer.state_dict() itself; with
+    # hvd.ConsolidateOptimizerState() that is the whole state (SGD momentum buffers), and a
+    # new Trainer resumed from step 2 ends where the uninterrupted run did, on every rank
+    whole = ronde_job["trainer+sharded/momentum"]
+    resumed = ronde_job["trainer+sharded/momentum/resumed"]
+    assert sorted(whole) == sorted(resumed) == list(range(NP))
+    for r in range(NP):
+        assert resumed[r]["steps"] == whole[r]["steps"] > 2, (whole[r], resumed[r])
+        assert resumed[r]["params"] == resumed[0]["params"], f"rank {r} differs"
+        worst = max(abs(a - b) for a, b in zip(resumed[r]["params"], whole[r]["params"]))
+        assert worst <= 1e-6, worst

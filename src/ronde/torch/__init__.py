@@ -41,6 +41,7 @@ from ._collectives import (allgather_async, allreduce_, allreduce_async,  # noqa
 from ._compile import compile_backend  # noqa: E402
 from ._tensors import TorchHandle  # noqa: E402
 from .compression import Compression, Compressor  # noqa: E402
+from .huggingface import ConsolidateOptimizerState  # noqa: E402
 from .optimizer import DistributedOptimizer  # noqa: E402
 from .sharded import ShardedOptimizer  # noqa: E402
 from .sharded_io import gather_sharded, load_sharded, save_sharded  # noqa: E402

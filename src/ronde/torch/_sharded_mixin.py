@@ -27,14 +27,10 @@ from . import _collectives as C
 from . import _sharded_patches
 from ._compile import eager
 from ._elementwise import slice_state
-from ._shards import Bucket, Piece, Pools
+from ._shards import Bucket, Layout, Piece, Pools
 from ._tensors import dtype_name
+from ._whole_state import gather_whole, slice_whole, whole_groups
 from ._wrap import SkipSynchronize, inner
-
-
-class ModifiedGradientsError(RondeError):
-    """A ``ShardedOptimizer``'s gradients were changed behind its back between backward
-    and ``step()`` (raised on every rank, before the step)."""
 
 
 class _ShardedMixin(SkipSynchronize):
@@ -89,6 +85,7 @@ class _ShardedMixin(SkipSynchronize):
         #: set by GradScaler.unscale_ (ronde's patch): agree on non-finite slices
         self._ronde_check_finite = False
         self._ronde_ddp_checked = False
+        self._ronde_whole: dict[str, Any] | None = None  # consolidate_state_dict()'s
         self._ronde_rehook()
         _sharded_patches.install(self)
 
@@ -101,7 +98,6 @@ class _ShardedMixin(SkipSynchronize):
         self._ronde_solo = not member or _api.size() == 1 or C.set_size(process_set) == 1
         rank, size = (0, 1) if self._ronde_solo else (_api.set_rank(process_set),
                                                       C.set_size(process_set))
-        self._ronde_rank, self._ronde_size = rank, size
         self._ronde_generation = _state.require().generation
         self._ronde_views = _state.require().cfg.bucket_views
         self._ronde_limit = _state.require().cfg.sharded_in_flight
@@ -112,10 +108,12 @@ class _ShardedMixin(SkipSynchronize):
         self._ronde_buckets = [Bucket(f"{base}.shard{k}.{len(ids)}", ids, params,
                                        self._ronde_names, rank, size, self._ronde_stage)
                                for k, ids in enumerate(layout)]
-        self._ronde_pools = Pools(self._ronde_buckets)
-        self._ronde_next = 0  # the next bucket to start in this pass (layout order)
+        self._ronde_pools, self._ronde_next = Pools(self._ronde_buckets), 0
+        #: what checkpoints, the elastic handler and state_dict() read
+        self.shard_layout = Layout(params, self._ronde_names, self._ronde_full_groups,
+                                   self._ronde_buckets, rank, size, self._ronde_solo, process_set)
         self._ronde_bucket_of = {i: b for b in self._ronde_buckets for i in b.members}
-        pieces = {p.index: p for b in self._ronde_buckets for p in b.pieces}
+        pieces = self.shard_layout.pieces
         #: a piece's tensor -> its parameter's index (clipping by pieces: Lightning's)
         self._ronde_piece_index = {id(pc.tensor): i for i, pc in pieces.items()}
         self.state = collections.defaultdict(dict)
@@ -132,19 +130,6 @@ class _ShardedMixin(SkipSynchronize):
         self._ronde_layout()
         self._ronde_new_window()
         self._ronde_rehook()
-
-    def ranges_of(self, rank: int) -> dict[str, tuple[int, int]]:
-        """The element range ``[a, b)`` of each parameter (by name) that ``rank`` owns in
-        the current layout (parameters it owns nothing of are left out)."""
-        out: dict[str, tuple[int, int]] = {}
-        for b in self._ronde_buckets:
-            lo, hi = rank * b.per, min((rank + 1) * b.per, b.length)
-            for i in b.members:
-                o, m = b.offset[i], self._ronde_params[i].numel()
-                a, e = max(o, lo) - o, min(o + m, hi) - o
-                if a < e:
-                    out[self._ronde_names[i]] = (a, e)
-        return out
 
     def _ronde_validate(self) -> None:
         params = self._ronde_params
@@ -288,17 +273,7 @@ class _ShardedMixin(SkipSynchronize):
             flags, None, f"{self._ronde_buckets[0].name}.presence", ReduceOp.SUM, 1.0, 1.0,
             self._ronde_ps).wait()).tolist()
         if counts[-2]:
-            raise ModifiedGradientsError(
-                f"ShardedOptimizer: on {counts[-2]} rank(s) (here: "
-                f"{', '.join(changed[:4]) or 'not this rank'}) the gradients were changed "
-                "after backward() handed them to ronde and before step(), while they were "
-                "being averaged: the result would be wrong. Causes: the model wrapped in "
-                "torch DistributedDataParallel (ronde averages the gradients: remove DDP, "
-                "e.g. ronderun -x RONDE_TORCHRUN_ENV=0 for Hugging Face Trainer), or "
-                "torch.nn.utils.clip_grad_norm_/clip_grad_value_ called through a reference "
-                "taken before the first ShardedOptimizer was made (call opt.clip_grad_norm_(max_norm) "
-                "or torch.nn.utils.clip_grad_norm_(...) by its module path), or p.grad "
-                "changed in place (change the averaged slices after opt.synchronize())")
+            raise _sharded_patches.modified_gradients(int(counts[-2]), changed)
         for b in self._ronde_buckets:
             for piece in b.pieces:
                 piece.tensor.grad = b.slice[piece.at:piece.at + piece.b - piece.a] \
@@ -442,6 +417,7 @@ class _ShardedMixin(SkipSynchronize):
             raise RondeError("ShardedOptimizer.step() inside skip_synchronize() needs "
                              "synchronize() first")
         out = inner(self, _ShardedMixin, "step")()
+        self._ronde_whole = None
         self._ronde_gather()
         self._ronde_new_window()
         return loss if closure is not None else out
@@ -488,12 +464,36 @@ class _ShardedMixin(SkipSynchronize):
                 piece.tensor.grad = None
 
     # -- what checkpoints read -------------------------------------------------------------
-    def shard_pieces(self) -> list[tuple[str, int, int, torch.Tensor, int]]:
-        """This rank's pieces: ``(parameter name, start, end, piece, param group)``."""
-        group_of = {self._ronde_index[id(p)]: g
-                    for g, ps in enumerate(self._ronde_full_groups) for p in ps}
-        return [(pc.name, pc.a, pc.b, pc.tensor, group_of[pc.index])
-                for b in self._ronde_buckets for pc in b.pieces]
+    def consolidate_state_dict(self, to: int | None = 0) -> None:
+        """Gather the whole state on rank ``to`` of the process set (None: on every
+        rank) for the next ``state_dict()`` (every rank calls it; as torch's ZeRO's)."""
+        self._ronde_whole = gather_whole(self.shard_layout, self.state, self.param_groups, to)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole state, as the wrapped optimizer's in one process (loads at any N):
+        with one rank, or no state yet, at once; else on the rank that
+        ``consolidate_state_dict()`` gathered it on, until the next step."""
+        if not any(self.state.values()):  # no step yet (accelerate's device move)
+            return {"state": {}, "param_groups": whole_groups(self.shard_layout,
+                                                                self.param_groups)}
+        if self._ronde_solo:
+            return gather_whole(self.shard_layout, self.state, self.param_groups, 0)
+        if self._ronde_whole is None:
+            raise RondeError(
+                f"ShardedOptimizer.state_dict() on rank {_api.rank()}: each rank holds 1/N of "
+                "the state. Call opt.consolidate_state_dict() on every rank first (Lightning "
+                "does), then state_dict() on rank 0; Hugging Face Trainer: "
+                "callbacks=[hvd.ConsolidateOptimizerState()]; or hvd.save_sharded(dir, model, "
+                "opt) on every rank")
+        return self._ronde_whole
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a whole state (``state_dict()``'s, or a plain optimizer's over the same
+        parameters, saved at any N): this rank keeps its pieces' part."""
+        state, hyper = slice_whole(self.shard_layout, state_dict)
+        self.state = collections.defaultdict(dict, state)
+        for group, h in zip(self.param_groups, hyper):
+            group.update(h)
 
     @property
     def stage(self) -> int:

@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import torch
 
-from .._errors import UnsupportedError
+from .._errors import RondeError, UnsupportedError
 
 log = logging.getLogger(__name__)
 
@@ -176,3 +176,23 @@ def ddp_wraps(params: list[torch.Tensor]) -> bool:
     return any(isinstance(obj, torch.nn.parallel.DistributedDataParallel)
                and any(id(p) in mine for p in obj.module.parameters())
                for obj in gc.get_objects())
+
+
+class ModifiedGradientsError(RondeError):
+    """A ``ShardedOptimizer``'s gradients were changed behind its back between backward
+    and ``step()`` (raised on every rank, before the step)."""
+
+
+def modified_gradients(ranks: int, changed: list[str]) -> ModifiedGradientsError:
+    """The error of ``ranks`` ranks whose gradients changed (``changed``: this rank's)."""
+    return ModifiedGradientsError(
+        f"ShardedOptimizer: on {ranks} rank(s) (here: "
+        f"{', '.join(changed[:4]) or 'not this rank'}) the gradients were changed "
+        "after backward() handed them to ronde and before step(), while they were "
+        "being averaged: the result would be wrong. Causes: the model wrapped in "
+        "torch DistributedDataParallel (ronde averages the gradients: remove DDP, "
+        "e.g. ronderun -x RONDE_TORCHRUN_ENV=0 for Hugging Face Trainer), or "
+        "torch.nn.utils.clip_grad_norm_/clip_grad_value_ called through a reference "
+        "taken before the first ShardedOptimizer was made (call opt.clip_grad_norm_(max_norm) "
+        "or torch.nn.utils.clip_grad_norm_(...) by its module path), or p.grad "
+        "changed in place (change the averaged slices after opt.synchronize())")

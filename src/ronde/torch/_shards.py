@@ -269,6 +269,49 @@ class Bucket:
         self.gathering = self.gather_bufs = None
 
 
+class Layout:
+    """A ``ShardedOptimizer``'s layout, the one public object its checkpoints, the
+    elastic handler, ``gather_sharded`` and the consolidated ``state_dict()`` read
+    (``optimizer.shard_layout``; a new one after an elastic reset)."""
+
+    def __init__(self, params: list[torch.Tensor], names: list[str],
+                 groups: list[list[torch.Tensor]], buckets: list[Bucket], rank: int,
+                 size: int, solo: bool, process_set: ProcessSet) -> None:
+        self.params = params  #: every parameter, whole, in the optimizer's order
+        self.names = names    #: their names, in the same order
+        self.groups = groups  #: the param groups' whole parameters
+        self.buckets = buckets
+        self.rank, self.size = rank, size  #: this rank and the ranks, in the process set
+        self.solo = solo  #: one rank (or not a member): no collective
+        self.process_set = process_set
+        self.index = {id(p): i for i, p in enumerate(params)}
+        #: this rank's pieces by parameter index
+        self.pieces: dict[int, Piece] = {pc.index: pc for b in buckets for pc in b.pieces}
+
+    def ranges_of(self, rank: int) -> dict[str, tuple[int, int]]:
+        """The element range ``[a, b)`` of each parameter (by name) that ``rank`` owns
+        (parameters it owns nothing of are left out)."""
+        out: dict[str, tuple[int, int]] = {}
+        for b in self.buckets:
+            lo, hi = rank * b.per, min((rank + 1) * b.per, b.length)
+            for i in b.members:
+                o, m = b.offset[i], self.params[i].numel()
+                a, e = max(o, lo) - o, min(o + m, hi) - o
+                if a < e:
+                    out[self.names[i]] = (a, e)
+        return out
+
+    def shard_pieces(self) -> list[tuple[str, int, int, torch.Tensor, int]]:
+        """This rank's pieces: ``(parameter name, start, end, piece, param group)``."""
+        group_of = {self.index[id(p)]: g for g, ps in enumerate(self.groups) for p in ps}
+        return [(pc.name, pc.a, pc.b, pc.tensor, group_of[pc.index])
+                for b in self.buckets for pc in b.pieces]
+
+    def full_order(self) -> list[int]:
+        """Parameter indices in the order of a whole ``state_dict()``'s param groups."""
+        return [self.index[id(p)] for g in self.groups for p in g]
+
+
 def _reducescatter(tensor: torch.Tensor, out: Any, name: str, op: int, pre: float, post: float,
                    process_set: ProcessSet) -> Any:
     """The reduce-scatter in the shape of the binding's allreduce (what

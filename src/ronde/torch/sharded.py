@@ -37,7 +37,8 @@ from ..frameworks.compression import Compresses
 from ..process_sets import ProcessSet, global_process_set
 from . import _collectives as C
 from ._elementwise import check_elementwise
-from ._sharded_mixin import ModifiedGradientsError, _ShardedMixin
+from ._sharded_mixin import _ShardedMixin
+from ._sharded_patches import ModifiedGradientsError
 from ._wrap import wrap
 from .compression import Compression
 

@@ -38,6 +38,7 @@ from .._errors import RondeError, UnsupportedError
 from ..checkpoint import (begin_sharded_save, check_sharded_index, open_member, previous_step,
                           read_index, sharded_file_names)
 from ..process_sets import global_process_set
+from ._whole_state import gather_whole
 from .sharded import is_sharded
 
 
@@ -52,7 +53,7 @@ def _pieces(optimizer: Any, model: Any) -> list[tuple[str, int, int, torch.Tenso
     state for: a ``ShardedOptimizer``'s pieces, or a plain optimizer's whole parameters
     (named by ``model.named_parameters()``)."""
     if is_sharded(optimizer):
-        return optimizer.shard_pieces()
+        return optimizer.shard_layout.shard_pieces()
     if model is None:
         raise ValueError("save_sharded/load_sharded with a plain optimizer need the model, "
                          "whose named_parameters() name its parameters")
@@ -70,7 +71,8 @@ def _table(optimizer: Any, model: Any) -> dict[str, tuple[list[int], str]]:
     """Every parameter of the optimizer (not only this rank's pieces), by name: its
     shape and dtype, the same on every rank."""
     if is_sharded(optimizer):
-        pairs = list(zip(optimizer._ronde_names, optimizer._ronde_params))
+        layout = optimizer.shard_layout
+        pairs = list(zip(layout.names, layout.params))
     else:
         names = {id(p): n for n, p in model.named_parameters()}
         pairs = [(names[id(p)], p) for g in optimizer.param_groups for p in g["params"]
@@ -123,9 +125,10 @@ def save_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) 
     all, never beside another step's files. Every rank must call it."""
     directory = os.fspath(directory)
     sharded = is_sharded(optimizer)
-    ps = optimizer._ronde_ps if sharded else global_process_set
-    many = sharded and not optimizer._ronde_solo
-    rank, size = (optimizer._ronde_rank, optimizer._ronde_size) if sharded else (0, 1)
+    layout = optimizer.shard_layout if sharded else None
+    ps = layout.process_set if layout else global_process_set
+    many = layout is not None and not layout.solo
+    rank, size = (layout.rank, layout.size) if layout else (0, 1)
 
     def names(token: str) -> list[str]:
         return [*sharded_file_names(token, size, ".pt"),
@@ -258,73 +261,4 @@ def gather_sharded(optimizer: Any, root: int = 0) -> dict[str, Any] | None:
     if not is_sharded(optimizer):
         raise TypeError("gather_sharded() takes a ShardedOptimizer; a plain optimizer's "
                         "state_dict() holds the whole state already")
-    from . import _collectives as C
-
-    ps, size = optimizer._ronde_ps, optimizer._ronde_size
-    if not 0 <= root < size:
-        raise ValueError(f"gather_sharded(root={root}): the optimizer's ranks are 0..{size - 1}")
-    params, full = optimizer._ronde_params, optimizer._ronde_full_groups
-    pieces = {pc.index: pc for b in optimizer._ronde_buckets for pc in b.pieces}
-    # what this rank holds of each parameter: its tensors' dtypes, its scalars
-    held: dict[int, dict[str, Any]] = {}
-    for i, pc in pieces.items():
-        tensors, scalars = {}, {}
-        for key, v in optimizer.state.get(pc.tensor, {}).items():
-            if torch.is_tensor(v) and v.dim() > 0:
-                tensors[key] = (str(v.dtype).replace("torch.", ""), v.numel())
-            else:  # a 0-dim tensor (Adam's step) or a number: kept with its type
-                scalars[key] = (v.item(), str(v.dtype).replace("torch.", "")) \
-                    if torch.is_tensor(v) else (v, None)
-        held[i] = {"tensors": tensors, "scalars": scalars}
-    every = ([held] if optimizer._ronde_solo else
-             _objects.allgather_object(held, "ronde.gather_sharded.held", ps))
-    me = optimizer._ronde_rank
-    out: dict[int, dict[str, Any]] = {}
-    order = [optimizer._ronde_index[id(p)] for g in full for p in g]
-    kinds_of: dict[int, dict[str, str]] = {}
-    for i in order:  # every rank decides alike, from the same lists, before anything moves
-        kinds_of[i] = kinds = {key: dt for h in every
-                               for key, (dt, _) in h.get(i, {}).get("tensors", {}).items()}
-        for key in kinds:
-            n = sum(h[i]["tensors"][key][1] for h in every
-                    if i in h and key in h[i]["tensors"])
-            if n != params[i].numel():
-                raise RondeError(f"gather_sharded: the {key!r} state of "
-                                 f"{optimizer._ronde_names[i]!r} is {n} elements on the ranks "
-                                 f"together, not the parameter's {params[i].numel()} (a "
-                                 "state not shaped like its parameter, or missing on a rank)")
-    for k, i in enumerate(order):
-        kinds = kinds_of[i]
-        state: dict[str, Any] = {}
-        for key in sorted(kinds):
-            dtype = getattr(torch, kinds[key])
-            pc = pieces.get(i)
-            mine = (optimizer.state[pc.tensor][key].detach().reshape(-1)
-                    if pc is not None and key in optimizer.state.get(pc.tensor, {})
-                    else torch.empty(0, dtype=dtype))
-            if optimizer._ronde_solo:
-                whole = mine.clone()
-            else:
-                splits = [0] * size
-                splits[root] = mine.numel()
-                whole, _ = C.alltoall_async(mine, splits, f"ronde.gather_sharded.{i}.{key}",
-                                            ps).wait()
-            if me == root:
-                state[key] = whole.view(params[i].shape)
-        if me == root:
-            for h in every:  # the scalars of the first rank that holds a piece
-                if i in h:
-                    for key, (value, dt) in h[i]["scalars"].items():
-                        state[key] = torch.tensor(value, dtype=getattr(torch, dt)) \
-                            if dt is not None else value
-                    break
-            if state:
-                out[k] = state
-    if me != root:
-        return None
-    groups, at = [], 0
-    for group, members in zip(optimizer.param_groups, full):
-        groups.append({**{key: v for key, v in group.items() if key != "params"},
-                       "params": list(range(at, at + len(members)))})
-        at += len(members)
-    return {"state": out, "param_groups": groups}
+    return gather_whole(optimizer.shard_layout, optimizer.state, optimizer.param_groups, root)

@@ -50,7 +50,7 @@ _Saved = tuple[str, int, int, dict[str, Any]]
 def _snapshot(opt: Any) -> list[_Saved]:
     """This rank's pieces and their state, copied."""
     out = []
-    for name, a, b, tensor, _ in opt.shard_pieces():
+    for name, a, b, tensor, _ in opt.shard_layout.shard_pieces():
         state = opt.state.get(tensor, {})
         out.append((name, a, b, {k: (v.detach().clone() if torch.is_tensor(v) else v)
                                  for k, v in state.items()}))
@@ -90,7 +90,7 @@ class ShardedOptimizerHandler(StateHandler):
 
     def __init__(self, value: Any) -> None:
         super().__init__(value)
-        if value._ronde_ps is not global_process_set:
+        if value.shard_layout.process_set is not global_process_set:
             raise UnsupportedError("ShardedOptimizer in an elastic TorchState must shard over "
                                    "the whole job (process_set=global_process_set): a process "
                                    "set's ranks change at a resize")
@@ -128,7 +128,7 @@ class ShardedOptimizerHandler(StateHandler):
         optimizer's: a reset has not happened yet)."""
         opt = self.value
         saved = {(n, a, b): st for n, a, b, st in self._own}
-        for name, a, b, tensor, _ in opt.shard_pieces():
+        for name, a, b, tensor, _ in opt.shard_layout.shard_pieces():
             st = saved.get((name, a, b))
             opt.state.pop(tensor, None)
             if st:
@@ -151,9 +151,9 @@ class ShardedOptimizerHandler(StateHandler):
             self._sync_hyper(_api.rank())
             return
         opt.relayout()
-        merged = reshard.reshard(self._own, self._neighbour, was, old_size, opt.ranges_of,
+        merged = reshard.reshard(self._own, self._neighbour, was, old_size, opt.shard_layout.ranges_of,
                                  _CODEC)
-        for name, a, b, tensor, _ in opt.shard_pieces():
+        for name, a, b, tensor, _ in opt.shard_layout.shard_pieces():
             if name in merged:
                 opt.state[tensor] = merged[name]
         self._sync_hyper(_api.rank())
