@@ -124,7 +124,8 @@ def create(hierarchy: Hierarchy, name: str, limit_bytes: int) -> Cap:
         else:
             _write(os.path.join(path, "memory.limit_in_bytes"), str(limit_bytes))
             # memory + swap at the same limit: no swapping instead of failing (where swap
-            # is accounted); charges made before the process joins move with it
+            # is accounted); charges made before the process joins move with it where the
+            # kernel still offers it (Linux 6.18 refuses it: deprecated)
             _try_write(os.path.join(path, "memory.memsw.limit_in_bytes"), str(limit_bytes))
             _try_write(os.path.join(path, "memory.move_charge_at_immigrate"), "1")
     except OSError:
