@@ -161,9 +161,10 @@ def build(torch: Any, contender: str, model: Any, optimizer_class: Any,
 
 def _library_grads(opt: Any) -> list[Any]:
     """Gradient buffers ronde's optimizers hold besides ``p.grad``."""
+    layout = getattr(opt, "shard_layout", None)
+    if layout is not None:  # ShardedOptimizer: buffers in flight and the slices
+        return [t for b in layout.buckets for t in (b.buf, b.slice) if t is not None]
     buckets = getattr(opt, "_ronde_buckets", None)
-    if isinstance(buckets, list):  # ShardedOptimizer: buffers in flight and the slices
-        return [t for b in buckets for t in (b.buf, b.slice) if t is not None]
     return [b.flat for b in getattr(buckets, "buckets", ())]  # DistributedOptimizer's
 
 
