@@ -179,3 +179,21 @@ def test_files_follow_the_umask_as_torch_save_does(tmp_path, umask, mode):
              *(tmp_path / "ckpt" / n for n in os.listdir(tmp_path / "ckpt"))]
     assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in paths} == \
         {p.name: mode for p in paths}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_state_comes_back_bit_for_bit(tmp_path, dtype):
+    # the torch codec keeps each tensor's dtype: no pass through numpy, which has no bfloat16
+    model, opt = _setup()
+    model.to(dtype)
+    opt.zero_grad()
+    model(torch.ones(4, 3, dtype=dtype)).pow(2).sum().backward()
+    opt.step()
+    hvd.save_sharded(tmp_path / "ckpt", model, opt)
+    other, fresh = _setup(seed=1)
+    other.to(dtype)
+    hvd.load_sharded(tmp_path / "ckpt", other, fresh)
+    loaded, saved = _state(other, fresh), _state(model, opt)
+    assert all(x.dtype == y.dtype for x, y in zip(loaded, saved))
+    assert any(x.dtype == dtype for x in loaded[len(list(model.parameters())):])
+    assert _same(loaded, saved)

@@ -131,8 +131,7 @@ def reshard(own: list[Piece], neighbour: list[Piece], was: list[tuple[int, int]]
     if held:
         for t in range(size):
             ranges = ranges_of(t)
-            part = [(key, lo, hi, {k: (v[lo - a:hi - a] if codec.is_array(v) else v)
-                                   for k, v in st.items()})
+            part = [(key, lo, hi, cut(codec, st, lo - a, hi - a))
                     for pieces in held for key, a, b, st in pieces if key in ranges and st
                     for lo, hi in [(max(a, ranges[key][0]), min(b, ranges[key][1]))]
                     if lo < hi]
@@ -146,22 +145,35 @@ def reshard(own: list[Piece], neighbour: list[Piece], was: list[tuple[int, int]]
             continue
         for key, lo, hi, st in codec.decode(data):
             a, b = mine[key]
-            into = merged.setdefault(key, {})
             covered[key] = covered.get(key, 0) + hi - lo
-            for k, v in st.items():
-                if codec.is_array(v):
-                    dst = into.get(k)
-                    if dst is None:
-                        dst = into[k] = codec.zeros(v, b - a)
-                    dst[lo - a:hi - a] = v
-                elif k not in into:
-                    into[k] = codec.copy(v)
+            merge(codec, merged.setdefault(key, {}), st, lo - a, b - a)
     for key, n in covered.items():
         a, b = mine[key]
         if n != b - a:
             raise RondeError(f"elastic ShardedOptimizer: the state of {key!r} [{a}:{b}] "
                              f"arrived for {n} of {b - a} elements")
     return merged
+
+
+def cut(codec: Codec, state: dict[str, Any], lo: int, hi: int) -> dict[str, Any]:
+    """A piece's ``state`` over its elements ``[lo, hi)`` (arrays sliced, scalars as they
+    are)."""
+    return {k: (v[lo:hi] if codec.is_array(v) else v) for k, v in state.items()}
+
+
+def merge(codec: Codec, into: dict[str, Any], part: dict[str, Any], at: int,
+          length: int) -> None:
+    """Put ``part`` (the state of some of a piece's elements, from ``at``: :func:`cut`)
+    into ``into``, the state of the whole piece (``length`` elements; zeros where no
+    part has arrived yet); a scalar where ``into`` has none yet."""
+    for k, v in part.items():
+        if codec.is_array(v):
+            dst = into.get(k)
+            if dst is None:
+                dst = into[k] = codec.zeros(v, length)
+            dst[at:at + len(v)] = v
+        elif k not in into:
+            into[k] = codec.copy(v)
 
 
 class NumpyCodec:

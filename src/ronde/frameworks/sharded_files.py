@@ -1,23 +1,28 @@
-"""Sharded-optimizer checkpoints as numpy files, for the bindings whose optimizer state is
-arrays (Keras, JAX; torch's own :mod:`ronde.torch.sharded_io` keeps torch files).
+"""Sharded-optimizer checkpoints: the one engine of every binding's ``save_sharded`` and
+``load_sharded``, with a :class:`Codec` per framework for how one rank's pieces become a
+file and come back (numpy's ``.npz`` files and ``meta.json``, this module's, for Keras
+and JAX; torch's ``.pt`` files and ``meta.pt``, :class:`ronde.torch.sharded_io.TorchCodec`).
 
 A *piece* is a range ``[a, b)`` of one parameter's flat elements, keyed by a string the
-binding makes stable across processes (JAX: the leaf's path; Keras: the variable's place
-and shape), with the optimizer's *slots* over it (``mu``, ``momentum``...: arrays of
-``b - a`` elements). Every rank calls :func:`save` with its pieces; a step holds::
+binding makes stable across processes (torch: the parameter's name; JAX: the leaf's path;
+Keras: the variable's place and shape), with the optimizer's state over it: *slots*
+(``mu``, ``exp_avg``...: flat arrays of ``b - a`` elements) and, where the framework keeps
+them per parameter, scalars (torch's ``step``). Every rank calls :func:`save` with its
+pieces; a step holds::
 
-    optim.<id>.<r>-of-<N>.npz   each rank: "<piece>.<slot>" arrays
-    <model file with <id>>      the first rank: the binding's model or parameters
-    meta.json                   the first rank, last: N, every file of the step and its
-                                size, every file's pieces (key, a, b, slots), the
-                                binding's scalars
+    optim.<id>.<r>-of-<N><suffix>   each rank: its pieces' state
+    <model file with <id>>          the first rank: the binding's model or parameters
+    <meta>                          the first rank, last: N, every file of the step and
+                                    its size, every file's pieces, the binding's scalars
 
-``<id>`` is new at every save and ``meta.json`` is replaced atomically once every file
-of the step is complete (:class:`ronde.checkpoint.ShardedSave`): a save cut short
-leaves the previous step whole; the next save removes what it left. :func:`load`
-reads only the files whose pieces overlap the wanted ones, at any N, and checks every
-wanted element arrived. Files are read with ``allow_pickle=False`` (arrays only), and
-only the regular files of the folder that ``meta.json`` names, of the sizes it records
+``<id>`` is new at every save and the index is replaced atomically once every file of
+the step is complete (:class:`ronde.checkpoint.ShardedSave`): a save cut short leaves
+the previous step whole; the next save removes what it left. :func:`load` reads only
+the files whose pieces overlap the wanted ones, at any N, and checks every wanted
+element arrived; :func:`check_params` refuses a checkpoint of other parameters (names,
+shapes, dtypes) before anything is loaded. Files are read with ``allow_pickle=False``
+(numpy) or ``weights_only=True`` (torch): arrays, tensors and plain values only, and
+only the regular files of the folder that the index names, of the sizes it records
 (:func:`ronde.checkpoint.open_member`).
 
 :func:`gather` is the in-job export of the same pieces: every slot of every key whole on
@@ -28,6 +33,7 @@ only that rank receives).
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import IO, Any, Callable, Sequence
 
@@ -38,24 +44,62 @@ from .._errors import RondeError
 from ..checkpoint import (ShardedSave, begin_sharded_save, check_sharded_index, open_member,
                           previous_step, read_index, sharded_file_names)
 from ..process_sets import ProcessSet, global_process_set
+from . import reshard
 
 
-META = "meta.json"
-
-#: (key, a, b, {slot: array of b - a elements})
-Piece = tuple[str, int, int, dict[str, np.ndarray]]
-
+#: (key, a, b, {slot: flat array of b - a elements, or a scalar})
+Piece = tuple[str, int, int, dict[str, Any]]
 
 #: a step's model file: its name (``{id}`` stands for the step's id) and how it is
 #: written: ``{"write": fn(open file)}`` or ``{"write_path": fn(path)}``
 ModelFile = tuple[str, dict[str, Callable[..., Any]]]
 
 
+class Codec(reshard.NumpyCodec):
+    """How one rank's pieces become a file of a step and come back, and how the step's
+    index is written and read: numpy ``.npz`` files (arrays only) and ``meta.json``.
+    What a piece's state is (which values are slots, a new slot's zeros) is the elastic
+    reshard's codec's (:class:`ronde.frameworks.reshard.NumpyCodec`). A framework's codec
+    overrides what differs (:class:`ronde.torch.sharded_io.TorchCodec`)."""
+
+    suffix = ".npz"   #: the ranks' files' ending
+    meta = "meta.json"  #: the index's name
+
+    def entry(self, key: str, a: int, b: int, state: dict[str, Any]) -> Any:
+        """A piece as the index lists it."""
+        return (key, a, b, sorted(state))
+
+    def write(self, fh: IO[bytes], pieces: Sequence[Piece]) -> None:
+        """Write this rank's ``pieces`` to the open file ``fh``."""
+        np.savez(fh, **{f"{i}.{slot}": np.ascontiguousarray(v)
+                        for i, (_, _, _, state) in enumerate(pieces)
+                        for slot, v in state.items()})
+
+    def read(self, fh: IO[bytes], entries: list[Any], needed: list[int]
+             ) -> dict[int, dict[str, Any]]:
+        """The state of the pieces ``needed`` (their places in ``entries``, the file's
+        pieces as the index lists them), read from ``fh``."""
+        with np.load(fh, allow_pickle=False) as saved:
+            return {j: {slot: saved[f"{j}.{slot}"] for slot in entries[j][3]} for j in needed}
+
+    def write_meta(self, fh: IO[bytes], meta: dict[str, Any]) -> None:
+        fh.write(json.dumps(meta).encode())
+
+    def read_meta(self, data: bytes, where: str) -> Any:
+        try:
+            return json.loads(data)
+        except ValueError as exc:
+            raise RondeError(f"{where} is not JSON ({exc}); the index is damaged") from None
+
+
+NUMPY = Codec()
+
+
 def save(directory: str | os.PathLike[str], pieces: Sequence[Piece], scalars: dict[str, Any],
          fmt: str, rank: int, size: int, process_set: ProcessSet = global_process_set,
-         model: ModelFile | None = None) -> None:
+         model: ModelFile | None = None, codec: Codec = NUMPY) -> None:
     """Write this rank's ``pieces`` as one step; the set's first rank writes ``model``
-    (a model's weights) and ``meta.json`` (with ``scalars`` and ``fmt``, a format name
+    (a model's weights) and the index (with ``scalars`` and ``fmt``, a format name
     ending in ``/<version>``). Every rank of the job calls it (``size`` 1: only the
     job's rank 0 writes)."""
     directory = os.fspath(directory)
@@ -63,89 +107,121 @@ def save(directory: str | os.PathLike[str], pieces: Sequence[Piece], scalars: di
     many = size > 1
 
     def names(token: str) -> list[str]:
-        return [*sharded_file_names(token, size, ".npz"),
+        return [*sharded_file_names(token, size, codec.suffix),
                 *([model[0].format(id=token)] if model else [])]
 
     step: ShardedSave = begin_sharded_save(
-        directory, META, many, rank == 0, ps, names,
-        lambda: previous_step(directory, META,
-                              lambda: read_meta(directory, fmt, "")[1]))
+        directory, codec.meta, many, rank == 0, ps, names,
+        lambda: previous_step(directory, codec.meta,
+                              lambda: read_meta(directory, fmt, "", codec)[1]))
     nbytes = 0
     if step.writer:
-        arrays = {f"{i}.{slot}": np.ascontiguousarray(v)
-                  for i, (_, _, _, slots) in enumerate(pieces) for slot, v in slots.items()}
-        nbytes = step.write(sharded_file_names(step.token, size, ".npz")[rank],
-                            lambda fh: np.savez(fh, **arrays))
-    index = [([(key, a, b, sorted(slots)) for key, a, b, slots in pieces], nbytes)]
+        nbytes = step.write(sharded_file_names(step.token, size, codec.suffix)[rank],
+                            lambda fh: codec.write(fh, pieces))
+    index = [([codec.entry(*piece) for piece in pieces], nbytes)]
     if many:
         index = _objects.allgather_object(index[0], "ronde.save_sharded.index", ps)
     if step.committer:
         meta = {"format": fmt, "id": step.token, "world_size": size,
-                "files": sharded_file_names(step.token, size, ".npz"),
+                "files": sharded_file_names(step.token, size, codec.suffix),
                 "sizes": [n for _, n in index],
                 "pieces": [e for e, _ in index], "model": None, "model_size": None,
                 **scalars}
         if model is not None:
             meta["model"] = model[0].format(id=step.token)
             meta["model_size"] = step.write(meta["model"], **model[1])
-        step.commit(lambda fh: fh.write(json.dumps(meta).encode()), names(step.token))
+        step.commit(lambda fh: codec.write_meta(fh, meta), names(step.token))
     if step.together:
         _api.barrier(process_set=ps)
 
 
-def read_meta(directory: str | os.PathLike[str], fmt: str, legacy_model: str
-              ) -> tuple[str, dict[str, Any]]:
-    """The folder and its ``meta.json``, checked (:func:`~ronde.checkpoint.check_sharded_index`)."""
+def read_meta(directory: str | os.PathLike[str], fmt: str, legacy_model: str,
+              codec: Codec = NUMPY) -> tuple[str, dict[str, Any]]:
+    """The folder and its index, checked (:func:`~ronde.checkpoint.check_sharded_index`)."""
     directory = os.fspath(directory)
-    where = os.path.join(directory, META)
-    try:
-        meta = json.loads(read_index(directory, META))
-    except ValueError as exc:
-        raise RondeError(f"{where} is not JSON ({exc}); the index is damaged") from None
+    where = os.path.join(directory, codec.meta)
+    meta = codec.read_meta(read_index(directory, codec.meta), where)
     return directory, check_sharded_index(meta, where, fmt, legacy_model)
 
 
-def open_model(directory: str, meta: dict[str, Any]) -> IO[bytes]:
+def open_model(directory: str, meta: dict[str, Any], codec: Codec = NUMPY) -> IO[bytes]:
     """The step's model file, opened (:func:`ronde.checkpoint.open_member`)."""
-    where = os.path.join(directory, META)
+    where = os.path.join(directory, codec.meta)
     if not meta.get("model"):
-        raise RondeError(f"{where}: saved without a model")
+        raise RondeError(f"{where}: saved without a model; pass model=None")
     return open_member(directory, meta["model"], meta.get("model_size"), where)
 
 
 def load(directory: str, meta: dict[str, Any], wanted: Sequence[tuple[str, int, int]],
-         ) -> list[dict[str, np.ndarray]]:
-    """Each wanted piece's slots, assembled from the files that overlap it (``{}`` for a
-    piece no file has state for); ``RondeError`` when a piece is only partly covered."""
+         codec: Codec = NUMPY) -> list[dict[str, Any]]:
+    """Each wanted piece's state, assembled from the files that overlap it (``{}`` for a
+    piece no file has state for): each slot's elements from the saved pieces that hold
+    them, each scalar from the first; ``RondeError`` when a piece is only partly covered."""
     by_key: dict[str, list[tuple[int, int, int]]] = {}
     for k, (key, a, b) in enumerate(wanted):
         by_key.setdefault(key, []).append((a, b, k))
-    out: list[dict[str, np.ndarray]] = [{} for _ in wanted]
+    out: list[dict[str, Any]] = [{} for _ in wanted]
     covered = [0] * len(wanted)
-    where = os.path.join(directory, META)
+    where = os.path.join(directory, codec.meta)
     for f, nbytes, entries in zip(meta["files"], meta["sizes"], meta["pieces"]):
-        if not any(key in by_key and any(a < e and s < b for a, b, _ in by_key[key])
-                   for key, s, e, _ in entries):
+        needed = [j for j, (key, s, e, *_) in enumerate(entries)
+                  if any(a < e and s < b for a, b, _ in by_key.get(key, ()))]
+        if not needed:
             continue  # nothing wanted in that file
-        with open_member(directory, f, nbytes, where) as fh, \
-                np.load(fh, allow_pickle=False) as saved:
-            for j, (key, s, e, slots) in enumerate(entries):
-                for a, b, k in by_key.get(key, ()):
-                    lo, hi = max(a, s), min(b, e)
-                    if lo >= hi or not slots:
-                        continue
+        with open_member(directory, f, nbytes, where) as fh:
+            saved = codec.read(fh, entries, needed)
+        for j in needed:
+            key, s, e = entries[j][:3]
+            for a, b, k in by_key[key]:
+                lo, hi = max(a, s), min(b, e)
+                if lo < hi and saved[j]:
                     covered[k] += hi - lo
-                    for slot in slots:
-                        src = saved[f"{j}.{slot}"]
-                        dst = out[k].get(slot)
-                        if dst is None:
-                            dst = out[k][slot] = np.zeros(b - a, dtype=src.dtype)
-                        dst[lo - a:hi - a] = src[lo - s:hi - s]
+                    reshard.merge(codec, out[k], reshard.cut(codec, saved[j], lo - s, hi - s),
+                                  lo - a, b - a)
     for k, (key, a, b) in enumerate(wanted):
         if out[k] and covered[k] != b - a:
             raise RondeError(f"{directory}: the optimizer state of {key!r} [{a}:{b}] is only "
                              f"{covered[k]} of {b - a} elements in the files")
     return out
+
+
+#: a parameter as :func:`check_params` compares it: (shape, dtype name)
+Param = tuple[list[int], str]
+
+
+def check_params(directory: str, meta: dict[str, Any], mine: dict[str, Param]) -> None:
+    """Refuse a checkpoint whose parameters (``meta["params"]``: name -> shape and dtype)
+    are not ``mine`` (renamed, another shape or dtype, missing, extra), naming them,
+    before anything is loaded; an index saved without them is checked by names and
+    element counts (the pieces' ends)."""
+    saved = meta.get("params")
+    if not isinstance(saved, dict):  # an index before shapes were stored
+        saved = {}
+        for entries in meta["pieces"]:
+            for key, _, end, *_ in entries:
+                saved[key] = max(saved.get(key, 0), end)
+        have: dict[str, Any] = {n: math.prod(shape) for n, (shape, _) in mine.items()}
+    else:
+        saved = {n: (list(shape), dtype) for n, (shape, dtype) in saved.items()}
+        have = {n: (list(shape), dtype) for n, (shape, dtype) in mine.items()}
+    problems = [f"{n!r} is not in the checkpoint" for n in have if n not in saved]
+    problems += [f"{n!r} is in the checkpoint but not in this optimizer" for n in saved
+                 if n not in have]
+    problems += [f"{n!r} was saved as {_describe(saved[n])}, is {_describe(have[n])} now"
+                 for n in have if n in saved and saved[n] != have[n]]
+    if problems:
+        raise RondeError(
+            f"{directory}: the checkpoint's parameters are not this optimizer's: "
+            f"{'; '.join(problems[:6])}{' ...' if len(problems) > 6 else ''}. Build the "
+            "model as it was saved (the same names, shapes and dtypes) and load into it; "
+            "to change the model, start its optimizer afresh")
+
+
+def _describe(entry: int | Param) -> str:
+    if isinstance(entry, int):
+        return f"{entry} elements"
+    shape, dtype = entry
+    return f"{dtype}{list(shape)}"
 
 
 def gather(pieces: Sequence[Piece], lengths: dict[str, int], root: int, name: str,

@@ -1,4 +1,6 @@
-"""Checkpoints of a ``ShardedOptimizer`` that load at any world size, with no conversion.
+"""Checkpoints of a ``ShardedOptimizer`` that load at any world size, with no conversion:
+the steps of :mod:`ronde.frameworks.sharded_files` in torch files (:class:`TorchCodec`),
+pieces keyed by the parameters' names.
 
 ``save_sharded(dir, model, optimizer)`` (every rank calls it) writes one *step*::
 
@@ -29,23 +31,70 @@ from __future__ import annotations
 
 import io
 import os
-from typing import Any
+from typing import IO, Any, Sequence
 
+import numpy as np
 import torch
 
-from .. import _api, _objects
-from .._errors import RondeError, UnsupportedError
-from ..checkpoint import (begin_sharded_save, check_sharded_index, open_member, previous_step,
-                          read_index, sharded_file_names)
+from .._errors import UnsupportedError
+from ..frameworks import sharded_files
 from ..process_sets import global_process_set
 from ._whole_state import gather_whole
 from .sharded import is_sharded
 
 
-META = "meta.pt"
-#: the model's file in a folder of format 1 (before each step's files had its id)
-LEGACY_MODEL = "model.pt"
+#: the model's file of a step (``{id}``: the step's id); ``model.pt`` in format 1
+MODEL = "model.{id}.pt"
 FORMAT = "ronde.sharded/2"
+
+
+class TorchCodec(sharded_files.Codec):
+    """Torch's pieces: a slot is a tensor of one dimension or more (any dtype, bfloat16
+    included), a scalar anything else (Adam's ``step``). In a step's files each rank's
+    ``{"pieces": [(name, a, b)], "state": [each piece's state]}`` and ``meta.pt``; in the
+    elastic reshard's messages the pieces as they are; all written with ``torch.save``
+    and read back with ``torch.load(weights_only=True)``."""
+
+    suffix = ".pt"
+    meta = "meta.pt"
+
+    def entry(self, key: str, a: int, b: int, state: dict[str, Any]) -> Any:
+        return (key, a, b)
+
+    def write(self, fh: IO[bytes], pieces: Sequence[sharded_files.Piece]) -> None:
+        torch.save({"pieces": [(key, a, b) for key, a, b, _ in pieces],
+                    "state": [state for _, _, _, state in pieces]}, fh)
+
+    def read(self, fh: IO[bytes], entries: list[Any], needed: list[int]
+             ) -> dict[int, dict[str, Any]]:
+        state = torch.load(fh, weights_only=True)["state"]
+        return {j: state[j] for j in needed}
+
+    def write_meta(self, fh: IO[bytes], meta: dict[str, Any]) -> None:
+        torch.save(meta, fh)
+
+    def read_meta(self, data: bytes, where: str) -> Any:
+        return torch.load(io.BytesIO(data), weights_only=True)
+
+    def encode(self, pieces: list[Any]) -> np.ndarray:
+        buf = io.BytesIO()
+        torch.save(pieces, buf)
+        return np.frombuffer(buf.getvalue(), dtype=np.uint8)
+
+    def decode(self, data: np.ndarray) -> list[Any]:
+        return torch.load(io.BytesIO(data.tobytes()), weights_only=True)
+
+    def is_array(self, value: Any) -> bool:
+        return torch.is_tensor(value) and value.dim() > 0
+
+    def zeros(self, like: Any, n: int) -> Any:
+        return torch.zeros(n, dtype=like.dtype)
+
+    def copy(self, value: Any) -> Any:
+        return value.clone() if torch.is_tensor(value) else value
+
+
+TORCH = TorchCodec()
 
 
 def _pieces(optimizer: Any, model: Any) -> list[tuple[str, int, int, torch.Tensor, int]]:
@@ -67,7 +116,7 @@ def _pieces(optimizer: Any, model: Any) -> list[tuple[str, int, int, torch.Tenso
     return out
 
 
-def _table(optimizer: Any, model: Any) -> dict[str, tuple[list[int], str]]:
+def _params(optimizer: Any, model: Any) -> dict[str, sharded_files.Param]:
     """Every parameter of the optimizer (not only this rank's pieces), by name: its
     shape and dtype, the same on every rank."""
     if is_sharded(optimizer):
@@ -80,42 +129,24 @@ def _table(optimizer: Any, model: Any) -> dict[str, tuple[list[int], str]]:
     return {n: (list(p.shape), str(p.dtype).replace("torch.", "")) for n, p in pairs}
 
 
-def _check_table(directory: str, meta: dict[str, Any], mine: dict[str, tuple[list[int], str]]
-                 ) -> None:
-    """Refuse a checkpoint whose parameters are not this optimizer's (renamed, another
-    shape or dtype, missing, extra), naming them, before anything is loaded; a folder
-    saved before shapes were stored is checked by names and element counts."""
-    saved = meta.get("params")
-    if not isinstance(saved, dict):  # format 1 and early 2: the pieces give the sizes
-        saved = {}
-        for entries in meta["pieces"]:
-            for name, _, end in entries:
-                saved[name] = max(saved.get(name, 0), end)
-        have = {n: int(torch.Size(shape).numel()) for n, (shape, _) in mine.items()}
-    else:
-        saved = {n: (list(shape), dtype) for n, (shape, dtype) in saved.items()}
-        have = {n: (list(shape), dtype) for n, (shape, dtype) in mine.items()}
-    problems = [f"{n!r} is not in the checkpoint" for n in have if n not in saved]
-    problems += [f"{n!r} is in the checkpoint but not in this optimizer" for n in saved
-                 if n not in have]
-    problems += [f"{n!r} was saved as {_describe(saved[n])}, is {_describe(have[n])} now"
-                 for n in have if n in saved and saved[n] != have[n]]
-    if problems:
-        raise RondeError(
-            f"{directory}: the checkpoint's parameters are not this optimizer's: "
-            f"{'; '.join(problems[:6])}{' ...' if len(problems) > 6 else ''}. Build the "
-            "model as it was saved (the same names, shapes and dtypes) and load into it; "
-            "to change the model, start its optimizer afresh")
+def snapshot(optimizer: Any, pieces: list[tuple[str, int, int, torch.Tensor, int]]
+             ) -> list[sharded_files.Piece]:
+    """``pieces``' state in ``optimizer`` (``Layout.shard_pieces()``, or :func:`_pieces`),
+    copied (the step counts too: Adam adds to its in place), each slot flat: what the
+    checkpoints write and the elastic handler keeps (a copy, not a view: ``torch.save``
+    of a view writes its whole storage)."""
+    return [(name, a, b, {k: _copied(v) for k, v in optimizer.state.get(t, {}).items()})
+            for name, a, b, t, _ in pieces]
 
 
-def _describe(entry: Any) -> str:
-    if isinstance(entry, int):
-        return f"{entry} elements"
-    shape, dtype = entry
-    return f"{dtype}{list(shape)}"
+def _copied(value: Any) -> Any:
+    if not torch.is_tensor(value):
+        return value
+    return (value.detach().reshape(-1) if value.dim() > 0 else value.detach()).clone()
 
 
-def _hyper(optimizer: Any) -> list[dict[str, Any]]:
+def hyperparameters(optimizer: Any) -> list[dict[str, Any]]:
+    """Each param group's hyperparameters (all but its parameters)."""
     return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
@@ -123,53 +154,17 @@ def save_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) 
     """Write this rank's part of ``optimizer`` (and, on rank 0, ``model``) to
     ``directory`` (a folder every rank can reach) as one step: loaded whole, or not at
     all, never beside another step's files. Every rank must call it."""
-    directory = os.fspath(directory)
-    sharded = is_sharded(optimizer)
-    layout = optimizer.shard_layout if sharded else None
-    ps = layout.process_set if layout else global_process_set
-    many = layout is not None and not layout.solo
-    rank, size = (layout.rank, layout.size) if layout else (0, 1)
-
-    def names(token: str) -> list[str]:
-        return [*sharded_file_names(token, size, ".pt"),
-                *([f"model.{token}.pt"] if model is not None else [])]
-
-    step = begin_sharded_save(directory, META, many, not many or rank == 0, ps, names,
-                              lambda: previous_step(directory, META,
-                                                    lambda: _read_meta(directory)))
-    pieces = _pieces(optimizer, model)
-    entries = [(name, a, b) for name, a, b, _, _ in pieces]
-    nbytes = 0
-    if step.writer:
-        state = optimizer.state
-        states = [{k: (v.detach().reshape(-1).clone() if torch.is_tensor(v) and v.dim() > 0
-                       else v) for k, v in state.get(t, {}).items()}
-                  for _, _, _, t, _ in pieces]
-        nbytes = step.write(sharded_file_names(step.token, size, ".pt")[rank],
-                            lambda fh: torch.save({"pieces": entries, "state": states}, fh))
-    index = [(entries, nbytes)]
-    if many:
-        index = _objects.allgather_object(index[0], "ronde.save_sharded.index", ps)
-    if step.committer:
-        meta = {"format": FORMAT, "id": step.token, "world_size": size,
-                "files": sharded_file_names(step.token, size, ".pt"),
-                "sizes": [n for _, n in index],
-                "pieces": [e for e, _ in index], "param_groups": _hyper(optimizer),
-                "optimizer": type(optimizer).__name__, "model": None, "model_size": None,
-                "params": _table(optimizer, model)}
-        if model is not None:
-            meta["model"] = f"model.{step.token}.pt"
-            meta["model_size"] = step.write(meta["model"],
-                                            lambda fh: torch.save(model.state_dict(), fh))
-        step.commit(lambda fh: torch.save(meta, fh), names(step.token))
-    if step.together:
-        _api.barrier(process_set=ps)
-
-
-def _read_meta(directory: str) -> dict[str, Any]:
-    """``directory``'s ``meta.pt``, checked (:func:`~ronde.checkpoint.check_sharded_index`)."""
-    meta = torch.load(io.BytesIO(read_index(directory, META)), weights_only=True)
-    return check_sharded_index(meta, os.path.join(directory, META), FORMAT, LEGACY_MODEL)
+    rank, size, process_set = 0, 1, global_process_set
+    if is_sharded(optimizer):
+        layout = optimizer.shard_layout
+        rank, size, process_set = layout.rank, layout.size, layout.process_set
+    scalars = {"param_groups": hyperparameters(optimizer),
+               "optimizer": type(optimizer).__name__, "params": _params(optimizer, model)}
+    sharded_files.save(directory, snapshot(optimizer, _pieces(optimizer, model)), scalars,
+                       FORMAT, rank, size, process_set,
+                       None if model is None else (
+                           MODEL, {"write": lambda fh: torch.save(model.state_dict(), fh)}),
+                       TORCH)
 
 
 def load_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) -> None:
@@ -184,64 +179,26 @@ def load_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) 
             shape or a dtype; named, before anything is loaded), or the state does not
             cover this rank's pieces.
     """
-    directory = os.fspath(directory)
-    meta = _read_meta(directory)
-    where = os.path.join(directory, META)
+    directory, meta = sharded_files.read_meta(directory, FORMAT, "model.pt", TORCH)
     if not is_sharded(optimizer) and model is None:
         raise ValueError("load_sharded with a plain optimizer needs the model, whose "
                          "named_parameters() name its parameters")
-    _check_table(directory, meta, _table(optimizer, model))
+    sharded_files.check_params(directory, meta, _params(optimizer, model))
     if model is not None:
-        if not meta["model"]:
-            raise RondeError(f"{where}: saved without a model; pass model=None")
-        with open_member(directory, meta["model"], meta["model_size"], where) as fh:
+        with sharded_files.open_model(directory, meta, TORCH) as fh:
             model.load_state_dict(torch.load(fh, weights_only=True))
     mine = _pieces(optimizer, model)
-    wanted: dict[str, list[tuple[int, int, int]]] = {}
-    for k, (name, a, b, _, _) in enumerate(mine):
-        wanted.setdefault(name, []).append((a, b, k))
-    got: list[dict[str, Any]] = [{} for _ in mine]
-    covered = [0] * len(mine)
-    for f, nbytes, entries in zip(meta["files"], meta["sizes"], meta["pieces"]):
-        if not any(n in wanted and any(a < e and s < b for a, b, _ in wanted[n])
-                   for n, s, e in entries):
-            continue  # nothing of this rank's in that file
-        with open_member(directory, f, nbytes, where) as fh:
-            saved = torch.load(fh, weights_only=True)
-        for (name, s, e), state in zip(saved["pieces"], saved["state"]):
-            for a, b, k in wanted.get(name, ()):
-                lo, hi = max(a, s), min(b, e)
-                if lo >= hi:
-                    continue
-                covered[k] += hi - lo
-                _merge(got[k], state, lo - a, lo - s, hi - lo, b - a)
-    for k, (name, a, b, tensor, _) in enumerate(mine):
-        if not got[k]:
-            continue  # no state saved for it (never stepped)
-        if covered[k] != b - a:
-            raise RondeError(f"{directory}: the optimizer state of {name!r} [{a}:{b}] is only "
-                             f"{covered[k]} of {b - a} elements in the files")
-        optimizer.state[tensor] = {key: (v.view(tensor.shape) if torch.is_tensor(v)
-                                         and v.dim() > 0 else v) for key, v in got[k].items()}
+    got = sharded_files.load(directory, meta, [(name, a, b) for name, a, b, _, _ in mine],
+                             TORCH)
+    for (_, _, _, tensor, _), state in zip(mine, got):
+        if state:  # none saved for a piece that never stepped
+            optimizer.state[tensor] = {k: (v.view(tensor.shape) if torch.is_tensor(v)
+                                           and v.dim() > 0 else v) for k, v in state.items()}
     if len(meta["param_groups"]) != len(optimizer.param_groups):
         raise UnsupportedError(f"{directory}: {len(meta['param_groups'])} param groups saved, "
                                f"the optimizer has {len(optimizer.param_groups)}")
     for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
         group.update(saved)
-
-
-def _merge(into: dict[str, Any], state: dict[str, Any], at: int, src: int, n: int,
-           length: int) -> None:
-    """Copy ``n`` elements of a saved piece's ``state`` from ``src`` into this rank's
-    piece's state at ``at`` (``length`` elements in all); scalars as they are."""
-    for key, value in state.items():
-        if torch.is_tensor(value) and value.dim() > 0:
-            dst = into.get(key)
-            if dst is None:
-                dst = into[key] = torch.zeros(length, dtype=value.dtype)
-            dst[at:at + n].copy_(value[src:src + n])
-        elif key not in into:
-            into[key] = value.clone() if torch.is_tensor(value) else value
 
 
 def gather_sharded(optimizer: Any, root: int = 0) -> dict[str, Any] | None:

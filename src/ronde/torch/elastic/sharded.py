@@ -31,58 +31,14 @@ commit: the same values, split differently.
 
 from __future__ import annotations
 
-import io
 from typing import Any
-
-import numpy as np
-import torch
 
 from ... import _api, _objects
 from ..._errors import UnsupportedError
 from ...frameworks import reshard
 from ...process_sets import global_process_set
+from ..sharded_io import TORCH, hyperparameters, snapshot
 from .handler import StateHandler
-
-#: a piece's saved state: (parameter name, a, b, {state key: tensor over [a, b) or scalar})
-_Saved = tuple[str, int, int, dict[str, Any]]
-
-
-def _snapshot(opt: Any) -> list[_Saved]:
-    """This rank's pieces and their state, copied."""
-    out = []
-    for name, a, b, tensor, _ in opt.shard_layout.shard_pieces():
-        state = opt.state.get(tensor, {})
-        out.append((name, a, b, {k: (v.detach().clone() if torch.is_tensor(v) else v)
-                                 for k, v in state.items()}))
-    return out
-
-
-def _hyper(opt: Any) -> list[dict[str, Any]]:
-    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-
-
-class _TorchCodec:
-    """Pieces of torch tensors as ``torch.save`` bytes (read back ``weights_only``)."""
-
-    def encode(self, pieces: list[Any]) -> np.ndarray:
-        buf = io.BytesIO()
-        torch.save(pieces, buf)
-        return np.frombuffer(buf.getvalue(), dtype=np.uint8)
-
-    def decode(self, data: np.ndarray) -> list[Any]:
-        return torch.load(io.BytesIO(data.tobytes()), weights_only=True)
-
-    def is_array(self, value: Any) -> bool:
-        return torch.is_tensor(value) and value.dim() > 0
-
-    def zeros(self, like: Any, n: int) -> Any:
-        return torch.zeros(n, dtype=like.dtype)
-
-    def copy(self, value: Any) -> Any:
-        return value.clone() if torch.is_tensor(value) else value
-
-
-_CODEC = _TorchCodec()
 
 
 class ShardedOptimizerHandler(StateHandler):
@@ -94,9 +50,9 @@ class ShardedOptimizerHandler(StateHandler):
             raise UnsupportedError("ShardedOptimizer in an elastic TorchState must shard over "
                                    "the whole job (process_set=global_process_set): a process "
                                    "set's ranks change at a resize")
-        self._own: list[_Saved] = []
+        self._own: list[reshard.Piece] = []
         self._hyper: list[dict[str, Any]] = []
-        self._neighbour: list[_Saved] = []
+        self._neighbour: list[reshard.Piece] = []
         self._rank = -1  # the rank at the last commit (-1: never committed in this job)
         self._size = 0
         self._snap()
@@ -108,15 +64,15 @@ class ShardedOptimizerHandler(StateHandler):
         return True
 
     def _snap(self) -> None:
-        self._own = _snapshot(self.value)
-        self._hyper = _hyper(self.value)
+        self._own = snapshot(self.value, self.value.shard_layout.shard_pieces())
+        self._hyper = hyperparameters(self.value)
 
     def save(self) -> None:
         """Snapshot this rank's pieces and swap copies with the neighbours (a collective:
         ``commit()`` is one)."""
         self._snap()
         self._rank, self._size = _api.rank(), _api.size()
-        self._neighbour = reshard.swap_with_neighbour(self._own, _CODEC,
+        self._neighbour = reshard.swap_with_neighbour(self._own, TORCH,
                                                       "ronde.elastic.sharded.neighbour")
 
     def set_value(self, value: Any) -> None:
@@ -132,8 +88,7 @@ class ShardedOptimizerHandler(StateHandler):
             st = saved.get((name, a, b))
             opt.state.pop(tensor, None)
             if st:
-                opt.state[tensor] = {k: (v.clone() if torch.is_tensor(v) else v)
-                                     for k, v in st.items()}
+                opt.state[tensor] = {k: TORCH.copy(v) for k, v in st.items()}
         for group, hyper in zip(opt.param_groups, self._hyper):
             group.update(hyper)
 
@@ -152,7 +107,7 @@ class ShardedOptimizerHandler(StateHandler):
             return
         opt.relayout()
         merged = reshard.reshard(self._own, self._neighbour, was, old_size, opt.shard_layout.ranges_of,
-                                 _CODEC)
+                                 TORCH)
         for name, a, b, tensor, _ in opt.shard_layout.shard_pieces():
             if name in merged:
                 opt.state[tensor] = merged[name]
@@ -163,7 +118,7 @@ class ShardedOptimizerHandler(StateHandler):
     def _sync_hyper(self, rank: int) -> None:
         """Rank 0's param groups' hyperparameters (lr, betas...) on every rank."""
         opt = self.value
-        hyper = _objects.broadcast_object(_hyper(opt) if rank == 0 else None, 0,
+        hyper = _objects.broadcast_object(hyperparameters(opt) if rank == 0 else None, 0,
                                           "ronde.elastic.sharded.hyper")
         for group, h in zip(opt.param_groups, hyper):
             group.update(h)
