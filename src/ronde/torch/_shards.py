@@ -44,24 +44,15 @@ class Pool:
     def __init__(self, capacity: dict[torch.dtype, int]) -> None:
         self.capacity = capacity
         self.free: dict[torch.dtype, list[torch.Tensor]] = {d: [] for d in capacity}
-        self.made = 0  # buffers made (what the pool holds, in use or free)
 
     def take(self, dtype: torch.dtype, n: int) -> torch.Tensor:
         free = self.free[dtype]
-        base = free.pop() if free else None
-        if base is None:
-            base = torch.empty(self.capacity[dtype], dtype=dtype)
-            self.made += 1
+        base = free.pop() if free else torch.empty(self.capacity[dtype], dtype=dtype)
         return base[:n]
 
     def give(self, view: torch.Tensor) -> None:
         base = view._base if view._base is not None else view
         self.free[base.dtype].append(base)
-
-    def nbytes(self) -> int:
-        """What the pool holds now (free buffers; those in use are counted by their
-        users)."""
-        return sum(t.numel() * t.element_size() for ts in self.free.values() for t in ts)
 
 
 class Pools:
@@ -107,14 +98,10 @@ class Bucket:
         self.per = -(-at // size)  # S: each rank's slice, the bucket padded to size * S
         self.padded = self.per * size
         self.lo = rank * self.per  # this rank's range of the padded bucket
-        lo, hi = self.lo, min(self.lo + self.per, at)
-        self.pieces: list[Piece] = []
-        for i in members:
-            o, m = self.offset[i], params[i].numel()
-            a, b = max(o, lo) - o, min(o + m, hi) - o
-            if a < b:
-                flat = params[i].detach().view(-1)
-                self.pieces.append(Piece(i, names[i], a, b, o + a - lo, flat[a:b]))
+        self.sizes = {i: params[i].numel() for i in members}
+        self.pieces = [Piece(i, names[i], a, b, self.offset[i] + a - self.lo,
+                             params[i].detach().view(-1)[a:b])
+                       for i, a, b in self.owned(rank)]
         self.hooked: set[int] = set()  # members whose hook puts their gradient
         self.unhooked: list[torch.Tensor] = []  # members without a hook now
         self.buf: torch.Tensor | None = None  # size * S: this pass's gradients
@@ -132,6 +119,17 @@ class Bucket:
         self.gather_bufs: tuple[torch.Tensor, torch.Tensor] | None = None  # (in, out)
         self.version = -1  # ``buf._version`` when its reduce-scatter started (or ended)
         self.modified = False  # stage 1: the buffer changed while it was being reduced
+
+    def owned(self, rank: int) -> list[tuple[int, int, int]]:
+        """``(member, a, b)``: the elements ``[a, b)`` of each member that ``rank`` owns."""
+        lo, hi = rank * self.per, min((rank + 1) * self.per, self.length)
+        out = []
+        for i in self.members:
+            o = self.offset[i]
+            a, b = max(o, lo) - o, min(o + self.sizes[i], hi) - o
+            if a < b:
+                out.append((i, a, b))
+        return out
 
     def _new_buf(self, pools: Pools) -> torch.Tensor:
         """Stage 1: the bucket's own buffer, kept (its range is the slice); stage 2: one
@@ -291,15 +289,8 @@ class Layout:
     def ranges_of(self, rank: int) -> dict[str, tuple[int, int]]:
         """The element range ``[a, b)`` of each parameter (by name) that ``rank`` owns
         (parameters it owns nothing of are left out)."""
-        out: dict[str, tuple[int, int]] = {}
-        for b in self.buckets:
-            lo, hi = rank * b.per, min((rank + 1) * b.per, b.length)
-            for i in b.members:
-                o, m = b.offset[i], self.params[i].numel()
-                a, e = max(o, lo) - o, min(o + m, hi) - o
-                if a < e:
-                    out[self.names[i]] = (a, e)
-        return out
+        return {self.names[i]: (a, b) for bucket in self.buckets
+                for i, a, b in bucket.owned(rank)}
 
     def shard_pieces(self) -> list[tuple[str, int, int, torch.Tensor, int]]:
         """This rank's pieces: ``(parameter name, start, end, piece, param group)``."""
