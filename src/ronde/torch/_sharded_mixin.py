@@ -105,7 +105,7 @@ class _ShardedMixin(SkipSynchronize):
         base = f"ShardedOptimizer.{self._ronde_names[0]}" if params else "ShardedOptimizer"
         layout = _buckets.layout(order, params, lambda i: True, _state.require().cfg.bucket_bytes
                                  or _buckets.FIRST_BUCKET_BYTES)
-        self._ronde_buckets = [Bucket(f"{base}.shard{k}.{len(ids)}", ids, params,
+        self._ronde_buckets = [Bucket(f"{base}.shard{k}.{len(ids)}", k, ids, params,
                                        self._ronde_names, rank, size, self._ronde_stage)
                                for k, ids in enumerate(layout)]
         self._ronde_pools, self._ronde_next = Pools(self._ronde_buckets), 0

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ..frameworks.gradients import Reduction
+from ..frameworks.shard_layout import Piece, ShardLayout, Span
 from ..process_sets import ProcessSet
 from . import _collectives as C
 
@@ -69,37 +70,19 @@ class Pools:
         self.whole, self.part = Pool(whole), Pool(part)
 
 
-class Piece:
-    """The part ``[a, b)`` of flattened parameter ``index`` that this rank owns, at
-    ``at`` in its bucket's slice."""
+class Bucket(Span):
+    """Consecutive parameters of one dtype, reduce-scattered as one flat buffer: a span
+    of the layout and what one step needs of it."""
 
-    __slots__ = ("index", "name", "a", "b", "at", "tensor")
-
-    def __init__(self, index: int, name: str, a: int, b: int, at: int,
-                 tensor: torch.Tensor) -> None:
-        self.index, self.name, self.a, self.b, self.at, self.tensor = index, name, a, b, at, tensor
-
-
-class Bucket:
-    """Consecutive parameters of one dtype, reduce-scattered as one flat buffer."""
-
-    def __init__(self, name: str, members: list[int], params: list[torch.Tensor],
+    def __init__(self, name: str, index: int, members: list[int], params: list[torch.Tensor],
                  names: list[str], rank: int, size: int, stage: int) -> None:
+        super().__init__(members, [params[i].numel() for i in members], size)
         self.name = name
-        self.members = members
         self.stage = stage
         self.dtype = params[members[0]].dtype
-        self.offset: dict[int, int] = {}
-        at = 0
-        for i in members:
-            self.offset[i] = at
-            at += params[i].numel()
-        self.length = at
-        self.per = -(-at // size)  # S: each rank's slice, the bucket padded to size * S
-        self.padded = self.per * size
         self.lo = rank * self.per  # this rank's range of the padded bucket
-        self.sizes = {i: params[i].numel() for i in members}
-        self.pieces = [Piece(i, names[i], a, b, self.offset[i] + a - self.lo,
+        #: this rank's pieces, each with a flat view of its parameter's storage
+        self.pieces = [Piece(i, names[i], a, b, self.offset[i] + a - self.lo, index,
                              params[i].detach().view(-1)[a:b])
                        for i, a, b in self.owned(rank)]
         self.hooked: set[int] = set()  # members whose hook puts their gradient
@@ -119,17 +102,6 @@ class Bucket:
         self.gather_bufs: tuple[torch.Tensor, torch.Tensor] | None = None  # (in, out)
         self.version = -1  # ``buf._version`` when its reduce-scatter started (or ended)
         self.modified = False  # stage 1: the buffer changed while it was being reduced
-
-    def owned(self, rank: int) -> list[tuple[int, int, int]]:
-        """``(member, a, b)``: the elements ``[a, b)`` of each member that ``rank`` owns."""
-        lo, hi = rank * self.per, min((rank + 1) * self.per, self.length)
-        out = []
-        for i in self.members:
-            o = self.offset[i]
-            a, b = max(o, lo) - o, min(o + self.sizes[i], hi) - o
-            if a < b:
-                out.append((i, a, b))
-        return out
 
     def _new_buf(self, pools: Pools) -> torch.Tensor:
         """Stage 1: the bucket's own buffer, kept (its range is the slice); stage 2: one
@@ -267,30 +239,25 @@ class Bucket:
         self.gathering = self.gather_bufs = None
 
 
-class Layout:
+class Layout(ShardLayout):
     """A ``ShardedOptimizer``'s layout, the one public object its checkpoints, the
     elastic handler, ``gather_sharded`` and the consolidated ``state_dict()`` read
-    (``optimizer.shard_layout``; a new one after an elastic reset)."""
+    (``optimizer.shard_layout``; a new one after an elastic reset): the spans are the
+    buckets."""
+
+    spans: list[Bucket]  # type: ignore[assignment]
 
     def __init__(self, params: list[torch.Tensor], names: list[str],
                  groups: list[list[torch.Tensor]], buckets: list[Bucket], rank: int,
                  size: int, solo: bool, process_set: ProcessSet) -> None:
+        super().__init__(list(buckets), names, rank, size, process_set)
         self.params = params  #: every parameter, whole, in the optimizer's order
-        self.names = names    #: their names, in the same order
         self.groups = groups  #: the param groups' whole parameters
         self.buckets = buckets
-        self.rank, self.size = rank, size  #: this rank and the ranks, in the process set
         self.solo = solo  #: one rank (or not a member): no collective
-        self.process_set = process_set
         self.index = {id(p): i for i, p in enumerate(params)}
         #: this rank's pieces by parameter index
         self.pieces: dict[int, Piece] = {pc.index: pc for b in buckets for pc in b.pieces}
-
-    def ranges_of(self, rank: int) -> dict[str, tuple[int, int]]:
-        """The element range ``[a, b)`` of each parameter (by name) that ``rank`` owns
-        (parameters it owns nothing of are left out)."""
-        return {self.names[i]: (a, b) for bucket in self.buckets
-                for i, a, b in bucket.owned(rank)}
 
     def shard_pieces(self) -> list[tuple[str, int, int, torch.Tensor, int]]:
         """This rank's pieces: ``(parameter name, start, end, piece, param group)``."""
