@@ -337,7 +337,7 @@ def sharded_scenarios() -> dict:
     # the fix; JAX's traces anew (its caches are cleared: it would reuse a trace of the
     # same shapes); torch's runs eagerly. Traced anew, every backend steps (two passes
     # of B: one update)
-    acc_opt._ronde_relayout()
+    acc_opt.relayout()
     try:
         model.fit(xs[:2 * B], ys[:2 * B], batch_size=B, epochs=1, shuffle=False, verbose=0)
         out["stale_trace"] = "stepped"
@@ -366,11 +366,12 @@ def sharded_scenarios() -> dict:
     # does not (40,000 each): the host reduce-scatter predivides, as every binding's
     # gradients (it summed in float16 before, and gave inf)
     from ronde import _state
+    from ronde.frameworks.shard_layout import Span
     from ronde.keras import sharded as host
 
-    group = host._Group("float32", [0], [6 * n], [(6 * n,)], r, n)
     out["fp16_limit"] = host._reduce_scatter(
-        [np.full(6 * n, 40000.0, np.float32)], group, n, "fp16_limit.grads",
+        [np.full(6 * n, 40000.0, np.float32)], Span([0], [6 * n], n), "float32", n,
+        "fp16_limit.grads",
         hvd.global_process_set, "float16", 1.0, _state.require().generation).tolist()
     return out
 
@@ -577,7 +578,7 @@ def sharded_checkpoint(directory: str, global_batch: int = 12) -> dict:
     # the shards laid out again (what a resize's sync does): the optimizer's own step
     # count and learning rate stay among its variables, and a learning rate set after
     # reaches the steps (sharded_scenarios: a stale trace)
-    opt._ronde_relayout()
+    opt.relayout()
     state._save_model()  # (as sync does after it)
     out["own_kept"] = [any(v is w for w in opt.variables)
                        for v in (opt.iterations, opt._learning_rate)]

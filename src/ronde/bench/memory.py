@@ -164,8 +164,7 @@ def _library_grads(opt: Any) -> list[Any]:
     layout = getattr(opt, "shard_layout", None)
     if layout is not None:  # ShardedOptimizer: buffers in flight and the slices
         return [t for b in layout.buckets for t in (b.buf, b.slice) if t is not None]
-    buckets = getattr(opt, "_ronde_buckets", None)
-    return [b.flat for b in getattr(buckets, "buckets", ())]  # DistributedOptimizer's
+    return [b.flat for b in getattr(getattr(opt, "gradient_buckets", None), "buckets", ())]
 
 
 def _distinct_bytes(tensors: list[Any]) -> int:

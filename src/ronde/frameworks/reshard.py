@@ -24,6 +24,7 @@ import numpy as np
 
 from .. import _api, _objects
 from .._errors import RondeError
+from ..process_sets import ProcessSet
 
 #: (key, a, b, {slot: values over [a, b), or a scalar})
 Piece = tuple[str, int, int, dict[str, Any]]
@@ -216,6 +217,35 @@ class NumpyCodec:
 
     def copy(self, value: Any) -> Any:
         return value
+
+    # -- the in-job export (:func:`ronde.frameworks.sharded_files.gather`) --------------
+    def describe(self, value: Any) -> tuple[str, Any]:
+        """``("array", dtype name)`` for a slot, ``("scalar", plain value)`` otherwise: what
+        the export tells the other ranks of a value before it moves."""
+        if self.is_array(value):
+            return "array", str(value.dtype)
+        return "scalar", np.asarray(value).item()
+
+    def scalar(self, described: Any) -> Any:
+        """A scalar back from what :meth:`describe` made of it."""
+        return described
+
+    def flat(self, value: Any, dtype: str | None = None) -> Any:
+        """``value`` as one contiguous dimension (None: an empty one of ``dtype``)."""
+        if value is None:
+            return np.empty(0, dtype=dtype)
+        return np.ascontiguousarray(value).reshape(-1)
+
+    def gather_one(self, send: Any, root: int | None, name: str,
+                   process_set: ProcessSet) -> Any:
+        """Every rank's ``send`` in rank order on rank ``root`` (an alltoall that only it
+        receives: what it gets elsewhere is empty), or on every rank (``root`` None: an
+        allgather)."""
+        if root is None:
+            return np.asarray(_api.allgather(send, name, process_set))
+        splits = [0] * _api.set_size(process_set)
+        splits[root] = int(send.size)
+        return np.asarray(_api.alltoall(send, splits, name, process_set)[0])
 
 
 #: the codec of the bindings whose state is numpy arrays (JAX, Keras)

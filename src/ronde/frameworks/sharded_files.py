@@ -224,57 +224,63 @@ def _describe(entry: int | Param) -> str:
     return f"{dtype}{list(shape)}"
 
 
-def gather(pieces: Sequence[Piece], lengths: dict[str, int], root: int, name: str,
-           process_set: ProcessSet = global_process_set,
-           ) -> dict[str, dict[str, np.ndarray]] | None:
+def gather(pieces: Sequence[Piece], lengths: dict[str, int], root: int | None, name: str,
+           process_set: ProcessSet = global_process_set, codec: Codec | None = None,
+           position: tuple[int, int] | None = None) -> dict[str, dict[str, Any]] | None:
     """Every slot of every key of ``lengths`` (key -> the parameter's element count) whole,
-    on rank ``root`` of ``process_set`` (its index there): ``{key: {slot: flat array}}``;
-    None on the other ranks. Every member calls it with its own ``pieces`` (at most one
-    per key; rank order must be element order, as the shard layouts are).
+    on rank ``root`` of ``process_set`` (its index there): ``{key: {slot: flat array}}``,
+    with each key's scalars (torch's ``step``) as the first rank holding a piece of it
+    has them; None on the other ranks. ``root`` None: on every rank (an allgather per
+    slot instead). Every member calls it with its own ``pieces`` (at most one per key;
+    rank order must be element order, as the shard layouts are). ``codec``: the
+    binding's arrays (numpy's by default; torch's tensors move as tensors);
+    ``position``: ``(rank, size)`` where not the process set's (``(0, 1)``: alone).
 
-    What each rank holds (keys, ranges, slots and dtypes) travels first in one object
-    allgather, and every rank checks from the same lists that each slot's pieces cover
-    its key exactly (so all raise alike, before anything moves); then each slot of each
-    key moves in one alltoall in which only ``root`` receives: no rank holds more than
-    its own pieces and, on ``root``, the result.
+    What each rank holds (keys, ranges, slots and dtypes, scalars) travels first in one
+    object allgather, and every rank checks from the same lists that each slot's pieces
+    cover its key exactly (so all raise alike, before anything moves); then each slot of
+    each key moves in one alltoall in which only ``root`` receives: no rank holds more
+    than its own pieces and, on ``root``, the result.
     """
-    rank, size = _api.set_rank(process_set), _api.set_size(process_set)
-    if not 0 <= root < size:
+    codec = codec or NUMPY
+    rank, size = position or (_api.set_rank(process_set), _api.set_size(process_set))
+    if root is not None and not 0 <= root < size:
         raise ValueError(f"gather_sharded(root={root}): the ranks are 0..{size - 1}")
-    held = [(key, a, b, {slot: str(v.dtype) for slot, v in slots.items()})
+    held = [(key, a, b, {slot: codec.describe(v) for slot, v in slots.items()})
             for key, a, b, slots in pieces]
     every = ([held] if size == 1 else
              _objects.allgather_object(held, f"{name}.held", process_set))
     kinds: dict[str, dict[str, str]] = {}
+    scalars: dict[str, dict[str, Any]] = {}
     spans: dict[tuple[str, str], list[tuple[int, int]]] = {}
     for h in every:
         for key, a, b, slots in h:
-            for slot, dt in slots.items():
-                kinds.setdefault(key, {})[slot] = dt
-                spans.setdefault((key, slot), []).append((a, b))
+            for slot, (what, v) in slots.items():
+                if what == "array":
+                    kinds.setdefault(key, {})[slot] = v
+                    spans.setdefault((key, slot), []).append((a, b))
+                else:
+                    scalars.setdefault(key, {}).setdefault(slot, v)
     for (key, slot), got in spans.items():
         at = 0
         for a, b in got:  # rank order is element order, every element once
             at = b if a == at and at <= b else -1
         if key not in lengths or at != lengths[key]:
             raise RondeError(f"gather_sharded: the {slot!r} state of {key!r} is {got} on the "
-                             f"ranks in order, not the {lengths.get(key)} elements of the "
-                             "parameter (a state not shaped like its parameter, or missing "
-                             "on a rank)")
+                             "ranks in order, not the "
+                             f"{lengths.get(key)} elements of the parameter (a state not "
+                             "shaped like its parameter, or missing on a rank)")
     mine = {key: slots for key, _, _, slots in pieces}
-    out: dict[str, dict[str, np.ndarray]] = {}
+    keep = root is None or rank == root
+    out: dict[str, dict[str, Any]] = {}
     for k, key in enumerate(lengths):
         for slot in sorted(kinds.get(key, {})):
-            send = mine.get(key, {}).get(slot)
-            if send is None:
-                send = np.empty(0, dtype=kinds[key][slot])
-            send = np.ascontiguousarray(send).reshape(-1)
-            if size == 1:
-                whole = send.copy()
-            else:
-                splits = [0] * size
-                splits[root] = send.size
-                whole, _ = _api.alltoall(send, splits, f"{name}.{k}.{slot}", process_set)
-            if rank == root:
-                out.setdefault(key, {})[slot] = np.asarray(whole)
-    return out if rank == root else None
+            send = codec.flat(mine.get(key, {}).get(slot), kinds[key][slot])
+            whole = codec.copy(send) if size == 1 else \
+                codec.gather_one(send, root, f"{name}.{k}.{slot}", process_set)
+            if keep:
+                out.setdefault(key, {})[slot] = whole
+        if keep and key in scalars:
+            out.setdefault(key, {}).update({slot: codec.scalar(v)
+                                            for slot, v in scalars[key].items()})
+    return out if keep else None

@@ -34,6 +34,7 @@ from .._errors import UnsupportedError
 from .._ops import ReduceOp
 from ..frameworks.compression import Compresses, wire_dtype_of
 from ..frameworks.gradients import Reduction
+from ..frameworks.shard_layout import ShardLayout, Span, by_kind, spans_by_kind
 from ..process_sets import ProcessSet, global_process_set, shard_position
 from . import _collectives as C
 from ._arrays import any_traced
@@ -50,23 +51,35 @@ class SliceSums(NamedTuple):
     slices: tuple
 
 
-def _groups(leaves: list[Any]) -> dict[Any, list[int]]:
-    """Leaf indices by dtype, in first-seen order (one flat vector each)."""
-    out: dict[Any, list[int]] = {}
+def _dtypes(leaves: list[Any]) -> list[Any]:
+    """Each leaf's dtype, refusing what cannot be sharded."""
+    out = []
     for i, x in enumerate(leaves):
         dt = jnp.result_type(x)
         if not jnp.issubdtype(dt, jnp.floating):
             raise UnsupportedError(f"ShardedOptimizer: leaf {i} is {dt}; only floating-point "
                                    "parameters can be sharded")
-        out.setdefault(dt, []).append(i)
+        out.append(dt)
     return out
+
+
+def _groups(leaves: list[Any]) -> dict[Any, list[int]]:
+    """Leaf indices by dtype, in first-seen order (one span each)."""
+    return by_kind(_dtypes(leaves))
+
+
+def layout_of(names: list[str], leaves: list[Any], rank: int, size: int,
+              process_set: ProcessSet | None = None) -> ShardLayout:
+    """The shard layout of parameter leaves (named by their paths): one span per dtype,
+    in first-seen order, as ``init`` and ``update`` lay them out."""
+    return ShardLayout(spans_by_kind(_dtypes(leaves), [int(jnp.size(x)) for x in leaves], size),
+                       names, rank, size, process_set)
 
 
 def slice_lengths(params: Any, size: int) -> list[int]:
     """Each dtype group's slice length ``S = ceil(L / size)`` for ``params`` (a pytree)."""
     leaves = jax.tree_util.tree_leaves(params)
-    return [-(-sum(int(jnp.size(leaves[i])) for i in ids) // size)
-            for ids in _groups(leaves).values()]
+    return [span.per for span in layout_of([""] * len(leaves), leaves, 0, size).spans]
 
 
 def state_slice_lengths(state: "ShardedState") -> list[int | None]:
@@ -82,10 +95,9 @@ def state_slice_lengths(state: "ShardedState") -> list[int | None]:
 def _flat(leaves: list[Any], ids: list[int], size: int) -> tuple[Any, int, int]:
     """The leaves ``ids`` as one vector padded to a multiple of ``size``: (vector,
     unpadded length, per-rank slice length)."""
+    span = Span(ids, [int(jnp.size(leaves[i])) for i in ids], size)
     flat = jnp.concatenate([jnp.ravel(leaves[i]) for i in ids])
-    length = int(flat.shape[0])
-    per = -(-length // size)
-    return jnp.pad(flat, (0, per * size - length)), length, per
+    return jnp.pad(flat, (0, span.padded - span.length)), span.length, span.per
 
 
 def ShardedOptimizer(optimizer: optax.GradientTransformation,
@@ -134,8 +146,8 @@ def ShardedOptimizer(optimizer: optax.GradientTransformation,
             check_same_tree(names, leaves, "ShardedOptimizer", f"{name}.parameters",
                             process_set)
         if elementwise is None:
-            prove(optimizer, params, [(dt, ids, -(-sum(int(jnp.size(leaves[i])) for i in ids)
-                                                // n)) for dt, ids in _groups(leaves).items()])
+            prove(optimizer, params, [(dt, span.members, span.per) for dt, span in zip(
+                _groups(leaves), layout_of(names, leaves, r, n).spans)])
         states, sums = [], []
         for ids in _groups(leaves).values():
             flat, _, per = _flat(leaves, ids, n)

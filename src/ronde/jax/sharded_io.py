@@ -32,7 +32,7 @@ import numpy as np
 from .._errors import RondeError
 from ..frameworks import sharded_files
 from ..process_sets import ProcessSet, global_process_set, shard_position
-from .sharded import ShardedState, _groups
+from .sharded import ShardedState, layout_of
 
 FORMAT = "ronde.jax.sharded/2"
 #: the parameters' file of a step (``{id}``: the step's id); ``params.npz`` in format 1
@@ -56,23 +56,18 @@ def _layout(params: Any, opt_state: Any, process_set: ProcessSet,
     pieces: list[tuple[str, int, int, dict[str, tuple[int, int, int]]]] = []
     if isinstance(opt_state, ShardedState):
         rank, size = rank_size or shard_position(process_set)
-        for k, ids in enumerate(_groups(leaves).values()):
-            sizes = [int(np.size(leaves[i])) for i in ids]
-            per = -(-sum(sizes) // size)
-            lo, hi = rank * per, min((rank + 1) * per, sum(sizes))
+        layout = layout_of(names, leaves, rank, size, process_set)
+        slots = []
+        for k in range(len(layout.spans)):
             prefix = f".inner[{k}]"
-            slots = {p[len(prefix):]: j for j, p in enumerate(s_paths)
-                     if p.startswith(prefix) and np.ndim(s_leaves[j]) == 1}
+            slots.append({p[len(prefix):]: j for j, p in enumerate(s_paths)
+                          if p.startswith(prefix) and np.ndim(s_leaves[j]) == 1})
             for j, p in enumerate(s_paths):
                 if p.startswith(prefix) and np.ndim(s_leaves[j]) == 0:
                     scalars.setdefault(p[len(prefix):], s_leaves[j])
-            at = 0
-            for i, m in zip(ids, sizes):
-                a, b = max(at, lo) - at, min(at + m, hi) - at
-                if a < b:
-                    pieces.append((names[i], a, b, {sp: (j, at + a - lo, 0)
-                                                    for sp, j in slots.items()}))
-                at += m
+        for pc in layout.pieces_of(rank):
+            pieces.append((pc.name, pc.a, pc.b,
+                           {sp: (j, pc.at, 0) for sp, j in slots[pc.span].items()}))
         return pieces, scalars, rank, size
     by_name = {n: i for i, n in enumerate(names)}
     slots_of: dict[str, dict[str, tuple[int, int, int]]] = {n: {} for n in names}

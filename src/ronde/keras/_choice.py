@@ -19,6 +19,10 @@ import functools
 import os
 from types import ModuleType
 
+#: the Keras 2 (tf_keras) distributed optimizers' mixin: :mod:`.keras2_optimizer` adds it
+#: when imported (with TensorFlow), for ``is_distributed`` to know its optimizers
+KERAS2_MIXINS: list[type] = []
+
 #: the values of ``TF_USE_LEGACY_KERAS`` that TensorFlow reads as "use tf_keras"
 LEGACY_VALUES = ("1", "true", "True")
 

@@ -136,7 +136,7 @@ class KerasState(ObjectState):
     def _global_shards(self) -> bool:
         from ..process_sets import global_process_set
 
-        return self.optimizer._ronde_cfg["process_set"] is global_process_set
+        return self.optimizer.process_set is global_process_set
 
     def _reshard(self) -> bool:
         """Every rank alike, after a reset: keep the slices where every rank is what it
@@ -146,7 +146,6 @@ class KerasState(ObjectState):
         then swapped: a collective)."""
         from .. import _api, _state
         from ..frameworks import reshard
-        from .sharded import _keep
         from .sharded_io import _pieces, fill
 
         opt = self.optimizer
@@ -155,18 +154,19 @@ class KerasState(ObjectState):
         own, neighbour, rank, size = self._shards
         now = (_api.rank(), _api.size())
         # (every rank says whether its layout is another place's: all decide alike)
+        laid = opt.shard_layout
         was, old_size, moved = reshard.committed_ranks(rank, size,
-                                                       opt._ronde_position != now)
+                                                       (laid.rank, laid.size) != now)
         same = old_size == len(was) and all(r == j for j, (r, _) in enumerate(was))
         if (same or not old_size) and not moved:
-            _keep(opt, "_ronde_generation", _state.require().generation)
+            laid.generation = _state.require().generation
             return False
-        opt._ronde_relayout()
+        opt.relayout()
         self.model.train_function = None  # it traced the old shards: fit traces anew
         if not old_size:
             return False  # nobody committed: fresh (zero) state, as at the start
         merged = reshard.reshard(own, neighbour, was, old_size,
-                                 lambda t: opt._ronde_ranges(t, now[1]), reshard.NUMPY,
+                                 opt.shard_layout.ranges_of, reshard.NUMPY,
                                  "ronde.elastic.keras.reshard")
         mine = _pieces(opt, None)[0]
         fill(mine, [merged.get(key, {}) for key, _, _, _ in mine], "elastic reshard")

@@ -41,6 +41,7 @@ from .._ops import ReduceOp
 from .._api import set_size
 from ..frameworks.local_grads import LocalSources, reduce_except_local
 from ..tensorflow.gradients import reduce_gradients, take_reduced
+from ._choice import KERAS2_MIXINS
 
 if TYPE_CHECKING:
     from .optimizer import Options
@@ -157,7 +158,6 @@ class PassAggregator:
 class _Keras2Mixin:
     """What both Keras 2 families share: the reduction, local variables, aggregation."""
 
-    _ronde_keras2 = True
     _ronde_options: Options
     _ronde: Any
     _agg_helper: PassAggregator | None
@@ -223,6 +223,8 @@ class _Keras2Mixin:
         """Create the optimizer's slots, as its ``apply_gradients`` would, before that goes
         inside a ``tf.cond``."""
 
+
+KERAS2_MIXINS.append(_Keras2Mixin)
 
 class _CurrentMixin(_Keras2Mixin):
     """``tf_keras.optimizers.Optimizer`` (the default Keras 2 optimizers since TF 2.11)."""

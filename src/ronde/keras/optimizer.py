@@ -40,7 +40,7 @@ from ..frameworks.local_grads import LocalSources, layer_variables, reduce_excep
 from ..frameworks.naming import gradient_name
 from ..process_sets import ProcessSet, global_process_set
 from ._bridge import backend_name, host_map
-from ._choice import keras_module
+from ._choice import KERAS2_MIXINS, keras_module
 
 logger = logging.getLogger(__name__)
 
@@ -207,8 +207,7 @@ def distributed_class(base: type) -> type:
 
 def is_distributed(optimizer: Any) -> bool:
     """True for an optimizer returned by ``DistributedOptimizer`` (Keras 3 or Keras 2)."""
-    return isinstance(optimizer, _DistributedMixin) or bool(
-        getattr(type(optimizer), "_ronde_keras2", False))
+    return isinstance(optimizer, (_DistributedMixin, *KERAS2_MIXINS))
 
 
 def is_keras2(optimizer: Any) -> bool:

@@ -61,6 +61,7 @@ from ..frameworks.compression import Compresses, host_compressor, wire_dtype_of
 from ..frameworks.elementwise import check_elementwise
 from ..frameworks.gradients import Reduction
 from ..frameworks import reshard
+from ..frameworks.shard_layout import ShardLayout, Span, spans_by_kind
 from ..frameworks.naming import require_same_parameters
 from ..process_sets import ProcessSet, global_process_set, shard_position
 from ._bridge import host_map
@@ -77,33 +78,42 @@ ELEMENTWISE = frozenset({"SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "
                          "Adadelta", "Ftrl", "Lion"})
 
 
-class _Group:
-    """The trainable variables of one dtype: flat length, per-rank slice, and the parts
-    of variables that fall in this rank's slice."""
+class KerasLayout(ShardLayout):
+    """A Keras ``ShardedOptimizer``'s layout (``optimizer.shard_layout``, None before it
+    is built; a new one after an elastic resize): one span per dtype over the trainable
+    variables, keyed by :func:`variable_key`, and what holds this rank's slices."""
 
-    def __init__(self, dtype: str, ids: list[int], sizes: list[int], shapes: list[tuple],
-                 rank: int, size: int) -> None:
-        self.dtype, self.ids, self.sizes, self.shapes = dtype, ids, sizes, shapes
-        self.length = sum(sizes)
-        self.per = -(-self.length // size)
-        lo, hi = rank * self.per, min((rank + 1) * self.per, self.length)
-        #: (index into ids, a, b): elements [a, b) of that variable are this rank's
-        self.mine: list[tuple[int, int, int]] = []
-        at = 0
-        for k, n in enumerate(sizes):
-            a, b = max(at, lo) - at, min(at + n, hi) - at
-            if a < b:
-                self.mine.append((k, a, b))
-            at += n
+    def __init__(self, variables: list[Any], rank: int, size: int, process_set: ProcessSet,
+                 serial: int) -> None:
+        kinds = []
+        for i, v in enumerate(variables):
+            dt = str(v.dtype)
+            if not np.issubdtype(np.dtype(dt), np.floating):
+                raise UnsupportedError(f"ShardedOptimizer: variable {_path(v, i)!r} is {dt}; "
+                                       "only floating-point variables can be sharded")
+            kinds.append(dt)
+        super().__init__(spans_by_kind(kinds, [int(np.prod(v.shape)) for v in variables], size),
+                         [variable_key(variables, i) for i in range(len(variables))],
+                         rank, size, process_set)
+        self.dtypes = [kinds[s.members[0]] for s in self.spans]  #: each span's dtype
+        self.shapes = [tuple(v.shape) for v in variables]
+        #: each span's ``(variable, a, b)`` that this rank owns
+        self.owned = [s.owned(rank) for s in self.spans]
+        #: counts the layouts: a step traced (``tf.function``, ``jax.jit``) in an earlier
+        #: one holds the old shard variables and slices, and refuses to run
+        self.serial = serial
+        self.generation = _state.require().generation  #: the job's, when laid out
+        self.shards: list[Any] = []  #: each span's shard variable (``S`` elements)
+        self.inner: Any = None  #: the inner optimizer over the shards
 
 
 class _ShardedMixin:
     """Methods mixed in front of the user's Keras optimizer class (module docstring)."""
 
     _ronde_cfg: dict[str, Any]
-    _ronde_inner: Any = None
-    _ronde_groups: list[_Group]
-    _ronde_shards: list[Any]
+    #: the layout (:class:`KerasLayout`), the one object checkpoints and the elastic
+    #: state read; None before the first build
+    shard_layout: KerasLayout | None = None
 
     # -- building ----------------------------------------------------------------------
     def build(self, var_list: Sequence[Any]) -> None:
@@ -135,71 +145,48 @@ class _ShardedMixin:
         rank's place in the process set now."""
         cfg = self._ronde_cfg
         rank, size = shard_position(cfg["process_set"])
-        _keep(self, "_ronde_generation", _state.require().generation)
-        _keep(self, "_ronde_position", (rank, size))
-        #: counts the layouts: a step traced (``tf.function``, ``jax.jit``) in an earlier
-        #: one holds the old shard variables and slices, and refuses to run
-        _keep(self, "_ronde_layout", getattr(self, "_ronde_layout", 0) + 1)
-        by_dtype: dict[str, list[int]] = {}
-        for i, v in enumerate(var_list):
-            dt = str(v.dtype)
-            if not np.issubdtype(np.dtype(dt), np.floating):
-                raise UnsupportedError(f"ShardedOptimizer: variable {_path(v, i)!r} is {dt}; "
-                                       "only floating-point variables can be sharded")
-            by_dtype.setdefault(dt, []).append(i)
-        _keep(self, "_ronde_groups", [
-            _Group(dt, ids, [int(np.prod(var_list[i].shape)) for i in ids],
-                   [tuple(var_list[i].shape) for i in ids], rank, size)
-            for dt, ids in by_dtype.items()])
-        _keep(self, "_ronde_shards", [
-            self.add_variable((g.per,), initializer="zeros", dtype=g.dtype,
-                              name=f"ronde_shard_{k}")
-            for k, g in enumerate(self._ronde_groups)])
+        was = self.shard_layout
+        layout = KerasLayout(var_list, rank, size, cfg["process_set"],
+                             was.serial + 1 if was is not None else 1)
+        layout.shards = [self.add_variable((span.per,), initializer="zeros", dtype=dt,
+                                           name=f"ronde_shard_{k}")
+                         for k, (span, dt) in enumerate(zip(layout.spans, layout.dtypes))]
         config = dict(cfg["inner_config"])
         config["name"] = f"{config.get('name') or 'optimizer'}_shard"
         if cfg["passes"] > 1:
             config["gradient_accumulation_steps"] = cfg["passes"]
         inner = cfg["base"].from_config(config)
-        inner.build(self._ronde_shards)
+        inner.build(layout.shards)
         # one learning rate for both (a ``LearningRateScheduler`` that sets the outer
         # one's reaches the steps), set past the inner's tracker: it is the outer's
         # variable, not the inner's
         _keep(inner, "_learning_rate", self._learning_rate)
-        _keep(self, "_ronde_inner", inner)
+        layout.inner = inner
+        _keep(self, "shard_layout", layout)
         own = {id(v) for v in self._variables}
         for v in inner.variables:
             if id(v) not in own:
                 self._track_variable(v)
         # this rank's own: the shards and every slot (a slot is a vector of S elements;
         # the step counts and the learning rate are scalars, the same on every rank)
-        for v in list(self._ronde_shards) + [v for v in inner.variables if len(v.shape)]:
+        for v in list(layout.shards) + [v for v in inner.variables if len(v.shape)]:
             _SLICES[id(v)] = v
 
-    def _ronde_relayout(self) -> None:
+    def relayout(self) -> None:
         """Lay the shards out again for the job as it is now (after an elastic reset that
         changed this rank's place or the size): new shard variables and a new inner
         optimizer, zero, in place of the old ones (``KerasState.sync`` fills them from
         the committed slices, :mod:`ronde.frameworks.reshard`). A model's compiled
         train function traced the old ones: ``KerasState`` drops it."""
-        was = self._ronde_inner
-        old = {id(v) for v in self._ronde_shards} | {id(v) for v in was.variables}
+        was = self.shard_layout
+        assert was is not None, "relayout() of a ShardedOptimizer that was never built"
+        old = {id(v) for v in was.shards} | {id(v) for v in was.inner.variables}
         old -= {id(self._iterations), id(self._learning_rate)}  # the outer's own
         self._variables[:] = [v for v in self._variables if id(v) not in old]
         self._ronde_lay_out(list(self._trainable_variables))
-        new = self._ronde_inner  # the step count (Adam's bias correction): the variable
-        _step_count(new).assign(_step_count(was))
+        new = self.shard_layout.inner  # the step count (Adam's bias correction): the
+        _step_count(new).assign(_step_count(was.inner))  # variable
         reshard.forget_traces()  # (JAX backend: a new train function would reuse a trace)
-
-    def _ronde_ranges(self, rank: int, size: int) -> dict[str, tuple[int, int]]:
-        """The element ranges ``[a, b)`` of each variable (by its key in the files) that
-        rank ``rank`` of ``size`` owns."""
-        variables = list(self._trainable_variables)
-        out = {}
-        for g in self._ronde_groups:
-            laid = _Group(g.dtype, g.ids, g.sizes, g.shapes, rank, size)
-            for k, a, b in laid.mine:
-                out[variable_key(variables, g.ids[k])] = (a, b)
-        return out
 
     # -- a step ------------------------------------------------------------------------
     def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
@@ -229,44 +216,49 @@ class _ShardedMixin:
         ps: ProcessSet = cfg["process_set"]
         rank, size = shard_position(ps)
         wire = cfg["wire_dtype"]
-        layout = self._ronde_layout  # when traced (module docstring: stale traces)
+        layout = self.shard_layout  # when traced (module docstring: stale traces)
+        assert layout is not None  # (built above)
+        serial = layout.serial
         scale = 1.0 if cfg["average_aggregated"] or cfg["passes"] == 1 else float(cfg["passes"])
         g_shards, present = [], []
-        for k, (g, shard) in enumerate(zip(self._ronde_groups, self._ronde_shards)):
+        for k, (span, dt, shard) in enumerate(zip(layout.spans, layout.dtypes, layout.shards)):
             gs = [grads[i] if grads[i] is not None else ops.zeros_like(variables[i])
-                  for i in g.ids]
-            present.append([grads[i] is not None for i in g.ids])
-            g_shards.append(host_map(lambda *a, g=g, k=k: [_reduce_scatter(
-                a, g, size, f"{cfg['prefix']}.{k}.grads", ps, wire, scale,
-                self._ronde_checked(layout))],
-                gs, f"ronde_{cfg['prefix']}_rs{k}", outs=[((g.per,), g.dtype)])[0])
-            shard.assign(_my_slice(ops, [variables[i] for i in g.ids], g))
-        inner = self._ronde_inner
+                  for i in span.members]
+            present.append([grads[i] is not None for i in span.members])
+            g_shards.append(host_map(lambda *a, span=span, dt=dt, k=k: [_reduce_scatter(
+                a, span, dt, size, f"{cfg['prefix']}.{k}.grads", ps, wire, scale,
+                self._ronde_checked(serial))],
+                gs, f"ronde_{cfg['prefix']}_rs{k}", outs=[((span.per,), dt)])[0])
+            shard.assign(_my_slice(ops, variables, span, layout.owned[k], dt))
+        inner = layout.inner
         if inner._learning_rate is not self._learning_rate:  # replaced (a schedule set)
             _keep(inner, "_learning_rate", self._learning_rate)
-        inner.apply(g_shards, self._ronde_shards)
-        for k, (g, shard) in enumerate(zip(self._ronde_groups, self._ronde_shards)):
-            outs = host_map(lambda a, g=g, k=k: _allgather(a, g, size,
-                                                           f"{cfg['prefix']}.{k}.params", ps),
-                            [shard.value], f"ronde_{cfg['prefix']}_ag{k}",
-                            outs=[(s, g.dtype) for s in g.shapes])
-            for i, new, has in zip(g.ids, outs, present[k]):
+        inner.apply(g_shards, layout.shards)
+        for k, (span, dt, shard) in enumerate(zip(layout.spans, layout.dtypes, layout.shards)):
+            shapes = [layout.shapes[i] for i in span.members]
+            outs = host_map(lambda a, span=span, dt=dt, shapes=shapes, k=k: _allgather(
+                a, span, dt, shapes, size, f"{cfg['prefix']}.{k}.params", ps),
+                [shard.value], f"ronde_{cfg['prefix']}_ag{k}",
+                outs=[(s, dt) for s in shapes])
+            for i, new, has in zip(span.members, outs, present[k]):
                 if has:
                     variables[i].assign(new)
         self.iterations.assign_add(1)
         return self.iterations
 
-    def _ronde_checked(self, layout: int) -> int:
+    def _ronde_checked(self, serial: int) -> int:
         """Host side, each step: the job generation the shards were laid out in, after
-        refusing a step traced in an earlier layout (``layout``: the one it was traced
+        refusing a step traced in an earlier layout (``serial``: the one it was traced
         in)."""
-        if layout != self._ronde_layout:
+        layout = self.shard_layout
+        assert layout is not None
+        if serial != layout.serial:
             raise UnsupportedError(
                 "ShardedOptimizer: this step was traced (tf.function, jax.jit) before the "
                 "shards were laid out again for the resized job, and holds the old ones; "
                 "trace it anew after the elastic state's sync() (fit does: KerasState "
                 "drops model.train_function)")
-        return self._ronde_generation
+        return layout.generation
 
     @property
     def stage(self) -> int:
@@ -276,7 +268,22 @@ class _ShardedMixin:
     @property
     def inner_optimizer(self) -> Any:
         """The optimizer over this rank's shards (None before the first build)."""
-        return self._ronde_inner
+        return None if self.shard_layout is None else self.shard_layout.inner
+
+    @property
+    def process_set(self) -> ProcessSet:
+        """The ranks that shard."""
+        return self._ronde_cfg["process_set"]
+
+    def whole_optimizer(self) -> Any:
+        """A plain, unbuilt optimizer of the wrapped class and config (one process would
+        hold the whole state in it: ``gather_sharded``'s export)."""
+        return self._ronde_cfg["base"].from_config(dict(self._ronde_cfg["inner_config"]))
+
+    @property
+    def collective_prefix(self) -> str:
+        """The prefix of this optimizer's collectives' names."""
+        return self._ronde_cfg["prefix"]
 
 
 def holds_slice(variable: Any) -> bool:
@@ -315,12 +322,14 @@ def _path(v: Any, i: int) -> str:
     return str(getattr(v, "path", None) or getattr(v, "name", None) or i)
 
 
-def _my_slice(ops: Any, values: list[Any], g: _Group) -> Any:
-    """This rank's ``S`` elements of the group's flat variables (zero padded)."""
-    parts = [ops.reshape(values[k], (-1,))[a:b] for k, a, b in g.mine]
-    have = sum(b - a for _, a, b in g.mine)
-    if have < g.per:
-        parts.append(ops.zeros((g.per - have,), dtype=g.dtype))
+def _my_slice(ops: Any, variables: list[Any], span: Span, owned: list[tuple[int, int, int]],
+              dtype: str) -> Any:
+    """This rank's ``S`` elements of the span's flat variables (zero padded); ``owned``:
+    its ``(variable, a, b)``."""
+    parts = [ops.reshape(variables[i], (-1,))[a:b] for i, a, b in owned]
+    have = sum(b - a for _, a, b in owned)
+    if have < span.per:
+        parts.append(ops.zeros((span.per - have,), dtype=dtype))
     return parts[0] if len(parts) == 1 else ops.concatenate(parts)
 
 
@@ -328,7 +337,8 @@ def check_same_layout(optimizer: Any, generation: int | None = None) -> None:
     """Raise ``UnsupportedError`` when the job was re-formed (an elastic reset) since
     ``optimizer`` laid out its shards and nothing laid them out again
     (``KerasState.sync`` does, in memory)."""
-    built = getattr(optimizer, "_ronde_generation", None) if generation is None else generation
+    layout = getattr(optimizer, "shard_layout", None)
+    built = (None if layout is None else layout.generation) if generation is None else generation
     if built is not None and _state.require().generation != built:
         raise UnsupportedError(
             "ShardedOptimizer: the job was resized (an elastic reset) since this optimizer "
@@ -337,17 +347,16 @@ def check_same_layout(optimizer: Any, generation: int | None = None) -> None:
             "before and load_sharded() into a new ShardedOptimizer after")
 
 
-def _reduce_scatter(arrays: Sequence[np.ndarray], g: _Group, size: int, name: str,
+def _reduce_scatter(arrays: Sequence[np.ndarray], span: Span, dtype: str, size: int, name: str,
                     ps: ProcessSet, wire: str | None, scale: float,
                     generation: int) -> np.ndarray:
-    """Host side: the group's flat, padded gradients averaged over the ranks; this
+    """Host side: the span's flat, padded gradients averaged over the ranks; this
     rank's ``S`` of them."""
     check_same_layout(None, generation)
-    flat = np.zeros(g.per * size, dtype=g.dtype)
-    at = 0
-    for a, n in zip(arrays, g.sizes):
-        flat[at:at + n] = np.asarray(a).reshape(-1)
-        at += n
+    flat = np.zeros(span.padded, dtype=dtype)
+    for a, i in zip(arrays, span.members):
+        o = span.offset[i]
+        flat[o:o + span.sizes[i]] = np.asarray(a).reshape(-1)
     if size == 1:
         return flat * scale if scale != 1.0 else flat
     # the pipeline every binding's gradients take (frameworks/gradients.py): an fp16
@@ -356,20 +365,17 @@ def _reduce_scatter(arrays: Sequence[np.ndarray], g: _Group, size: int, name: st
     members = None if ps is global_process_set else ps
     out = red.apply(flat, name, lambda sent, op, pre, post: _api.reducescatter(
         sent, op, name, members, pre, post))
-    return np.asarray(out, dtype=g.dtype)
+    return np.asarray(out, dtype=dtype)
 
 
-def _allgather(shard: np.ndarray, g: _Group, size: int, name: str,
-               ps: ProcessSet) -> list[np.ndarray]:
-    """Host side: every rank's updated shard, split back into the group's variables."""
-    shard = np.ascontiguousarray(shard, dtype=g.dtype)
+def _allgather(shard: np.ndarray, span: Span, dtype: str, shapes: list[tuple], size: int,
+               name: str, ps: ProcessSet) -> list[np.ndarray]:
+    """Host side: every rank's updated shard, split back into the span's variables."""
+    shard = np.ascontiguousarray(shard, dtype=dtype)
     full = shard if size == 1 else _api.allgather(
         shard, name, None if ps is global_process_set else ps)
-    out, at = [], 0
-    for n, shape in zip(g.sizes, g.shapes):
-        out.append(full[at:at + n].reshape(shape))
-        at += n
-    return out
+    return [full[span.offset[i]:span.offset[i] + span.sizes[i]].reshape(shape)
+            for i, shape in zip(span.members, shapes)]
 
 
 def sharded_class(base: type) -> type:

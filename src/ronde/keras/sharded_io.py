@@ -66,17 +66,10 @@ def _slots_of(optimizer: Any, owners: list[Any]) -> list[list[tuple[str, Any]]]:
 def _pieces(optimizer: Any, model: Any) -> tuple[list[_Piece], Any]:
     """This rank's pieces and the optimizer whose ``iterations`` count the steps."""
     if is_sharded(optimizer):
-        inner = optimizer.inner_optimizer
-        variables = list(optimizer._trainable_variables)
-        slots = _slots_of(inner, optimizer._ronde_shards)
-        pieces: list[_Piece] = []
-        for g, shard_slots in zip(optimizer._ronde_groups, slots):
-            offsets = np.cumsum([0] + g.sizes)
-            lo = shard_position(optimizer._ronde_cfg["process_set"])[0] * g.per
-            for k, a, b in g.mine:
-                pieces.append((variable_key(variables, g.ids[k]), a, b,
-                               [(kind, s, int(offsets[k]) + a - lo) for kind, s in shard_slots]))
-        return pieces, inner
+        layout = optimizer.shard_layout
+        slots = _slots_of(layout.inner, layout.shards)
+        return [(pc.name, pc.a, pc.b, [(kind, s, pc.at) for kind, s in slots[pc.span]])
+                for pc in layout.pieces_of(layout.rank)], layout.inner
     variables = list(getattr(optimizer, "_trainable_variables", None) or [])
     if not variables:
         raise ValueError("save_sharded/load_sharded: the optimizer has not been built; "
@@ -119,7 +112,7 @@ def save_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) 
     if model is not None:
         sync_jax_state(model)
     sharded = is_sharded(optimizer)
-    ps = optimizer._ronde_cfg["process_set"] if sharded else global_process_set
+    ps = optimizer.process_set if sharded else global_process_set
     rank, size = shard_position(ps) if sharded else (0, 1)
     pieces, counter = _pieces(optimizer, model)
     arrays = slices(pieces)
@@ -169,17 +162,17 @@ def gather_sharded(optimizer: Any, root: int = 0) -> Any:
     if optimizer.inner_optimizer is None:
         raise ValueError("gather_sharded: the optimizer has not been built (fit or "
                          "apply_gradients first)")
-    cfg = optimizer._ronde_cfg
     pieces, counter = _pieces(optimizer, None)
     mine = slices(pieces)
     variables = list(optimizer._trainable_variables)
     lengths = {variable_key(variables, i): int(np.prod(v.shape))
                for i, v in enumerate(variables)}
-    got = sharded_files.gather(mine, lengths, root, f"{cfg['prefix']}.gather_sharded",
-                               cfg["process_set"])
+    got = sharded_files.gather(mine, lengths, root,
+                               f"{optimizer.collective_prefix}.gather_sharded",
+                               optimizer.process_set)
     if got is None:
         return None
-    plain = cfg["base"].from_config(dict(cfg["inner_config"]))
+    plain = optimizer.whole_optimizer()
     plain.build(variables)
     for i, own in enumerate(_slots_of(plain, variables)):
         whole = got.get(variable_key(variables, i), {})

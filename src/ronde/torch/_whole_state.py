@@ -14,88 +14,40 @@ from typing import Any
 
 import torch
 
-from .. import _objects
 from .._errors import RondeError
-from . import _collectives as C
+from ..frameworks import sharded_files
+from ._codec import TORCH
 from ._elementwise import slice_state
 from ._shards import Layout
 
 
-def gather_whole(layout: Layout, state: dict[torch.Tensor, dict[str, Any]], param_groups: list[dict[str, Any]],
-                 root: int | None) -> dict[str, Any] | None:
+def gather_whole(layout: Layout, state: dict[torch.Tensor, dict[str, Any]],
+                 param_groups: list[dict[str, Any]], root: int | None) -> dict[str, Any] | None:
     """The whole state on rank ``root`` of the layout's process set (None elsewhere);
     ``root`` None: on every rank (an allgather of each tensor instead).
 
-    Nothing is held twice: each state tensor of each parameter moves on its own, in one
-    alltoall in which only ``root`` receives (every rank's slice, in rank order, which is
-    the tensor's element order), into the tensor ``root`` keeps; no rank holds more than
-    its own slices and, on ``root``, the result. The scalar state (Adam's ``step``) and
-    which tensors exist travel in one small object allgather first.
+    The export every binding shares (:func:`ronde.frameworks.sharded_files.gather`, with
+    torch's codec: tensors move as tensors): nothing is held twice, each state tensor
+    of each parameter moves on its own, in one alltoall in which only ``root`` receives,
+    after one small object allgather of what each rank holds (the scalar state, Adam's
+    ``step``, travels there).
     """
     if root is not None and not 0 <= root < layout.size:
         raise ValueError(f"gather_sharded(root={root}): the optimizer's ranks are "
                          f"0..{layout.size - 1}")
-    params, pieces = layout.params, layout.pieces
-    # what this rank holds of each parameter: its tensors' dtypes, its scalars
-    held: dict[int, dict[str, Any]] = {}
-    for i, pc in pieces.items():
-        tensors, scalars = {}, {}
-        for key, v in state.get(pc.tensor, {}).items():
-            if torch.is_tensor(v) and v.dim() > 0:
-                tensors[key] = (str(v.dtype).replace("torch.", ""), v.numel())
-            else:  # a 0-dim tensor (Adam's step) or a number: kept with its type
-                scalars[key] = (v.item(), str(v.dtype).replace("torch.", "")) \
-                    if torch.is_tensor(v) else (v, None)
-        held[i] = {"tensors": tensors, "scalars": scalars}
-    every = ([held] if layout.solo else
-             _objects.allgather_object(held, "ronde.gather_sharded.held", layout.process_set))
-    me = layout.rank if root is not None else None  # None: every rank keeps the result
-    out: dict[int, dict[str, Any]] = {}
-    order = layout.full_order()
-    kinds_of: dict[int, dict[str, str]] = {}
-    for i in order:  # every rank decides alike, from the same lists, before anything moves
-        kinds_of[i] = kinds = {key: dt for h in every
-                               for key, (dt, _) in h.get(i, {}).get("tensors", {}).items()}
-        for key in kinds:
-            n = sum(h[i]["tensors"][key][1] for h in every
-                    if i in h and key in h[i]["tensors"])
-            if n != params[i].numel():
-                raise RondeError(f"gather_sharded: the {key!r} state of {layout.names[i]!r} "
-                                 f"is {n} elements on the ranks together, not the "
-                                 f"parameter's {params[i].numel()} (a state not shaped like "
-                                 "its parameter, or missing on a rank)")
-    for k, i in enumerate(order):
-        kinds = kinds_of[i]
-        whole_state: dict[str, Any] = {}
-        for key in sorted(kinds):
-            dtype = getattr(torch, kinds[key])
-            pc = pieces.get(i)
-            mine = (state[pc.tensor][key].detach().reshape(-1)
-                    if pc is not None and key in state.get(pc.tensor, {})
-                    else torch.empty(0, dtype=dtype))
-            if layout.solo:
-                whole = mine.clone()
-            elif root is None:
-                whole = C.allgather_async(mine, f"ronde.gather_sharded.{i}.{key}",
-                                          layout.process_set).wait()
-            else:
-                splits = [0] * layout.size
-                splits[root] = mine.numel()
-                whole, _ = C.alltoall_async(mine, splits, f"ronde.gather_sharded.{i}.{key}",
-                                            layout.process_set).wait()
-            if me == root:
-                whole_state[key] = whole.view(params[i].shape)
-        if me == root:
-            for h in every:  # the scalars of the first rank that holds a piece
-                if i in h:
-                    for key, (value, dt) in h[i]["scalars"].items():
-                        whole_state[key] = torch.tensor(value, dtype=getattr(torch, dt)) \
-                            if dt is not None else value
-                    break
-            if whole_state:
-                out[k] = whole_state
-    if me != root:
+    params, names, order = layout.params, layout.names, layout.full_order()
+    mine = [(names[i], pc.a, pc.b, state.get(pc.tensor, {})) for i, pc in layout.pieces.items()]
+    got = sharded_files.gather(mine, {names[i]: params[i].numel() for i in order}, root,
+                               "ronde.gather_sharded", layout.process_set, TORCH,
+                               (0, 1) if layout.solo else (layout.rank, layout.size))
+    if got is None:
         return None
+    out: dict[int, dict[str, Any]] = {}
+    for k, i in enumerate(order):
+        whole = got.get(names[i])
+        if whole:
+            out[k] = {key: v.view(params[i].shape) if TORCH.is_array(v) else v
+                      for key, v in sorted(whole.items())}
     return {"state": out, "param_groups": whole_groups(layout, param_groups)}
 
 

@@ -56,9 +56,8 @@ from ..frameworks.gradients import Reduction, Started
 from ..frameworks.naming import (gradient_name, name_parameters, presence_name,
                                  require_same_parameters)
 from ..process_sets import ProcessSet, global_process_set
-from . import _buckets
+from . import _buckets, _device
 from . import _collectives as C
-from . import _device
 from ._compile import eager
 from ._tensors import dtype_name
 from ._wrap import SkipSynchronize, inner, wrap
@@ -113,19 +112,14 @@ class _DistributedMixin(SkipSynchronize):
         self._ronde_groups: dict[int, list[torch.Tensor]] = {}
         self._ronde_group_of: dict[int, int] = {}
         self._ronde_ready: dict[int, set[int]] = {}
-        #: the job generation the parameters were checked in (an elastic reset starts a
-        #: new one, with new ranks that check too: every rank must, in step)
-        self._ronde_validated = -1
-        #: gradient buckets (``_buckets.py``): laid out at the second synchronize() of a
-        #: generation, from the ready order the hooks record in it (None: per tensor)
-        self._ronde_buckets: _buckets.Buckets | None = None
+        self._ronde_validated = -1  #: the job generation the parameters were checked in
+        self._ronde_buckets: _buckets.Buckets | None = None  # (:attr:`gradient_buckets`)
         #: the buckets, where every hook may go straight to them (``_ronde_set_buckets``)
         self._ronde_lean: _buckets.Buckets | None = None
         self._ronde_syncs = 0  #: synchronize() calls in this generation
         self._ronde_order: list[int] | None = None
         self._ronde_index = {id(p): i for i, p in enumerate(self._ronde_params)}
-        self._ronde_synchronized = False
-        self._ronde_should_sync = True
+        self._ronde_synchronized, self._ronde_should_sync = False, True
         if self._ronde_member:  # the device path's collectives now, not in a hook
             _device.prepare([p for p in self._ronde_params if not p.is_sparse], process_set)
         #: parameter -> its gradient hook: the trainable ones (see _ronde_rehook)
@@ -439,6 +433,12 @@ class _DistributedMixin(SkipSynchronize):
         """Change ``backward_passes_per_step`` (between steps)."""
         self._ronde_counter = PassCounter(passes)
         self._ronde_set_buckets(self._ronde_buckets)
+
+    @property
+    def gradient_buckets(self) -> _buckets.Buckets | None:
+        """The gradient buckets (``_buckets.py``), laid out at the second synchronize()
+        of a generation from the ready order (None before: per tensor)."""
+        return self._ronde_buckets
 
     @property
     def backward_passes_per_step(self) -> int:

@@ -1,5 +1,5 @@
 """Checkpoints of a ``ShardedOptimizer`` that load at any world size, with no conversion:
-the steps of :mod:`ronde.frameworks.sharded_files` in torch files (:class:`TorchCodec`),
+the steps of :mod:`ronde.frameworks.sharded_files` in torch files (:class:`~ronde.torch._codec.TorchCodec`),
 pieces keyed by the parameters' names.
 
 ``save_sharded(dir, model, optimizer)`` (every rank calls it) writes one *step*::
@@ -29,16 +29,15 @@ only files of the folder that ``meta.pt`` names, regular files of the size it re
 
 from __future__ import annotations
 
-import io
 import os
-from typing import IO, Any, Sequence
+from typing import Any
 
-import numpy as np
 import torch
 
 from .._errors import UnsupportedError
 from ..frameworks import sharded_files
 from ..process_sets import global_process_set
+from ._codec import TORCH
 from ._whole_state import gather_whole
 from .sharded import is_sharded
 
@@ -48,53 +47,6 @@ MODEL = "model.{id}.pt"
 FORMAT = "ronde.sharded/2"
 
 
-class TorchCodec(sharded_files.Codec):
-    """Torch's pieces: a slot is a tensor of one dimension or more (any dtype, bfloat16
-    included), a scalar anything else (Adam's ``step``). In a step's files each rank's
-    ``{"pieces": [(name, a, b)], "state": [each piece's state]}`` and ``meta.pt``; in the
-    elastic reshard's messages the pieces as they are; all written with ``torch.save``
-    and read back with ``torch.load(weights_only=True)``."""
-
-    suffix = ".pt"
-    meta = "meta.pt"
-
-    def entry(self, key: str, a: int, b: int, state: dict[str, Any]) -> Any:
-        return (key, a, b)
-
-    def write(self, fh: IO[bytes], pieces: Sequence[sharded_files.Piece]) -> None:
-        torch.save({"pieces": [(key, a, b) for key, a, b, _ in pieces],
-                    "state": [state for _, _, _, state in pieces]}, fh)
-
-    def read(self, fh: IO[bytes], entries: list[Any], needed: list[int]
-             ) -> dict[int, dict[str, Any]]:
-        state = torch.load(fh, weights_only=True)["state"]
-        return {j: state[j] for j in needed}
-
-    def write_meta(self, fh: IO[bytes], meta: dict[str, Any]) -> None:
-        torch.save(meta, fh)
-
-    def read_meta(self, data: bytes, where: str) -> Any:
-        return torch.load(io.BytesIO(data), weights_only=True)
-
-    def encode(self, pieces: list[Any]) -> np.ndarray:
-        buf = io.BytesIO()
-        torch.save(pieces, buf)
-        return np.frombuffer(buf.getvalue(), dtype=np.uint8)
-
-    def decode(self, data: np.ndarray) -> list[Any]:
-        return torch.load(io.BytesIO(data.tobytes()), weights_only=True)
-
-    def is_array(self, value: Any) -> bool:
-        return torch.is_tensor(value) and value.dim() > 0
-
-    def zeros(self, like: Any, n: int) -> Any:
-        return torch.zeros(n, dtype=like.dtype)
-
-    def copy(self, value: Any) -> Any:
-        return value.clone() if torch.is_tensor(value) else value
-
-
-TORCH = TorchCodec()
 
 
 def _pieces(optimizer: Any, model: Any) -> list[tuple[str, int, int, torch.Tensor, int]]:
