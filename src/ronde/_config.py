@@ -34,6 +34,7 @@ class Config:
     first_bucket_bytes: int | None = None  #: None: ``auto`` (``_cores.first_bucket``)
     bucket_views: bool = True
     sharded_in_flight: int = 2
+    sharded_flat_params: bool = True
     steady_lane: bool = True
     cycle_time_ms: float = 1.0
     round_hold_ms: float = 50.0

@@ -80,6 +80,15 @@ KNOBS: tuple[Knob, ...] = (
              'holds a gradient buffer of `RONDE_BUCKET_BYTES`, so this bounds the memory '
              'above the formula; more overlaps more communication with backward on a slow '
              'network, at a bucket of memory each.'),
+    Knob("sharded_flat_params", "RONDE_SHARDED_FLAT_PARAMS", parse_bool,
+         default='`1` (on)', unit='boolean',
+         doc="`ShardedOptimizer` (torch): each bucket's parameters become views of one "
+             'flat buffer (as DDP\'s buckets and FSDP\'s flat parameters), so that the '
+             'allgather after a step lands in the parameters themselves: no buffer of a '
+             'bucket and no copy a step. A parameter whose `p.data` is replaced later is '
+             'copied back in at the next step; another dtype, device or size is refused. '
+             '`0`: the parameters keep their own memory and each step gathers into a '
+             'pooled buffer and copies out of it.'),
     Knob("steady_lane", "RONDE_STEADY_LANE", parse_bool,
          default='`1` (on)', unit='boolean',
          doc='From its third agreement on, a gradient bucket of the global set skips '

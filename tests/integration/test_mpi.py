@@ -50,6 +50,14 @@ def test_process_sets_and_steady_state_over_mpi(tmp_path):
     assert run_mpi(tmp_path, 3, "steady_state") == {r: "ok" for r in range(3)}
 
 
+@pytest.mark.timeout(120)
+def test_an_allgather_into_its_own_output_over_mpi(tmp_path):
+    # ShardedOptimizer's flat parameters: each rank sends its own block of the output;
+    # MPICH refused those aliased buffers (MPI.Exception) before the in-place form
+    pytest.importorskip("torch")
+    assert run_mpi(tmp_path, 3, "inplace_allgather") == {r: "ok" for r in range(3)}
+
+
 @pytest.mark.timeout(60)
 def test_topology_reports_mpi(tmp_path):
     out = run_mpi(tmp_path, 2, "topology")

@@ -1147,3 +1147,16 @@ def held_rounds(steps: int) -> tuple:
     mailboxes = eng.exchange.mailboxes is not None
     hvd.shutdown()
     return mailboxes, rounds, completions
+
+
+def inplace_allgather() -> str:
+    """tests/torch/sharded_workers.py's: an allgather whose input is this rank's own block
+    of its output (ShardedOptimizer's flat parameters)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "torch"))
+    import sharded_workers
+
+    return sharded_workers.inplace_allgather()

@@ -532,3 +532,108 @@ def changed_model(directory: str) -> dict:
             out[change] = (str(exc), sum(len(s) for s in o.state.values()))
     hvd.shutdown()
     return out
+
+
+def _views_of_storage(torch, opt) -> bool:
+    """Whether each bucket's parameters are views of its one flat storage."""
+    layout = opt.shard_layout
+    return all(b.storage is not None and {layout.params[i].untyped_storage().data_ptr()
+                                          for i in b.members}
+               == {b.storage.untyped_storage().data_ptr()} for b in layout.buckets)
+
+
+def flat_params(flat: bool = True, steps: int = 6) -> dict:
+    """Parameters as views of each bucket's flat storage (RONDE_SHARDED_FLAT_PARAMS; off:
+    the parameters keep their own memory), at stages 1 and 2, against one process on the
+    global batch: hvd.broadcast_parameters after wrapping (rank 1's weights differ), a
+    ``p.data = p.data.clone()`` of every parameter after a backward, model.load_state_dict
+    of new values (flat only), then a parameter turned float32 after a backward on rank 0
+    only (refused on every rank at the step, nothing moved) and model.float() before a
+    forward on every rank (refused in backward)."""
+    import os
+
+    os.environ["RONDE_SHARDED_FLAT_PARAMS"] = "1" if flat else "0"
+    torch, hvd = _setup()
+    del os.environ["RONDE_SHARDED_FLAT_PARAMS"]
+    r = hvd.rank()
+    F = torch.nn.functional
+    out: dict = {}
+
+    def new_values(module):  # the same on every rank and for the reference
+        gen = torch.Generator().manual_seed(7)
+        return {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) * 0.3
+                for k, v in module.state_dict().items()}
+
+    def between(model, k):
+        if k == 2 and flat:
+            for p in model.parameters():
+                p.data = p.data.clone()
+        if k == 4 and flat:
+            model.load_state_dict(new_values(model))
+
+    for stage in (1, 2):
+        model, ref = _net(torch, 5), _net(torch, 5)
+        opt = hvd.ShardedOptimizer(OPTS["adam"](torch, model.parameters()), stage=stage,
+                                   named_parameters=model.named_parameters())
+        ref_opt = OPTS["adam"](torch, ref.parameters())
+        views = _views_of_storage(torch, opt)
+        distinct = len({p.untyped_storage().data_ptr() for p in model.parameters()})
+        if r:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        _train(torch, hvd, model, opt, ref, ref_opt, steps, lambda k: between(model, k),
+               lambda k: between(ref, k))
+        res = _outcome(torch, hvd, model, ref, f"flat.{flat}.{stage}", views=views,
+                       views_after=_views_of_storage(torch, opt), distinct=distinct)
+        if flat:  # a dtype changed after a backward, on rank 0 only: refused on every rank
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.zero_grad()
+            x, y = _batches(torch, hvd.size(), 1)[0]
+            F.mse_loss(_forward(model, x[4 * r:4 * r + 4]), y[4 * r:4 * r + 4]).backward()
+            if r == 0:
+                model["b"].weight.data = model["b"].weight.data.float()
+            res["dtype"] = _refused(hvd, opt.step)
+            res["moved"] = any(not torch.equal(a.to(b.dtype), b)
+                               for a, b in zip(before, model.parameters()))
+            opt.zero_grad()
+            model.float()  # on every rank, before a forward: refused in backward
+            res["float"] = _refused(hvd, lambda: F.mse_loss(
+                _forward(model, x[4 * r:4 * r + 4].float()), y[4 * r:4 * r + 4].float()
+            ).backward())
+            opt.zero_grad()
+        out[stage] = res
+    hvd.shutdown()
+    return out
+
+
+def _refused(hvd, call) -> str:
+    try:
+        call()
+        return "accepted"
+    except hvd.RondeError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def inplace_allgather() -> str:
+    """The allgather of ShardedOptimizer's flat parameters: each rank's input is its own
+    block of the output (the transports write only the other blocks; MPI gets its
+    in-place form), small and large (shm's single-copy path), float32 and bfloat16."""
+    torch, hvd = _setup()
+    from ronde.torch import _collectives as C
+
+    r, n = hvd.rank(), hvd.size()
+    for per in (3, 300_007):
+        for dtype in (torch.float32, torch.bfloat16):
+            def block(q):
+                return (torch.arange(per) % 100 + q).to(dtype)
+
+            full = torch.full((per * n,), -1.0, dtype=dtype)
+            full[r * per:(r + 1) * per] = block(r)
+            got = C.allgather_async(full[r * per:(r + 1) * per], f"inplace.{per}.{dtype}",
+                                    out=full).wait()
+            assert got.data_ptr() == full.data_ptr(), (per, dtype)
+            assert torch.equal(full, torch.cat([block(q) for q in range(n)])), (per, dtype)
+    hvd.shutdown()
+    return "ok"

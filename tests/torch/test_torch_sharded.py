@@ -22,9 +22,12 @@ import sharded_workers as workers  # noqa: E402
 @pytest.mark.parametrize("np_,transport", [(2, "shm"), (3, "tcp"),
                                           pytest.param(4, "shm", marks=pytest.mark.slow)])
 def test_sharded_training_equals_one_process_on_the_global_batch(np_, transport):
-    # 200-byte buckets: several buckets, tensors split across ranks mid-tensor
-    out = run_ranks(np_, workers.equivalence, timeout_s=110,
-                    env={"RONDE_BUCKET_BYTES": "200", "RONDE_TRANSPORT": transport})
+    # 200-byte buckets: several buckets, tensors split across ranks mid-tensor; and the
+    # allgather of the flat parameters (each rank's input its own block of the output)
+    out, inplace = run_ranks_many(
+        np_, [workers.equivalence, workers.inplace_allgather], timeout_s=110,
+        env={"RONDE_BUCKET_BYTES": "200", "RONDE_TRANSPORT": transport})
+    assert inplace == ["ok"] * np_
     for rank, res in enumerate(out):
         assert len(res) == 13
         for case, r in res.items():
@@ -160,11 +163,12 @@ def _check_recipes(out: list, np_: int) -> None:
 def test_the_recipes_users_run_are_right_or_refused(np_, tmp_path):
     # 200-byte buckets: tensors split across ranks, so the overflow in c.bias lies in one
     # rank's slice only
-    recipes, changed, ddp = run_ranks_many(
+    recipes, changed, ddp, flat, apart = run_ranks_many(
         np_, [workers.recipes, (workers.changed_model, str(tmp_path / "ckpt")),
-              workers.ddp_around_the_model],
+              workers.ddp_around_the_model, workers.flat_params, (workers.flat_params, False)],
         timeout_s=180, env={"RONDE_BUCKET_BYTES": "200"})
     _check_recipes(recipes, np_)
+    _check_flat_params(flat, apart)
     for res in changed:  # load_sharded into another model: refused naming the parameter
         assert "'z.weight' is not in the checkpoint" in res["renamed"][0], res
         assert "'c.weight' is in the checkpoint but not in this optimizer" in res["renamed"][0]
@@ -177,3 +181,25 @@ def test_the_recipes_users_run_are_right_or_refused(np_, tmp_path):
             assert res[stage]["error"].startswith("ModifiedGradientsError") \
                 and "DistributedDataParallel" in res[stage]["error"], res
             assert not res[stage]["moved"], res
+
+
+def _check_flat_params(flat: list, apart: list) -> None:
+    """Each bucket's parameters are views of its one storage (several buckets: 200
+    bytes), through a broadcast, a replaced ``p.data`` and a load_state_dict; a dtype
+    changed on one rank is refused on every rank, nothing moved. Off: the parameters
+    keep their own memory, and the training is as right."""
+    for rank, (on, off) in enumerate(zip(flat, apart)):
+        for stage in (1, 2):
+            r = on[stage]
+            assert r["views"] and r["views_after"] and r["distinct"] > 1, (rank, stage, r)
+            assert r["same"] and r["diff"] <= 1e-12, (rank, stage, r)
+            assert r["dtype"].startswith("UnsupportedError") and "changed dtype" in r["dtype"] \
+                and "before making the ShardedOptimizer" in r["dtype"], (rank, stage, r)
+            if rank == 0:  # the rank that changed it names it
+                assert "'b.weight' is float32[5, 7]" in r["dtype"], r
+            assert not r["moved"], (rank, stage, r)
+            assert r["float"].startswith("UnsupportedError") \
+                and "float32 gradient, was float64" in r["float"], (rank, stage, r)
+            r = off[stage]
+            assert not r["views"] and r["distinct"] == 10, (rank, stage, r)
+            assert r["same"] and r["diff"] <= 1e-12, (rank, stage, r)

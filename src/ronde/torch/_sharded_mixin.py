@@ -27,7 +27,7 @@ from . import _collectives as C
 from . import _sharded_patches
 from ._compile import eager
 from ._elementwise import slice_state
-from ._shards import Bucket, Layout, Piece, Pools
+from ._shards import Bucket, Layout, Piece, Pools, changed_parameters, gather, poison, relink
 from ._tensors import dtype_name
 from ._whole_state import gather_whole, slice_whole, whole_groups
 from ._wrap import SkipSynchronize, inner
@@ -98,16 +98,16 @@ class _ShardedMixin(SkipSynchronize):
         self._ronde_solo = not member or _api.size() == 1 or C.set_size(process_set) == 1
         rank, size = (0, 1) if self._ronde_solo else (_api.set_rank(process_set),
                                                       C.set_size(process_set))
-        self._ronde_generation = _state.require().generation
-        self._ronde_views = _state.require().cfg.bucket_views
-        self._ronde_limit = _state.require().cfg.sharded_in_flight
+        cfg, self._ronde_generation = _state.require().cfg, _state.require().generation
+        self._ronde_views, self._ronde_limit = cfg.bucket_views, cfg.sharded_in_flight
         order = list(range(len(params)))[::-1]
         base = f"ShardedOptimizer.{self._ronde_names[0]}" if params else "ShardedOptimizer"
-        layout = _buckets.layout(order, params, lambda i: True, _state.require().cfg.bucket_bytes
+        layout = _buckets.layout(order, params, lambda i: True, cfg.bucket_bytes
                                  or _buckets.FIRST_BUCKET_BYTES)
+        # (each bucket's members become views of its flat storage: RONDE_SHARDED_FLAT_PARAMS)
         self._ronde_buckets = [Bucket(f"{base}.shard{k}.{len(ids)}", k, ids, params,
-                                       self._ronde_names, rank, size, self._ronde_stage)
-                               for k, ids in enumerate(layout)]
+                                       self._ronde_names, rank, size, self._ronde_stage,
+                                       cfg.sharded_flat_params) for k, ids in enumerate(layout)]
         self._ronde_pools, self._ronde_next = Pools(self._ronde_buckets), 0
         #: what checkpoints, the elastic handler and state_dict() read
         self.shard_layout = Layout(params, self._ronde_names, self._ronde_full_groups,
@@ -264,14 +264,18 @@ class _ShardedMixin(SkipSynchronize):
         changed = self._ronde_wrapped_in_ddp() + self._ronde_changed()
         bad = self._ronde_check_finite and not all(
             bool(torch.isfinite(b.slice).all()) for b in self._ronde_buckets)
-        # one count per parameter (had a gradient), then: ranks whose gradients changed
-        # behind ronde's back, ranks with a non-finite averaged slice
-        flags = torch.zeros(len(self._ronde_params) + 2, dtype=torch.int32)
+        broken = relink(self._ronde_buckets, self._ronde_params)
+        # one count per parameter (had a gradient), then: ranks whose parameters cannot be
+        # views of the storage again, whose gradients changed behind ronde's back, with a
+        # non-finite averaged slice
+        flags = torch.zeros(len(self._ronde_params) + 3, dtype=torch.int32)
         flags[list(self._ronde_had)] = 1
-        flags[-2], flags[-1] = int(bool(changed)), int(bad)
+        flags[-3], flags[-2], flags[-1] = int(bool(broken)), int(bool(changed)), int(bad)
         counts = (flags if self._ronde_solo else C.allreduce_async(
             flags, None, f"{self._ronde_buckets[0].name}.presence", ReduceOp.SUM, 1.0, 1.0,
             self._ronde_ps).wait()).tolist()
+        if counts[-3]:
+            raise changed_parameters(broken, int(counts[-3]))
         if counts[-2]:
             raise _sharded_patches.modified_gradients(int(counts[-2]), changed)
         for b in self._ronde_buckets:
@@ -279,7 +283,7 @@ class _ShardedMixin(SkipSynchronize):
                 piece.tensor.grad = b.slice[piece.at:piece.at + piece.b - piece.a] \
                     if counts[piece.index] else None
         if counts[-1] and not bad:  # another rank's slice is not finite: so is one of ours,
-            self._ronde_poison()    # as every rank's whole gradient would be under DDP
+            poison(self._ronde_buckets)  # as every rank's whole gradient would be under DDP
         self._ronde_synced = True
 
     def _ronde_wrapped_in_ddp(self) -> list[str]:
@@ -314,15 +318,7 @@ class _ShardedMixin(SkipSynchronize):
                                   f"{self._ronde_buckets[0].name}.finite", ReduceOp.SUM,
                                   1.0, 1.0, self._ronde_ps).wait()
         if int(total[0]) and not bad:
-            self._ronde_poison()
-
-    def _ronde_poison(self) -> None:
-        for b in self._ronde_buckets:
-            for piece in b.pieces:
-                if piece.tensor.grad is not None:
-                    with torch.no_grad():
-                        piece.tensor.grad[0] = float("nan")
-                    return
+            poison(self._ronde_buckets)
 
     def _ronde_grads(self, parameters: Iterable[torch.Tensor] | None) -> list[torch.Tensor]:
         """The averaged slices (after :meth:`synchronize`) of ``parameters`` (the
@@ -416,24 +412,17 @@ class _ShardedMixin(SkipSynchronize):
         elif not self._ronde_synced:
             raise RondeError("ShardedOptimizer.step() inside skip_synchronize() needs "
                              "synchronize() first")
+        broken = relink(self._ronde_buckets, self._ronde_params)
+        if broken:  # replaced since synchronize(), on this rank
+            raise changed_parameters(broken)
         out = inner(self, _ShardedMixin, "step")()
         self._ronde_whole = None
-        self._ronde_gather()
+        gather(self._ronde_buckets, self._ronde_params, self._ronde_pools, self._ronde_solo,
+               self._ronde_ps)
         self._ronde_new_window()
         return loss if closure is not None else out
 
     step.hooked = True  # type: ignore[attr-defined]
-
-    def _ronde_gather(self) -> None:
-        """Every rank's updated slices into the parameters: one allgather a bucket, two
-        in flight (a third bucket's full buffer is not needed before one is unpacked)."""
-        moving: list[Bucket] = []
-        for b in self._ronde_buckets + [None]:  # type: ignore[operator]
-            if b is not None:
-                b.start_gather(self._ronde_pools, self._ronde_solo, self._ronde_ps)
-                moving.append(b)
-            while moving and (len(moving) > 2 or b is None):
-                moving.pop(0).unpack(self._ronde_params, self._ronde_pools, self._ronde_solo)
 
     def _ronde_new_window(self) -> None:
         for b in self._ronde_buckets:

@@ -7,6 +7,20 @@ owns elements ``[r*S, (r+1)*S)``; a piece is the part of one parameter that fall
 rank's range, a flat view of the parameter's storage. A bucket also keeps what one step
 needs: the gradient buffer of this pass, the averaged slice, the reduction in flight.
 
+Flat parameters (``RONDE_SHARDED_FLAT_PARAMS``, on by default): at layout each bucket
+gets one *storage* of ``N * S`` elements, its members' values are copied in (the padding
+zero) and each parameter becomes a view of it (``p.data = storage[o:o+n]``), as DDP's
+buckets and FSDP's flat parameters are. The pieces are then views of this rank's range
+``storage[r*S:(r+1)*S]``: the inner optimizer's step writes it in place, and the
+allgather sends that range itself into the storage (every transport writes only the
+other ranks' ranges of its output; MPI gets its in-place form): the parameters are
+whole after it, with no buffer of a bucket and no copy. One rank: nothing moves. A
+``p.data`` replaced later (``p.data = p.data.clone()``, loading by assignment) is
+seen at the next step (one ``data_ptr()`` compared a parameter), its values copied into
+the storage and the parameter pointed at it again; another dtype, device or size is
+refused naming the parameter. Off: the parameters keep their own memory, and the
+allgather goes through pooled buffers, copied out member by member.
+
 Memory, per rank (``P`` parameters of 4 bytes, Adam's 8 bytes of state a parameter):
 
 * stage 1: each bucket's buffer is its own and kept (the ``p.grad`` are views of it,
@@ -15,9 +29,12 @@ Memory, per rank (``P`` parameters of 4 bytes, Adam's 8 bytes of state a paramet
 * stage 2: a bucket takes a buffer from the pool while its gradients come in and gives
   it back when its reduce-scatter is done, and the reduce-scatter writes straight into
   the kept slice: ``4P + 4P/N + 8P/N``, plus the pool;
-* both: the reduce-scatters' and allgathers' other buffers come from the pools too,
-  and at most ``RONDE_SHARDED_IN_FLIGHT`` reduce-scatters are in flight (the optimizer
-  waits for the oldest before it starts another), so the pools stay a few buckets.
+* both: the parameters are the buckets' storages (``4P``, plus each bucket's padding of
+  under ``N`` elements), and the allgather needs no other memory (on the CPU; a GPU's
+  storage receives it in a pooled host buffer, copied in once); the reduce-scatters'
+  other buffers come from the pools, and at most ``RONDE_SHARDED_IN_FLIGHT``
+  reduce-scatters are in flight (the optimizer waits for the oldest before it starts
+  another), so the pools stay a few buckets.
 
 Made once and reused, these buffers are not handed back to the C allocator each step:
 glibc keeps freed blocks of this size in its heap (its mmap threshold rises to the
@@ -31,10 +48,13 @@ from typing import Any
 
 import torch
 
+from .._errors import UnsupportedError
 from ..frameworks.gradients import Reduction
 from ..frameworks.shard_layout import Piece, ShardLayout, Span
 from ..process_sets import ProcessSet
+from ..transport import hugepages
 from . import _collectives as C
+from ._tensors import dtype_name
 
 
 class Pool:
@@ -57,9 +77,9 @@ class Pool:
 
 
 class Pools:
-    """A job layout's two pools: whole buckets (stage 2's gradients, the allgathers'
-    results) and slices (the reduce-scatters' results where they cannot land in place,
-    the allgathers' inputs)."""
+    """A job layout's two pools: whole buckets (stage 2's gradients; the allgathers'
+    results where they cannot land in the storage) and slices (the reduce-scatters'
+    results where they cannot land in place; the allgathers' inputs without a storage)."""
 
     def __init__(self, buckets: list[Bucket]) -> None:
         whole: dict[torch.dtype, int] = {}
@@ -75,12 +95,18 @@ class Bucket(Span):
     of the layout and what one step needs of it."""
 
     def __init__(self, name: str, index: int, members: list[int], params: list[torch.Tensor],
-                 names: list[str], rank: int, size: int, stage: int) -> None:
+                 names: list[str], rank: int, size: int, stage: int, flat: bool) -> None:
         super().__init__(members, [params[i].numel() for i in members], size)
-        self.name = name
+        self.name, self.names = name, names
         self.stage = stage
         self.dtype = params[members[0]].dtype
         self.lo = rank * self.per  # this rank's range of the padded bucket
+        #: the members' flat storage (``RONDE_SHARDED_FLAT_PARAMS``; None: off, or members
+        #: on several devices): each parameter a view of it, where the allgather lands
+        self.storage: torch.Tensor | None = None
+        self.addresses: dict[int, int] = {}  # each member's data_ptr() in the storage
+        if flat and len({params[i].device for i in members}) == 1:
+            self.link(params)
         #: this rank's pieces, each with a flat view of its parameter's storage
         self.pieces = [Piece(i, names[i], a, b, self.offset[i] + a - self.lo, index,
                              params[i].detach().view(-1)[a:b])
@@ -99,7 +125,7 @@ class Bucket(Span):
         self.summed = False  # whether ``slice`` holds a reduction of this window
         self.last_pass = -1  # the backward pass (of this window) it was last started in
         self.gathering: Any = None  # the allgather of the updated slices
-        self.gather_bufs: tuple[torch.Tensor, torch.Tensor] | None = None  # (in, out)
+        self.lent: list[tuple[Pool, torch.Tensor]] = []  # its pooled buffers
         self.version = -1  # ``buf._version`` when its reduce-scatter started (or ended)
         self.modified = False  # stage 1: the buffer changed while it was being reduced
 
@@ -118,6 +144,9 @@ class Bucket(Span):
         """Member ``i``'s gradient into its slot (added for a second pass before this
         bucket was reduced; nothing to do when ``grad`` is the slot: a view of it);
         returns the slot."""
+        if grad.dtype != self.dtype:  # (``p.data`` replaced: ``model.half()`` after wrapping)
+            raise changed_parameters([f"{self.names[i]!r} has a {dtype_name(grad.dtype)} "
+                                      f"gradient, was {dtype_name(self.dtype)}"])
         if self.buf is None:  # every slot is copied into or zeroed before it moves
             self.buf = self._new_buf(pools)
         o = self.offset[i]
@@ -212,31 +241,93 @@ class Bucket(Span):
             pools.whole.give(self.buf)
             self.buf = None
 
+    def link(self, params: list[torch.Tensor]) -> None:
+        """Make :attr:`storage` (``padded`` elements on the members' device), copy the
+        members' values in, zero the padding and point each member at its view of it."""
+        first = params[self.members[0]]
+        storage = torch.empty(self.padded, dtype=self.dtype, device=first.device)
+        with torch.no_grad():
+            storage[self.length:].zero_()
+            for i in self.members:
+                self._point(params[i], storage, i)
+        self.storage = storage
+        # the members' old memory back to the system now (glibc's heap keeps blocks of
+        # this size, and the next bucket's storage would not fit in their holes): at
+        # most one bucket more than the parameters at any time
+        hugepages.trim_heap()
+
+    def _point(self, p: torch.Tensor, storage: torch.Tensor, i: int) -> None:
+        o = self.offset[i]
+        view = storage[o:o + p.numel()]
+        view.copy_(p.detach().reshape(-1))
+        p.data = view.view_as(p)
+        self.addresses[i] = p.data_ptr()
+
+    def relink(self, params: list[torch.Tensor]) -> list[str]:
+        """Members whose ``p.data`` was replaced since :meth:`link` (``p.data = ...``,
+        ``model.to()``) are views of the storage again, their new values copied in;
+        returns the ones that cannot be (another dtype, device or size), described."""
+        storage, bad = self.storage, []
+        if storage is None:
+            return bad
+        for i in self.members:
+            p = params[i]
+            if p.data_ptr() == self.addresses[i]:
+                continue
+            if p.dtype != storage.dtype or p.device != storage.device \
+                    or p.numel() != self.sizes[i]:
+                bad.append(f"{self.names[i]!r} is {dtype_name(p.dtype)}{list(p.shape)} on "
+                           f"{p.device} now, was {dtype_name(storage.dtype)} "
+                           f"({self.sizes[i]} elements) on {storage.device}")
+                continue
+            with torch.no_grad():
+                self._point(p, storage, i)
+        return bad
+
     def start_gather(self, pools: Pools, solo: bool, process_set: ProcessSet) -> None:
-        """Start the allgather of this rank's updated slice (pooled in and out)."""
-        send = pools.part.take(self.dtype, self.per)
+        """Start the allgather of this rank's updated slice: straight from this rank's
+        range of :attr:`storage` into the storage itself (the transports write only the
+        other ranks' ranges; one rank: nothing to move); without a storage, through
+        pooled buffers."""
+        storage, name = self.storage, f"{self.name}.params"
+        if storage is not None:
+            if solo:
+                self.gathering = None
+            elif storage.is_cpu:
+                self.gathering = C.allgather_async(storage[self.lo:self.lo + self.per], name,
+                                                   process_set, out=storage)
+            else:  # received in host memory, copied to the device once (unpack)
+                full = self._borrow(pools.whole, self.padded)
+                self.gathering = C.allgather_async(storage[self.lo:self.lo + self.per], name,
+                                                   process_set, out=full)
+            return
+        send = self._borrow(pools.part, self.per)
         send.zero_()
         for piece in self.pieces:
             send[piece.at:piece.at + piece.b - piece.a].copy_(piece.tensor)
-        if solo:
-            self.gather_bufs, self.gathering = (send, send), send
-            return
-        full = pools.whole.take(self.dtype, self.padded)
-        self.gather_bufs = (send, full)
-        self.gathering = C.allgather_async(send, f"{self.name}.params", process_set, out=full)
+        self.gathering = send if solo else C.allgather_async(
+            send, name, process_set, out=self._borrow(pools.whole, self.padded))
 
-    def unpack(self, params: list[torch.Tensor], pools: Pools, solo: bool) -> None:
-        """Every rank's updated slices (the allgather's output) into the parameters."""
-        full = self.gathering if solo else self.gathering.wait()
+    def _borrow(self, pool: Pool, n: int) -> torch.Tensor:
+        view = pool.take(self.dtype, n)
+        self.lent.append((pool, view))
+        return view
+
+    def unpack(self, params: list[torch.Tensor], solo: bool) -> None:
+        """Every rank's updated slices (the allgather's output) into the parameters
+        (nothing to copy where the allgather landed in the storage)."""
+        gathering, storage = self.gathering, self.storage
+        full = gathering if solo or gathering is None else gathering.wait()
         with torch.no_grad():
-            for i in self.members:
-                o, p = self.offset[i], params[i]
-                p.view(-1).copy_(full[o:o + p.numel()])
-        send, out = self.gather_bufs  # type: ignore[misc]
-        pools.part.give(send)
-        if out is not send:
-            pools.whole.give(out)
-        self.gathering = self.gather_bufs = None
+            if storage is None:
+                for i in self.members:
+                    o, p = self.offset[i], params[i]
+                    p.view(-1).copy_(full[o:o + p.numel()])
+            elif full is not None and full.data_ptr() != storage.data_ptr():
+                storage.copy_(full)
+        for pool, view in self.lent:
+            pool.give(view)
+        self.gathering, self.lent = None, []
 
 
 class Layout(ShardLayout):
@@ -268,6 +359,50 @@ class Layout(ShardLayout):
     def full_order(self) -> list[int]:
         """Parameter indices in the order of a whole ``state_dict()``'s param groups."""
         return [self.index[id(p)] for g in self.groups for p in g]
+
+
+def relink(buckets: list[Bucket], params: list[torch.Tensor]) -> list[str]:
+    """:meth:`Bucket.relink` over every bucket: a ``data_ptr()`` compared a parameter (a
+    step's cost); the parameters that cannot be views again, described."""
+    return [bad for b in buckets if b.storage is not None for bad in b.relink(params)]
+
+
+def changed_parameters(described: list[str], ranks: int = 0) -> UnsupportedError:
+    """The error for parameters whose dtype, device or size changed after wrapping:
+    ``described``, this rank's (:func:`relink`); ``ranks``, how many ranks found one
+    (0: this rank alone knows)."""
+    what = "; ".join(described) or "on another rank"
+    where = f", on {ranks} rank(s)" if ranks else ""
+    return UnsupportedError(
+        f"ShardedOptimizer: a parameter changed dtype, device or size after the optimizer "
+        f"was made ({what}{where}). Its parameters are views of one flat buffer per bucket, "
+        "and its state is for the old ones: convert or move the model (model.to(), .half(), "
+        ".double()) before making the ShardedOptimizer, or make a new one after; "
+        "RONDE_SHARDED_FLAT_PARAMS=0 turns the flat buffers off")
+
+
+def gather(buckets: list[Bucket], params: list[torch.Tensor], pools: Pools, solo: bool,
+           process_set: ProcessSet) -> None:
+    """Every rank's updated slices into the parameters: one allgather a bucket, two in
+    flight (a third bucket's pooled buffers are not needed before one is unpacked)."""
+    moving: list[Bucket] = []
+    for b in buckets + [None]:  # type: ignore[operator]
+        if b is not None:
+            b.start_gather(pools, solo, process_set)
+            moving.append(b)
+        while moving and (len(moving) > 2 or b is None):
+            moving.pop(0).unpack(params, solo)
+
+
+def poison(buckets: list[Bucket]) -> None:
+    """Make one element of this rank's averaged slices nan (another rank's are not
+    finite: every rank then skips the step, as under DDP)."""
+    for b in buckets:
+        for piece in b.pieces:
+            if piece.tensor.grad is not None:
+                with torch.no_grad():
+                    piece.tensor.grad[0] = float("nan")
+                return
 
 
 def _reducescatter(tensor: torch.Tensor, out: Any, name: str, op: int, pre: float, post: float,

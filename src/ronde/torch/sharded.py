@@ -9,9 +9,10 @@ tensors, so the ranks' shares differ by at most one element a bucket. The layout
 from the parameter table (compared across ranks when the optimizer is made) and ``N``.
 
 Pieces: the part of a parameter this rank owns is a flat view of its storage
-(``p.detach().view(-1)[a:b]``); the param groups hold the pieces, so the optimizer's state
-exists for them only, LR schedulers still work, and the optimizer's own step updates the
-owned part of each parameter in place.
+(``p.detach().view(-1)[a:b]``), and that storage is its bucket's flat buffer (each
+parameter a view of it, ``RONDE_SHARDED_FLAT_PARAMS``: :mod:`._shards`); the param groups
+hold the pieces, so the optimizer's state exists for them only, LR schedulers still work,
+and the optimizer's own step updates the owned part of each parameter in place.
 
 A step: each final gradient is copied by its hook into its bucket, and a full bucket
 starts a reduce-scatter (Average) while backward goes on; at the end of the backward pass
@@ -22,7 +23,7 @@ ahead of a slow peer holds the buckets in flight until it catches up: waiting fo
 oldest inside a hook could deadlock where ranks start buckets in different orders).
 ``step()`` gives each piece its averaged slice as ``.grad`` (None where no rank had a
 gradient: DDP's rule, one presence count a step), steps on the pieces, and allgathers the
-updated slices into the parameters: the volume of one allreduce.
+updated slices into the buckets' flat buffers, the parameters: the volume of one allreduce.
 """
 
 from __future__ import annotations

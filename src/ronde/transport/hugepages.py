@@ -145,6 +145,24 @@ def heap_for_tensors() -> bool:
     return _heap_tuned
 
 
+def trim_heap() -> bool:
+    """Hand the free pages of glibc's heap back to the system (``malloc_trim(0)``: whole
+    free pages anywhere in it, not only at its top), after memory that stays unused was
+    freed, e.g. every parameter's old memory once it moved into a flat buffer (the heap
+    keeps blocks under ``MMAP_THRESHOLD``, and the process would go on counting them).
+    False where the C library is not glibc."""
+    from .vm import libc_handle
+
+    libc = libc_handle()
+    if libc is None or getattr(libc, "malloc_trim", None) is None \
+            or getattr(libc, "gnu_get_libc_version", None) is None:
+        return False
+    libc.malloc_trim.restype = ctypes.c_int
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    libc.malloc_trim(0)
+    return True
+
+
 class HugePages:
     """Per-communicator record of the blocks seen, and the collapses made."""
 

@@ -107,8 +107,15 @@ class MPICommunicator(Communicator):
         item = send.dtype.itemsize
         nbytes = [c * item for c in counts]
         displs = np.concatenate([[0], np.cumsum(nbytes)[:-1]]).astype(int).tolist()
-        self.comm.Allgatherv(self._bytes(send),
-                             [recv.reshape(-1).view(np.uint8), nbytes, displs, self.MPI.BYTE])
+        out = recv.reshape(-1).view(np.uint8)
+        if np.may_share_memory(send, recv):
+            # the input in the output (a sharded optimizer sends its own block of it): MPI
+            # forbids aliased buffers (MPICH refuses them), its in-place form reads the block
+            lo = displs[self.rank]
+            out[lo:lo + nbytes[self.rank]] = send.reshape(-1).view(np.uint8)  # none if it is
+            self.comm.Allgatherv(self.MPI.IN_PLACE, [out, nbytes, displs, self.MPI.BYTE])
+            return
+        self.comm.Allgatherv(self._bytes(send), [out, nbytes, displs, self.MPI.BYTE])
 
     def broadcast(self, buf: np.ndarray, root: int) -> None:
         if buf.size:
