@@ -10,6 +10,8 @@
 - no module reaches a private (``_name``) attribute of a module in another package,
   whether imported by name or read from the module;
 - no module is over 500 lines;
+- no ``_ronde_*`` attribute (ronde's state on a user's optimizer or tape) is read outside
+  the module that defines it: other modules use a public object (``shard_layout``);
 - ``Any`` never stands for a ronde object: no ``X = Any`` alias, and no parameter typed
   ``Any`` named after a ronde class (``engine: Any``, ``process_set: Any``): such an
   annotation hid two import cycles (exchange <-> coordinator <-> tree, autotune <->
@@ -196,6 +198,55 @@ def test_no_private_name_crosses_a_package():
     bad = [f"{m} uses {t}.{n}" for m, t, n in PRIVATE if _package(m) != _package(t)
            and not _package(m).startswith(_package(t) + ".")]
     assert bad == []
+
+
+def _ronde_attributes() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """``_ronde_*`` attributes (what ronde hangs on the user's optimizers and tapes): the
+    modules that define each (assign it, declare it in a class, ``setattr`` it) and the
+    modules that read it (``x._ronde_a``, ``getattr(x, "_ronde_a")``)."""
+    defined: dict[str, set[str]] = defaultdict(set)
+    read: dict[str, set[str]] = defaultdict(set)
+    for module, path in MODULES.items():
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read(), path)
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_ronde_"):
+                (read if isinstance(node.ctx, ast.Load) else defined)[node.attr].add(module)
+            elif isinstance(node, ast.FunctionDef):
+                names = [node.name]
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names = [node.target.id]
+            elif isinstance(node, ast.Assign):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            elif isinstance(node, ast.Call) and len(node.args) > 1 \
+                    and isinstance(node.args[1], ast.Constant) \
+                    and str(node.args[1].value).startswith("_ronde_"):
+                func = ast.unparse(node.func)
+                names = [] if func in ("getattr", "hasattr") else [node.args[1].value]
+                if not names:
+                    read[node.args[1].value].add(module)
+            for name in names:
+                if name.startswith("_ronde_"):
+                    defined[name].add(module)
+    return defined, read
+
+
+def test_no_ronde_attribute_is_read_outside_the_module_that_defines_it():
+    """The state ronde keeps on a user's optimizer is its module's own: other modules go
+    through a public object (``shard_layout``, ``gradient_buckets``, ``relayout()``), so
+    a layout bug is fixed in one place (issue #52: 22 such reads from 5 modules)."""
+    defined, read = _ronde_attributes()
+    bad = sorted(f"{m} reads {a} (defined in {', '.join(sorted(defined[a])) or 'no module'})"
+                 for a, where in read.items() for m in where - defined[a])
+    assert bad == []
+
+
+def test_the_attribute_check_sees_a_read_from_elsewhere():
+    defined, read = _ronde_attributes()
+    assert "ronde.torch._sharded_mixin" in defined["_ronde_buckets"]
+    assert "ronde.keras.sharded" in defined["_ronde_cfg"]
+    assert read["_ronde_cfg"] == {"ronde.keras.sharded"}
 
 
 def test_module_size():

@@ -30,7 +30,7 @@ from ._elementwise import slice_state
 from ._shards import Bucket, Layout, Piece, Pools, changed_parameters, gather, poison, relink
 from ._tensors import dtype_name
 from ._whole_state import gather_whole, slice_whole, whole_groups
-from ._wrap import SkipSynchronize, inner
+from ._wrap import SkipSynchronize, inner, wrap
 
 
 class _ShardedMixin(SkipSynchronize):
@@ -487,3 +487,12 @@ class _ShardedMixin(SkipSynchronize):
     @property
     def stage(self) -> int:
         return self._ronde_stage
+
+
+def sharded(optimizer: torch.optim.Optimizer, named_parameters: Any, stage: int,
+            backward_passes_per_step: int, compression: Compresses,
+            process_set: ProcessSet) -> Any:
+    """``optimizer`` wrapped (``ronde.torch.ShardedOptimizer``, after its checks)."""
+    return wrap(optimizer, _ShardedMixin, lambda w: w._ronde_init(
+        named_parameters, stage, backward_passes_per_step, compression, process_set),
+        "ShardedOptimizer")

@@ -38,9 +38,8 @@ from ..frameworks.compression import Compresses
 from ..process_sets import ProcessSet, global_process_set
 from . import _collectives as C
 from ._elementwise import check_elementwise
-from ._sharded_mixin import _ShardedMixin
+from ._sharded_mixin import _ShardedMixin, sharded
 from ._sharded_patches import ModifiedGradientsError
-from ._wrap import wrap
 from .compression import Compression
 
 __all__ = ["ModifiedGradientsError", "ShardedOptimizer", "is_sharded"]
@@ -91,9 +90,8 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer,
     if int(backward_passes_per_step) < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
     check_elementwise(optimizer, elementwise)
-    return wrap(optimizer, _ShardedMixin, lambda w: w._ronde_init(
-        named_parameters, stage, backward_passes_per_step, compression, process_set),
-        "ShardedOptimizer")
+    return sharded(optimizer, named_parameters, stage, backward_passes_per_step, compression,
+                   process_set)
 
 
 def is_sharded(optimizer: Any) -> bool:
