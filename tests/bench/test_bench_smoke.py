@@ -159,7 +159,12 @@ def test_memory_case_measures_the_sharded_optimizer_against_its_formula():
     # fp32 Adam: 8 bytes of state a parameter, half of it per rank at np=2 (counts, not times)
     assert abs(points["distributed"]["state_bytes"] - 8 * params) <= 0.02 * 8 * params
     assert abs(points["stage2"]["state_bytes"] - 4 * params) <= 0.02 * 4 * params
-    assert "| stage2 | 2 |" in out.stdout
+    # the inner optimizer's temporaries: two of the largest tensor it steps on, a
+    # parameter (1024 x 2304, 4 bytes an element) whole; sharded, a piece of one (a
+    # bucket's half may hold a whole parameter)
+    assert points["distributed"]["temp_bytes"] == 2 * 4 * 1024 * 2304
+    assert 0 < points["stage2"]["temp_bytes"] <= points["distributed"]["temp_bytes"]
+    assert "| stage2 | 2 |" in out.stdout and "within bound" in out.stdout
 
 
 def test_steady_malloc_reaches_every_contender_and_keeps_the_users_tunables(monkeypatch):

@@ -17,8 +17,11 @@ gradient bytes held right after the last ``backward()`` (``p.grad`` plus the lib
 own gradient buffers where they can be counted: ronde's buckets and slices); the growth
 of peak RSS over the RSS with the model built and torch's kernels paged in (below); and
 the median step time. Beside them,
-ZeRO's formula for the state (``8 P`` bytes for Adam, ``8 P / N`` sharded). Prints one
-JSON line per point, then a table.
+ZeRO's formula for the state (``8 P`` bytes for Adam, ``8 P / N`` sharded), and the bound
+issue #52 sets the growth: that formula with the gradients', plus two buckets (25 MiB
+each) and the inner optimizer's temporaries (torch's single-tensor Adam, the CPU's
+default: two of the largest tensor it steps on). Prints one JSON line per point, then a
+table.
 
 Paged in first: the first forward, backward and Adam step of a process touch some 80 MB
 of torch's own code and tables (file pages of ``libtorch_cpu.so``, counted in RSS), the
@@ -47,6 +50,8 @@ from typing import Any, Sequence
 from ._gloo import free_port
 
 RONDE = ("distributed", "stage1", "stage2")
+#: a bucket's bytes at the defaults (ronde's ``RONDE_BUCKET_BYTES``, DDP's ``bucket_cap_mb``)
+BUCKET_BYTES = 25 * 1024 * 1024
 TORCH = ("zero", "fsdp2")
 #: ZeroRedundancyOptimizer inside DDP: gradients copied into DDP's buckets, or views of them
 ZERO = ("zero", "zero-views")
@@ -110,11 +115,16 @@ def measure(contender: str, rank: int, world: int, steps: int, warmup: int) -> d
         opt.step()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    state = opt.optim.state if contender in ZERO else opt.state
-    state_bytes = sum(_bytes(v) for st in state.values() for v in st.values()
+    inner = opt.optim if contender in ZERO else opt
+    state_bytes = sum(_bytes(v) for st in inner.state.values() for v in st.values()
                       if torch.is_tensor(v))
+    # the inner optimizer's temporaries: torch's single-tensor Adam (the CPU's default)
+    # makes two of the tensor it steps on (sqrt, then the division), the largest counts
+    stepped = [p for g in inner.param_groups for p in g["params"]]
+    temp_bytes = 2 * max((_bytes(p) for p in stepped), default=0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"params": params, "state_bytes": state_bytes, "grad_bytes": grad_bytes,
+            "temp_bytes": temp_bytes,
             "peak_rss_growth": max(0, peak - max(base, rss0)),
             "step_ms": 1e3 * statistics.median(times)}
 
@@ -259,28 +269,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             point = {"case": "memory", "contender": c, "np": n,
                      "params": per_rank[0]["params"],
                      **{k: max(r[k] for r in per_rank) for k in
-                        ("state_bytes", "grad_bytes", "peak_rss_growth", "step_ms")}}
+                        ("state_bytes", "grad_bytes", "temp_bytes", "peak_rss_growth",
+                         "step_ms")}}
             print(json.dumps(point), flush=True)
             rows.append((c, n, point))
     print("\n| contender | N | state MB/rank | formula MB | state/formula | grad MB/rank | "
-          "peak RSS growth MB | state+grad formula MB | growth/formula | step ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "peak RSS growth MB | state+grad formula MB | growth/formula | bound MB | "
+          "within bound | step ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c, n, pt in rows:
         if pt is None:
-            print(f"| {c} | {n} | did not run | | | | | | | |")
+            print(f"| {c} | {n} | did not run | | | | | | | | | |")
             continue
         sharded = c not in ("distributed", ALONE)
         formula = 8 * pt["params"] / (n if sharded else 1)
         # ZeRO's gradients: whole (4 P) but at stage 2 and FSDP's, sharded (4 P / N)
         grads = 4 * pt["params"] / (n if c in ("stage2", "fsdp2") else 1)
+        # #52's bound: the formula, two buckets in flight, the inner optimizer's temporaries
+        bound = formula + grads + 2 * BUCKET_BYTES + pt.get("temp_bytes", 0)
         print(f"| {c} | {n} | {pt['state_bytes'] / 1e6:.1f} | {formula / 1e6:.1f} | "
               f"{pt['state_bytes'] / formula:.3f} | {pt['grad_bytes'] / 1e6:.1f} | "
               f"{pt['peak_rss_growth'] / 1e6:.1f} | {(formula + grads) / 1e6:.1f} | "
-              f"{pt['peak_rss_growth'] / (formula + grads):.2f} | {pt['step_ms']:.0f} |")
+              f"{pt['peak_rss_growth'] / (formula + grads):.2f} | {bound / 1e6:.1f} | "
+              f"{'yes' if pt['peak_rss_growth'] <= bound else 'no'} | {pt['step_ms']:.0f} |")
     print("(the largest over ranks; fp32 Adam; formula: ZeRO's 8 P bytes of Adam state, / N "
           "where sharded; grad = p.grad after backward plus ronde's own gradient buffers; "
           "peak RSS growth over the RSS with the model built and torch's kernels paged in; "
-          "state+grad formula: that state plus 4 P of gradients, / N at stage 2 and FSDP2)")
+          "state+grad formula: that state plus 4 P of gradients, / N at stage 2 and FSDP2; "
+          "bound: that plus two buckets of 25 MiB and the inner optimizer's temporaries, "
+          "two of the largest tensor it steps on)")
     return 0
 
 
