@@ -35,6 +35,7 @@ class Config:
     bucket_views: bool = True
     sharded_in_flight: int = 2
     sharded_flat_params: bool = True
+    sharded_trim_heap: bool = True
     steady_lane: bool = True
     cycle_time_ms: float = 1.0
     round_hold_ms: float = 50.0

@@ -89,6 +89,14 @@ KNOBS: tuple[Knob, ...] = (
              'copied back in at the next step; another dtype, device or size is refused. '
              '`0`: the parameters keep their own memory and each step gathers into a '
              'pooled buffer and copies out of it.'),
+    Knob("sharded_trim_heap", "RONDE_SHARDED_TRIM_HEAP", parse_bool,
+         default='`1` (on)', unit='boolean',
+         doc="`ShardedOptimizer` (torch): after a step that left glibc's heap larger than "
+             'any step before, hand its free pages back to the system (`malloc_trim`): '
+             'the blocks a step frees (autograd\'s gradients, the optimizer\'s '
+             'temporaries) otherwise stay counted to the process, 50-120 MiB a rank at '
+             '1.5 GiB, which is a memory cap\'s margin. A step that did not grow the heap '
+             'costs one `mallinfo2` call. `0`: off. Nothing happens outside glibc.'),
     Knob("steady_lane", "RONDE_STEADY_LANE", parse_bool,
          default='`1` (on)', unit='boolean',
          doc='From its third agreement on, a gradient bucket of the global set skips '

@@ -263,3 +263,39 @@ def test_after_heap_for_tensors_a_mid_sized_tensor_comes_from_the_heap():
         pytest.skip("the C library is not glibc")
     assert in_heap == "True"
     assert probe(False) == ["False", "False"]  # glibc's default: a mapping of its own
+
+
+_TRIM_PROBE = r"""
+import ctypes, sys
+from ronde.transport import hugepages
+
+def rss():
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * 4096
+
+libc = ctypes.CDLL(None)
+libc.mallopt(-3, 64 << 20)  # M_MMAP_THRESHOLD: 16 MiB blocks come from the heap
+watch = hugepages.HeapWatch()
+blocks = [ctypes.create_string_buffer(16 << 20) for _ in range(10)]  # touched (zeroed)
+keep = blocks[-1]  # the top stays in use: only a trim inside the heap can give back
+del blocks
+before = rss()
+first = watch.settle()   # the heap grew (from nothing): trimmed
+after = rss()
+again = watch.settle()   # no growth since: nothing done
+print(hugepages.heap_bytes() is not None, first, again, (before - after) >> 20)
+"""
+
+
+def test_a_heap_that_grew_is_trimmed_once_and_its_free_pages_given_back():
+    # ShardedOptimizer's step ends with HeapWatch.settle(): glibc keeps freed blocks
+    # under its mmap threshold, and a process at a memory cap counts them
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _TRIM_PROBE], capture_output=True,
+                         text=True, timeout=60, check=True).stdout.split()
+    if out[0] != "True":
+        pytest.skip("the C library has no mallinfo2 (not glibc >= 2.33)")
+    assert out[1:3] == ["True", "False"]
+    assert int(out[3]) >= 120  # 9 freed blocks of 16 MiB: at least 120 MiB given back

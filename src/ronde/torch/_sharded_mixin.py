@@ -108,7 +108,8 @@ class _ShardedMixin(SkipSynchronize):
         self._ronde_buckets = [Bucket(f"{base}.shard{k}.{len(ids)}", k, ids, params,
                                        self._ronde_names, rank, size, self._ronde_stage,
                                        cfg.sharded_flat_params) for k, ids in enumerate(layout)]
-        self._ronde_pools, self._ronde_next = Pools(self._ronde_buckets), 0
+        self._ronde_pools = Pools(self._ronde_buckets, cfg.sharded_trim_heap)
+        self._ronde_next = 0
         #: what checkpoints, the elastic handler and state_dict() read
         self.shard_layout = Layout(params, self._ronde_names, self._ronde_full_groups,
                                    self._ronde_buckets, rank, size, self._ronde_solo, process_set)

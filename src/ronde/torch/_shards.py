@@ -79,9 +79,12 @@ class Pool:
 class Pools:
     """A job layout's two pools: whole buckets (stage 2's gradients; the allgathers'
     results where they cannot land in the storage) and slices (the reduce-scatters'
-    results where they cannot land in place; the allgathers' inputs without a storage)."""
+    results where they cannot land in place; the allgathers' inputs without a storage);
+    and the watch on the C heap a step's other memory comes from (``heap``: trimmed after
+    a step that grew it, ``RONDE_SHARDED_TRIM_HEAP``; None: off)."""
 
-    def __init__(self, buckets: list[Bucket]) -> None:
+    def __init__(self, buckets: list[Bucket], trim_heap: bool = True) -> None:
+        self.heap = hugepages.HeapWatch() if trim_heap else None
         whole: dict[torch.dtype, int] = {}
         part: dict[torch.dtype, int] = {}
         for b in buckets:
@@ -392,6 +395,8 @@ def gather(buckets: list[Bucket], params: list[torch.Tensor], pools: Pools, solo
             moving.append(b)
         while moving and (len(moving) > 2 or b is None):
             moving.pop(0).unpack(params, solo)
+    if pools.heap is not None:  # the step is over: what it freed and will not reuse
+        pools.heap.settle()
 
 
 def poison(buckets: list[Bucket]) -> None:
