@@ -598,6 +598,18 @@ def flat_params(flat: bool = True, steps: int = 6) -> dict:
             res["moved"] = any(not torch.equal(a.to(b.dtype), b)
                                for a, b in zip(before, model.parameters()))
             opt.zero_grad()
+            # the same after the user's own synchronize() (Horovod's clipping recipe): the
+            # step checks again, on every rank (rank 0 alone raised, the others waited in
+            # the allgather)
+            model["b"].weight.data = model["b"].weight.data.double()
+            F.mse_loss(_forward(model, x[4 * r:4 * r + 4]), y[4 * r:4 * r + 4]).backward()
+            opt.synchronize()
+            if r == 0:
+                model["b"].weight.data = model["b"].weight.data.float()
+            with opt.skip_synchronize():
+                res["dtype_synced"] = _refused(hvd, opt.step)
+            model["b"].weight.data = model["b"].weight.data.double()
+            opt.zero_grad()
             model.float()  # on every rank, before a forward: refused in backward
             res["float"] = _refused(hvd, lambda: F.mse_loss(
                 _forward(model, x[4 * r:4 * r + 4].float()), y[4 * r:4 * r + 4].float()

@@ -198,6 +198,8 @@ def _check_flat_params(flat: list, apart: list) -> None:
             if rank == 0:  # the rank that changed it names it
                 assert "'b.weight' is float32[5, 7]" in r["dtype"], r
             assert not r["moved"], (rank, stage, r)
+            assert r["dtype_synced"].startswith("UnsupportedError") \
+                and "changed dtype" in r["dtype_synced"], (rank, stage, r)
             assert r["float"].startswith("UnsupportedError") \
                 and "float32 gradient, was float64" in r["float"], (rank, stage, r)
             r = off[stage]

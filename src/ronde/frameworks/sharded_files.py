@@ -1,7 +1,7 @@
 """Sharded-optimizer checkpoints: the one engine of every binding's ``save_sharded`` and
 ``load_sharded``, with a :class:`Codec` per framework for how one rank's pieces become a
 file and come back (numpy's ``.npz`` files and ``meta.json``, this module's, for Keras
-and JAX; torch's ``.pt`` files and ``meta.pt``, :class:`ronde.torch.sharded_io.TorchCodec`).
+and JAX; torch's ``.pt`` files and ``meta.pt``, :class:`ronde.torch._codec.TorchCodec`).
 
 A *piece* is a range ``[a, b)`` of one parameter's flat elements, keyed by a string the
 binding makes stable across processes (torch: the parameter's name; JAX: the leaf's path;
@@ -60,7 +60,7 @@ class Codec(reshard.NumpyCodec):
     index is written and read: numpy ``.npz`` files (arrays only) and ``meta.json``.
     What a piece's state is (which values are slots, a new slot's zeros) is the elastic
     reshard's codec's (:class:`ronde.frameworks.reshard.NumpyCodec`). A framework's codec
-    overrides what differs (:class:`ronde.torch.sharded_io.TorchCodec`)."""
+    overrides what differs (:class:`ronde.torch._codec.TorchCodec`)."""
 
     suffix = ".npz"   #: the ranks' files' ending
     meta = "meta.json"  #: the index's name

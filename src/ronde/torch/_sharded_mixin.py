@@ -27,7 +27,8 @@ from . import _collectives as C
 from . import _sharded_patches
 from ._compile import eager
 from ._elementwise import slice_state
-from ._shards import Bucket, Layout, Piece, Pools, changed_parameters, gather, poison, relink
+from ._shards import (Bucket, Layout, Piece, Pools, changed_parameters, check_linked, gather,
+                      poison, relink)
 from ._tensors import dtype_name
 from ._whole_state import gather_whole, slice_whole, whole_groups
 from ._wrap import SkipSynchronize, inner, wrap
@@ -402,20 +403,20 @@ class _ShardedMixin(SkipSynchronize):
 
     @eager
     def step(self, closure: Any = None) -> Any:
-        """Run ``closure`` (if any), synchronize, step on this rank's pieces, then gather
-        every rank's updated pieces into the parameters."""
+        """Run ``closure`` (if any), synchronize, step on this rank's pieces, gather them."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        synced_before = self._ronde_synced  # (else synchronize() checks the parameters)
         if self._ronde_should_sync:
             self.synchronize()
         elif not self._ronde_synced:
             raise RondeError("ShardedOptimizer.step() inside skip_synchronize() needs "
                              "synchronize() first")
-        broken = relink(self._ronde_buckets, self._ronde_params)
-        if broken:  # replaced since synchronize(), on this rank
-            raise changed_parameters(broken)
+        if synced_before:  # a parameter replaced since: re-linked, or refused on every rank
+            check_linked(self._ronde_buckets, self._ronde_params, self._ronde_solo,
+                         self._ronde_ps)
         out = inner(self, _ShardedMixin, "step")()
         self._ronde_whole = None
         gather(self._ronde_buckets, self._ronde_params, self._ronde_pools, self._ronde_solo,

@@ -48,7 +48,9 @@ from typing import Any
 
 import torch
 
+from .. import _state
 from .._errors import UnsupportedError
+from .._ops import ReduceOp
 from ..frameworks.gradients import Reduction
 from ..frameworks.shard_layout import Piece, ShardLayout, Span
 from ..process_sets import ProcessSet
@@ -149,7 +151,8 @@ class Bucket(Span):
         returns the slot."""
         if grad.dtype != self.dtype:  # (``p.data`` replaced: ``model.half()`` after wrapping)
             raise changed_parameters([f"{self.names[i]!r} has a {dtype_name(grad.dtype)} "
-                                      f"gradient, was {dtype_name(self.dtype)}"])
+                                      f"gradient, was {dtype_name(self.dtype)}"],
+                                     flat=self.storage is not None)
         if self.buf is None:  # every slot is copied into or zeroed before it moves
             self.buf = self._new_buf(pools)
         o = self.offset[i]
@@ -256,8 +259,9 @@ class Bucket(Span):
         self.storage = storage
         # the members' old memory back to the system now (glibc's heap keeps blocks of
         # this size, and the next bucket's storage would not fit in their holes): at
-        # most one bucket more than the parameters at any time
-        hugepages.trim_heap()
+        # most one bucket more than the parameters at any time (RONDE_SHARDED_TRIM_HEAP)
+        if _state.require().cfg.sharded_trim_heap:
+            hugepages.trim_heap()
 
     def _point(self, p: torch.Tensor, storage: torch.Tensor, i: int) -> None:
         o = self.offset[i]
@@ -299,10 +303,11 @@ class Bucket(Span):
             elif storage.is_cpu:
                 self.gathering = C.allgather_async(storage[self.lo:self.lo + self.per], name,
                                                    process_set, out=storage)
-            else:  # received in host memory, copied to the device once (unpack)
-                full = self._borrow(pools.whole, self.padded)
-                self.gathering = C.allgather_async(storage[self.lo:self.lo + self.per], name,
-                                                   process_set, out=full)
+            else:  # on the host (the slice staged there), copied to the device once (unpack)
+                send = self._borrow(pools.part, self.per)
+                send.copy_(storage[self.lo:self.lo + self.per])
+                self.gathering = C.allgather_async(send, name, process_set,
+                                                   out=self._borrow(pools.whole, self.padded))
             return
         send = self._borrow(pools.part, self.per)
         send.zero_()
@@ -370,18 +375,36 @@ def relink(buckets: list[Bucket], params: list[torch.Tensor]) -> list[str]:
     return [bad for b in buckets if b.storage is not None for bad in b.relink(params)]
 
 
-def changed_parameters(described: list[str], ranks: int = 0) -> UnsupportedError:
+def changed_parameters(described: list[str], ranks: int = 0,
+                       flat: bool = True) -> UnsupportedError:
     """The error for parameters whose dtype, device or size changed after wrapping:
     ``described``, this rank's (:func:`relink`); ``ranks``, how many ranks found one
-    (0: this rank alone knows)."""
+    (0: this rank alone knows); ``flat``: whether the parameters are views of flat
+    buffers (``RONDE_SHARDED_FLAT_PARAMS``)."""
     what = "; ".join(described) or "on another rank"
     where = f", on {ranks} rank(s)" if ranks else ""
+    why = ("Its parameters are views of one flat buffer per bucket, and its state is for "
+           "the old ones" if flat else "Its buckets and state are for the old ones")
     return UnsupportedError(
         f"ShardedOptimizer: a parameter changed dtype, device or size after the optimizer "
-        f"was made ({what}{where}). Its parameters are views of one flat buffer per bucket, "
-        "and its state is for the old ones: convert or move the model (model.to(), .half(), "
-        ".double()) before making the ShardedOptimizer, or make a new one after; "
-        "RONDE_SHARDED_FLAT_PARAMS=0 turns the flat buffers off")
+        f"was made ({what}{where}). {why}: convert or move the model (model.to(), .half(), "
+        ".double()) before making the ShardedOptimizer, or make a new one after")
+
+
+def check_linked(buckets: list[Bucket], params: list[torch.Tensor], solo: bool,
+                 process_set: ProcessSet) -> None:
+    """:func:`relink` at a step whose ``synchronize()`` ran before it (the user's), agreed
+    by every rank in one small allreduce: a parameter that cannot be a view of its
+    storage again is refused on every rank, not on its own while the others wait in the
+    allgather. Nothing to check (and no collective) without flat storages."""
+    if not any(b.storage is not None for b in buckets):
+        return
+    broken = relink(buckets, params)
+    flag = torch.tensor([int(bool(broken))], dtype=torch.int32)
+    total = flag if solo else C.allreduce_async(flag, None, f"{buckets[0].name}.linked",
+                                                ReduceOp.SUM, 1.0, 1.0, process_set).wait()
+    if int(total[0]):
+        raise changed_parameters(broken, int(total[0]))
 
 
 def gather(buckets: list[Bucket], params: list[torch.Tensor], pools: Pools, solo: bool,

@@ -37,7 +37,7 @@ import torch
 from .._errors import UnsupportedError
 from ..frameworks import sharded_files
 from ..process_sets import global_process_set
-from ._codec import TORCH
+from ._codec import TORCH, TorchCodec  # noqa: F401 - (where it was)
 from ._whole_state import gather_whole
 from .sharded import is_sharded
 
