@@ -92,8 +92,8 @@ class Discovery:
         with self._lock:
             self._stop.set()
             proc = self._proc
-        if proc is not None:
-            _kill_group(proc)
+        if proc is not None:  # the discovery thread reaps it and closes its pipes: closed
+            _signal_group(proc)  # here, they were closed under its select() (EBADF)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10.0)
 
@@ -201,13 +201,19 @@ class Discovery:
                            f"{self.timeout_s:g}s; killed it and its children")
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """Kill a discovery run's whole process group (what it started too, even once the
-    script itself ended), reap the script, and close its pipes."""
+def _signal_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a discovery run's whole process group (what it started too, even once the
+    script itself ended)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except OSError:
         pass
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """Kill a discovery run's whole process group, reap the script, and close its pipes
+    (on the thread that reads them)."""
+    _signal_group(proc)
     proc.wait()
     for pipe in (proc.stdout, proc.stderr):
         if pipe is not None:
