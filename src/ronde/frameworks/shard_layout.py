@@ -85,12 +85,6 @@ class ShardLayout:
         (parameters it owns nothing of are left out)."""
         return {self.names[i]: (a, b) for span in self.spans for i, a, b in span.owned(rank)}
 
-    def resized(self, rank: int, size: int) -> ShardLayout:
-        """The same spans' members laid out for ``size`` ranks (another world size: the
-        elastic reshard's new ranges), as rank ``rank``."""
-        return ShardLayout([Span(s.members, [s.sizes[i] for i in s.members], size)
-                            for s in self.spans], self.names, rank, size, self.process_set)
-
 
 def by_kind(kinds: Iterable[Any]) -> dict[Any, list[int]]:
     """Indices grouped by kind (a dtype), in first-seen order: Keras' and JAX's spans."""
