@@ -33,7 +33,7 @@ class Config:
     bucket_bytes: int = 25 * 1024 * 1024
     first_bucket_bytes: int | None = None  #: None: ``auto`` (``_cores.first_bucket``)
     bucket_views: bool = True
-    sharded_in_flight: int = 2
+    sharded_in_flight: int = 1
     sharded_flat_params: bool = True
     sharded_trim_heap: bool = True
     steady_lane: bool = True

@@ -329,6 +329,55 @@ def _train(torch, hvd, model, opt, ref, ref_opt, steps: int, between=None, ref_b
         (step or opt.step)()
 
 
+def in_flight(limit: int | None = None, steps: int = 4) -> dict:
+    """Stage 2 on a stack of five layers with one bucket a parameter
+    (RONDE_BUCKET_BYTES=64) and RONDE_SHARDED_IN_FLIGHT=``limit`` (None: the default),
+    against one process on the global batch; returns the most reduce-scatters seen in
+    flight and the most buckets holding a gradient buffer at once (each gradient's hook,
+    after ronde's own)."""
+    import os
+
+    keep = {k: os.environ.get(k) for k in ("RONDE_BUCKET_BYTES", "RONDE_SHARDED_IN_FLIGHT")}
+    os.environ["RONDE_BUCKET_BYTES"] = "64"
+    if limit is not None:
+        os.environ["RONDE_SHARDED_IN_FLIGHT"] = str(limit)
+    try:
+        torch, hvd = _setup()
+    finally:
+        for k, v in keep.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    r, n = hvd.rank(), hvd.size()
+
+    def stack():
+        torch.manual_seed(5)
+        return torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(5)]).double()
+
+    model, ref = stack(), stack()
+    opt = hvd.ShardedOptimizer(OPTS["adam"](torch, model.parameters()), stage=2,
+                               named_parameters=model.named_parameters())
+    ref_opt = OPTS["adam"](torch, ref.parameters())
+    buckets = opt.shard_layout.buckets
+    seen = {"started": 0, "held": 0}
+
+    def look(_p) -> None:
+        seen["started"] = max(seen["started"], sum(b.started is not None for b in buckets))
+        seen["held"] = max(seen["held"], sum(b.buf is not None for b in buckets))
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(look)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        x = torch.randn(4 * n, 4, generator=gen, dtype=torch.float64)
+        for m, o, batch in ((ref, ref_opt, x), (model, opt, x[4 * r:4 * r + 4])):
+            o.zero_grad()
+            m(batch).pow(2).mean().backward()
+            o.step()
+    out = {"diff": _diff(torch, model, ref), "buckets": len(buckets), **seen,
+           "same": _same_on_every_rank(torch, hvd, model, f"in_flight.{limit}")}
+    hvd.shutdown()
+    return out
+
+
 def _outcome(torch, hvd, model, ref, case: str, **extra) -> dict:
     return {"diff": _diff(torch, model, ref),
             "same": _same_on_every_rank(torch, hvd, model, f"recipes.{case}"), **extra}

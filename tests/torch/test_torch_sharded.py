@@ -81,14 +81,19 @@ def test_a_checkpoint_saved_at_four_ranks_resumes_at_three_and_in_one_plain_opti
 @pytest.mark.timeout(200)
 def test_at_two_ranks_the_refusals_and_a_hundred_steps_equal_distributed_optimizer():
     # one launch for both scenarios (sharded_workers; each inits and shuts down)
-    refusals, fp16, versus = run_ranks_many(
-        2, [workers.refusals, workers.fp16_near_its_limit, workers.versus_distributed],
-        timeout_s=180)
+    refusals, fp16, versus, default, two = run_ranks_many(
+        2, [workers.refusals, workers.fp16_near_its_limit, workers.versus_distributed,
+            workers.in_flight, (workers.in_flight, 2)], timeout_s=180)
     _check_refusals(refusals)
     for res in fp16:  # an average that fits float16 stays finite, as DistributedOptimizer's
         assert res["sharded"] == [-40000.0] * 16, res
         assert res["distributed"] == [-40000.0] * 16, res
     _check_versus_distributed(versus, 2)
+    # RONDE_SHARDED_IN_FLIGHT: at most that many reduce-scatters in flight, and one
+    # more bucket filling (the default 1: two gradient buffers at stage 2)
+    for res, limit in [(r, 1) for r in default] + [(r, 2) for r in two]:
+        assert res["same"] and res["diff"] <= 1e-12 and res["buckets"] >= 8, res
+        assert 1 <= res["started"] <= limit and res["held"] <= limit + 1, (limit, res)
 
 
 @pytest.mark.slow

@@ -283,11 +283,19 @@ before = rss()
 first = watch.settle()   # the heap grew (from nothing): trimmed
 after = rss()
 again = watch.settle()   # no growth since: nothing done
-print(hugepages.heap_bytes() is not None, first, again, (before - after) >> 20)
+# the same span touched again (blocks from the holes): resident, but no growth
+span = hugepages.heap_bytes()
+blocks = [ctypes.create_string_buffer(16 << 20) for _ in range(4)]
+del blocks
+grown = hugepages.heap_bytes() > span
+touched = rss()
+wandered = watch.settle()  # resident 64 MiB above the floor: trimmed
+print(hugepages.heap_bytes() is not None, first, again, (before - after) >> 20, grown,
+      wandered, (touched - rss()) >> 20, watch.settle())
 """
 
 
-def test_a_heap_that_grew_is_trimmed_once_and_its_free_pages_given_back():
+def test_a_heap_that_grew_or_was_touched_again_is_trimmed_and_its_pages_given_back():
     # ShardedOptimizer's step ends with HeapWatch.settle(): glibc keeps freed blocks
     # under its mmap threshold, and a process at a memory cap counts them
     import subprocess
@@ -299,3 +307,6 @@ def test_a_heap_that_grew_is_trimmed_once_and_its_free_pages_given_back():
         pytest.skip("the C library has no mallinfo2 (not glibc >= 2.33)")
     assert out[1:3] == ["True", "False"]
     assert int(out[3]) >= 120  # 9 freed blocks of 16 MiB: at least 120 MiB given back
+    # pages of the holes touched again, the span unchanged: trimmed for the resident rise
+    assert out[4] == "False" and out[5] == "True" and int(out[6]) >= 48, out
+    assert out[7] == "False"  # at the floor again: nothing to do
