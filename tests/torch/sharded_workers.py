@@ -698,3 +698,131 @@ def inplace_allgather() -> str:
             assert torch.equal(full, torch.cat([block(q) for q in range(n)])), (per, dtype)
     hvd.shutdown()
     return "ok"
+
+
+def _stack3(torch):
+    torch.manual_seed(5)
+    nn = torch.nn
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                         nn.Linear(8, 3)).double()
+
+
+def _stage3_steps(torch, hvd, model, opt, ref, ref_opt, steps: int, skip: int = 0,
+                  mode: str = "plain", model_steps: bool = True) -> None:
+    """``steps`` steps (the first ``skip`` of the batch sequence only for ``ref``): the
+    sharded ``model`` on this rank's rows of a 12-row global batch, ``ref`` on all."""
+    F = torch.nn.functional
+    r, n = hvd.rank(), hvd.size()
+    rows = 12 // n
+    gen = torch.Generator().manual_seed(3)
+    passes = 2 if mode == "accum" else 1
+    for k in range(skip + steps):
+        xs = [torch.randn(12, 6, generator=gen, dtype=torch.float64) for _ in range(passes)]
+        ys = [torch.randn(12, 3, generator=gen, dtype=torch.float64) for _ in range(passes)]
+        ref_opt.zero_grad()
+        for x, y in zip(xs, ys):
+            (F.mse_loss(ref(x), y) / passes).backward()
+        if mode == "clip":
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_opt.step()
+        if k < skip or not model_steps:
+            continue
+        opt.zero_grad()
+        for x, y in zip(xs, ys):
+            x, y = x[r * rows:(r + 1) * rows], y[r * rows:(r + 1) * rows]
+            if mode == "checkpoint":  # the middle unit recomputed in backward
+                h = model[1](model[0](x))
+                h = torch.utils.checkpoint.checkpoint(model[2], h, use_reentrant=False)
+                out = model[4](model[3](h))
+            else:
+                out = model(x)
+            (F.mse_loss(out, y) / passes).backward()
+        if mode == "clip":  # torch's own, on the model's parameters (ronde's patch)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+
+
+def _stage3_outcome(torch, hvd, model, opt, ref, case: str) -> dict:
+    held = sum(p.numel() for p in model.parameters())  # between steps: nothing whole
+    kept = sum(b.own.numel() for b in opt.shard_layout.buckets)
+    per = sum(b.per for b in opt.shard_layout.buckets)
+    # and the flat buffers' memory is freed (their storages resized to nothing)
+    flat = sum(b.flat.untyped_storage().nbytes() for b in opt.shard_layout.buckets)
+    with opt.whole_parameters():
+        diff = _diff(torch, model, ref)
+        same = _same_on_every_rank(torch, hvd, model, f"stage3.{case}")
+    return {"diff": diff, "same": same, "held": held, "kept": kept, "per": per,
+            "flat": flat}
+
+
+def stage3(directory: str, phase: str) -> dict:
+    """ShardedOptimizer(stage=3) against one process on the global batch (Adam, float64):
+    phase "train", cases plain, accumulation (2 passes), torch's clip_grad_norm_ on the
+    model's parameters, activation checkpointing of a unit, evaluation under no_grad,
+    the model's state_dict() refused and inside whole_parameters(), then save_sharded;
+    phase "resume" (any N): load_sharded and two more steps; phase "plain" (one
+    process): load_sharded into a plain model and torch.optim.Adam."""
+    import os
+
+    torch, hvd = _setup()
+    out: dict = {}
+    make = lambda m: torch.optim.Adam(m.parameters(), lr=0.01)  # noqa: E731
+    if phase == "train":
+        for mode in ("plain", "accum", "clip", "checkpoint"):
+            model, ref = _stack3(torch), _stack3(torch)
+            opt = hvd.ShardedOptimizer(make(model), named_parameters=model.named_parameters(),
+                                       stage=3, model=model,
+                                       backward_passes_per_step=2 if mode == "accum" else 1)
+            ref_opt = make(ref)
+            _stage3_steps(torch, hvd, model, opt, ref, ref_opt, 4, mode=mode)
+            out[mode] = _stage3_outcome(torch, hvd, model, opt, ref, mode)
+        x = torch.randn(5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+        with torch.no_grad():
+            out["eval"] = float((model(x) - ref(x)).abs().max())
+        out["refused"] = _refused(hvd, model.state_dict)
+        with opt.whole_parameters():
+            out["state_dict"] = sorted(k for k in model.state_dict())
+        hvd.save_sharded(directory, model, opt)  # (the "checkpoint" case, 4 steps)
+    elif phase == "resume":
+        model, ref = _stack3(torch), _stack3(torch)
+        opt = hvd.ShardedOptimizer(make(model), named_parameters=model.named_parameters(),
+                                   stage=3, model=model)
+        ref_opt = make(ref)
+        hvd.load_sharded(directory, model, opt)
+        _stage3_steps(torch, hvd, model, opt, ref, ref_opt, 2, skip=4)
+        out["resume"] = _stage3_outcome(torch, hvd, model, opt, ref, "resume")
+    else:  # one process, a plain model and optimizer
+        model, ref = _stack3(torch), _stack3(torch)
+        opt, ref_opt = make(model), make(ref)
+        hvd.load_sharded(directory, model, opt)
+        _stage3_steps(torch, hvd, model, opt, ref, ref_opt, 0, skip=4, model_steps=False)
+        out["plain"] = _diff(torch, model, ref)
+        out["files"] = sorted(os.listdir(directory))[:1]
+    hvd.shutdown()
+    return out
+
+
+def stage3_refusals() -> list:
+    """What stage 3 refuses, each message: no model, a parameter in two units, a
+    parameter in no unit, an elastic relayout."""
+    torch, hvd = _setup()
+    nn = torch.nn
+    out = []
+    m = _stack3(torch)
+    try:
+        hvd.ShardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), stage=3)
+        out.append("accepted")
+    except TypeError as exc:
+        out.append(f"TypeError: {exc}")
+    tied = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    tied[1].weight = tied[0].weight
+    out.append(_refused(hvd, lambda: hvd.ShardedOptimizer(
+        torch.optim.SGD(tied.parameters(), lr=0.1), stage=3, model=tied)))
+    root = nn.Sequential(nn.Linear(4, 4))  # and a parameter of its own, in no child
+    root.register_parameter("scale", nn.Parameter(torch.ones(4)))
+    out.append(_refused(hvd, lambda: hvd.ShardedOptimizer(
+        torch.optim.SGD(root.parameters(), lr=0.1), stage=3, model=root)))
+    opt = hvd.ShardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), stage=3, model=m)
+    out.append(_refused(hvd, opt.relayout))
+    hvd.shutdown()
+    return out

@@ -78,6 +78,35 @@ def test_a_checkpoint_saved_at_four_ranks_resumes_at_three_and_in_one_plain_opti
         assert r["same"] and r["diff"] <= 1e-12 and r["lr"] == 0.01, again
 
 
+@pytest.mark.timeout(240)
+def test_stage_3_equals_one_process_and_its_checkpoint_resumes_at_three_ranks_and_at_one(
+        tmp_path):
+    ckpt = str(tmp_path / "stage3")
+    trained, refusals = run_ranks_many(2, [(workers.stage3, ckpt, "train"),
+                                           workers.stage3_refusals], timeout_s=120)
+    for res in trained:
+        for mode in ("plain", "accum", "clip", "checkpoint"):
+            r = res[mode]
+            assert r["same"] and r["diff"] <= 1e-12, (mode, r)
+            # between steps each rank holds its ranges only: no whole parameter
+            assert r["held"] == 0 and r["flat"] == 0 and r["kept"] == r["per"] > 0, (mode, r)
+        assert res["eval"] <= 1e-12, res  # a forward under no_grad, whole for its units
+        assert "whole_parameters" in res["refused"], res
+        assert res["state_dict"] == ["0.bias", "0.weight", "2.bias", "2.weight",
+                                     "4.bias", "4.weight"], res
+    no_model, tied, root, relayout = refusals[0]
+    assert no_model.startswith("TypeError") and "model=" in no_model, no_model
+    assert "two units" in tied and "tied" in tied, tied
+    assert "in no unit" in root and "units=" in root, root
+    assert "elastic" in relayout and "save_sharded" in relayout, relayout
+    # the 2-rank checkpoint into three ranks, two more steps; into one plain process
+    for res in run_ranks(3, workers.stage3, ckpt, "resume", timeout_s=90):
+        r = res["resume"]
+        assert r["same"] and r["diff"] <= 1e-12 and r["held"] == 0, r
+    plain = run_ranks(1, workers.stage3, ckpt, "plain", timeout_s=60)[0]
+    assert plain["plain"] <= 1e-12 and plain["files"] == ["meta.pt"], plain
+
+
 @pytest.mark.timeout(200)
 def test_at_two_ranks_the_refusals_and_a_hundred_steps_equal_distributed_optimizer():
     # one launch for both scenarios (sharded_workers; each inits and shuts down)

@@ -5,7 +5,7 @@ The model is a stack of ``torch.nn.Linear(2048, 2048)`` layers (4,196,352 parame
 each, bias included), fp32, trained with ``torch.optim.AdamW`` at its defaults on a batch
 of 8 rows (loss: the mean square of the output), one torch thread per rank; each
 contender is built by :func:`ronde.bench.memory.build` as in the memory bench:
-``distributed``, ``stage1``, ``stage2`` (ronde), ``zero`` and ``zero-views``
+``distributed``, ``stage1``, ``stage2``, ``stage3`` (ronde), ``zero`` and ``zero-views``
 (``ZeroRedundancyOptimizer`` inside DDP with ``gradient_as_bucket_view`` off / on),
 ``fsdp2`` (``fully_shard`` on Gloo). Every setting is the library's default, as users run
 them; the one exception, ``torch.set_flush_denormal(True)``, changes no byte: the
@@ -53,14 +53,14 @@ WIDTH = 2048
 BATCH = 8
 #: parameters of one layer: a 2048x2048 weight and its bias
 LAYER_PARAMS = WIDTH * WIDTH + WIDTH
-CONTENDERS = ("distributed", "stage1", "stage2", "zero", "zero-views", "fsdp2")
+CONTENDERS = ("distributed", "stage1", "stage2", "stage3", "zero", "zero-views", "fsdp2")
 MIB = 1 << 20
 
 
 def bytes_per_param(contender: str, n: int) -> float:
     """ZeRO's bytes a parameter for fp32 Adam: 4 of weights, 4 of gradients, 8 of state,
     each divided by ``n`` where the contender shards it."""
-    per = {"distributed": 16.0, "stage1": 8 + 8 / n, "stage2": 4 + 12 / n,
+    per = {"distributed": 16.0, "stage1": 8 + 8 / n, "stage2": 4 + 12 / n, "stage3": 16 / n,
            "zero": 8 + 8 / n, "zero-views": 8 + 8 / n, "fsdp2": 16 / n}
     if contender not in per:
         raise ValueError(f"unknown contender {contender!r}; choose from {', '.join(per)}")
@@ -308,7 +308,7 @@ def print_table(points: list[dict[str, Any]], out: Any = sys.stdout) -> None:
         if not ref or not ref["layers"]:
             continue
         ratios = [f"{c} {by[(c, n)]['layers'] / ref['layers']:.2f}"
-                  for c in ("distributed", "stage1", "stage2") if (c, n) in by]
+                  for c in ("distributed", "stage1", "stage2", "stage3") if (c, n) in by]
         if ratios:
             print(f"np={n}, largest model over zero-views': {', '.join(ratios)}", file=out)
     print("(the largest over ranks; fixed: the charge after the one-layer model's first "

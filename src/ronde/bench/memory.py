@@ -4,7 +4,8 @@ A model of about 20 M fp32 parameters (four 1024-2304-1024 MLP blocks and a 1024
 head: 19.9 M) trains with Adam, one thread per rank, for each contender:
 
 * ``distributed``: ``ronde.torch.DistributedOptimizer`` (every rank holds everything);
-* ``stage1``, ``stage2``: ``ronde.torch.ShardedOptimizer(stage=1 | 2)``;
+* ``stage1``, ``stage2``, ``stage3``: ``ronde.torch.ShardedOptimizer(stage=1 | 2 | 3)``
+  (stage 3 with ``model=``: the parameters sharded too, its ``Linear`` layers the units);
 * ``zero``: torch's ``ZeroRedundancyOptimizer`` inside ``DistributedDataParallel`` (Gloo);
   ``zero-views`` (not in the default list) the same with DDP's
   ``gradient_as_bucket_view=True``;
@@ -49,7 +50,7 @@ from typing import Any, Sequence
 
 from ._gloo import free_port
 
-RONDE = ("distributed", "stage1", "stage2")
+RONDE = ("distributed", "stage1", "stage2", "stage3")
 #: a bucket's bytes at the defaults (ronde's ``RONDE_BUCKET_BYTES``, DDP's ``bucket_cap_mb``)
 BUCKET_BYTES = 25 * 1024 * 1024
 TORCH = ("zero", "fsdp2")
@@ -146,8 +147,9 @@ def build(torch: Any, contender: str, model: Any, optimizer_class: Any,
         if contender == "distributed":
             return model, hvd.DistributedOptimizer(
                 inner, named_parameters=model.named_parameters())
+        stage = int(contender[-1])
         return model, hvd.ShardedOptimizer(inner, named_parameters=model.named_parameters(),
-                                           stage=int(contender[-1]))
+                                           stage=stage, model=model if stage == 3 else None)
     if contender == ALONE:
         return model, optimizer_class(model.parameters(), lr=lr)
     if contender in ZERO:
@@ -284,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sharded = c not in ("distributed", ALONE)
         formula = 8 * pt["params"] / (n if sharded else 1)
         # ZeRO's gradients: whole (4 P) but at stage 2 and FSDP's, sharded (4 P / N)
-        grads = 4 * pt["params"] / (n if c in ("stage2", "fsdp2") else 1)
+        grads = 4 * pt["params"] / (n if c in ("stage2", "stage3", "fsdp2") else 1)
         # #52's bound: the formula, two buckets in flight, the inner optimizer's temporaries
         bound = formula + grads + 2 * BUCKET_BYTES + pt.get("temp_bytes", 0)
         print(f"| {c} | {n} | {pt['state_bytes'] / 1e6:.1f} | {formula / 1e6:.1f} | "

@@ -21,13 +21,13 @@ def check_elementwise(optimizer: torch.optim.Optimizer, elementwise: bool | None
     check(optimizer, elementwise, "torch", ELEMENTWISE)
 
 
-def slice_state(state: dict[str, Any], param: torch.Tensor, a: int, b: int,
+def slice_state(state: dict[str, Any], shape: torch.Size, a: int, b: int,
                 name: str) -> dict[str, Any]:
-    """A whole parameter's optimizer state cut to its elements ``[a, b)`` (tensors shaped
-    like the parameter are sliced; scalars, such as Adam's step, are copied)."""
+    """A whole parameter's optimizer state cut to its elements ``[a, b)`` (tensors of the
+    parameter's ``shape`` are sliced; scalars, such as Adam's step, are copied)."""
     out: dict[str, Any] = {}
     for key, value in state.items():
-        if torch.is_tensor(value) and value.shape == param.shape and value.dim() > 0:
+        if torch.is_tensor(value) and value.shape == shape and value.dim() > 0:
             out[key] = value.detach().reshape(-1)[a:b].clone()
         elif torch.is_tensor(value) and value.dim() == 0:
             out[key] = value.detach().clone()

@@ -8,6 +8,7 @@ and the elastic handler read.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
 from typing import Any, Iterable
@@ -27,8 +28,10 @@ from . import _collectives as C
 from . import _sharded_patches
 from ._compile import eager
 from ._elementwise import slice_state
-from ._shards import (Bucket, Layout, Piece, Pools, changed_parameters, check_linked, gather,
-                      poison, relink)
+from ._pools import Pools
+from ._shards import (Bucket, Layout, Piece, agree_finite, changed_parameters, check_linked,
+                      gather, poison, relink)
+from ._units import Units
 from ._tensors import dtype_name
 from ._whole_state import gather_whole, slice_whole, whole_groups
 from ._wrap import SkipSynchronize, inner, wrap
@@ -41,10 +44,11 @@ class _ShardedMixin(SkipSynchronize):
     state: Any
 
     def _ronde_init(self, named_parameters: Any, stage: int, backward_passes_per_step: int,
-                    compression: Compresses, process_set: ProcessSet) -> None:
-        self._ronde_stage = stage
-        #: the gradients' op (Average), compression and process set: the pipeline every
-        #: binding shares (frameworks/gradients.py), applied to each bucket's reduce-scatter
+                    compression: Compresses, process_set: ProcessSet,
+                    units: Units | None = None) -> None:
+        #: stage 3: the parameters of each unit (:mod:`._units`), laid out apart
+        self._ronde_stage, self._ronde_units = stage, units
+        #: the gradients' pipeline every binding shares (frameworks/gradients.py)
         self._ronde_reduction = Reduction.configure(ReduceOp.AVERAGE, 1.0, compression,
                                                     process_set, backward_passes_per_step)
         self._ronde_passes = self._ronde_reduction.passes_per_step
@@ -74,8 +78,8 @@ class _ShardedMixin(SkipSynchronize):
             self._ronde_validate()
         for i, piece in pieces.items():  # an optimizer with state already: keep this rank's part
             if params[i] in old_state:
-                self.state[piece.tensor] = slice_state(old_state[params[i]], params[i], piece.a,
-                                                       piece.b, piece.name)
+                self.state[piece.tensor] = slice_state(old_state[params[i]], params[i].shape,
+                                                       piece.a, piece.b, piece.name)
         self._ronde_had: set[int] = set()  # parameters with a gradient in this window
         self._ronde_pass = 0  # backward passes in this window
         self._ronde_queued = False
@@ -103,12 +107,14 @@ class _ShardedMixin(SkipSynchronize):
         self._ronde_views, self._ronde_limit = cfg.bucket_views, cfg.sharded_in_flight
         order = list(range(len(params)))[::-1]
         base = f"ShardedOptimizer.{self._ronde_names[0]}" if params else "ShardedOptimizer"
-        layout = _buckets.layout(order, params, lambda i: True, cfg.bucket_bytes
-                                 or _buckets.FIRST_BUCKET_BYTES)
+        groups = [order] if self._ronde_units is None else self._ronde_units.orders(params)
+        layout = [ids for group in groups for ids in _buckets.layout(
+            group, params, lambda i: True, cfg.bucket_bytes or _buckets.FIRST_BUCKET_BYTES)]
         # (each bucket's members become views of its flat storage: RONDE_SHARDED_FLAT_PARAMS)
         self._ronde_buckets = [Bucket(f"{base}.shard{k}.{len(ids)}", k, ids, params,
                                        self._ronde_names, rank, size, self._ronde_stage,
-                                       cfg.sharded_flat_params) for k, ids in enumerate(layout)]
+                                       cfg.sharded_flat_params or self._ronde_stage == 3)
+                               for k, ids in enumerate(layout)]
         self._ronde_pools = Pools(self._ronde_buckets, cfg.sharded_trim_heap)
         self._ronde_next = 0
         #: what checkpoints, the elastic handler and state_dict() read
@@ -128,6 +134,9 @@ class _ShardedMixin(SkipSynchronize):
         """Lay the shards out again for the job as it is now (after an elastic reset
         changed the ranks): new pieces, no optimizer state (the elastic state handler
         fills it, :mod:`ronde.torch.elastic.sharded`), nothing in flight."""
+        if self._ronde_units is not None:
+            raise UnsupportedError("ShardedOptimizer(stage=3) follows no elastic reset yet: "
+                                   "save_sharded() before and load_sharded() after")
         self._ronde_drop()
         self._ronde_layout()
         self._ronde_new_window()
@@ -171,10 +180,10 @@ class _ShardedMixin(SkipSynchronize):
         if self._ronde_stage == 1 and self._ronde_pass + 1 < self._ronde_passes:
             return  # torch accumulates the window in p.grad; the last pass puts it
         b = self._ronde_bucket_of[i]
-        if self._ronde_stage == 2:
+        if self._ronde_stage > 1:
             self._ronde_reap(b)
         slot = b.put(i, p.grad, self._ronde_pools)
-        if self._ronde_stage == 2:
+        if self._ronde_stage > 1:
             p.grad = None
         elif self._ronde_views and p.grad.data_ptr() != slot.data_ptr():
             # stage 1 keeps its buffers: the gradient lives in its slot from now on
@@ -189,7 +198,7 @@ class _ShardedMixin(SkipSynchronize):
         """The end of a backward pass: on the window's last pass (every pass in stage
         2), start every bucket not started in it: the same count on every rank."""
         self._ronde_queued = False
-        if self._ronde_stage == 2 or self._ronde_pass + 1 == self._ronde_passes:
+        if self._ronde_stage > 1 or self._ronde_pass + 1 == self._ronde_passes:
             self._ronde_start_rest()
             self._ronde_reap(None)
         self._ronde_pass += 1
@@ -268,8 +277,7 @@ class _ShardedMixin(SkipSynchronize):
             bool(torch.isfinite(b.slice).all()) for b in self._ronde_buckets)
         broken = relink(self._ronde_buckets, self._ronde_params)
         # one count per parameter (had a gradient), then: ranks whose parameters cannot be
-        # views of the storage again, whose gradients changed behind ronde's back, with a
-        # non-finite averaged slice
+        # views again, whose gradients changed behind ronde's back, with non-finite slices
         flags = torch.zeros(len(self._ronde_params) + 3, dtype=torch.int32)
         flags[list(self._ronde_had)] = 1
         flags[-3], flags[-2], flags[-1] = int(bool(broken)), int(bool(changed)), int(bad)
@@ -289,8 +297,7 @@ class _ShardedMixin(SkipSynchronize):
         self._ronde_synced = True
 
     def _ronde_wrapped_in_ddp(self) -> list[str]:
-        """Once, at the first step: whether torch's DistributedDataParallel wraps these
-        parameters (refused however it would turn out)."""
+        """Once, at the first step: whether torch's DDP wraps these parameters (refused)."""
         if self._ronde_ddp_checked:
             return []
         if _sharded_patches.ddp_wraps(self._ronde_params):
@@ -310,17 +317,6 @@ class _ShardedMixin(SkipSynchronize):
                     for i in b.members if i in self._ronde_had]
         return [names[i] for b in self._ronde_buckets for i in b.hooked
                 if i in self._ronde_had and params[i].grad is not None]
-
-    def _ronde_agree_finite(self) -> None:
-        """Make every rank's slices non-finite where any rank's are (one allreduce)."""
-        bad = not all(bool(torch.isfinite(b.slice).all()) for b in self._ronde_buckets)
-        if self._ronde_solo:
-            return
-        total = C.allreduce_async(torch.tensor([int(bad)], dtype=torch.int32), None,
-                                  f"{self._ronde_buckets[0].name}.finite", ReduceOp.SUM,
-                                  1.0, 1.0, self._ronde_ps).wait()
-        if int(total[0]) and not bad:
-            poison(self._ronde_buckets)
 
     def _ronde_grads(self, parameters: Iterable[torch.Tensor] | None) -> list[torch.Tensor]:
         """The averaged slices (after :meth:`synchronize`) of ``parameters`` (the
@@ -376,7 +372,7 @@ class _ShardedMixin(SkipSynchronize):
         rank's are, so every rank skips the same steps."""
         if self._ronde_synced and not self._ronde_check_finite:
             self._ronde_check_finite = True  # synchronized by hand before the first
-            self._ronde_agree_finite()       # unscale_: agree now
+            agree_finite(self._ronde_buckets, self._ronde_solo, self._ronde_ps)  # agree now
         self._ronde_check_finite = True
         self.synchronize()
 
@@ -461,9 +457,8 @@ class _ShardedMixin(SkipSynchronize):
         self._ronde_whole = gather_whole(self.shard_layout, self.state, self.param_groups, to)
 
     def state_dict(self) -> dict[str, Any]:
-        """The whole state, as the wrapped optimizer's in one process (loads at any N):
-        with one rank, or no state yet, at once; else on the rank that
-        ``consolidate_state_dict()`` gathered it on, until the next step."""
+        """The whole state, as the wrapped optimizer's in one process (loads at any N): at
+        once with one rank or no state, else where ``consolidate_state_dict()`` put it."""
         if not any(self.state.values()):  # no step yet (accelerate's device move)
             return {"state": {}, "param_groups": whole_groups(self.shard_layout,
                                                                 self.param_groups)}
@@ -490,11 +485,16 @@ class _ShardedMixin(SkipSynchronize):
     def stage(self) -> int:
         return self._ronde_stage
 
+    def whole_parameters(self) -> Any:
+        """Stage 3: a context in which every parameter is whole (every rank enters it:
+        ``model.state_dict()``, loading weights); else one that does nothing."""
+        return self._ronde_units.whole() if self._ronde_units else contextlib.nullcontext()
+
 
 def sharded(optimizer: torch.optim.Optimizer, named_parameters: Any, stage: int,
             backward_passes_per_step: int, compression: Compresses,
-            process_set: ProcessSet) -> Any:
+            process_set: ProcessSet, units: Units | None = None) -> Any:
     """``optimizer`` wrapped (``ronde.torch.ShardedOptimizer``, after its checks)."""
     return wrap(optimizer, _ShardedMixin, lambda w: w._ronde_init(
-        named_parameters, stage, backward_passes_per_step, compression, process_set),
+        named_parameters, stage, backward_passes_per_step, compression, process_set, units),
         "ShardedOptimizer")

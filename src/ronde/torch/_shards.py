@@ -56,43 +56,8 @@ from ..frameworks.shard_layout import Piece, ShardLayout, Span
 from ..process_sets import ProcessSet
 from ..transport import hugepages
 from . import _collectives as C
+from ._pools import Pool, Pools
 from ._tensors import dtype_name
-
-
-class Pool:
-    """Flat buffers of one size per dtype (the largest a caller asked for at layout),
-    made when first needed and reused: :meth:`take` a view of ``n`` elements,
-    :meth:`give` it back."""
-
-    def __init__(self, capacity: dict[torch.dtype, int]) -> None:
-        self.capacity = capacity
-        self.free: dict[torch.dtype, list[torch.Tensor]] = {d: [] for d in capacity}
-
-    def take(self, dtype: torch.dtype, n: int) -> torch.Tensor:
-        free = self.free[dtype]
-        base = free.pop() if free else torch.empty(self.capacity[dtype], dtype=dtype)
-        return base[:n]
-
-    def give(self, view: torch.Tensor) -> None:
-        base = view._base if view._base is not None else view
-        self.free[base.dtype].append(base)
-
-
-class Pools:
-    """A job layout's two pools: whole buckets (stage 2's gradients; the allgathers'
-    results where they cannot land in the storage) and slices (the reduce-scatters'
-    results where they cannot land in place; the allgathers' inputs without a storage);
-    and the watch on the C heap a step's other memory comes from (``heap``: trimmed after
-    a step that grew it, ``RONDE_SHARDED_TRIM_HEAP``; None: off)."""
-
-    def __init__(self, buckets: list[Bucket], trim_heap: bool = True) -> None:
-        self.heap = hugepages.HeapWatch() if trim_heap else None
-        whole: dict[torch.dtype, int] = {}
-        part: dict[torch.dtype, int] = {}
-        for b in buckets:
-            whole[b.dtype] = max(whole.get(b.dtype, 0), b.padded)
-            part[b.dtype] = max(part.get(b.dtype, 0), b.per)
-        self.whole, self.part = Pool(whole), Pool(part)
 
 
 class Bucket(Span):
@@ -125,14 +90,19 @@ class Bucket(Span):
         self.scratch: torch.Tensor | None = None  # the reduce-scatter's result (pooled)
         #: the averaged slice: stage 1, this rank's range of the kept buffer (made with
         #: it); stage 2, a tensor of its own, the reduce-scatter's output
-        self.slice: torch.Tensor = torch.zeros(self.per, dtype=self.dtype) \
-            if stage == 2 else torch.zeros(0, dtype=self.dtype)
+        self.slice: torch.Tensor = torch.zeros(self.per if stage > 1 else 0, dtype=self.dtype)
         self.summed = False  # whether ``slice`` holds a reduction of this window
         self.last_pass = -1  # the backward pass (of this window) it was last started in
         self.gathering: Any = None  # the allgather of the updated slices
         self.lent: list[tuple[Pool, torch.Tensor]] = []  # its pooled buffers
         self.version = -1  # ``buf._version`` when its reduce-scatter started (or ended)
         self.modified = False  # stage 1: the buffer changed while it was being reduced
+        #: stage 3 (:mod:`._units`): this rank's range, kept between a unit's uses (the
+        #: pieces are views of it); the flat buffer, its memory freed between uses; the
+        #: members' shapes, for :meth:`fill`
+        self.own: torch.Tensor | None = None
+        self.flat: torch.Tensor | None = None
+        self.shapes = {i: params[i].shape for i in members}
 
     def _new_buf(self, pools: Pools) -> torch.Tensor:
         """Stage 1: the bucket's own buffer, kept (its range is the slice); stage 2: one
@@ -169,7 +139,7 @@ class Bucket(Span):
     def due(self, cur: int) -> bool:
         """Whether this bucket is still to be reduced in backward pass ``cur`` (stage 2:
         once a pass; stage 1: once a window)."""
-        return self.last_pass != cur and (self.stage == 2 or self.last_pass < 0)
+        return self.last_pass != cur and (self.stage > 1 or self.last_pass < 0)
 
     def complete(self, cur: int) -> bool:
         """Every hooked member's gradient is in, and no member without a hook wants in."""
@@ -195,7 +165,7 @@ class Bucket(Span):
         else:
             # the result's memory: the kept slice itself (stage 2, first pass of the
             # window), else a pooled one (stage 1's range of the buffer is still input)
-            into = self.slice if self.stage == 2 and not self.summed else None
+            into = self.slice if self.stage > 1 and not self.summed else None
             if into is None:
                 into = self.scratch = pools.part.take(self.dtype, self.per)
             self.started = (reduction.start(self.buf, self.name, _reducescatter, into), None)
@@ -223,7 +193,7 @@ class Bucket(Span):
             self.scratch = None
         self.summed = True
         self.started, self.filled = None, set()
-        if self.stage == 2:
+        if self.stage > 1:
             pools.whole.give(self.buf)
             self.buf = None
         else:  # the slice written into the buffer is ronde's own change
@@ -243,7 +213,7 @@ class Bucket(Span):
     def new_window(self, pools: Pools) -> None:
         """Nothing reduced or filled yet (stage 2 holds no buffer between passes)."""
         self.summed, self.last_pass, self.filled, self.modified = False, -1, set(), False
-        if self.stage == 2 and self.buf is not None:
+        if self.stage > 1 and self.buf is not None:
             pools.whole.give(self.buf)
             self.buf = None
 
@@ -275,7 +245,7 @@ class Bucket(Span):
         ``model.to()``) are views of the storage again, their new values copied in;
         returns the ones that cannot be (another dtype, device or size), described."""
         storage, bad = self.storage, []
-        if storage is None:
+        if storage is None or self.own is not None:  # (stage 3: a new storage each use)
             return bad
         for i in self.members:
             p = params[i]
@@ -291,12 +261,66 @@ class Bucket(Span):
                 self._point(p, storage, i)
         return bad
 
+    # -- stage 3: the members whole only while their unit runs (._units) --------------
+    def shard_out(self, params: list[torch.Tensor]) -> None:
+        """Keep this rank's range in a tensor of its own, the pieces views of it, and
+        free the storage's memory (:meth:`release`)."""
+        assert self.storage is not None
+        self.own, self.flat = self.storage[self.lo:self.lo + self.per].clone(), self.storage
+        for pc in self.pieces:
+            pc.tensor.data = self.own[pc.at:pc.at + pc.b - pc.a]
+        self.release(params)
+
+    def release(self, params: list[torch.Tensor], keep: bool = False) -> None:
+        """Point the members at empty tensors and free the flat buffer's memory (its
+        storage resized to nothing: the views autograd saved in forward hold the storage,
+        not its memory); ``keep``: take this rank's range of it into :attr:`own` first
+        (the parameters were written)."""
+        own, flat = self.own, self.flat
+        assert own is not None and flat is not None
+        if self.storage is None:
+            return
+        if keep:
+            own.copy_(flat[self.lo:self.lo + self.per])
+        for i in self.members:
+            params[i].data = own.new_empty(0)
+        flat.untyped_storage().resize_(0)
+        self.storage = None
+
+    def fill(self, params: list[torch.Tensor], solo: bool, process_set: ProcessSet,
+             pool: Pool) -> None:
+        """Give the flat buffer its memory again (the same storage: what autograd saved
+        sees it), this rank's range from :attr:`own`, the others' by an allgather (in
+        place in a pooled buffer, copied in: a storage the transports saw through numpy
+        can no longer be resized), and point the members at their views of it; nothing
+        if it is whole."""
+        own, storage = self.own, self.flat
+        if self.storage is not None or own is None or storage is None:
+            return
+        storage.untyped_storage().resize_(self.padded * storage.element_size())
+        if solo:
+            storage[self.lo:self.lo + self.per].copy_(own)
+        else:
+            full = pool.take(self.dtype, self.padded)
+            full[self.lo:self.lo + self.per].copy_(own)
+            C.allgather_async(full[self.lo:self.lo + self.per], f"{self.name}.whole",
+                              process_set, out=full).wait()
+            storage.copy_(full)
+            pool.give(full)
+        for i in self.members:
+            o = self.offset[i]
+            params[i].data = storage[o:o + self.sizes[i]].view(self.shapes[i])
+        self.storage = storage
+
     def start_gather(self, pools: Pools, solo: bool, process_set: ProcessSet) -> None:
         """Start the allgather of this rank's updated slice: straight from this rank's
         range of :attr:`storage` into the storage itself (the transports write only the
         other ranks' ranges; one rank: nothing to move); without a storage, through
         pooled buffers."""
         storage, name = self.storage, f"{self.name}.params"
+        if self.own is not None:  # stage 3: the pieces are the kept range; a unit gathers
+            self.gathering = None
+            return
         if storage is not None:
             if solo:
                 self.gathering = None
@@ -325,6 +349,8 @@ class Bucket(Span):
         """Every rank's updated slices (the allgather's output) into the parameters
         (nothing to copy where the allgather landed in the storage)."""
         gathering, storage = self.gathering, self.storage
+        if self.own is not None:
+            return
         full = gathering if solo or gathering is None else gathering.wait()
         with torch.no_grad():
             if storage is None:
@@ -351,6 +377,8 @@ class Layout(ShardLayout):
                  size: int, solo: bool, process_set: ProcessSet) -> None:
         super().__init__(list(buckets), names, rank, size, process_set)
         self.params = params  #: every parameter, whole, in the optimizer's order
+        #: their shapes at layout (stage 3's parameters are empty between uses)
+        self.shapes = [p.shape for p in params]
         self.groups = groups  #: the param groups' whole parameters
         self.buckets = buckets
         self.solo = solo  #: one rank (or not a member): no collective
@@ -397,7 +425,7 @@ def check_linked(buckets: list[Bucket], params: list[torch.Tensor], solo: bool,
     by every rank in one small allreduce: a parameter that cannot be a view of its
     storage again is refused on every rank, not on its own while the others wait in the
     allgather. Nothing to check (and no collective) without flat storages."""
-    if not any(b.storage is not None for b in buckets):
+    if not any(b.storage is not None and b.own is None for b in buckets):
         return
     broken = relink(buckets, params)
     flag = torch.tensor([int(bool(broken))], dtype=torch.int32)
@@ -420,6 +448,19 @@ def gather(buckets: list[Bucket], params: list[torch.Tensor], pools: Pools, solo
             moving.pop(0).unpack(params, solo)
     if pools.heap is not None:  # the step is over: what it freed and will not reuse
         pools.heap.settle()
+
+
+def agree_finite(buckets: list[Bucket], solo: bool, process_set: ProcessSet) -> None:
+    """Make every rank's averaged slices non-finite where any rank's are (one
+    allreduce): every rank then skips the same steps (GradScaler)."""
+    bad = not all(bool(torch.isfinite(b.slice).all()) for b in buckets)
+    if solo:
+        return
+    total = C.allreduce_async(torch.tensor([int(bad)], dtype=torch.int32), None,
+                              f"{buckets[0].name}.finite", ReduceOp.SUM, 1.0, 1.0,
+                              process_set).wait()
+    if int(total[0]) and not bad:
+        poison(buckets)
 
 
 def poison(buckets: list[Bucket]) -> None:

@@ -35,9 +35,9 @@ def gather_whole(layout: Layout, state: dict[torch.Tensor, dict[str, Any]],
     if root is not None and not 0 <= root < layout.size:
         raise ValueError(f"gather_sharded(root={root}): the optimizer's ranks are "
                          f"0..{layout.size - 1}")
-    params, names, order = layout.params, layout.names, layout.full_order()
+    shapes, names, order = layout.shapes, layout.names, layout.full_order()
     mine = [(names[i], pc.a, pc.b, state.get(pc.tensor, {})) for i, pc in layout.pieces.items()]
-    got = sharded_files.gather(mine, {names[i]: params[i].numel() for i in order}, root,
+    got = sharded_files.gather(mine, {names[i]: shapes[i].numel() for i in order}, root,
                                "ronde.gather_sharded", layout.process_set, TORCH,
                                (0, 1) if layout.solo else (layout.rank, layout.size))
     if got is None:
@@ -46,7 +46,7 @@ def gather_whole(layout: Layout, state: dict[torch.Tensor, dict[str, Any]],
     for k, i in enumerate(order):
         whole = got.get(names[i])
         if whole:
-            out[k] = {key: v.view(params[i].shape) if TORCH.is_array(v) else v
+            out[k] = {key: v.view(shapes[i]) if TORCH.is_array(v) else v
                       for key, v in sorted(whole.items())}
     return {"state": out, "param_groups": whole_groups(layout, param_groups)}
 
@@ -95,17 +95,18 @@ def slice_whole(layout: Layout, state_dict: Any) -> tuple[dict[torch.Tensor, Any
         if i is None:
             raise RondeError(f"ShardedOptimizer.load_state_dict: state for parameter {k}, "
                              "which no param group names")
-        p = layout.params[i]
+        p, shape = layout.params[i], layout.shapes[i]
         for key, v in st.items():
-            if torch.is_tensor(v) and v.dim() > 0 and v.shape != p.shape:
+            if torch.is_tensor(v) and v.dim() > 0 and v.shape != shape:
                 raise RondeError(
                     f"ShardedOptimizer.load_state_dict: the {key!r} state of "
                     f"{layout.names[i]!r} has shape {tuple(v.shape)}, the parameter "
-                    f"{tuple(p.shape)}; {fix}")
+                    f"{tuple(shape)}; {fix}")
         pc = layout.pieces.get(i)
         if pc is not None:
             out[pc.tensor] = {key: (v.to(p.dtype) if torch.is_tensor(v) and v.dim() > 0
                                     and v.is_floating_point() else v)
-                              for key, v in slice_state(st, p, pc.a, pc.b, pc.name).items()}
+                              for key, v in slice_state(st, shape, pc.a, pc.b,
+                                                        pc.name).items()}
     hyper = [{key: v for key, v in g.items() if key != "params"} for g in saved]
     return out, hyper

@@ -40,6 +40,7 @@ from . import _collectives as C
 from ._elementwise import check_elementwise
 from ._sharded_mixin import _ShardedMixin, sharded
 from ._sharded_patches import ModifiedGradientsError
+from ._units import Units
 from .compression import Compression
 
 __all__ = ["ModifiedGradientsError", "ShardedOptimizer", "is_sharded"]
@@ -51,7 +52,8 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer,
                      compression: Compresses = Compression.none, op: Any = ReduceOp.AVERAGE,
                      process_set: ProcessSet = global_process_set,
                      elementwise: bool | None = None, sparse_as_dense: bool = False,
-                     ) -> torch.optim.Optimizer:
+                     model: torch.nn.Module | None = None,
+                     units: list[torch.nn.Module] | None = None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that each rank keeps ``1/N`` of its state (and, with
     ``stage=2``, of the gradients), and ``step()`` applies gradients averaged over all
     ranks: the same update as ``DistributedOptimizer``, in less memory.
@@ -64,21 +66,25 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer,
             already (loaded before wrapping) is cut to this rank's part.
         named_parameters: ``model.named_parameters()``: names in errors and checkpoints
             (recommended: :func:`save_sharded` files are keyed by these names).
-        stage: 1 (optimizer state sharded) or 2 (gradients too).
+        stage: 1 (optimizer state sharded), 2 (gradients too) or 3 (parameters too:
+            each unit of ``model`` gathered only while it runs, :mod:`._units`).
         backward_passes_per_step: backward passes per step (see the module doc).
         compression: ``Compression.none``, ``.fp16`` or ``.bf16`` for the reduce-scatter.
         op: ``Average`` only (Adasum and Sum are refused).
         process_set: the ranks that shard (default: all); outside it, a plain optimizer.
         elementwise: True to vouch for an optimizer ronde does not know; False refuses.
         sparse_as_dense: refused if True (sparse gradients cannot be sharded).
+        model: stage 3: the model whose parameters these are (its units are hooked).
+        units: stage 3: the submodules gathered one at a time (default: each child of
+            ``model`` that holds parameters).
 
     Raises:
         UnsupportedError: an optimizer that needs whole tensors, Adasum or Sum, sparse
             gradients or parameters, a non-contiguous parameter.
         TensorMismatchError: the ranks' parameters differ.
     """
-    if stage not in (1, 2):
-        raise ValueError(f"ShardedOptimizer: stage must be 1 or 2, got {stage!r}")
+    if stage not in (1, 2, 3):
+        raise ValueError(f"ShardedOptimizer: stage must be 1, 2 or 3, got {stage!r}")
     resolved = C.resolve_op(op, None)
     if resolved != ReduceOp.AVERAGE:
         raise UnsupportedError("ShardedOptimizer averages gradients: op=Adasum and op=Sum are "
@@ -90,8 +96,12 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer,
     if int(backward_passes_per_step) < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
     check_elementwise(optimizer, elementwise)
-    return sharded(optimizer, named_parameters, stage, backward_passes_per_step, compression,
-                   process_set)
+    parts = Units(model, units) if stage == 3 else None  # (model= needed: refused here)
+    out = sharded(optimizer, named_parameters, stage, backward_passes_per_step, compression,
+                  process_set, parts)
+    if parts is not None:
+        parts.attach(out)
+    return out
 
 
 def is_sharded(optimizer: Any) -> bool:

@@ -29,6 +29,7 @@ only files of the folder that ``meta.pt`` names, regular files of the size it re
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -73,12 +74,13 @@ def _params(optimizer: Any, model: Any) -> dict[str, sharded_files.Param]:
     shape and dtype, the same on every rank."""
     if is_sharded(optimizer):
         layout = optimizer.shard_layout
-        pairs = list(zip(layout.names, layout.params))
+        pairs = [(n, s, p.dtype) for n, s, p in zip(layout.names, layout.shapes,
+                                                        layout.params)]
     else:
         names = {id(p): n for n, p in model.named_parameters()}
-        pairs = [(names[id(p)], p) for g in optimizer.param_groups for p in g["params"]
-                 if id(p) in names]
-    return {n: (list(p.shape), str(p.dtype).replace("torch.", "")) for n, p in pairs}
+        pairs = [(names[id(p)], p.shape, p.dtype) for g in optimizer.param_groups
+                 for p in g["params"] if id(p) in names]
+    return {n: (list(s), str(d).replace("torch.", "")) for n, s, d in pairs}
 
 
 def snapshot(optimizer: Any, pieces: list[tuple[str, int, int, torch.Tensor, int]]
@@ -112,11 +114,17 @@ def save_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) 
         rank, size, process_set = layout.rank, layout.size, layout.process_set
     scalars = {"param_groups": hyperparameters(optimizer),
                "optimizer": type(optimizer).__name__, "params": _params(optimizer, model)}
-    sharded_files.save(directory, snapshot(optimizer, _pieces(optimizer, model)), scalars,
-                       FORMAT, rank, size, process_set,
-                       None if model is None else (
-                           MODEL, {"write": lambda fh: torch.save(model.state_dict(), fh)}),
-                       TORCH)
+    with _whole(optimizer):  # (stage 3: every rank makes the parameters whole)
+        sharded_files.save(directory, snapshot(optimizer, _pieces(optimizer, model)),
+                           scalars, FORMAT, rank, size, process_set,
+                           None if model is None else (
+                               MODEL, {"write": lambda fh: torch.save(model.state_dict(), fh)}),
+                           TORCH)
+
+
+def _whole(optimizer: Any) -> Any:
+    """``ShardedOptimizer.whole_parameters()`` (stage 3's parameters whole), or nothing."""
+    return optimizer.whole_parameters() if is_sharded(optimizer) else contextlib.nullcontext()
 
 
 def load_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) -> None:
@@ -137,7 +145,7 @@ def load_sharded(directory: str | os.PathLike[str], model: Any, optimizer: Any) 
                          "named_parameters() name its parameters")
     sharded_files.check_params(directory, meta, _params(optimizer, model))
     if model is not None:
-        with sharded_files.open_model(directory, meta, TORCH) as fh:
+        with sharded_files.open_model(directory, meta, TORCH) as fh, _whole(optimizer):
             model.load_state_dict(torch.load(fh, weights_only=True))
     mine = _pieces(optimizer, model)
     got = sharded_files.load(directory, meta, [(name, a, b) for name, a, b, _, _ in mine],

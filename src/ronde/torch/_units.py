@@ -1,0 +1,183 @@
+"""Stage 3 of ``ShardedOptimizer``: each rank holds only its slices of the parameters
+between their uses (ZeRO-3, FSDP's full sharding), on the same layout as stages 1 and 2.
+
+The model is cut into *units* (by default each child of ``model`` that holds parameters;
+``units=`` names others), and the buckets never span two units. Between uses a bucket
+keeps only this rank's range ``[r*S, (r+1)*S)`` in a tensor of its own (the optimizer's
+pieces are views of it: the inner optimizer steps on it in place) and its parameters
+point at empty tensors. A unit is made whole (:meth:`~._shards.Bucket.fill`: one
+allgather a bucket, in place into a new flat buffer the parameters are views of) right
+before its forward, and let go right after it; made whole again when backward reaches
+its outputs (a gradient hook on them, ``register_multi_grad_hook``), and let go when
+every parameter of it that wants a gradient has handed it to its bucket (stage 2's
+reduce-scatter, which goes on as before), or at the end of the backward pass. The step
+then updates the kept ranges, and no allgather follows it: the next forward gathers.
+
+Every rank runs every unit's forward and backward in the same order (they are
+collectives). In v1 (this module): one unit at a time, no prefetch (the allgather of the
+next unit does not overlap the current one's compute), a parameter in one unit only
+(tied weights in two units are refused), and what reads the whole parameters between
+steps (the model's ``state_dict()``, ``save_sharded``, ``consolidate_state_dict``, an
+elastic reset) is refused, except inside ``with units.whole():`` (every rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from .. import _state
+from .._errors import UnsupportedError
+from ..transport import hugepages
+from ._pools import Pool
+
+
+class Units:
+    """The units of a stage-3 ``ShardedOptimizer``: the hooks that make each whole
+    while it runs, and let it go after."""
+
+    def __init__(self, model: torch.nn.Module, units: list[torch.nn.Module] | None) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError("ShardedOptimizer(stage=3) needs model=: the torch.nn.Module "
+                            "whose parameters it shards (it gathers each unit of it right "
+                            "before the unit runs)")
+        self.model = model
+        self.modules = list(units) if units is not None else [
+            m for m in model.children() if any(True for _ in m.parameters())]
+        if not self.modules:
+            raise UnsupportedError("ShardedOptimizer(stage=3): the model has no child module "
+                                   "with parameters; pass units=[...] (the submodules "
+                                   "gathered one at a time)")
+        self.unit_of: dict[int, int] = {}  # id(parameter) -> unit
+        for u, m in enumerate(self.modules):
+            for p in m.parameters():
+                if id(p) in self.unit_of and self.unit_of[id(p)] != u:
+                    raise UnsupportedError(
+                        "ShardedOptimizer(stage=3): a parameter is in two units (tied "
+                        f"weights: units {self.unit_of[id(p)]} and {u}); ronde's stage 3 does "
+                        "not share a parameter between units yet: put both uses in one unit "
+                        "(units=[...]) or use stage=2")
+                self.unit_of[id(p)] = u
+        self.whole_wanted = 0  # depth of whole() contexts
+        self.opt: Any = None
+
+    def orders(self, params: list[torch.Tensor]) -> list[list[int]]:
+        """The parameter indices of each unit in backward's order (the last unit first,
+        its parameters last first): the groups the layout lays out apart."""
+        groups: list[list[int]] = [[] for _ in self.modules]
+        for i, p in enumerate(params):
+            if id(p) not in self.unit_of:
+                raise UnsupportedError(
+                    f"ShardedOptimizer(stage=3): parameter {i} of the optimizer is in no unit "
+                    "(a parameter of the model itself, not of a child module?); pass "
+                    "units=[...] covering every parameter")
+            groups[self.unit_of[id(p)]].append(i)
+        return [g[::-1] for g in groups[::-1] if g]
+
+    def attach(self, opt: Any) -> None:
+        """Shard the laid-out buckets out (keep this rank's ranges, drop the rest) and
+        hook the units; ``opt``: the wrapped optimizer (its ``shard_layout``)."""
+        self.opt = opt
+        layout = opt.shard_layout
+        params = layout.params
+        self.buckets: list[list[Any]] = [[] for _ in self.modules]
+        for b in layout.buckets:
+            self.buckets[self.unit_of[id(params[b.members[0]])]].append(b)
+            b.shard_out(params)
+        widest: dict[torch.dtype, int] = {}
+        for b in layout.buckets:
+            widest[b.dtype] = max(widest.get(b.dtype, 0), b.padded)
+        self.pool = Pool(widest)  # the allgathers' buffers, made once
+        self.wanting = [sum(1 for p in m.parameters() if p.requires_grad)
+                        for m in self.modules]
+        self.handed = [0] * len(self.modules)
+        self.queued = False
+        for u, m in enumerate(self.modules):
+            m.register_forward_pre_hook(lambda _m, _a, u=u: self.fill(u))
+            m.register_forward_hook(lambda _m, _a, out, u=u: self.after_forward(u, out))
+            for p in m.parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(lambda _p, u=u: self.handed_one(u))
+        # the flat buffers' memory, freed by shard_out, back to the system (glibc keeps
+        # it); and the heap watched at the end of each backward pass as after a step
+        self.heap = hugepages.HeapWatch() if _state.require().cfg.sharded_trim_heap else None
+        if self.heap is not None:
+            hugepages.trim_heap()
+        for m in [self.model] + self.modules:
+            m.register_state_dict_pre_hook(self._refuse)
+            m.register_load_state_dict_pre_hook(self._refuse)
+
+    # -- the hooks ---------------------------------------------------------------------
+    def fill(self, u: int) -> None:
+        layout = self.opt.shard_layout
+        for b in self.buckets[u]:
+            b.fill(layout.params, layout.solo, layout.process_set, self.pool)
+
+    def release(self, u: int, keep: bool = False) -> None:
+        if self.whole_wanted:
+            return
+        for b in self.buckets[u]:
+            b.release(self.opt.shard_layout.params, keep)
+
+    def after_forward(self, u: int, out: Any) -> None:
+        outs = [t for t in _tensors(out) if t.requires_grad]
+        if torch.is_grad_enabled() and outs:
+            torch.autograd.graph.register_multi_grad_hook(
+                outs, lambda _grads, u=u: self.before_backward(u), mode="any")
+        self.release(u)
+
+    def before_backward(self, u: int) -> None:
+        if not self.queued:  # let every unit go at the end of the pass
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.pass_end)
+        self.fill(u)
+
+    def handed_one(self, u: int) -> None:
+        self.handed[u] += 1
+        if self.handed[u] >= self.wanting[u]:
+            self.handed[u] = 0
+            self.release(u)
+
+    def pass_end(self) -> None:
+        self.queued = False
+        self.handed = [0] * len(self.modules)
+        for u in range(len(self.modules)):
+            self.release(u)
+        if self.heap is not None:
+            self.heap.settle()
+
+    @contextlib.contextmanager
+    def whole(self) -> Iterator[None]:
+        """Every unit whole inside (every rank enters it: allgathers), for what reads
+        the whole parameters: ``model.state_dict()``, ``load_state_dict()`` (each rank's
+        range of what was written is kept at the exit), ``save_sharded``."""
+        for u in range(len(self.modules)):
+            self.fill(u)
+        self.whole_wanted += 1
+        try:
+            yield
+        finally:
+            self.whole_wanted -= 1
+            if not self.whole_wanted:  # (what was written inside, a load, is kept)
+                for u in range(len(self.modules)):
+                    self.release(u, keep=True)
+
+    def _refuse(self, *_: Any, **__: Any) -> None:
+        if not self.whole_wanted:
+            raise UnsupportedError(
+                "state_dict()/load_state_dict() of a model under ShardedOptimizer(stage=3): "
+                "each rank holds 1/N of its parameters between steps. On every rank: `with "
+                "optimizer.whole_parameters(): sd = model.state_dict()` (then save on rank "
+                "0), the same around load_state_dict(); or hvd.save_sharded/load_sharded")
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _tensors(o)]
+    return []
