@@ -14,11 +14,15 @@ reduce-scatter, which goes on as before), or at the end of the backward pass. Th
 then updates the kept ranges, and no allgather follows it: the next forward gathers.
 
 Every rank runs every unit's forward and backward in the same order (they are
-collectives). In v1 (this module): one unit at a time, no prefetch (the allgather of the
-next unit does not overlap the current one's compute), a parameter in one unit only
-(tied weights in two units are refused), and what reads the whole parameters between
-steps (the model's ``state_dict()``, ``save_sharded``, ``consolidate_state_dict``, an
-elastic reset) is refused, except inside ``with units.whole():`` (every rank).
+collectives). In this first version: one unit at a time, no prefetch (the allgather of
+the next unit does not overlap the current one's compute); a parameter in one unit only
+(tied weights in two units are refused); the model's ``state_dict()`` and
+``load_state_dict()`` refused between steps except inside
+``optimizer.whole_parameters()`` (every rank; ``save_sharded``/``load_sharded`` enter it
+themselves; the optimizer's own state dict reads the kept ranges and the shapes the
+layout recorded); an elastic reset refused. A parameter used outside its unit's forward
+(a submodule called around its unit) finds an empty tensor: torch's shape error, not
+ronde's. Off the CPU the allgather goes through a host buffer (untested: no GPU here).
 """
 
 from __future__ import annotations
