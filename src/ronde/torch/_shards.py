@@ -77,9 +77,16 @@ class Bucket(Span):
         self.addresses: dict[int, int] = {}  # each member's data_ptr() in the storage
         if flat and len({params[i].device for i in members}) == 1:
             self.link(params)
-        #: this rank's pieces, each with a flat view of its parameter's storage
+        #: stage 3 (:mod:`._units`): this rank's range, kept apart between the members'
+        #: uses; the members' shapes, for :meth:`fill`
+        self.own = self.storage[self.lo:self.lo + self.per].clone() \
+            if stage == 3 and self.storage is not None else None
+        self.shapes = {i: params[i].shape for i in members}
+        #: this rank's pieces, each with a flat view of its parameter's storage (stage 3:
+        #: of :attr:`own`, not of the storage, which goes)
         self.pieces = [Piece(i, names[i], a, b, self.offset[i] + a - self.lo, index,
-                             params[i].detach().view(-1)[a:b])
+                             params[i].detach().view(-1)[a:b] if self.own is None else
+                             self.own[self.offset[i] + a - self.lo:][:b - a])
                        for i, a, b in self.owned(rank)]
         self.hooked: set[int] = set()  # members whose hook puts their gradient
         self.unhooked: list[torch.Tensor] = []  # members without a hook now
@@ -97,12 +104,6 @@ class Bucket(Span):
         self.lent: list[tuple[Pool, torch.Tensor]] = []  # its pooled buffers
         self.version = -1  # ``buf._version`` when its reduce-scatter started (or ended)
         self.modified = False  # stage 1: the buffer changed while it was being reduced
-        #: stage 3 (:mod:`._units`): this rank's range, kept between a unit's uses (the
-        #: pieces are views of it); the flat buffer, its memory freed between uses; the
-        #: members' shapes, for :meth:`fill`
-        self.own: torch.Tensor | None = None
-        self.flat: torch.Tensor | None = None
-        self.shapes = {i: params[i].shape for i in members}
 
     def _new_buf(self, pools: Pools) -> torch.Tensor:
         """Stage 1: the bucket's own buffer, kept (its range is the slice); stage 2: one
@@ -262,55 +263,38 @@ class Bucket(Span):
         return bad
 
     # -- stage 3: the members whole only while their unit runs (._units) --------------
-    def shard_out(self, params: list[torch.Tensor]) -> None:
-        """Keep this rank's range in a tensor of its own, the pieces views of it, and
-        free the storage's memory (:meth:`release`)."""
-        assert self.storage is not None
-        self.own, self.flat = self.storage[self.lo:self.lo + self.per].clone(), self.storage
-        for pc in self.pieces:
-            pc.tensor.data = self.own[pc.at:pc.at + pc.b - pc.a]
-        self.release(params)
-
-    def release(self, params: list[torch.Tensor], keep: bool = False) -> None:
-        """Point the members at empty tensors and free the flat buffer's memory (its
-        storage resized to nothing: the views autograd saved in forward hold the storage,
-        not its memory); ``keep``: take this rank's range of it into :attr:`own` first
-        (the parameters were written)."""
-        own, flat = self.own, self.flat
-        assert own is not None and flat is not None
-        if self.storage is None:
-            return
+    def release(self, params: list[torch.Tensor], keep: bool = False) -> torch.Tensor | None:
+        """Point the members at empty tensors and let the storage go; returns it (for
+        the caller's pool), None if there was none; ``keep``: take this rank's range of
+        it into :attr:`own` first (the parameters were written)."""
+        own, storage = self.own, self.storage
+        assert own is not None
+        if storage is None:
+            return None
         if keep:
-            own.copy_(flat[self.lo:self.lo + self.per])
+            own.copy_(storage[self.lo:self.lo + self.per])
         for i in self.members:
             params[i].data = own.new_empty(0)
-        flat.untyped_storage().resize_(0)
         self.storage = None
+        return storage
 
     def fill(self, params: list[torch.Tensor], solo: bool, process_set: ProcessSet,
-             pool: Pool) -> None:
-        """Give the flat buffer its memory again (the same storage: what autograd saved
-        sees it), this rank's range from :attr:`own`, the others' by an allgather (in
-        place in a pooled buffer, copied in: a storage the transports saw through numpy
-        can no longer be resized), and point the members at their views of it; nothing
-        if it is whole."""
-        own, storage = self.own, self.flat
-        if self.storage is not None or own is None or storage is None:
-            return
-        storage.untyped_storage().resize_(self.padded * storage.element_size())
-        if solo:
-            storage[self.lo:self.lo + self.per].copy_(own)
-        else:
-            full = pool.take(self.dtype, self.padded)
-            full[self.lo:self.lo + self.per].copy_(own)
-            C.allgather_async(full[self.lo:self.lo + self.per], f"{self.name}.whole",
-                              process_set, out=full).wait()
-            storage.copy_(full)
-            pool.give(full)
+             buffer: torch.Tensor) -> bool:
+        """Make the members whole in ``buffer`` (``padded`` elements, the caller's):
+        this rank's range from :attr:`own`, the others' by an allgather in place, each
+        member a view of it. False (``buffer`` unused) if they are whole already."""
+        own = self.own
+        if self.storage is not None or own is None:
+            return False
+        buffer[self.lo:self.lo + self.per].copy_(own)
+        if not solo:
+            C.allgather_async(buffer[self.lo:self.lo + self.per], f"{self.name}.whole",
+                              process_set, out=buffer).wait()
         for i in self.members:
             o = self.offset[i]
-            params[i].data = storage[o:o + self.sizes[i]].view(self.shapes[i])
-        self.storage = storage
+            params[i].data = buffer[o:o + self.sizes[i]].view(self.shapes[i])
+        self.storage = buffer
+        return True
 
     def start_gather(self, pools: Pools, solo: bool, process_set: ProcessSet) -> None:
         """Start the allgather of this rank's updated slice: straight from this rank's

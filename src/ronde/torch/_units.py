@@ -6,12 +6,19 @@ The model is cut into *units* (by default each child of ``model`` that holds par
 keeps only this rank's range ``[r*S, (r+1)*S)`` in a tensor of its own (the optimizer's
 pieces are views of it: the inner optimizer steps on it in place) and its parameters
 point at empty tensors. A unit is made whole (:meth:`~._shards.Bucket.fill`: one
-allgather a bucket, in place into a new flat buffer the parameters are views of) right
-before its forward, and let go right after it; made whole again when backward reaches
-its outputs (a gradient hook on them, ``register_multi_grad_hook``), and let go when
-every parameter of it that wants a gradient has handed it to its bucket (stage 2's
+allgather a bucket, in place into a buffer from a small pool, the parameters views of
+it) right before its forward, and let go right after it (its buffer back to the pool);
+what autograd saves of the parameters in that forward is recorded as where it lies in
+the unit's buffer, not as the tensor (``saved_tensors_hooks``), so the buffer is free to
+go and the saved tensor is found again, in whatever buffer the unit then has, when
+backward needs it. Made whole again when backward reaches its outputs (a gradient hook
+on them, ``register_multi_grad_hook``) or unpacks what it saved, and let go when every
+parameter of it that wants a gradient has handed it to its bucket (stage 2's
 reduce-scatter, which goes on as before), or at the end of the backward pass. The step
 then updates the kept ranges, and no allgather follows it: the next forward gathers.
+Reusing pooled buffers (rather than freeing and allocating) keeps the units' memory in
+one place: freed into glibc's heap, a unit's buffer landed in a new hole each time, and
+the process grew by a unit per unit.
 
 Every rank runs every unit's forward and backward in the same order (they are
 collectives). In this first version: one unit at a time, no prefetch (the allgather of
@@ -35,7 +42,7 @@ import torch
 from .. import _state
 from .._errors import UnsupportedError
 from ..transport import hugepages
-from ._pools import Pool
+from ._shards import Bucket
 
 
 class Units:
@@ -86,20 +93,20 @@ class Units:
         self.opt = opt
         layout = opt.shard_layout
         params = layout.params
-        self.buckets: list[list[Any]] = [[] for _ in self.modules]
+        self.buckets: list[list[Bucket]] = [[] for _ in self.modules]
         for b in layout.buckets:
             self.buckets[self.unit_of[id(params[b.members[0]])]].append(b)
-            b.shard_out(params)
-        widest: dict[torch.dtype, int] = {}
-        for b in layout.buckets:
-            widest[b.dtype] = max(widest.get(b.dtype, 0), b.padded)
-        self.pool = Pool(widest)  # the allgathers' buffers, made once
+            b.release(params)  # (its range kept in b.own: the rest goes)
+        #: free unit buffers by (dtype, elements), a few kept (what one unit takes)
+        self.free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        self.keep = max(len(bs) for bs in self.buckets)
         self.wanting = [sum(1 for p in m.parameters() if p.requires_grad)
                         for m in self.modules]
         self.handed = [0] * len(self.modules)
         self.queued = False
+        self.saving: list[Any] = []  # the saved-tensor hooks of the units in forward
         for u, m in enumerate(self.modules):
-            m.register_forward_pre_hook(lambda _m, _a, u=u: self.fill(u))
+            m.register_forward_pre_hook(lambda _m, _a, u=u: self.before_forward(u))
             m.register_forward_hook(lambda _m, _a, out, u=u: self.after_forward(u, out))
             for p in m.parameters():
                 if p.requires_grad:
@@ -117,15 +124,52 @@ class Units:
     def fill(self, u: int) -> None:
         layout = self.opt.shard_layout
         for b in self.buckets[u]:
-            b.fill(layout.params, layout.solo, layout.process_set, self.pool)
+            if b.storage is None:
+                key = (b.dtype, b.padded)
+                free = self.free.get(key)
+                buf = free.pop() if free else torch.empty(b.padded, dtype=b.dtype,
+                                                          device=b.own.device)
+                b.fill(layout.params, layout.solo, layout.process_set, buf)
 
     def release(self, u: int, keep: bool = False) -> None:
         if self.whole_wanted:
             return
         for b in self.buckets[u]:
-            b.release(self.opt.shard_layout.params, keep)
+            buf = b.release(self.opt.shard_layout.params, keep)
+            if buf is not None:
+                free = self.free.setdefault((b.dtype, b.padded), [])
+                if len(free) < self.keep:
+                    free.append(buf)
+
+    def before_forward(self, u: int) -> None:
+        self.fill(u)
+        # what autograd saves of the unit's parameters: where it lies (the buffer goes
+        # back to the pool after forward), not the tensor; looked up again in backward
+        hooks = torch.autograd.graph.saved_tensors_hooks(
+            lambda t, u=u: self._pack(u, t), self._unpack)
+        hooks.__enter__()
+        self.saving.append(hooks)
+
+    def _pack(self, u: int, t: torch.Tensor) -> Any:
+        if t.device == torch.device("meta"):
+            return t
+        ptr = t.untyped_storage().data_ptr()
+        for b in self.buckets[u]:
+            if b.storage is not None and b.storage.untyped_storage().data_ptr() == ptr:
+                return _Saved(u, b, t.size(), t.stride(),
+                              t.storage_offset() - b.storage.storage_offset())
+        return t
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _Saved):
+            return saved
+        self.fill(saved.unit)
+        buf = saved.bucket.storage
+        return buf.as_strided(saved.size, saved.stride, buf.storage_offset() + saved.offset)
 
     def after_forward(self, u: int, out: Any) -> None:
+        if self.saving:
+            self.saving.pop().__exit__(None, None, None)
         outs = [t for t in _tensors(out) if t.requires_grad]
         if torch.is_grad_enabled() and outs:
             torch.autograd.graph.register_multi_grad_hook(
@@ -175,6 +219,17 @@ class Units:
                 "each rank holds 1/N of its parameters between steps. On every rank: `with "
                 "optimizer.whole_parameters(): sd = model.state_dict()` (then save on rank "
                 "0), the same around load_state_dict(); or hvd.save_sharded/load_sharded")
+
+
+class _Saved:
+    """Where a tensor autograd saved lies in a unit's buffer (:meth:`Units._pack`)."""
+
+    __slots__ = ("unit", "bucket", "size", "stride", "offset")
+
+    def __init__(self, unit: int, bucket: Bucket, size: torch.Size, stride: tuple[int, ...],
+                 offset: int) -> None:
+        self.unit, self.bucket, self.size, self.stride = unit, bucket, size, stride
+        self.offset = offset
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:
