@@ -189,11 +189,6 @@ def cgroup_prefix() -> str:
     return f"ronde-bench-{os.getpid()}-"
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def worker(spec: dict[str, Any]) -> None:
     """One rank of a probe (started by :func:`run_probe`): join this rank's cgroup, then
     import torch, train, write ``rank.<r>.json`` into ``spec["out"]``."""
@@ -205,6 +200,7 @@ def worker(spec: dict[str, Any]) -> None:
         _cgroup.join(cap.path)
     import torch
 
+    from ..transport.hugepages import resident_bytes
     from .memory import RONDE, build
 
     torch.set_num_threads(1)
@@ -230,7 +226,7 @@ def worker(spec: dict[str, Any]) -> None:
         model(x).pow(2).mean().backward()
         opt.step()
         if step == 0:
-            out = {"first_step_rss": _rss(),
+            out = {"first_step_rss": resident_bytes(),
                    "first_step_charged": _cgroup.usage_bytes(cap) if cap else None}
     out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with open(os.path.join(spec["out"], f"rank.{where.rank}.json"), "w",

@@ -23,18 +23,23 @@ class Pool:
     made when first needed and reused: :meth:`take` a view of ``n`` elements,
     :meth:`give` it back."""
 
-    def __init__(self, capacity: dict[torch.dtype, int]) -> None:
-        self.capacity = capacity
+    def __init__(self, capacity: dict[torch.dtype, int], most: int | None = None,
+                 device: torch.device | None = None) -> None:
+        self.capacity, self.most = capacity, most  # most: buffers kept free (None: all)
+        self.device = device  # None: the CPU
         self.free: dict[torch.dtype, list[torch.Tensor]] = {d: [] for d in capacity}
 
     def take(self, dtype: torch.dtype, n: int) -> torch.Tensor:
         free = self.free[dtype]
-        base = free.pop() if free else torch.empty(self.capacity[dtype], dtype=dtype)
+        base = free.pop() if free else torch.empty(self.capacity[dtype], dtype=dtype,
+                                                   device=self.device)
         return base[:n]
 
     def give(self, view: torch.Tensor) -> None:
         base = view._base if view._base is not None else view
-        self.free[base.dtype].append(base)
+        free = self.free[base.dtype]
+        if self.most is None or len(free) < self.most:
+            free.append(base)
 
 
 class Pools:

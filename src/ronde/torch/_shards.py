@@ -279,13 +279,12 @@ class Bucket(Span):
         return storage
 
     def fill(self, params: list[torch.Tensor], solo: bool, process_set: ProcessSet,
-             buffer: torch.Tensor) -> bool:
-        """Make the members whole in ``buffer`` (``padded`` elements, the caller's):
-        this rank's range from :attr:`own`, the others' by an allgather in place, each
-        member a view of it. False (``buffer`` unused) if they are whole already."""
+             buffer: torch.Tensor) -> None:
+        """Make the members whole in ``buffer`` (``padded`` elements, the caller's; the
+        members are not whole): this rank's range from :attr:`own`, the others' by an
+        allgather in place, each member a view of it."""
         own = self.own
-        if self.storage is not None or own is None:
-            return False
+        assert self.storage is None and own is not None
         buffer[self.lo:self.lo + self.per].copy_(own)
         if not solo:
             C.allgather_async(buffer[self.lo:self.lo + self.per], f"{self.name}.whole",
@@ -294,7 +293,6 @@ class Bucket(Span):
             o = self.offset[i]
             params[i].data = buffer[o:o + self.sizes[i]].view(self.shapes[i])
         self.storage = buffer
-        return True
 
     def start_gather(self, pools: Pools, solo: bool, process_set: ProcessSet) -> None:
         """Start the allgather of this rank's updated slice: straight from this rank's

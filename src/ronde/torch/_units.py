@@ -42,6 +42,7 @@ import torch
 from .. import _state
 from .._errors import UnsupportedError
 from ..transport import hugepages
+from ._pools import Pool
 from ._shards import Bucket
 
 
@@ -97,9 +98,12 @@ class Units:
         for b in layout.buckets:
             self.buckets[self.unit_of[id(params[b.members[0]])]].append(b)
             b.release(params)  # (its range kept in b.own: the rest goes)
-        #: free unit buffers by (dtype, elements), a few kept (what one unit takes)
-        self.free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
-        self.keep = max(len(bs) for bs in self.buckets)
+        widest: dict[torch.dtype, int] = {}
+        for b in layout.buckets:
+            widest[b.dtype] = max(widest.get(b.dtype, 0), b.padded)
+        #: the units' buffers, made once: as many kept as one unit takes
+        self.pool = Pool(widest, most=max(len(bs) for bs in self.buckets),
+                         device=layout.buckets[0].own.device if layout.buckets else None)
         self.wanting = [sum(1 for p in m.parameters() if p.requires_grad)
                         for m in self.modules]
         self.handed = [0] * len(self.modules)
@@ -111,8 +115,8 @@ class Units:
             for p in m.parameters():
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(lambda _p, u=u: self.handed_one(u))
-        # the flat buffers' memory, freed by shard_out, back to the system (glibc keeps
-        # it); and the heap watched at the end of each backward pass as after a step
+        # the flat buffers' memory, just let go, back to the system (glibc keeps it);
+        # and the heap watched at the end of each backward pass as after a step
         self.heap = hugepages.HeapWatch() if _state.require().cfg.sharded_trim_heap else None
         if self.heap is not None:
             hugepages.trim_heap()
@@ -125,11 +129,8 @@ class Units:
         layout = self.opt.shard_layout
         for b in self.buckets[u]:
             if b.storage is None:
-                key = (b.dtype, b.padded)
-                free = self.free.get(key)
-                buf = free.pop() if free else torch.empty(b.padded, dtype=b.dtype,
-                                                          device=b.own.device)
-                b.fill(layout.params, layout.solo, layout.process_set, buf)
+                b.fill(layout.params, layout.solo, layout.process_set,
+                       self.pool.take(b.dtype, b.padded))
 
     def release(self, u: int, keep: bool = False) -> None:
         if self.whole_wanted:
@@ -137,9 +138,7 @@ class Units:
         for b in self.buckets[u]:
             buf = b.release(self.opt.shard_layout.params, keep)
             if buf is not None:
-                free = self.free.setdefault((b.dtype, b.padded), [])
-                if len(free) < self.keep:
-                    free.append(buf)
+                self.pool.give(buf)
 
     def before_forward(self, u: int) -> None:
         self.fill(u)
